@@ -1,0 +1,1 @@
+//! Disk backend (placeholder)

@@ -1,0 +1,72 @@
+//! # kvbm-connector
+//!
+//! A framework-agnostic KV-cache block manager: it offloads full KV blocks from an inference
+//! engine's GPU memory to host memory and disk, and onboards them back when a later request
+//! shares a prefix, so the engine skips recomputing it.
+//!
+//! The core (this `src/` tree) knows nothing of any engine:
+//!
+//! * [`identity`] — token blocks and the chained sequence hash that keys them;
+//! * [`layout`] — the [`KvLayout`] trait: where a block's bytes sit (fully contiguous / layer separate);
+//! * [`tier`] — the [`StorageTier`] trait (G1 device, G2 host, G3 disk, G4 remote);
+//! * [`pool`] — per-tier block pools: free, in use, registered (reusable), LRU eviction, prefix match;
+//! * [`transfer`] — async block copies between tiers with layout conversion and checksums;
+//! * [`config`] — one configuration struct from a TOML file and environment variables;
+//! * [`error`] — the one error type.
+//!
+//! Storage lives in [`backends`] (memory and disk always built); engine adapters in `frameworks`
+//! (behind features).
+//!
+//! ## Features
+//!
+//! | feature  | what it adds | extra dependencies |
+//! |----------|--------------|--------------------|
+//! | *(none)* | core, `memory` and `disk` backends | none beyond the lean core |
+//! | `trtllm` | TensorRT-LLM adapter (`frameworks::trtllm`) | — |
+//! | `vllm`   | vLLM adapter (`frameworks::vllm`) | — |
+//! | `cuda`   | GPU device and pinned-host tiers | cudarc (loaded at run time) |
+//! | `nixl`   | NIXL transfer backend (POSIX disk, UCX remote) | nixl-sys (loaded at run time) |
+//! | `cli`    | the `kvbm` binary | clap |
+//!
+//! ```toml
+//! [dependencies]
+//! kvbm-connector = { version = "0.1", features = ["vllm"] }
+//! ```
+//!
+//! The adapters, `cuda`, `nixl` and `cli` features are declared now and filled in by later work;
+//! enabling them today adds nothing.
+
+#![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod config;
+pub mod error;
+pub mod identity;
+pub mod layout;
+pub mod pool;
+pub mod tier;
+pub mod transfer;
+
+#[path = "../backends/mod.rs"]
+pub mod backends;
+
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
+#[path = "../frameworks/mod.rs"]
+pub mod frameworks;
+
+pub use error::{Error, ErrorKind, Result};
+pub use identity::{BlockHasher, HashAlgorithm, Salt, SequenceHash, Token, TokenSequence};
+pub use layout::{KvLayout, Layout, LayoutDims, LayoutKind};
+pub use tier::{Capability, StorageTier, StorageTierExt, TierKind};
+
+#[cfg(test)]
+mod send_sync {
+    fn is_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn public_types_are_send_sync() {
+        is_send_sync::<crate::Error>();
+        is_send_sync::<crate::backends::memory::MemoryTier>();
+        is_send_sync::<std::sync::Arc<dyn crate::StorageTier>>();
+    }
+}

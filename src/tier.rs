@@ -1,0 +1,240 @@
+//! Where blocks live: the [`StorageTier`] trait.
+//!
+//! A tier stores `num_blocks` blocks of `bytes_per_block` bytes each, arranged by its [`Layout`].
+//! Whatever the layout, a tier reads and writes a block as its *canonical image* (see
+//! [`crate::layout`]): the caller passes a list of buffers ("segments") whose lengths add up to
+//! `bytes_per_block`, and the tier scatters or gathers its own runs into or out of them. That one
+//! primitive serves every path: memory → disk is the memory tier lending its runs (see
+//! [`StorageTier::with_block`]) to the disk tier's vectored write, with no copy in between.
+//!
+//! The primitives are *blocking* and thread-safe; the [`crate::transfer`] engine runs them on
+//! blocking threads with bounded concurrency, so several requests are in flight at once.
+//!
+//! Invariants every backend keeps (checked by the conformance suite in `tests/`):
+//! * bytes read back are exactly the bytes last written to that block;
+//! * a bad block id or segment length is an error and changes nothing;
+//! * concurrent calls on different blocks do not interfere; calls on the same block are serialised.
+
+use std::fmt::Debug;
+use std::io::{IoSlice, IoSliceMut};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::layout::{KvLayout, Layout};
+
+/// The storage hierarchy levels.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    strum::Display,
+    strum::EnumString,
+    strum::EnumIter,
+    strum::IntoStaticStr,
+)]
+#[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase", ascii_case_insensitive)]
+pub enum TierKind {
+    /// G1: device (GPU) memory owned by the engine.
+    Device,
+    /// G2: host DRAM (pinned when CUDA is on).
+    Host,
+    /// G3: local disk.
+    Disk,
+    /// G4: remote or shared storage.
+    Remote,
+}
+
+impl TierKind {
+    /// The level name used in the literature: `G1` … `G4`.
+    pub fn level(self) -> &'static str {
+        match self {
+            TierKind::Device => "G1",
+            TierKind::Host => "G2",
+            TierKind::Disk => "G3",
+            TierKind::Remote => "G4",
+        }
+    }
+}
+
+/// What a tier can do, declared up front so callers pick a path instead of failing at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capability {
+    /// Blocks are in this process's address space: [`StorageTier::with_block`] and
+    /// [`StorageTier::with_block_mut`] work, and copies to or from it need no bounce buffer.
+    pub host_addressable: bool,
+    /// Buffers passed to `read_block`/`write_block` are used directly (no bounce) when each
+    /// segment's address and length are multiples of this many bytes; 1 means any buffer.
+    pub direct_io_alignment: usize,
+    /// Every block written carries a checksum verified on read; a mismatch is
+    /// [`crate::ErrorKind::Corrupt`] and the bytes are not served.
+    pub checksummed: bool,
+    /// How many blocking calls the tier serves well in parallel (the transfer engine's bound).
+    pub max_in_flight: usize,
+}
+
+/// One tier of block storage. Object safe: held as `Arc<dyn StorageTier>`.
+pub trait StorageTier: Send + Sync + Debug {
+    /// Which level this tier is.
+    fn kind(&self) -> TierKind;
+
+    /// What it can do.
+    fn capability(&self) -> Capability;
+
+    /// How its blocks are arranged.
+    fn layout(&self) -> &Layout;
+
+    /// Number of blocks.
+    fn num_blocks(&self) -> usize {
+        self.layout().num_blocks()
+    }
+
+    /// Bytes per block.
+    fn bytes_per_block(&self) -> usize {
+        self.layout().bytes_per_block()
+    }
+
+    /// Copies the canonical image of `block` into `dst` (lengths must add up to
+    /// `bytes_per_block`). Blocking.
+    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()>;
+
+    /// Replaces the contents of `block` with the canonical image in `src` (lengths must add up to
+    /// `bytes_per_block`). Blocking.
+    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()>;
+
+    /// Host-addressable tiers lend the runs of `block` (canonical order) to `f` for reading, with
+    /// writers to that block held off meanwhile. Others answer [`crate::ErrorKind::Unsupported`].
+    fn with_block(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&[IoSlice<'_>]) -> Result<()>,
+    ) -> Result<()> {
+        let _ = (block, f);
+        Err(Error::unsupported(format!(
+            "{} tier is not host addressable",
+            self.kind()
+        )))
+    }
+
+    /// Host-addressable tiers lend the runs of `block` (canonical order) to `f` for writing, with
+    /// every other access to that block held off meanwhile.
+    fn with_block_mut(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> Result<()>,
+    ) -> Result<()> {
+        let _ = (block, f);
+        Err(Error::unsupported(format!(
+            "{} tier is not host addressable",
+            self.kind()
+        )))
+    }
+}
+
+/// Conveniences on every tier (blanket impl), kept out of the object-safe core.
+pub trait StorageTierExt: StorageTier {
+    /// Reads a block into a new `Vec` (canonical image).
+    fn read_block_to_vec(&self, block: usize) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; self.bytes_per_block()];
+        self.read_block(block, &mut [IoSliceMut::new(&mut buf)])?;
+        Ok(buf)
+    }
+
+    /// Writes a block from one contiguous canonical image.
+    fn write_block_from_slice(&self, block: usize, src: &[u8]) -> Result<()> {
+        self.write_block(block, &[IoSlice::new(src)])
+    }
+}
+
+impl<T: StorageTier + ?Sized> StorageTierExt for T {}
+
+/// Checks `block` is in range and the segments add up to `bytes_per_block`.
+pub(crate) fn check_io(
+    kind: TierKind,
+    op: &'static str,
+    block: usize,
+    num_blocks: usize,
+    segments_len: usize,
+    bytes_per_block: usize,
+) -> Result<()> {
+    if block >= num_blocks {
+        return Err(Error::out_of_range("block", block, num_blocks)
+            .with("tier", kind)
+            .with("op", op));
+    }
+    if segments_len != bytes_per_block {
+        return Err(Error::invalid_argument(format!(
+            "buffers hold {segments_len} bytes but a block is {bytes_per_block}"
+        ))
+        .with("tier", kind)
+        .with("op", op)
+        .with("block", block));
+    }
+    Ok(())
+}
+
+/// Copies between two segment lists that describe the same canonical image (same total length),
+/// cutting at whichever boundary comes first.
+pub(crate) fn copy_segments(src: &[IoSlice<'_>], dst: &mut [IoSliceMut<'_>]) {
+    let (mut si, mut so, mut di, mut doff) = (0usize, 0usize, 0usize, 0usize);
+    while si < src.len() && di < dst.len() {
+        let s = &src[si][so..];
+        let d = &mut dst[di][doff..];
+        let n = s.len().min(d.len());
+        d[..n].copy_from_slice(&s[..n]);
+        so += n;
+        doff += n;
+        if so == src[si].len() {
+            si += 1;
+            so = 0;
+        }
+        if doff == dst[di].len() {
+            di += 1;
+            doff = 0;
+        }
+    }
+}
+
+/// Sum of segment lengths.
+pub(crate) fn total_len<T: std::ops::Deref<Target = [u8]>>(segments: &[T]) -> usize {
+    segments.iter().map(|s| s.len()).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_segments_crosses_boundaries() {
+        let a: Vec<u8> = (0..10).collect();
+        let b: Vec<u8> = (10..16).collect();
+        let src = [
+            IoSlice::new(&a[..3]),
+            IoSlice::new(&a[3..]),
+            IoSlice::new(&b),
+        ];
+        let mut x = [0u8; 7];
+        let mut y = [0u8; 9];
+        {
+            let mut dst = [IoSliceMut::new(&mut x), IoSliceMut::new(&mut y)];
+            copy_segments(&src, &mut dst);
+        }
+        let joined: Vec<u8> = x.iter().chain(y.iter()).copied().collect();
+        assert_eq!(joined, (0..16).collect::<Vec<u8>>());
+    }
+
+    #[test]
+    fn tier_kind_names() {
+        assert_eq!(TierKind::Disk.to_string(), "disk");
+        assert_eq!(TierKind::Disk.level(), "G3");
+        assert_eq!("HOST".parse::<TierKind>().unwrap(), TierKind::Host);
+    }
+}
