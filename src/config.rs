@@ -1,1 +1,454 @@
-//! placeholder
+//! Configuration: one struct, read from a TOML file and overridden by environment variables.
+//!
+//! Precedence, lowest first: built-in defaults, the TOML file (`--config` or `KVBM_CONFIG`),
+//! Dynamo's `DYN_KVBM_*` names (so their users can switch without edits), our `KVBM_*` names.
+//! Every variable is listed in [`ENV_VARS`] with what it sets. Sizes in GB are decimal (1 GB =
+//! 1e9 bytes). An invalid value is an [`ErrorKind::InvalidConfig`](crate::ErrorKind) error naming
+//! the variable (or file key) and the value.
+//!
+//! ```toml
+//! hash = "xxh3"            # or "sha256"
+//!
+//! [host]
+//! cache_gb = 4.0           # or cache_blocks = 1024 (a block count wins over GB)
+//!
+//! [disk]
+//! cache_gb = 50.0
+//! dir = "/mnt/nvme/kvbm"
+//! min_frequency = 2        # offload to disk only blocks seen twice; 1 admits all
+//! direct_io = true
+//! persist = false
+//!
+//! [transfer]
+//! max_concurrency = 4
+//! batch_blocks = 16
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::HashAlgorithm;
+
+/// Decimal gigabyte.
+pub const GB: f64 = 1e9;
+
+/// Size of one cache tier: GB or an explicit block count (which wins when both are set).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TierSize {
+    /// Capacity in decimal GB. Default: unset (tier off unless `cache_blocks` is set).
+    pub cache_gb: Option<f64>,
+    /// Capacity in blocks; overrides `cache_gb`. Default: unset.
+    pub cache_blocks: Option<usize>,
+}
+
+impl TierSize {
+    /// Block count for blocks of `bytes_per_block`: the override if set, else
+    /// `floor(cache_gb × 1e9 / bytes_per_block)`, else 0 (tier off).
+    pub fn blocks(&self, bytes_per_block: usize) -> Result<usize> {
+        if let Some(n) = self.cache_blocks {
+            return Ok(n);
+        }
+        let Some(gb) = self.cache_gb else {
+            return Ok(0);
+        };
+        if bytes_per_block == 0 {
+            return Err(Error::invalid_argument("bytes_per_block must be non-zero"));
+        }
+        // Validated finite and >= 0; the cast saturates for absurd sizes.
+        Ok((gb * GB / bytes_per_block as f64).floor() as usize)
+    }
+
+    fn validate(&self, key: &str) -> Result<()> {
+        if let Some(gb) = self.cache_gb {
+            if !gb.is_finite() || gb < 0.0 {
+                return Err(Error::invalid_config(
+                    &format!("{key}.cache_gb"),
+                    gb,
+                    "must be a finite number >= 0",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The disk (G3) tier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiskConfig {
+    /// Capacity in decimal GB. Default: unset (disk tier off unless `cache_blocks` is set).
+    pub cache_gb: Option<f64>,
+    /// Capacity in blocks; overrides `cache_gb`. Default: unset.
+    pub cache_blocks: Option<usize>,
+    /// Directory for the tier's file. Default: `$TMPDIR/kvbm` (system temp dir).
+    pub dir: PathBuf,
+    /// Offload a block to disk only after it was seen this many times; 1 admits every block.
+    /// Default: 1.
+    pub min_frequency: u32,
+    /// Use O_DIRECT where the filesystem allows it. Default: true.
+    pub direct_io: bool,
+    /// Keep the file after shutdown (for inspection; its contents are not reloaded). Default: false.
+    pub persist: bool,
+    /// Parallel I/O requests the tier keeps in flight. Default: 4.
+    pub max_in_flight: usize,
+}
+
+impl Default for DiskConfig {
+    fn default() -> Self {
+        Self {
+            cache_gb: None,
+            cache_blocks: None,
+            dir: std::env::temp_dir().join("kvbm"),
+            min_frequency: 1,
+            direct_io: true,
+            persist: false,
+            max_in_flight: 4,
+        }
+    }
+}
+
+/// The transfer engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransferConfig {
+    /// Batches of block copies running at once, over all transfers. Default: 4.
+    pub max_concurrency: usize,
+    /// Blocks per batch (one blocking task). Default: 16.
+    pub batch_blocks: usize,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        Self {
+            max_concurrency: 4,
+            batch_blocks: 16,
+        }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Hash of block keys. Default: xxh3 (compatible with Dynamo's KVBM).
+    pub hash: HashAlgorithm,
+    /// Host tier size.
+    pub host: TierSize,
+    /// Disk tier size and behaviour.
+    pub disk: DiskConfig,
+    /// Transfer engine.
+    pub transfer: TransferConfig,
+}
+
+/// One environment variable the configuration reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvVar {
+    /// The variable's name.
+    pub name: &'static str,
+    /// The setting it overrides (TOML key path).
+    pub key: &'static str,
+    /// True for Dynamo's names, accepted for compatibility (ours win when both are set).
+    pub dynamo_alias: bool,
+}
+
+const fn ours(name: &'static str, key: &'static str) -> EnvVar {
+    EnvVar {
+        name,
+        key,
+        dynamo_alias: false,
+    }
+}
+
+const fn dynamo(name: &'static str, key: &'static str) -> EnvVar {
+    EnvVar {
+        name,
+        key,
+        dynamo_alias: true,
+    }
+}
+
+/// Every environment variable read, in the order applied (later wins).
+pub const ENV_VARS: &[EnvVar] = &[
+    dynamo("DYN_KVBM_CPU_CACHE_GB", "host.cache_gb"),
+    dynamo(
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
+        "host.cache_blocks",
+    ),
+    dynamo("DYN_KVBM_DISK_CACHE_GB", "disk.cache_gb"),
+    dynamo(
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS",
+        "disk.cache_blocks",
+    ),
+    dynamo("DYN_KVBM_DISK_CACHE_DIR", "disk.dir"),
+    ours("KVBM_HASH", "hash"),
+    ours("KVBM_HOST_CACHE_GB", "host.cache_gb"),
+    ours("KVBM_HOST_CACHE_BLOCKS", "host.cache_blocks"),
+    ours("KVBM_DISK_CACHE_GB", "disk.cache_gb"),
+    ours("KVBM_DISK_CACHE_BLOCKS", "disk.cache_blocks"),
+    ours("KVBM_DISK_CACHE_DIR", "disk.dir"),
+    ours("KVBM_DISK_MIN_FREQUENCY", "disk.min_frequency"),
+    ours("KVBM_DISK_DIRECT_IO", "disk.direct_io"),
+    ours("KVBM_DISK_PERSIST", "disk.persist"),
+    ours("KVBM_DISK_MAX_IN_FLIGHT", "disk.max_in_flight"),
+    ours("KVBM_TRANSFER_CONCURRENCY", "transfer.max_concurrency"),
+    ours("KVBM_TRANSFER_BATCH_BLOCKS", "transfer.batch_blocks"),
+];
+
+/// Names the configuration file when no path is given explicitly.
+pub const CONFIG_FILE_VAR: &str = "KVBM_CONFIG";
+
+fn parse_num<T: std::str::FromStr>(var: &str, raw: &str, what: &str) -> Result<T>
+where
+    T::Err: std::fmt::Display,
+{
+    raw.trim()
+        .parse::<T>()
+        .map_err(|e| Error::invalid_config(var, raw, format!("expected {what} ({e})")))
+}
+
+fn parse_bool(var: &str, raw: &str) -> Result<bool> {
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(Error::invalid_config(
+            var,
+            raw,
+            "expected true/false, 1/0, yes/no or on/off",
+        )),
+    }
+}
+
+fn parse_gb(var: &str, raw: &str) -> Result<f64> {
+    let v: f64 = parse_num(var, raw, "a size in decimal GB")?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(Error::invalid_config(
+            var,
+            raw,
+            "must be a finite number >= 0",
+        ));
+    }
+    Ok(v)
+}
+
+impl Config {
+    /// Parses a TOML document (unknown keys are errors).
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        let cfg: Config = toml::from_str(text).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidConfig,
+                format!("invalid configuration: {}", e.to_string().trim()),
+            )
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads and parses a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidConfig,
+                format!("cannot read configuration file {}: {e}", path.display()),
+            )
+            .with("path", path.display())
+        })?;
+        Self::from_toml_str(&text).map_err(|e| e.with("path", path.display()))
+    }
+
+    /// The effective configuration of this process: the file (`path`, else `KVBM_CONFIG`, else
+    /// none) overridden by the environment.
+    pub fn load(path: Option<&Path>) -> Result<Self> {
+        Self::load_with(path, |k| std::env::var(k).ok())
+    }
+
+    /// As [`Config::load`], reading variables through `env` (for tests and embedding).
+    pub fn load_with(path: Option<&Path>, env: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let from_var = env(CONFIG_FILE_VAR)
+            .filter(|s| !s.trim().is_empty())
+            .map(PathBuf::from);
+        let mut cfg = match path.map(Path::to_path_buf).or(from_var) {
+            Some(p) => Self::from_file(&p)?,
+            None => Self::default(),
+        };
+        cfg.apply_env(env)?;
+        Ok(cfg)
+    }
+
+    /// Applies every variable of [`ENV_VARS`] that `env` knows, in order (ours after Dynamo's).
+    pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<()> {
+        for var in ENV_VARS {
+            let Some(raw) = env(var.name) else { continue };
+            self.set(var.name, var.key, &raw)?;
+        }
+        self.validate()
+    }
+
+    /// Sets one key (a TOML key path of [`ENV_VARS`]) from its text form; `source` names the
+    /// variable in errors.
+    fn set(&mut self, source: &str, key: &str, raw: &str) -> Result<()> {
+        match key {
+            "hash" => {
+                self.hash = raw
+                    .trim()
+                    .parse()
+                    .map_err(|_| Error::invalid_config(source, raw, "expected xxh3 or sha256"))?
+            }
+            "host.cache_gb" => self.host.cache_gb = Some(parse_gb(source, raw)?),
+            "host.cache_blocks" => {
+                self.host.cache_blocks = Some(parse_num(source, raw, "a block count")?)
+            }
+            "disk.cache_gb" => self.disk.cache_gb = Some(parse_gb(source, raw)?),
+            "disk.cache_blocks" => {
+                self.disk.cache_blocks = Some(parse_num(source, raw, "a block count")?)
+            }
+            "disk.dir" => {
+                if raw.trim().is_empty() {
+                    return Err(Error::invalid_config(
+                        source,
+                        raw,
+                        "must be a directory path",
+                    ));
+                }
+                self.disk.dir = PathBuf::from(raw)
+            }
+            "disk.min_frequency" => {
+                self.disk.min_frequency = parse_num(source, raw, "a count >= 1")?
+            }
+            "disk.direct_io" => self.disk.direct_io = parse_bool(source, raw)?,
+            "disk.persist" => self.disk.persist = parse_bool(source, raw)?,
+            "disk.max_in_flight" => {
+                self.disk.max_in_flight = parse_num(source, raw, "a count >= 1")?
+            }
+            "transfer.max_concurrency" => {
+                self.transfer.max_concurrency = parse_num(source, raw, "a count >= 1")?
+            }
+            "transfer.batch_blocks" => {
+                self.transfer.batch_blocks = parse_num(source, raw, "a count >= 1")?
+            }
+            other => {
+                return Err(Error::internal(format!(
+                    "environment table names unknown key {other}"
+                )))
+            }
+        }
+        // Re-check the one key just set so the error names the variable, not the TOML key.
+        self.validate()
+            .map_err(|e| Error::invalid_config(source, raw, e.message().to_string()))
+    }
+
+    /// Checks every value's range.
+    pub fn validate(&self) -> Result<()> {
+        self.host.validate("host")?;
+        self.disk_size().validate("disk")?;
+        for (key, v) in [
+            ("disk.min_frequency", self.disk.min_frequency as usize),
+            ("disk.max_in_flight", self.disk.max_in_flight),
+            ("transfer.max_concurrency", self.transfer.max_concurrency),
+            ("transfer.batch_blocks", self.transfer.batch_blocks),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid_config(key, v, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Host tier size.
+    pub fn host_size(&self) -> TierSize {
+        self.host.clone()
+    }
+
+    /// Disk tier size.
+    pub fn disk_size(&self) -> TierSize {
+        TierSize {
+            cache_gb: self.disk.cache_gb,
+            cache_blocks: self.disk.cache_blocks,
+        }
+    }
+
+    /// Host and disk block counts for blocks of `bytes_per_block` (the leader's barrier answer).
+    pub fn block_counts(&self, bytes_per_block: usize) -> Result<(usize, usize)> {
+        Ok((
+            self.host_size().blocks(bytes_per_block)?,
+            self.disk_size().blocks(bytes_per_block)?,
+        ))
+    }
+
+    /// The configuration as a TOML document.
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string(self)
+            .map_err(|e| Error::internal(format!("cannot render configuration as TOML: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn gb_is_decimal_and_blocks_win() {
+        let mut c = Config::default();
+        c.apply_env(env(&[("KVBM_HOST_CACHE_GB", "2")])).unwrap();
+        assert_eq!(c.host_size().blocks(1_000_000).unwrap(), 2000);
+        c.apply_env(env(&[("KVBM_HOST_CACHE_BLOCKS", "7")]))
+            .unwrap();
+        assert_eq!(c.host_size().blocks(1_000_000).unwrap(), 7);
+    }
+
+    #[test]
+    fn ours_win_over_dynamo_names() {
+        let mut c = Config::default();
+        c.apply_env(env(&[
+            ("DYN_KVBM_CPU_CACHE_GB", "1"),
+            ("KVBM_HOST_CACHE_GB", "3"),
+            ("DYN_KVBM_DISK_CACHE_DIR", "/tmp/dyn"),
+        ]))
+        .unwrap();
+        assert_eq!(c.host.cache_gb, Some(3.0));
+        assert_eq!(c.disk.dir, PathBuf::from("/tmp/dyn"));
+    }
+
+    #[test]
+    fn invalid_env_names_variable_and_value() {
+        let mut c = Config::default();
+        let e = c
+            .apply_env(env(&[("DYN_KVBM_DISK_CACHE_GB", "-1")]))
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert!(e.to_string().contains("DYN_KVBM_DISK_CACHE_GB"), "{e}");
+        assert!(e.to_string().contains("\"-1\""), "{e}");
+        let e = c.apply_env(env(&[("KVBM_HASH", "md5")])).unwrap_err();
+        assert!(e.to_string().contains("KVBM_HASH"), "{e}");
+        let e = c
+            .apply_env(env(&[("KVBM_DISK_MIN_FREQUENCY", "0")]))
+            .unwrap_err();
+        assert!(e.to_string().contains("KVBM_DISK_MIN_FREQUENCY"), "{e}");
+    }
+
+    #[test]
+    fn toml_round_trip_and_unknown_keys() {
+        let c = Config::from_toml_str(
+            "hash = \"sha256\"\n[host]\ncache_blocks = 4\n[disk]\ncache_gb = 0.5\nmin_frequency = 2\n",
+        )
+        .unwrap();
+        assert_eq!(c.hash, HashAlgorithm::Sha256);
+        assert_eq!(c.block_counts(1_000_000).unwrap(), (4, 500));
+        let again = Config::from_toml_str(&c.to_toml().unwrap()).unwrap();
+        assert_eq!(again, c);
+        let e = Config::from_toml_str("[host]\ncache_gib = 4\n").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert!(e.to_string().contains("cache_gib"), "{e}");
+    }
+}

@@ -54,6 +54,7 @@ pub mod backends;
 #[path = "../frameworks/mod.rs"]
 pub mod frameworks;
 
+pub use config::Config;
 pub use error::{Error, ErrorKind, Result};
 pub use identity::{BlockHasher, HashAlgorithm, Salt, SequenceHash, Token, TokenSequence};
 pub use layout::{KvLayout, Layout, LayoutDims, LayoutKind};
