@@ -597,6 +597,14 @@ pub fn detect_vllm(
         },
     };
     let (kind, n, outer_dim, tail) = chosen;
+    // vLLM keeps the page (block_size) as its own dimension right after the block/outer dims.
+    if shape.get(tail) != Some(&page_size) {
+        return Err(Error::invalid_layout(format!(
+            "per-layer shape {} has {} tokens per block where page_size {page_size} was expected (dim {tail})",
+            fmt_shape(shape),
+            shape.get(tail).copied().unwrap_or(0)
+        )));
+    }
     let dims = LayoutDims {
         num_layers,
         outer_dim,
