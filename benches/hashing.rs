@@ -1,1 +1,120 @@
-fn main() {}
+//! Hashing throughput and prefix-match latency.
+//!
+//! * `hash/chained_xxh3` — keys of a 128k-token prompt through `TokenSequence`, as GB/s of token
+//!   bytes; the limit is one xxh3 pass over the same bytes (what hashing could cost at best).
+//! * `hash/chained_sha256` — the same with the cryptographic option.
+//! * `match/prefix_128k` — `BlockPool::match_prefix` of a 128k-token prompt (8192 blocks of 16)
+//!   fully registered in a host pool; the limit is the 1 ms target.
+
+mod common;
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvbm_connector::pool::BlockPool;
+use kvbm_connector::{BlockHasher, HashAlgorithm, Salt, TierKind, TokenSequence};
+
+const TOKENS: usize = 128 * 1024;
+const BLOCK: usize = 16;
+
+fn prompt() -> Vec<u32> {
+    (0..TOKENS as u32)
+        .map(|i| i.wrapping_mul(2654435761) % 128_000)
+        .collect()
+}
+
+fn keys(alg: HashAlgorithm, tokens: &[u32]) -> usize {
+    let mut seq = TokenSequence::new(BlockHasher::new(alg, Salt::NONE), BLOCK).unwrap();
+    seq.extend(tokens).len()
+}
+
+fn bench_hash(c: &mut Criterion) {
+    let tokens = prompt();
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let mut g = c.benchmark_group("hash");
+    g.throughput(Throughput::Bytes(bytes.len() as u64));
+    g.bench_function("one_pass_xxh3_limit", |b| {
+        b.iter(|| xxhash_rust::xxh3::xxh3_64(black_box(&bytes)))
+    });
+    g.bench_function("chained_xxh3", |b| {
+        b.iter(|| keys(HashAlgorithm::Xxh3, black_box(&tokens)))
+    });
+    g.bench_function("chained_sha256", |b| {
+        b.iter(|| keys(HashAlgorithm::Sha256, black_box(&tokens)))
+    });
+    g.finish();
+
+    let rounds = if common::quick() { 3 } else { 50 };
+    let (limit, ours) = common::interleaved(
+        rounds,
+        || {
+            black_box(xxhash_rust::xxh3::xxh3_64(black_box(&bytes)));
+        },
+        || {
+            black_box(keys(HashAlgorithm::Xxh3, black_box(&tokens)));
+        },
+    );
+    common::report_bandwidth(
+        "hash chained xxh3 vs one-pass xxh3",
+        bytes.len() as u64,
+        limit,
+        ours,
+        0.5,
+    );
+}
+
+fn bench_match(c: &mut Criterion) {
+    let tokens = prompt();
+    let hashes = BlockHasher::new(HashAlgorithm::Xxh3, Salt::NONE)
+        .sequence_hashes(&tokens, BLOCK)
+        .unwrap();
+    let n = hashes.len();
+    let pool = BlockPool::new(TierKind::Host, n).unwrap();
+    let blocks = pool.allocate(n).unwrap();
+    // Register every block, then drop the handles: all 8192 blocks are inactive (the common case
+    // of a match against finished requests' offloaded blocks).
+    let registered: Vec<_> = blocks
+        .into_iter()
+        .zip(&hashes)
+        .map(|(b, h)| pool.register(b, *h).unwrap())
+        .collect();
+    drop(registered);
+
+    let mut g = c.benchmark_group("match");
+    g.bench_function("prefix_128k", |b| {
+        b.iter(|| {
+            let held = pool.match_prefix(black_box(&hashes));
+            assert_eq!(held.len(), n);
+            held
+        })
+    });
+    g.bench_function("prefix_len_128k", |b| {
+        b.iter(|| pool.prefix_len(black_box(&hashes)))
+    });
+    g.finish();
+
+    let rounds = if common::quick() { 3 } else { 200 };
+    let mut samples = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t = std::time::Instant::now();
+        let held = pool.match_prefix(&hashes);
+        drop(held);
+        samples.push(t.elapsed());
+    }
+    let med = common::median(&mut samples);
+    let target = Duration::from_millis(1);
+    println!(
+        "RATIO match+release 128k-token prefix: {:.1} us, target 1000 us, ratio {:.1}x under target {}",
+        med.as_secs_f64() * 1e6,
+        target.as_secs_f64() / med.as_secs_f64().max(1e-12),
+        if med < target { "OK" } else { "ABOVE TARGET" }
+    );
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = bench_hash, bench_match
+}
+criterion_main!(benches);
