@@ -127,7 +127,8 @@ impl StorageTier for MemoryTier {
             host_addressable: true,
             direct_io_alignment: 1,
             checksummed: false,
-            max_in_flight: 2,
+            // RAM serves any number of parallel copies; the transfer engine's own bound applies.
+            max_in_flight: 64,
         }
     }
 

@@ -1,7 +1,9 @@
 //! Hashing throughput and prefix-match latency.
 //!
 //! * `hash/chained_xxh3` — keys of a 128k-token prompt through `TokenSequence`, as GB/s of token
-//!   bytes; the limit is one xxh3 pass over the same bytes (what hashing could cost at best).
+//!   bytes; the limit is the bare hashing the key definition requires (one xxh3 per block plus one
+//!   per chain link, in a tight loop with no bookkeeping). One xxh3 pass over the whole prompt is
+//!   shown too, for scale: chaining small blocks can never reach it.
 //! * `hash/chained_sha256` — the same with the cryptographic option.
 //! * `match/prefix_128k` — `BlockPool::match_prefix` of a 128k-token prompt (8192 blocks of 16)
 //!   fully registered in a host pool; the limit is the 1 ms target.
@@ -49,19 +51,39 @@ fn bench_hash(c: &mut Criterion) {
     let (limit, ours) = common::interleaved(
         rounds,
         || {
-            black_box(xxhash_rust::xxh3::xxh3_64(black_box(&bytes)));
+            black_box(bare_chain(black_box(&bytes)));
         },
         || {
             black_box(keys(HashAlgorithm::Xxh3, black_box(&tokens)));
         },
     );
     common::report_bandwidth(
-        "hash chained xxh3 vs one-pass xxh3",
+        "hash chained xxh3 (TokenSequence) vs bare per-block xxh3 chain",
         bytes.len() as u64,
         limit,
         ours,
-        0.5,
+        0.8,
     );
+}
+
+/// The least work the key definition needs: xxh3 of each block, xxh3 of each chain link.
+fn bare_chain(bytes: &[u8]) -> u64 {
+    // The salt is a run-time value in real use; keep the compiler from specialising on 0.
+    let seed = black_box(0u64);
+    let mut prev: Option<u64> = None;
+    for block in bytes.chunks_exact(BLOCK * 4) {
+        let b = xxhash_rust::xxh3::xxh3_64_with_seed(block, seed);
+        prev = Some(match prev {
+            None => b,
+            Some(p) => {
+                let mut link = [0u8; 16];
+                link[..8].copy_from_slice(&p.to_le_bytes());
+                link[8..].copy_from_slice(&b.to_le_bytes());
+                xxhash_rust::xxh3::xxh3_64_with_seed(&link, seed)
+            }
+        });
+    }
+    prev.unwrap_or(0)
 }
 
 fn bench_match(c: &mut Criterion) {

@@ -107,6 +107,7 @@ impl Salt {
     }
 }
 
+#[inline(always)]
 fn hash_bytes(algorithm: HashAlgorithm, seed: u64, bytes: &[u8]) -> u64 {
     match algorithm {
         HashAlgorithm::Xxh3 => xxh3_64_with_seed(bytes, seed),
@@ -226,7 +227,9 @@ impl TokenSequence {
 
     /// Appends tokens; returns the blocks that became full, each reported exactly once.
     pub fn extend(&mut self, mut tokens: &[Token]) -> Vec<FullBlock> {
-        let mut out = Vec::new();
+        let new_blocks = (self.partial.len() + tokens.len()) / self.block_size;
+        let mut out = Vec::with_capacity(new_blocks);
+        self.hashes.reserve(new_blocks);
         self.total_tokens += tokens.len();
         while !tokens.is_empty() {
             if self.partial.is_empty() && tokens.len() >= self.block_size {
