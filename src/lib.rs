@@ -40,6 +40,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod config;
+pub mod connector;
 pub mod error;
 pub mod identity;
 pub mod layout;

@@ -1,0 +1,55 @@
+//! The connector protocol: a leader beside the engine's scheduler decides which blocks to match,
+//! load and store; workers in the GPU processes execute those decisions on their tiers.
+//!
+//! * [`lifecycle`] — the request state machine;
+//! * [`metrics`] — counters exposed in Prometheus text format.
+
+pub mod lifecycle;
+pub mod metrics;
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// An engine's request id. TensorRT-LLM uses integers, vLLM strings; both map to this.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RequestId(Arc<str>);
+
+impl RequestId {
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for RequestId {
+    fn from(s: &str) -> Self {
+        RequestId(Arc::from(s))
+    }
+}
+
+impl From<String> for RequestId {
+    fn from(s: String) -> Self {
+        RequestId(Arc::from(s))
+    }
+}
+
+impl From<u64> for RequestId {
+    fn from(v: u64) -> Self {
+        RequestId(Arc::from(v.to_string()))
+    }
+}
