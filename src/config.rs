@@ -130,7 +130,7 @@ impl Default for TransferConfig {
 }
 
 /// The whole configuration.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// Hash of block keys. Default: xxh3 (compatible with Dynamo's KVBM).
@@ -141,6 +141,20 @@ pub struct Config {
     pub disk: DiskConfig,
     /// Transfer engine.
     pub transfer: TransferConfig,
+    /// One deadline for the whole leader/worker start-up barrier, in seconds. Default: 60.
+    pub init_timeout_secs: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            hash: HashAlgorithm::default(),
+            host: TierSize::default(),
+            disk: DiskConfig::default(),
+            transfer: TransferConfig::default(),
+            init_timeout_secs: 60.0,
+        }
+    }
 }
 
 /// One environment variable the configuration reads.
@@ -195,6 +209,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_DISK_MAX_IN_FLIGHT", "disk.max_in_flight"),
     ours("KVBM_TRANSFER_CONCURRENCY", "transfer.max_concurrency"),
     ours("KVBM_TRANSFER_BATCH_BLOCKS", "transfer.batch_blocks"),
+    ours("KVBM_INIT_TIMEOUT_SECS", "init_timeout_secs"),
 ];
 
 /// Names the configuration file when no path is given explicitly.
@@ -328,6 +343,9 @@ impl Config {
             "transfer.batch_blocks" => {
                 self.transfer.batch_blocks = parse_num(source, raw, "a count >= 1")?
             }
+            "init_timeout_secs" => {
+                self.init_timeout_secs = parse_num(source, raw, "seconds > 0")?
+            }
             other => {
                 return Err(Error::internal(format!(
                     "environment table names unknown key {other}"
@@ -343,6 +361,16 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         self.host.validate("host")?;
         self.disk_size().validate("disk")?;
+        if !(self.init_timeout_secs.is_finite()
+            && self.init_timeout_secs > 0.0
+            && self.init_timeout_secs <= 1e9)
+        {
+            return Err(Error::invalid_config(
+                "init_timeout_secs",
+                self.init_timeout_secs,
+                "must be a number of seconds > 0",
+            ));
+        }
         for (key, v) in [
             ("disk.min_frequency", self.disk.min_frequency as usize),
             ("disk.max_in_flight", self.disk.max_in_flight),
@@ -354,6 +382,11 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// The start-up barrier deadline.
+    pub fn init_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.init_timeout_secs)
     }
 
     /// Host tier size.

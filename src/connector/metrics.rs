@@ -1,1 +1,689 @@
-//! placeholder
+//! The connector's counters, exposed as a [`MetricsSnapshot`] or in Prometheus text format.
+//!
+//! [`Metrics`] owns a fixed set of monotonic `u64` counters: lookup and matched tokens, hit
+//! tokens per tier, failed-load blocks, operations submitted/completed/failed, and blocks and
+//! bytes moved per (source, destination) tier pair (a fixed 4 × 4 table indexed by
+//! [`TierKind`]). Every `record_*` call is one or two relaxed atomic adds: no lock, no
+//! allocation, safe to call on the hot path from any thread.
+//!
+//! Invariants:
+//!
+//! * counters only grow (they wrap on `u64` overflow instead of panicking);
+//! * each counter is exact, but a [`MetricsSnapshot`] reads them one by one, so while writers run
+//!   it may mix values from slightly different moments (e.g. a hit counted before its lookup);
+//! * rates are computed at read time and are `0` when nothing was looked up (never NaN).
+//!
+//! Operation accounting: `operations_completed` counts operations that finished successfully
+//! and `operations_failed` those that finished with an error; the two are disjoint, so
+//! `submitted - completed - failed` is the number still in flight.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+use crate::tier::TierKind;
+
+/// Every tier, in [`TierKind`]'s order (the order of the transfer table and its output).
+const TIERS: [TierKind; 4] = [
+    TierKind::Device,
+    TierKind::Host,
+    TierKind::Disk,
+    TierKind::Remote,
+];
+
+/// The (source, destination) pairs always rendered, even at zero, so rate queries see them
+/// from the first scrape: offload (device → host, host → disk) and onboard (host → device,
+/// disk → device). Other pairs appear once they are non-zero.
+const STANDARD_PATHS: [(TierKind, TierKind); 4] = [
+    (TierKind::Device, TierKind::Host),
+    (TierKind::Host, TierKind::Device),
+    (TierKind::Host, TierKind::Disk),
+    (TierKind::Disk, TierKind::Device),
+];
+
+/// Row/column of `tier` in the transfer table.
+fn index(tier: TierKind) -> usize {
+    match tier {
+        TierKind::Device => 0,
+        TierKind::Host => 1,
+        TierKind::Disk => 2,
+        TierKind::Remote => 3,
+    }
+}
+
+/// One relaxed add; wraps on overflow.
+fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+/// One relaxed read.
+fn get(counter: &AtomicU64) -> u64 {
+    counter.load(Ordering::Relaxed)
+}
+
+/// `num / den`, or 0 when `den` is 0.
+fn ratio(num: u64, den: u64) -> f64 {
+    if den == 0 {
+        0.0
+    } else {
+        num as f64 / den as f64
+    }
+}
+
+/// Blocks and bytes moved along one (source, destination) pair.
+#[derive(Debug, Default)]
+struct PairCounters {
+    blocks: AtomicU64,
+    bytes: AtomicU64,
+}
+
+/// The connector's counters. Lock-free; share it as `Arc<Metrics>` or `&'static Metrics`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    lookup_tokens: AtomicU64,
+    matched_tokens: AtomicU64,
+    host_hit_tokens: AtomicU64,
+    disk_hit_tokens: AtomicU64,
+    remote_hit_tokens: AtomicU64,
+    load_error_blocks: AtomicU64,
+    operations_submitted: AtomicU64,
+    operations_completed: AtomicU64,
+    operations_failed: AtomicU64,
+    /// `transfers[index(src)][index(dst)]`.
+    transfers: [[PairCounters; 4]; 4],
+}
+
+impl Metrics {
+    /// All counters at zero.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A lookup for `prompt_tokens` tokens matched `matched_tokens` beyond the device (promised,
+    /// not yet loaded).
+    pub fn record_lookup(&self, prompt_tokens: u64, matched_tokens: u64) {
+        add(&self.lookup_tokens, prompt_tokens);
+        add(&self.matched_tokens, matched_tokens);
+    }
+
+    /// `tokens` whose load from `tier` completed successfully: the hits. Counted for
+    /// [`TierKind::Host`], [`TierKind::Disk`] and [`TierKind::Remote`]; [`TierKind::Device`] is
+    /// not a load source and is ignored.
+    pub fn record_hit(&self, tier: TierKind, tokens: u64) {
+        match tier {
+            TierKind::Host => add(&self.host_hit_tokens, tokens),
+            TierKind::Disk => add(&self.disk_hit_tokens, tokens),
+            TierKind::Remote => add(&self.remote_hit_tokens, tokens),
+            TierKind::Device => {}
+        }
+    }
+
+    /// `blocks` blocks and `bytes` bytes moved from `src` to `dst` by completed operations
+    /// (offload: device → host, host → disk; onboard: host → device, disk → device; any other
+    /// pair is counted too).
+    pub fn record_transfer(&self, src: TierKind, dst: TierKind, blocks: u64, bytes: u64) {
+        let pair = &self.transfers[index(src)][index(dst)];
+        add(&pair.blocks, blocks);
+        add(&pair.bytes, bytes);
+    }
+
+    /// `blocks` device blocks whose load failed (they will be recomputed).
+    pub fn record_load_error(&self, blocks: u64) {
+        add(&self.load_error_blocks, blocks);
+    }
+
+    /// One operation (load or store) was submitted.
+    pub fn record_operation_submitted(&self) {
+        add(&self.operations_submitted, 1);
+    }
+
+    /// One operation finished: successfully (`ok`, counted as completed) or with an error
+    /// (counted as failed, not completed).
+    pub fn record_operation_completed(&self, ok: bool) {
+        if ok {
+            add(&self.operations_completed, 1);
+        } else {
+            add(&self.operations_failed, 1);
+        }
+    }
+
+    /// The current values (read counter by counter; see the module docs).
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let mut transfers = Vec::new();
+        for src in TIERS {
+            for dst in TIERS {
+                let pair = &self.transfers[index(src)][index(dst)];
+                let (blocks, bytes) = (get(&pair.blocks), get(&pair.bytes));
+                if blocks != 0 || bytes != 0 {
+                    transfers.push(TransferCounters {
+                        src,
+                        dst,
+                        blocks,
+                        bytes,
+                    });
+                }
+            }
+        }
+        MetricsSnapshot {
+            lookup_tokens: get(&self.lookup_tokens),
+            matched_tokens: get(&self.matched_tokens),
+            host_hit_tokens: get(&self.host_hit_tokens),
+            disk_hit_tokens: get(&self.disk_hit_tokens),
+            remote_hit_tokens: get(&self.remote_hit_tokens),
+            load_error_blocks: get(&self.load_error_blocks),
+            operations_submitted: get(&self.operations_submitted),
+            operations_completed: get(&self.operations_completed),
+            operations_failed: get(&self.operations_failed),
+            transfers,
+        }
+    }
+
+    /// The counters in Prometheus text exposition format (version 0.0.4).
+    ///
+    /// Counters (`kvbm_` prefix, `_total` suffix): `kvbm_lookup_tokens_total`,
+    /// `kvbm_matched_tokens_total`, `kvbm_hit_tokens_total{tier="host"|"disk"|"remote"}`,
+    /// `kvbm_load_error_blocks_total`, `kvbm_operations_submitted_total`,
+    /// `kvbm_operations_completed_total`, `kvbm_operations_failed_total`,
+    /// `kvbm_transfer_blocks_total{src="device",dst="host"}` and `kvbm_transfer_bytes_total{...}`
+    /// (the four offload/onboard paths always, other pairs once non-zero). Gauges:
+    /// `kvbm_host_hit_rate` and `kvbm_disk_hit_rate` (hit tokens / lookup tokens, 0 without
+    /// lookups). Every metric has its `# HELP` and `# TYPE` lines; the output ends with a newline.
+    pub fn render_prometheus(&self) -> String {
+        self.snapshot().render_prometheus()
+    }
+}
+
+/// The counters of a [`Metrics`] at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct MetricsSnapshot {
+    /// Prompt tokens looked up.
+    pub lookup_tokens: u64,
+    /// Tokens matched beyond the device (promised to the engine, not yet loaded).
+    pub matched_tokens: u64,
+    /// Tokens loaded successfully from host memory.
+    pub host_hit_tokens: u64,
+    /// Tokens loaded successfully from disk.
+    pub disk_hit_tokens: u64,
+    /// Tokens loaded successfully from remote storage.
+    pub remote_hit_tokens: u64,
+    /// Device blocks whose load failed (recomputed instead).
+    pub load_error_blocks: u64,
+    /// Operations submitted.
+    pub operations_submitted: u64,
+    /// Operations finished successfully.
+    pub operations_completed: u64,
+    /// Operations finished with an error.
+    pub operations_failed: u64,
+    /// Blocks and bytes per (source, destination) pair: only non-zero pairs, ordered by
+    /// (`src`, `dst`).
+    pub transfers: Vec<TransferCounters>,
+}
+
+/// Blocks and bytes moved from one tier to another.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TransferCounters {
+    /// Where the blocks were read.
+    pub src: TierKind,
+    /// Where the blocks were written.
+    pub dst: TierKind,
+    /// Blocks moved.
+    pub blocks: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+}
+
+impl MetricsSnapshot {
+    /// Host hit tokens / lookup tokens; 0 without lookups.
+    pub fn host_hit_rate(&self) -> f64 {
+        ratio(self.host_hit_tokens, self.lookup_tokens)
+    }
+
+    /// Disk hit tokens / lookup tokens; 0 without lookups.
+    pub fn disk_hit_rate(&self) -> f64 {
+        ratio(self.disk_hit_tokens, self.lookup_tokens)
+    }
+
+    /// (Host + disk + remote hit tokens) / lookup tokens; 0 without lookups.
+    pub fn hit_rate(&self) -> f64 {
+        let hits = self
+            .host_hit_tokens
+            .saturating_add(self.disk_hit_tokens)
+            .saturating_add(self.remote_hit_tokens);
+        ratio(hits, self.lookup_tokens)
+    }
+
+    /// Operations submitted but not yet finished (0 if the counters were read mid-update).
+    pub fn operations_in_flight(&self) -> u64 {
+        self.operations_submitted
+            .saturating_sub(self.operations_completed)
+            .saturating_sub(self.operations_failed)
+    }
+
+    /// The counters of one (source, destination) pair, if anything moved along it.
+    pub fn transfer(&self, src: TierKind, dst: TierKind) -> Option<&TransferCounters> {
+        self.transfers.iter().find(|t| t.src == src && t.dst == dst)
+    }
+
+    /// This snapshot in Prometheus text format (see [`Metrics::render_prometheus`]).
+    pub fn render_prometheus(&self) -> String {
+        let mut out = String::with_capacity(2048);
+        let mut counter = |name: &str, help: &str, value: u64| {
+            header(&mut out, name, help, "counter");
+            line(&mut out, name, "", value);
+        };
+        counter(
+            "kvbm_lookup_tokens_total",
+            "Prompt tokens looked up in the offload tiers.",
+            self.lookup_tokens,
+        );
+        counter(
+            "kvbm_matched_tokens_total",
+            "Tokens matched beyond the device (promised to the engine, not yet loaded).",
+            self.matched_tokens,
+        );
+        counter(
+            "kvbm_load_error_blocks_total",
+            "Device blocks whose load failed and are recomputed.",
+            self.load_error_blocks,
+        );
+        counter(
+            "kvbm_operations_submitted_total",
+            "Load and store operations submitted.",
+            self.operations_submitted,
+        );
+        counter(
+            "kvbm_operations_completed_total",
+            "Load and store operations finished successfully.",
+            self.operations_completed,
+        );
+        counter(
+            "kvbm_operations_failed_total",
+            "Load and store operations finished with an error.",
+            self.operations_failed,
+        );
+
+        let name = "kvbm_hit_tokens_total";
+        header(
+            &mut out,
+            name,
+            "Tokens loaded successfully from an offload tier, by tier.",
+            "counter",
+        );
+        for (tier, value) in [
+            (TierKind::Host, self.host_hit_tokens),
+            (TierKind::Disk, self.disk_hit_tokens),
+            (TierKind::Remote, self.remote_hit_tokens),
+        ] {
+            line(&mut out, name, &format!("tier=\"{tier}\""), value);
+        }
+
+        let pairs = self.rendered_pairs();
+        for (name, help, bytes) in [
+            (
+                "kvbm_transfer_blocks_total",
+                "Blocks moved between tiers by completed operations.",
+                false,
+            ),
+            (
+                "kvbm_transfer_bytes_total",
+                "Bytes moved between tiers by completed operations.",
+                true,
+            ),
+        ] {
+            header(&mut out, name, help, "counter");
+            for t in &pairs {
+                let labels = format!("src=\"{}\",dst=\"{}\"", t.src, t.dst);
+                line(
+                    &mut out,
+                    name,
+                    &labels,
+                    if bytes { t.bytes } else { t.blocks },
+                );
+            }
+        }
+
+        let mut gauge = |name: &str, help: &str, value: f64| {
+            header(&mut out, name, help, "gauge");
+            let _ = writeln!(out, "{name} {value}");
+        };
+        gauge(
+            "kvbm_host_hit_rate",
+            "Host hit tokens divided by lookup tokens (0 without lookups).",
+            self.host_hit_rate(),
+        );
+        gauge(
+            "kvbm_disk_hit_rate",
+            "Disk hit tokens divided by lookup tokens (0 without lookups).",
+            self.disk_hit_rate(),
+        );
+        out
+    }
+
+    /// The pairs to render: the standard offload/onboard paths (zero if unused) and every other
+    /// non-zero pair, ordered by (`src`, `dst`).
+    fn rendered_pairs(&self) -> Vec<TransferCounters> {
+        let mut pairs = self.transfers.clone();
+        for (src, dst) in STANDARD_PATHS {
+            if self.transfer(src, dst).is_none() {
+                pairs.push(TransferCounters {
+                    src,
+                    dst,
+                    blocks: 0,
+                    bytes: 0,
+                });
+            }
+        }
+        pairs.sort_by_key(|t| (t.src, t.dst));
+        pairs
+    }
+}
+
+/// Appends the `# HELP` and `# TYPE` lines of one metric.
+fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Appends one integer sample, with `labels` (already formatted, without braces) if non-empty.
+fn line(out: &mut String, name: &str, labels: &str, value: u64) {
+    if labels.is_empty() {
+        let _ = writeln!(out, "{name} {value}");
+    } else {
+        let _ = writeln!(out, "{name}{{{labels}}} {value}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    #[test]
+    fn counters_add_up() {
+        let m = Metrics::new();
+        m.record_lookup(100, 64);
+        m.record_lookup(50, 16);
+        m.record_hit(TierKind::Host, 48);
+        m.record_hit(TierKind::Disk, 16);
+        m.record_hit(TierKind::Remote, 8);
+        m.record_hit(TierKind::Device, 1000); // ignored
+        m.record_load_error(2);
+        m.record_load_error(1);
+        m.record_operation_submitted();
+        m.record_operation_submitted();
+        m.record_operation_submitted();
+        m.record_operation_completed(true);
+        m.record_operation_completed(false);
+        m.record_transfer(TierKind::Device, TierKind::Host, 2, 2048);
+        m.record_transfer(TierKind::Device, TierKind::Host, 1, 1024);
+        m.record_transfer(TierKind::Disk, TierKind::Device, 4, 4096);
+        m.record_transfer(TierKind::Host, TierKind::Disk, 0, 0); // stays absent
+
+        let s = m.snapshot();
+        assert_eq!(s.lookup_tokens, 150);
+        assert_eq!(s.matched_tokens, 80);
+        assert_eq!(s.host_hit_tokens, 48);
+        assert_eq!(s.disk_hit_tokens, 16);
+        assert_eq!(s.remote_hit_tokens, 8);
+        assert_eq!(s.load_error_blocks, 3);
+        assert_eq!(s.operations_submitted, 3);
+        assert_eq!(s.operations_completed, 1);
+        assert_eq!(s.operations_failed, 1);
+        assert_eq!(s.operations_in_flight(), 1);
+        assert_eq!(
+            s.transfers,
+            vec![
+                TransferCounters {
+                    src: TierKind::Device,
+                    dst: TierKind::Host,
+                    blocks: 3,
+                    bytes: 3072
+                },
+                TransferCounters {
+                    src: TierKind::Disk,
+                    dst: TierKind::Device,
+                    blocks: 4,
+                    bytes: 4096
+                },
+            ]
+        );
+        assert_eq!(
+            s.transfer(TierKind::Device, TierKind::Host)
+                .map(|t| t.blocks),
+            Some(3)
+        );
+        assert!(s.transfer(TierKind::Host, TierKind::Disk).is_none());
+    }
+
+    #[test]
+    fn transfers_are_ordered_by_src_then_dst() {
+        let m = Metrics::new();
+        for src in TIERS.iter().rev() {
+            for dst in TIERS.iter().rev() {
+                m.record_transfer(*src, *dst, 1, 1);
+            }
+        }
+        let s = m.snapshot();
+        assert_eq!(s.transfers.len(), 16);
+        let keys: Vec<_> = s.transfers.iter().map(|t| (t.src, t.dst)).collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        assert_eq!(keys, sorted);
+    }
+
+    #[test]
+    fn rates() {
+        let zero = MetricsSnapshot::default();
+        assert_eq!(zero.host_hit_rate(), 0.0);
+        assert_eq!(zero.disk_hit_rate(), 0.0);
+        assert_eq!(zero.hit_rate(), 0.0);
+
+        let m = Metrics::new();
+        m.record_lookup(200, 150);
+        m.record_hit(TierKind::Host, 100);
+        m.record_hit(TierKind::Disk, 50);
+        m.record_hit(TierKind::Remote, 10);
+        let s = m.snapshot();
+        assert_eq!(s.host_hit_rate(), 0.5);
+        assert_eq!(s.disk_hit_rate(), 0.25);
+        assert_eq!(s.hit_rate(), 0.8);
+    }
+
+    #[test]
+    fn render_contains_expected_lines() {
+        let m = Metrics::new();
+        m.record_lookup(200, 150);
+        m.record_hit(TierKind::Host, 100);
+        m.record_hit(TierKind::Disk, 50);
+        m.record_transfer(TierKind::Device, TierKind::Host, 3, 3 * 4096);
+        m.record_transfer(TierKind::Remote, TierKind::Host, 1, 7);
+        m.record_operation_submitted();
+        m.record_operation_completed(true);
+        let text = m.render_prometheus();
+        let lines: Vec<&str> = text.lines().collect();
+        for want in [
+            "# HELP kvbm_transfer_blocks_total Blocks moved between tiers by completed operations.",
+            "# TYPE kvbm_transfer_blocks_total counter",
+            "kvbm_transfer_blocks_total{src=\"device\",dst=\"host\"} 3",
+            "kvbm_transfer_bytes_total{src=\"device\",dst=\"host\"} 12288",
+            "kvbm_transfer_blocks_total{src=\"remote\",dst=\"host\"} 1",
+            "kvbm_transfer_blocks_total{src=\"host\",dst=\"disk\"} 0",
+            "kvbm_transfer_blocks_total{src=\"disk\",dst=\"device\"} 0",
+            "kvbm_lookup_tokens_total 200",
+            "kvbm_matched_tokens_total 150",
+            "kvbm_hit_tokens_total{tier=\"host\"} 100",
+            "kvbm_hit_tokens_total{tier=\"disk\"} 50",
+            "kvbm_hit_tokens_total{tier=\"remote\"} 0",
+            "kvbm_operations_submitted_total 1",
+            "kvbm_operations_completed_total 1",
+            "kvbm_operations_failed_total 0",
+            "kvbm_load_error_blocks_total 0",
+            "# TYPE kvbm_host_hit_rate gauge",
+            "kvbm_host_hit_rate 0.5",
+            "kvbm_disk_hit_rate 0.25",
+        ] {
+            assert!(lines.contains(&want), "missing {want:?} in\n{text}");
+        }
+        // Unused non-standard pairs are left out.
+        assert!(!text.contains("src=\"device\",dst=\"disk\""), "{text}");
+        // Transfer samples are ordered by (src, dst).
+        let order: Vec<&str> = lines
+            .iter()
+            .filter(|l| l.starts_with("kvbm_transfer_blocks_total{"))
+            .copied()
+            .collect();
+        assert_eq!(
+            order,
+            [
+                "kvbm_transfer_blocks_total{src=\"device\",dst=\"host\"} 3",
+                "kvbm_transfer_blocks_total{src=\"host\",dst=\"device\"} 0",
+                "kvbm_transfer_blocks_total{src=\"host\",dst=\"disk\"} 0",
+                "kvbm_transfer_blocks_total{src=\"disk\",dst=\"device\"} 0",
+                "kvbm_transfer_blocks_total{src=\"remote\",dst=\"host\"} 1",
+            ]
+        );
+    }
+
+    /// Checks the exposition format: every sample belongs to a metric declared by exactly one
+    /// HELP and one TYPE line (in that order, before its samples, samples contiguous), names
+    /// carry the prefix, counters the suffix, and every value parses as a finite number.
+    fn check_exposition(text: &str) -> BTreeMap<String, String> {
+        assert!(text.ends_with('\n'));
+        let mut types: BTreeMap<String, String> = BTreeMap::new();
+        let mut helps: BTreeMap<String, usize> = BTreeMap::new();
+        let mut current: Option<String> = None;
+        let mut finished: Vec<String> = Vec::new();
+        for l in text.lines() {
+            if let Some(rest) = l.strip_prefix("# HELP ") {
+                let name = rest.split(' ').next().unwrap_or_default().to_string();
+                assert!(!helps.contains_key(&name), "two HELP lines for {name}");
+                helps.insert(name.clone(), 1);
+                if let Some(prev) = current.replace(name) {
+                    finished.push(prev);
+                }
+            } else if let Some(rest) = l.strip_prefix("# TYPE ") {
+                let mut parts = rest.split(' ');
+                let name = parts.next().unwrap_or_default().to_string();
+                let kind = parts.next().unwrap_or_default().to_string();
+                assert_eq!(current.as_deref(), Some(name.as_str()), "TYPE before HELP");
+                assert!(kind == "counter" || kind == "gauge", "{l}");
+                assert!(types.insert(name, kind).is_none(), "two TYPE lines: {l}");
+            } else {
+                let (series, value) = l.rsplit_once(' ').unwrap_or_default();
+                let name = series.split('{').next().unwrap_or_default();
+                assert_eq!(
+                    current.as_deref(),
+                    Some(name),
+                    "sample outside its block: {l}"
+                );
+                assert!(types.contains_key(name), "sample before TYPE: {l}");
+                assert!(!finished.iter().any(|f| f == name), "{l}");
+                let v: f64 = value.parse().unwrap_or(f64::NAN);
+                assert!(v.is_finite(), "bad value in {l}");
+            }
+        }
+        for (name, kind) in &types {
+            assert!(name.starts_with("kvbm_"), "{name}");
+            assert_eq!(kind == "counter", name.ends_with("_total"), "{name}");
+            assert!(helps.contains_key(name), "{name} has no HELP");
+        }
+        assert_eq!(helps.len(), types.len());
+        types
+    }
+
+    #[test]
+    fn every_metric_has_help_and_type() {
+        let m = Metrics::new();
+        m.record_lookup(10, 5);
+        m.record_transfer(TierKind::Host, TierKind::Remote, 1, 1);
+        let types = check_exposition(&m.render_prometheus());
+        for name in [
+            "kvbm_lookup_tokens_total",
+            "kvbm_matched_tokens_total",
+            "kvbm_hit_tokens_total",
+            "kvbm_load_error_blocks_total",
+            "kvbm_operations_submitted_total",
+            "kvbm_operations_completed_total",
+            "kvbm_operations_failed_total",
+            "kvbm_transfer_blocks_total",
+            "kvbm_transfer_bytes_total",
+        ] {
+            assert_eq!(
+                types.get(name).map(String::as_str),
+                Some("counter"),
+                "{name}"
+            );
+        }
+        assert_eq!(
+            types.get("kvbm_host_hit_rate").map(String::as_str),
+            Some("gauge")
+        );
+        assert_eq!(
+            types.get("kvbm_disk_hit_rate").map(String::as_str),
+            Some("gauge")
+        );
+    }
+
+    #[test]
+    fn zero_metrics_render_valid_output() {
+        let text = Metrics::default().render_prometheus();
+        check_exposition(&text);
+        assert!(!text.contains("NaN") && !text.contains("inf"), "{text}");
+        assert!(text.lines().any(|l| l == "kvbm_host_hit_rate 0"));
+        assert!(text.lines().any(|l| l == "kvbm_disk_hit_rate 0"));
+        assert!(text
+            .lines()
+            .any(|l| l == "kvbm_transfer_bytes_total{src=\"device\",dst=\"host\"} 0"));
+    }
+
+    #[test]
+    fn snapshot_serialises() {
+        // No JSON crate in the dev-dependencies; TOML exercises the same Serialize impls.
+        let m = Metrics::new();
+        m.record_transfer(TierKind::Device, TierKind::Host, 1, 2);
+        let text = toml::to_string(&m.snapshot()).unwrap_or_default();
+        assert!(text.contains("src = \"device\""), "{text}");
+        assert!(text.contains("lookup_tokens = 0"), "{text}");
+    }
+
+    #[test]
+    fn concurrent_increments_are_not_lost() {
+        const THREADS: u64 = 4;
+        const N: u64 = 10_000;
+        let m = Arc::new(Metrics::new());
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let m = Arc::clone(&m);
+                s.spawn(move || {
+                    for i in 0..N {
+                        m.record_lookup(2, 1);
+                        m.record_hit(TierKind::Host, 1);
+                        m.record_transfer(TierKind::Device, TierKind::Host, 1, 4096);
+                        m.record_operation_submitted();
+                        m.record_operation_completed((i + t) % 2 == 0);
+                    }
+                });
+            }
+        });
+        let s = m.snapshot();
+        assert_eq!(s.lookup_tokens, 2 * THREADS * N);
+        assert_eq!(s.matched_tokens, THREADS * N);
+        assert_eq!(s.host_hit_tokens, THREADS * N);
+        assert_eq!(s.operations_submitted, THREADS * N);
+        assert_eq!(s.operations_completed + s.operations_failed, THREADS * N);
+        assert_eq!(s.operations_in_flight(), 0);
+        let pair = s.transfer(TierKind::Device, TierKind::Host);
+        assert_eq!(
+            pair.map(|p| (p.blocks, p.bytes)),
+            Some((THREADS * N, THREADS * N * 4096))
+        );
+    }
+
+    #[test]
+    fn metrics_is_send_sync() {
+        fn check<T: Send + Sync + Default + std::fmt::Debug>() {}
+        check::<Metrics>();
+    }
+}

@@ -1,11 +1,23 @@
 //! The connector protocol: a leader beside the engine's scheduler decides which blocks to match,
 //! load and store; workers in the GPU processes execute those decisions on their tiers.
 //!
+//! * [`adapter`] — what the leader needs from a scheduler; vLLM's and TensorRT-LLM's flavours;
+//! * [`barrier`] — [`InitMode`](barrier::InitMode) and the two-step start-up barrier;
+//! * [`leader`] — the scheduler side;
 //! * [`lifecycle`] — the request state machine;
-//! * [`metrics`] — counters exposed in Prometheus text format.
+//! * [`metadata`] — the per-iteration metadata and its operations;
+//! * [`metrics`] — counters exposed in Prometheus text format;
+//! * [`transport`] — leader/worker messages and the in-process transport;
+//! * [`worker`] — the GPU-process side.
 
+pub mod adapter;
+pub mod barrier;
+pub mod leader;
 pub mod lifecycle;
+pub mod metadata;
 pub mod metrics;
+pub mod transport;
+pub mod worker;
 
 use std::fmt;
 use std::sync::Arc;

@@ -1,0 +1,139 @@
+//! What the leader needs from a scheduler each iteration, and how each engine says it.
+//!
+//! Engines describe an iteration differently: vLLM says how many tokens each request will compute
+//! this step (`num_scheduled_tokens`); the TensorRT-LLM version the project targets says only up to
+//! which position each request *has been* computed (`computed_position`). A [`SchedulerAdapter`]
+//! turns either into the one number the leader offloads by: how many of the request's tokens have
+//! their KV on the device, final, once this iteration's forward pass has run. The leader offloads
+//! every block that is full and lies below that count, each exactly once.
+
+use serde::{Deserialize, Serialize};
+
+use crate::connector::metadata::ConnectorMetadata;
+use crate::connector::RequestId;
+use crate::error::{Error, Result};
+use crate::identity::Token;
+
+/// One request the engine scheduled this iteration, in engine-neutral terms.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduledRequest {
+    /// The request.
+    pub request_id: RequestId,
+    /// Tokens appended since the leader last heard of this request (may be empty; tokens the
+    /// leader already knows are never repeated here).
+    pub new_tokens: Vec<Token>,
+    /// Device blocks appended to the request's block list.
+    pub new_block_ids: Vec<usize>,
+    /// True when `new_block_ids` *replaces* the block list (vLLM: resumed from preemption).
+    pub replace_block_ids: bool,
+    /// Tokens with KV already on the device before this iteration.
+    pub num_computed_tokens: usize,
+    /// Tokens the engine computes in this iteration (vLLM).
+    pub num_scheduled_tokens: Option<usize>,
+    /// Position up to which the request's KV is computed (TensorRT-LLM).
+    pub computed_position: Option<usize>,
+}
+
+impl Default for RequestId {
+    fn default() -> Self {
+        RequestId::from("")
+    }
+}
+
+/// One engine iteration.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SchedulerStep {
+    /// Requests scheduled to compute this iteration.
+    pub requests: Vec<ScheduledRequest>,
+    /// Requests the engine preempted (their device blocks are freed).
+    pub preempted: Vec<RequestId>,
+}
+
+/// Turns an engine's view of an iteration into what the leader offloads by.
+///
+/// Implemented for the two engines here; a third engine implements it in its own crate (see
+/// `examples/` and `docs/adapters.md`).
+pub trait SchedulerAdapter: Send + 'static {
+    /// A short name for logs and errors.
+    fn name(&self) -> &'static str;
+
+    /// Tokens of `request` whose KV is final on the device once this iteration's forward pass has
+    /// run. Blocks wholly below this count may be offloaded.
+    fn computed_after(&self, request: &ScheduledRequest) -> Result<usize>;
+
+    /// Hook run on every metadata before it is encoded: an adapter may append operations of its
+    /// own kinds. The default adds nothing.
+    fn extend_metadata(&mut self, metadata: &mut ConnectorMetadata) -> Result<()> {
+        let _ = metadata;
+        Ok(())
+    }
+}
+
+/// vLLM: offload by scheduled tokens (`num_computed_tokens + num_scheduled_tokens`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ScheduledTokens;
+
+impl SchedulerAdapter for ScheduledTokens {
+    fn name(&self) -> &'static str {
+        "scheduled-tokens"
+    }
+
+    fn computed_after(&self, r: &ScheduledRequest) -> Result<usize> {
+        let scheduled = r.num_scheduled_tokens.ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "request {} has no num_scheduled_tokens, which offload by scheduled tokens needs",
+                r.request_id
+            ))
+            .with("request", &r.request_id)
+        })?;
+        r.num_computed_tokens.checked_add(scheduled).ok_or_else(|| {
+            Error::invalid_argument("num_computed_tokens + num_scheduled_tokens overflows")
+                .with("request", &r.request_id)
+        })
+    }
+}
+
+/// TensorRT-LLM: offload by computed position (blocks computed in earlier iterations; the blocks
+/// of the final iteration are flushed when the request finishes).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ComputedPosition;
+
+impl SchedulerAdapter for ComputedPosition {
+    fn name(&self) -> &'static str {
+        "computed-position"
+    }
+
+    fn computed_after(&self, r: &ScheduledRequest) -> Result<usize> {
+        r.computed_position.ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "request {} has no computed_position, which offload by computed position needs",
+                r.request_id
+            ))
+            .with("request", &r.request_id)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adapters_read_their_field() {
+        let r = ScheduledRequest {
+            request_id: "r".into(),
+            num_computed_tokens: 16,
+            num_scheduled_tokens: Some(20),
+            computed_position: Some(31),
+            ..Default::default()
+        };
+        assert_eq!(ScheduledTokens.computed_after(&r).unwrap(), 36);
+        assert_eq!(ComputedPosition.computed_after(&r).unwrap(), 31);
+        let bare = ScheduledRequest {
+            request_id: "r".into(),
+            ..Default::default()
+        };
+        assert!(ScheduledTokens.computed_after(&bare).is_err());
+        assert!(ComputedPosition.computed_after(&bare).is_err());
+    }
+}

@@ -1,0 +1,341 @@
+//! Start-up: [`InitMode`] and the two-step leader/worker barrier.
+//!
+//! 1. Each worker → leader: its `bytes_per_block` (computed from the caches it registered) and its
+//!    device block count ([`WorkerHello`]).
+//! 2. Leader → each worker: host and disk block counts ([`TierCounts`]), derived from the configured
+//!    sizes and the *sum* of `bytes_per_block` over ranks (every rank allocates the same counts for
+//!    its own shard); the device count is the minimum over ranks.
+//!
+//! Then each worker allocates its tiers and confirms ([`WorkerMessage::Ready`]). The whole barrier
+//! has one deadline; missing it is an [`ErrorKind::Timeout`] error naming the step and the ranks
+//! still missing.
+//!
+//! Each side runs the barrier either inline ([`InitMode::Blocking`]: the constructor returns once
+//! it is done) or on a background thread ([`InitMode::NonBlocking`]: calls made before it is done
+//! see "not ready"). vLLM registers caches before it builds the scheduler side, so its worker is
+//! non-blocking and its leader blocking; TensorRT-LLM builds both at once, so the reverse.
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::connector::transport::{
+    LeaderMessage, LeaderTransport, Rank, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::layout::LayoutDims;
+
+/// Whether a side waits for the barrier in its constructor.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::Display, strum::EnumString,
+)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum InitMode {
+    /// Run the barrier inline; the constructor fails if it fails.
+    Blocking,
+    /// Run the barrier on a background thread; calls before it finishes answer "not ready".
+    NonBlocking,
+}
+
+/// What the leader learned from the barrier.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Readiness {
+    /// What every rank allocated.
+    pub counts: TierCounts,
+    /// Block dimensions (of rank 0's shard).
+    pub dims: LayoutDims,
+    /// Bytes per block of each rank's shard, by rank.
+    pub bytes_per_block: Vec<usize>,
+}
+
+impl Readiness {
+    /// Bytes of one block over all ranks.
+    pub fn total_bytes_per_block(&self) -> usize {
+        self.bytes_per_block.iter().sum()
+    }
+}
+
+/// Where a non-blocking initialisation stands.
+#[derive(Debug)]
+pub enum InitStatus<'a, T> {
+    /// Still running.
+    Pending,
+    /// Done.
+    Ready(&'a T),
+    /// Failed; the error says why.
+    Failed(&'a Error),
+}
+
+/// The result of an initialisation that may run in the background.
+#[derive(Debug)]
+pub struct InitCell<T> {
+    cell: OnceLock<std::result::Result<T, Error>>,
+}
+
+impl<T> Default for InitCell<T> {
+    fn default() -> Self {
+        Self {
+            cell: OnceLock::new(),
+        }
+    }
+}
+
+impl<T> InitCell<T> {
+    /// Records the outcome (the first one wins).
+    pub fn set(&self, outcome: Result<T>) {
+        let _ = self.cell.set(outcome);
+    }
+
+    /// The status now (one atomic load when set).
+    pub fn status(&self) -> InitStatus<'_, T> {
+        match self.cell.get() {
+            None => InitStatus::Pending,
+            Some(Ok(v)) => InitStatus::Ready(v),
+            Some(Err(e)) => InitStatus::Failed(e),
+        }
+    }
+
+    /// The value when ready.
+    pub fn get(&self) -> Option<&T> {
+        match self.cell.get() {
+            Some(Ok(v)) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// Runs `f` inline or on a named background thread, recording its outcome in the returned cell.
+/// Blocking mode returns `f`'s error directly.
+pub fn initialise<T: Send + Sync + 'static>(
+    mode: InitMode,
+    name: &str,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<Arc<InitCell<T>>> {
+    let cell = Arc::new(InitCell::default());
+    match mode {
+        InitMode::Blocking => {
+            let v = f()?;
+            cell.set(Ok(v));
+        }
+        InitMode::NonBlocking => {
+            let c = cell.clone();
+            let label = name.to_string();
+            std::thread::Builder::new()
+                .name(name.to_string())
+                .spawn(move || {
+                    let outcome = f();
+                    if let Err(e) = &outcome {
+                        tracing::error!(side = %label, error = %e, "kvbm initialisation failed");
+                    }
+                    c.set(outcome);
+                })
+                .map_err(|e| Error::io("spawn initialisation thread", e))?;
+        }
+    }
+    Ok(cell)
+}
+
+fn missing(have: &[bool]) -> Vec<Rank> {
+    have.iter()
+        .enumerate()
+        .filter(|(_, h)| !**h)
+        .map(|(r, _)| r)
+        .collect()
+}
+
+fn timed_out(step: &str, timeout: Duration, ranks: &[Rank]) -> Error {
+    Error::new(
+        ErrorKind::Timeout,
+        format!(
+            "start-up barrier timed out after {:.1}s: {step} missing from rank(s) {ranks:?}",
+            timeout.as_secs_f64()
+        ),
+    )
+    .with("step", step)
+    .with("missing_ranks", format!("{ranks:?}"))
+}
+
+/// The leader's side of the barrier.
+pub fn leader_barrier(
+    transport: &dyn LeaderTransport,
+    config: &Config,
+    timeout: Duration,
+) -> Result<Readiness> {
+    let deadline = Instant::now() + timeout;
+    let world = transport.world_size();
+    if world == 0 {
+        return Err(Error::invalid_argument("world_size must be at least 1"));
+    }
+    let mut hellos: Vec<Option<WorkerHello>> = vec![None; world];
+    // Step 1: every rank's bytes_per_block and device block count.
+    while hellos.iter().any(Option::is_none) {
+        let have: Vec<bool> = hellos.iter().map(Option::is_some).collect();
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timed_out("step 1 (bytes_per_block)", timeout, &missing(&have)));
+        }
+        let Some((rank, msg)) = transport.recv_timeout(left)? else {
+            continue;
+        };
+        match msg {
+            WorkerMessage::Hello(h) => {
+                if let Err(e) = check_hello(rank, world, &h, hellos.iter().flatten().next()) {
+                    let _ = transport.send(rank, LeaderMessage::Refused(e.message().to_string()));
+                    return Err(e);
+                }
+                if let Some(slot) = hellos.get_mut(rank) {
+                    *slot = Some(h);
+                }
+            }
+            other => tracing::warn!(rank, ?other, "unexpected message during barrier step 1"),
+        }
+    }
+    let hellos: Vec<WorkerHello> = hellos.into_iter().flatten().collect();
+    let bytes_per_block: Vec<usize> = hellos.iter().map(|h| h.bytes_per_block).collect();
+    let total: usize = bytes_per_block
+        .iter()
+        .try_fold(0usize, |a, b| a.checked_add(*b))
+        .ok_or_else(|| Error::invalid_argument("sum of bytes_per_block overflows"))?;
+    let (num_host_blocks, num_disk_blocks) = config.block_counts(total)?;
+    let num_device_blocks = hellos
+        .iter()
+        .map(|h| h.num_device_blocks)
+        .min()
+        .unwrap_or(0);
+    let counts = TierCounts {
+        num_host_blocks,
+        num_disk_blocks,
+        num_device_blocks,
+    };
+    // Step 2: every rank allocates the same counts.
+    for rank in 0..world {
+        transport.send(rank, LeaderMessage::Allocate(counts))?;
+    }
+    let mut ready = vec![false; world];
+    while ready.iter().any(|r| !r) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timed_out(
+                "step 2 (allocation confirmed)",
+                timeout,
+                &missing(&ready),
+            ));
+        }
+        let Some((rank, msg)) = transport.recv_timeout(left)? else {
+            continue;
+        };
+        match msg {
+            WorkerMessage::Ready => {
+                if let Some(r) = ready.get_mut(rank) {
+                    *r = true;
+                }
+            }
+            WorkerMessage::Failed(why) => {
+                return Err(Error::new(
+                    ErrorKind::NotReady,
+                    format!("rank {rank} could not allocate its tiers: {why}"),
+                )
+                .with("rank", rank))
+            }
+            other => tracing::warn!(rank, ?other, "unexpected message during barrier step 2"),
+        }
+    }
+    let dims = hellos
+        .first()
+        .map(|h| h.dims)
+        .ok_or_else(|| Error::internal("barrier finished without any rank"))?;
+    tracing::info!(
+        world,
+        host_blocks = num_host_blocks,
+        disk_blocks = num_disk_blocks,
+        device_blocks = num_device_blocks,
+        bytes_per_block = total,
+        "kvbm leader ready"
+    );
+    Ok(Readiness {
+        counts,
+        dims,
+        bytes_per_block,
+    })
+}
+
+fn check_hello(rank: Rank, world: usize, h: &WorkerHello, first: Option<&WorkerHello>) -> Result<()> {
+    if rank >= world || h.rank != rank {
+        return Err(Error::invalid_argument(format!(
+            "worker says it is rank {} but connected as rank {rank} of {world}",
+            h.rank
+        ))
+        .with("rank", rank));
+    }
+    if h.world_size != world {
+        return Err(Error::invalid_argument(format!(
+            "rank {rank} expects world size {} but the leader has {world}",
+            h.world_size
+        ))
+        .with("rank", rank));
+    }
+    if h.bytes_per_block == 0 || h.num_device_blocks == 0 {
+        return Err(Error::invalid_argument(format!(
+            "rank {rank} reported bytes_per_block {} and {} device blocks; both must be non-zero",
+            h.bytes_per_block, h.num_device_blocks
+        ))
+        .with("rank", rank));
+    }
+    if let Some(f) = first {
+        let (a, b) = (&f.dims, &h.dims);
+        if a.num_layers != b.num_layers || a.page_size != b.page_size || a.outer_dim != b.outer_dim {
+            return Err(Error::invalid_layout(format!(
+                "rank {rank} layout (layers {}, outer {}, page {}) disagrees with rank {} (layers {}, outer {}, page {})",
+                b.num_layers, b.outer_dim, b.page_size, f.rank, a.num_layers, a.outer_dim, a.page_size
+            ))
+            .with("rank", rank));
+        }
+    }
+    Ok(())
+}
+
+/// A worker's side of the barrier: report, receive counts, `allocate`, confirm.
+pub fn worker_barrier(
+    transport: &dyn WorkerTransport,
+    hello: WorkerHello,
+    timeout: Duration,
+    allocate: impl FnOnce(TierCounts) -> Result<()>,
+) -> Result<TierCounts> {
+    let deadline = Instant::now() + timeout;
+    let rank = transport.rank();
+    transport.send(WorkerMessage::Hello(hello))?;
+    let counts = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "start-up barrier timed out after {:.1}s: rank {rank} got no block counts from the leader",
+                    timeout.as_secs_f64()
+                ),
+            )
+            .with("rank", rank)
+            .with("step", "step 2 (block counts)"));
+        }
+        match transport.recv_timeout(left)? {
+            Some(LeaderMessage::Allocate(c)) => break c,
+            Some(LeaderMessage::Refused(why)) => {
+                return Err(Error::new(
+                    ErrorKind::NotReady,
+                    format!("leader refused rank {rank}: {why}"),
+                )
+                .with("rank", rank))
+            }
+            None => continue,
+        }
+    };
+    if let Err(e) = allocate(counts) {
+        let _ = transport.send(WorkerMessage::Failed(e.to_string()));
+        return Err(e);
+    }
+    transport.send(WorkerMessage::Ready)?;
+    Ok(counts)
+}

@@ -1,0 +1,279 @@
+//! Connector metadata: what the leader tells the workers once per engine iteration.
+//!
+//! The leader builds one [`ConnectorMetadata`] per iteration; the engine carries its bytes to every
+//! worker (`build_connector_meta` → `bind_connector_meta`). It lists the request slots to create,
+//! the operations to run, and the finished requests whose device blocks the engine keeps until the
+//! workers report them.
+//!
+//! Operations are trait objects tagged with their kind ([`typetag`]), so an adapter outside this
+//! crate can add its own kinds: implement [`Operation`] with `#[typetag::serde(name = "...")]` and
+//! describe the block copies it needs in [`Operation::transfer`]. The built-in kinds are [`Load`]
+//! (onto the device) and [`Store`] (off the device, or further down the hierarchy).
+//!
+//! The encoding is JSON (self-describing, which tagged trait objects need, and readable in logs and
+//! snapshots). Decoding never panics on untrusted bytes: malformed input, an unknown operation kind,
+//! a wrong version or an oversized document is an [`ErrorKind::Decode`] error.
+
+use std::fmt::Debug;
+
+use serde::{Deserialize, Serialize};
+
+use crate::connector::RequestId;
+use crate::error::{Error, ErrorKind, Result};
+use crate::tier::TierKind;
+
+/// Version of the metadata format; a worker refuses any other.
+pub const METADATA_VERSION: u32 = 1;
+
+/// Largest metadata document a worker accepts (bytes).
+pub const MAX_METADATA_BYTES: usize = 64 << 20;
+
+/// Identifies one operation across leader and workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct OperationId(pub u64);
+
+impl std::fmt::Display for OperationId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "op{}", self.0)
+    }
+}
+
+/// Whether an operation writes the engine's device blocks (load) or reads them or lower tiers (store).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::Display)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum Direction {
+    /// Onto the device: the engine must not compute on the destination blocks until it completes.
+    Load,
+    /// Off the device or down the hierarchy.
+    Store,
+}
+
+/// Block copies between two tiers: the payload of every operation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockTransfer {
+    /// The operation's id.
+    pub id: OperationId,
+    /// The request it serves; `None` for background work (e.g. host → disk offload).
+    pub request_id: Option<RequestId>,
+    /// Source tier.
+    pub src: TierKind,
+    /// Destination tier.
+    pub dst: TierKind,
+    /// `(source block, destination block)` pairs.
+    pub pairs: Vec<(usize, usize)>,
+}
+
+impl BlockTransfer {
+    /// True when the copy reads the engine's device blocks.
+    pub fn reads_device(&self) -> bool {
+        self.src == TierKind::Device
+    }
+
+    /// True when the copy writes the engine's device blocks.
+    pub fn writes_device(&self) -> bool {
+        self.dst == TierKind::Device
+    }
+}
+
+/// One unit of work for the workers. Object safe and serialisable with its kind as a tag.
+#[typetag::serde(tag = "op")]
+pub trait Operation: Debug + Send + Sync {
+    /// Whether it loads onto the device or stores.
+    fn direction(&self) -> Direction;
+    /// The block copies it asks for.
+    fn transfer(&self) -> &BlockTransfer;
+    /// A boxed copy.
+    fn clone_op(&self) -> Box<dyn Operation>;
+
+    /// The operation's id.
+    fn id(&self) -> OperationId {
+        self.transfer().id
+    }
+    /// The request it serves, if any.
+    fn request_id(&self) -> Option<&RequestId> {
+        self.transfer().request_id.as_ref()
+    }
+}
+
+impl Clone for Box<dyn Operation> {
+    fn clone(&self) -> Self {
+        self.clone_op()
+    }
+}
+
+/// Load matched blocks from host or disk into the engine's device blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Load(pub BlockTransfer);
+
+/// Store computed blocks off the device (or from host down to disk).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Store(pub BlockTransfer);
+
+#[typetag::serde(name = "load")]
+impl Operation for Load {
+    fn direction(&self) -> Direction {
+        Direction::Load
+    }
+    fn transfer(&self) -> &BlockTransfer {
+        &self.0
+    }
+    fn clone_op(&self) -> Box<dyn Operation> {
+        Box::new(self.clone())
+    }
+}
+
+#[typetag::serde(name = "store")]
+impl Operation for Store {
+    fn direction(&self) -> Direction {
+        Direction::Store
+    }
+    fn transfer(&self) -> &BlockTransfer {
+        &self.0
+    }
+    fn clone_op(&self) -> Box<dyn Operation> {
+        Box::new(self.clone())
+    }
+}
+
+/// Everything the workers need for one engine iteration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectorMetadata {
+    /// [`METADATA_VERSION`].
+    pub version: u32,
+    /// The leader's iteration counter (1 for the first metadata built).
+    pub iteration: u64,
+    /// Requests to track from now on.
+    pub new_slots: Vec<RequestId>,
+    /// Operations to run, in order.
+    pub operations: Vec<Box<dyn Operation>>,
+    /// Finished requests whose device blocks the engine keeps until the workers report them done
+    /// (the leader answered `request_finished` with true).
+    pub hold: Vec<RequestId>,
+}
+
+impl ConnectorMetadata {
+    /// Empty metadata for `iteration`.
+    pub fn empty(iteration: u64) -> Self {
+        Self {
+            version: METADATA_VERSION,
+            iteration,
+            new_slots: Vec::new(),
+            operations: Vec::new(),
+            hold: Vec::new(),
+        }
+    }
+
+    /// True when there is nothing for the workers to do.
+    pub fn is_empty(&self) -> bool {
+        self.new_slots.is_empty() && self.operations.is_empty() && self.hold.is_empty()
+    }
+
+    /// Encodes to bytes.
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        serde_json::to_vec(self)
+            .map_err(|e| Error::internal(format!("cannot encode connector metadata: {e}")))
+    }
+
+    /// Decodes untrusted bytes: any defect is an [`ErrorKind::Decode`] error, never a panic.
+    /// Empty input is empty metadata for iteration 0 (some engines hand an empty buffer to
+    /// workers on iterations with nothing to do).
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        if bytes.is_empty() {
+            return Ok(Self::empty(0));
+        }
+        if bytes.len() > MAX_METADATA_BYTES {
+            return Err(Error::new(
+                ErrorKind::Decode,
+                format!(
+                    "connector metadata of {} bytes exceeds the {MAX_METADATA_BYTES}-byte limit",
+                    bytes.len()
+                ),
+            ));
+        }
+        let meta: ConnectorMetadata = serde_json::from_slice(bytes).map_err(|e| {
+            Error::new(
+                ErrorKind::Decode,
+                format!("malformed connector metadata: {e}"),
+            )
+        })?;
+        if meta.version != METADATA_VERSION {
+            return Err(Error::new(
+                ErrorKind::Decode,
+                format!(
+                    "connector metadata version {} is not the supported version {METADATA_VERSION}",
+                    meta.version
+                ),
+            ));
+        }
+        Ok(meta)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ConnectorMetadata {
+        let mut m = ConnectorMetadata::empty(7);
+        m.new_slots.push(RequestId::from("a"));
+        m.operations.push(Box::new(Load(BlockTransfer {
+            id: OperationId(1),
+            request_id: Some("a".into()),
+            src: TierKind::Host,
+            dst: TierKind::Device,
+            pairs: vec![(3, 9)],
+        })));
+        m.operations.push(Box::new(Store(BlockTransfer {
+            id: OperationId(2),
+            request_id: None,
+            src: TierKind::Host,
+            dst: TierKind::Disk,
+            pairs: vec![(3, 0)],
+        })));
+        m.hold.push("b".into());
+        m
+    }
+
+    #[test]
+    fn round_trip() {
+        let m = sample();
+        let d = ConnectorMetadata::decode(&m.encode().unwrap()).unwrap();
+        assert_eq!(d.iteration, 7);
+        assert_eq!(d.operations.len(), 2);
+        assert_eq!(d.operations[0].direction(), Direction::Load);
+        assert_eq!(d.operations[1].transfer(), m.operations[1].transfer());
+        assert_eq!(d.hold, m.hold);
+    }
+
+    #[test]
+    fn malformed_bytes_are_decode_errors() {
+        let good = sample().encode().unwrap();
+        let cases: Vec<Vec<u8>> = vec![
+            b"{".to_vec(),
+            b"null".to_vec(),
+            vec![0xff, 0xfe, 0x00],
+            good[..good.len() / 2].to_vec(),
+            String::from_utf8(good.clone())
+                .unwrap()
+                .replace("\"load\"", "\"teleport\"")
+                .into_bytes(),
+            String::from_utf8(good.clone())
+                .unwrap()
+                .replace("\"version\":1", "\"version\":99")
+                .into_bytes(),
+            String::from_utf8(good.clone())
+                .unwrap()
+                .replace("[[3,9]]", "[[-3,9]]")
+                .into_bytes(),
+            "[".repeat(100_000).into_bytes(),
+        ];
+        for (i, c) in cases.iter().enumerate() {
+            let e = ConnectorMetadata::decode(c).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Decode, "case {i}: {e}");
+        }
+        assert!(ConnectorMetadata::decode(b"").unwrap().is_empty());
+    }
+}
