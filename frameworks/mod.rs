@@ -1,2 +1,37 @@
-//! Engine adapters. Each engine is a module behind its cargo feature; they translate the engine's
-//! connector calls into the framework-agnostic core. Filled by the connector-protocol work.
+//! Engine adapters: each translates one engine's connector calls, in that engine's call order and
+//! with its argument shapes, into the framework-agnostic [`crate::connector`] core.
+//!
+//! * `trtllm` (feature `trtllm`) — TensorRT-LLM's `KvCacheConnectorScheduler` /
+//!   `KvCacheConnectorWorker`: integer request ids, offload by computed position, one fully
+//!   contiguous cache tensor, leader non-blocking / worker blocking.
+//! * `vllm` (feature `vllm`) — vLLM's `KVConnectorBase_V1`: string request ids, offload by
+//!   scheduled tokens, per-layer cache tensors, leader blocking / worker non-blocking.
+//!
+//! A third engine needs no change here: see `docs/adapters.md` and `examples/toy_engine.rs`.
+
+#[cfg(feature = "trtllm")]
+pub mod trtllm;
+#[cfg(feature = "vllm")]
+pub mod vllm;
+
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
+use crate::error::{Error, Result};
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
+use crate::layout::{KvLayout, Layout};
+
+/// Refuses a registered cache whose storage layout is not the layout its shapes describe.
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
+fn check_registered(detected: &Layout, cache: &dyn crate::tier::StorageTier) -> Result<()> {
+    if cache.layout() != detected {
+        return Err(Error::invalid_layout(format!(
+            "registered cache storage is {} with {:?} over {} blocks, but its tensor shapes describe {} with {:?} over {} blocks",
+            cache.layout().kind(),
+            cache.layout().dims(),
+            cache.layout().num_blocks(),
+            detected.kind(),
+            detected.dims(),
+            detected.num_blocks()
+        )));
+    }
+    Ok(())
+}

@@ -343,9 +343,7 @@ impl Config {
             "transfer.batch_blocks" => {
                 self.transfer.batch_blocks = parse_num(source, raw, "a count >= 1")?
             }
-            "init_timeout_secs" => {
-                self.init_timeout_secs = parse_num(source, raw, "seconds > 0")?
-            }
+            "init_timeout_secs" => self.init_timeout_secs = parse_num(source, raw, "seconds > 0")?,
             other => {
                 return Err(Error::internal(format!(
                     "environment table names unknown key {other}"

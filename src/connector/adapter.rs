@@ -19,9 +19,12 @@ use crate::identity::Token;
 pub struct ScheduledRequest {
     /// The request.
     pub request_id: RequestId,
-    /// Tokens appended since the leader last heard of this request (may be empty; tokens the
-    /// leader already knows are never repeated here).
+    /// Tokens of the request newly reported by the engine (may be empty).
     pub new_tokens: Vec<Token>,
+    /// Index in the request of `new_tokens[0]`. When given, tokens the leader already knows are
+    /// skipped and a gap (tokens the leader never saw) stops keying, so keys can never shift; when
+    /// `None`, `new_tokens` are taken to follow the tokens the leader knows.
+    pub first_token_index: Option<usize>,
     /// Device blocks appended to the request's block list.
     pub new_block_ids: Vec<usize>,
     /// True when `new_block_ids` *replaces* the block list (vLLM: resumed from preemption).

@@ -29,7 +29,16 @@ use crate::layout::LayoutDims;
 
 /// Whether a side waits for the barrier in its constructor.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::Display, strum::EnumString,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    strum::Display,
+    strum::EnumString,
 )]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
@@ -175,7 +184,11 @@ pub fn leader_barrier(
         let have: Vec<bool> = hellos.iter().map(Option::is_some).collect();
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(timed_out("step 1 (bytes_per_block)", timeout, &missing(&have)));
+            return Err(timed_out(
+                "step 1 (bytes_per_block)",
+                timeout,
+                &missing(&have),
+            ));
         }
         let Some((rank, msg)) = transport.recv_timeout(left)? else {
             continue;
@@ -262,7 +275,12 @@ pub fn leader_barrier(
     })
 }
 
-fn check_hello(rank: Rank, world: usize, h: &WorkerHello, first: Option<&WorkerHello>) -> Result<()> {
+fn check_hello(
+    rank: Rank,
+    world: usize,
+    h: &WorkerHello,
+    first: Option<&WorkerHello>,
+) -> Result<()> {
     if rank >= world || h.rank != rank {
         return Err(Error::invalid_argument(format!(
             "worker says it is rank {} but connected as rank {rank} of {world}",
@@ -286,7 +304,8 @@ fn check_hello(rank: Rank, world: usize, h: &WorkerHello, first: Option<&WorkerH
     }
     if let Some(f) = first {
         let (a, b) = (&f.dims, &h.dims);
-        if a.num_layers != b.num_layers || a.page_size != b.page_size || a.outer_dim != b.outer_dim {
+        if a.num_layers != b.num_layers || a.page_size != b.page_size || a.outer_dim != b.outer_dim
+        {
             return Err(Error::invalid_layout(format!(
                 "rank {rank} layout (layers {}, outer {}, page {}) disagrees with rank {} (layers {}, outer {}, page {})",
                 b.num_layers, b.outer_dim, b.page_size, f.rank, a.num_layers, a.outer_dim, a.page_size

@@ -25,7 +25,9 @@ use std::sync::Arc;
 
 use crate::config::Config;
 use crate::connector::adapter::{SchedulerAdapter, SchedulerStep};
-use crate::connector::barrier::{initialise, leader_barrier, InitCell, InitMode, InitStatus, Readiness};
+use crate::connector::barrier::{
+    initialise, leader_barrier, InitCell, InitMode, InitStatus, Readiness,
+};
 use crate::connector::lifecycle::{Lifecycle, RequestState};
 use crate::connector::metadata::{BlockTransfer, ConnectorMetadata, Load, OperationId, Store};
 use crate::connector::metrics::Metrics;
@@ -262,7 +264,12 @@ impl<A: SchedulerAdapter> Leader<A> {
     }
 
     /// Host and disk pool statistics, once ready.
-    pub fn pool_stats(&self) -> Option<(Option<crate::pool::PoolStats>, Option<crate::pool::PoolStats>)> {
+    pub fn pool_stats(
+        &self,
+    ) -> Option<(
+        Option<crate::pool::PoolStats>,
+        Option<crate::pool::PoolStats>,
+    )> {
         self.tiers.as_ref().map(|t| {
             (
                 t.host.as_ref().map(BlockPool::stats),
@@ -371,7 +378,10 @@ impl<A: SchedulerAdapter> Leader<A> {
                 })
             }
         };
-        if matches!(slot.life.state(), RequestState::Prefilling | RequestState::Decoding) {
+        if matches!(
+            slot.life.state(),
+            RequestState::Prefilling | RequestState::Decoding
+        ) {
             // Re-admitted: the engine preempted it and freed its device blocks.
             slot.life.preempt()?;
             slot.device_blocks.clear();
@@ -580,9 +590,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             let Some(slot) = self.slots.get_mut(&r.request_id) else {
                 continue;
             };
-            if !r.new_tokens.is_empty() {
-                slot.seq.extend(&r.new_tokens);
-            }
+            append_tokens(slot, &r.request_id, &r.new_tokens, r.first_token_index);
             if r.replace_block_ids {
                 slot.device_blocks.clear();
             }
@@ -799,6 +807,12 @@ impl<A: SchedulerAdapter> Leader<A> {
         );
     }
 
+    /// Applies the completions workers reported since the last call (every leader call does this
+    /// first; an idle engine may call it to let stored blocks become matchable sooner).
+    pub fn process_completions(&mut self) {
+        self.poll_completions();
+    }
+
     /// Drains worker messages and completes operations every rank has reported.
     fn poll_completions(&mut self) {
         loop {
@@ -961,8 +975,29 @@ impl<A: SchedulerAdapter> Leader<A> {
     }
 }
 
+/// Appends the part of `tokens` (starting at request index `first`) the slot does not know yet.
+fn append_tokens(slot: &mut Slot, id: &RequestId, tokens: &[Token], first: Option<usize>) {
+    if tokens.is_empty() {
+        return;
+    }
+    let known = slot.seq.total_tokens();
+    let first = first.unwrap_or(known);
+    if first > known {
+        // Tokens in between were never reported: keying these would shift every later key.
+        tracing::warn!(request = %id, known, first, "gap in reported tokens; later blocks are not offloaded");
+        return;
+    }
+    let skip = known - first;
+    if let Some(rest) = tokens.get(skip..) {
+        slot.seq.extend(rest);
+    }
+}
+
 fn unknown_request(op: &'static str, id: &RequestId) -> Error {
-    Error::new(ErrorKind::NotFound, format!("{op}: unknown request id {id}"))
-        .with("op", op)
-        .with("request", id)
+    Error::new(
+        ErrorKind::NotFound,
+        format!("{op}: unknown request id {id}"),
+    )
+    .with("op", op)
+    .with("request", id)
 }

@@ -105,7 +105,10 @@ pub trait WorkerTransport: Send + Sync + std::fmt::Debug {
 }
 
 fn disconnected(what: &str) -> Error {
-    Error::new(ErrorKind::Cancelled, format!("{what}: the other end is gone"))
+    Error::new(
+        ErrorKind::Cancelled,
+        format!("{what}: the other end is gone"),
+    )
 }
 
 /// Leader end of the in-process transport.
@@ -156,7 +159,8 @@ impl LeaderTransport for InProcessLeader {
             .to_workers
             .get(rank)
             .ok_or_else(|| Error::out_of_range("rank", rank, self.to_workers.len()))?;
-        tx.send(msg).map_err(|_| disconnected("leader send").with("rank", rank))
+        tx.send(msg)
+            .map_err(|_| disconnected("leader send").with("rank", rank))
     }
 
     fn try_recv(&self) -> Result<Option<(Rank, WorkerMessage)>> {

@@ -1,1 +1,600 @@
-//! placeholder
+//! The worker: the GPU-process half of the connector.
+//!
+//! One worker per engine process (per tensor-parallel rank). It registers the engine's device
+//! cache as a [`StorageTier`], takes part in the start-up barrier, then allocates its own host
+//! and disk tiers with the block counts the leader chose. Each iteration it receives the leader's
+//! metadata, runs the operations on its tiers through the [`TransferEngine`], and reports every
+//! operation's completion to the leader.
+//!
+//! Towards the engine it answers:
+//! * which requests finished *loading* (all their loads done on this worker);
+//! * which finished requests may have their device blocks freed (all their device operations
+//!   done on this worker, and the leader asked the engine to hold them);
+//! * which device blocks failed to load and must be recomputed.
+//!
+//! Each id is reported once. Loads run asynchronously (the engine does not compute on a request
+//! until its load is reported). Stores are submitted after the forward pass (`save`) and must
+//! have read their device blocks before the next iteration writes them: the next `bind_metadata`
+//! waits for those reads.
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::backends::disk::{DiskTier, DiskTierOptions};
+use crate::backends::memory::MemoryTier;
+use crate::config::Config;
+use crate::connector::barrier::{initialise, worker_barrier, InitCell, InitMode, InitStatus};
+use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
+use crate::connector::transport::{
+    Completion, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
+};
+use crate::connector::RequestId;
+use crate::error::{Error, ErrorKind, Result};
+use crate::layout::{KvLayout, Layout};
+use crate::tier::{StorageTier, TierKind};
+use crate::transfer::{TransferEngine, TransferOutcome};
+
+/// How long `bind_metadata` waits for the previous iteration's stores to finish reading the
+/// device before it gives up with an error.
+pub const DEVICE_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How many finished request ids the worker remembers, to match a hold that arrives after the
+/// engine reported the request finished.
+const RECENTLY_FINISHED: usize = 4096;
+
+/// The tiers of this worker once the barrier completed.
+#[derive(Debug, Clone)]
+pub struct WorkerTiers {
+    /// The engine's device cache.
+    pub device: Arc<dyn StorageTier>,
+    /// Host tier, if the leader gave it blocks.
+    pub host: Option<Arc<dyn StorageTier>>,
+    /// Disk tier, if the leader gave it blocks.
+    pub disk: Option<Arc<dyn StorageTier>>,
+    /// The counts the leader chose.
+    pub counts: TierCounts,
+}
+
+impl WorkerTiers {
+    fn get(&self, kind: TierKind) -> Option<&Arc<dyn StorageTier>> {
+        match kind {
+            TierKind::Device => Some(&self.device),
+            TierKind::Host => self.host.as_ref(),
+            TierKind::Disk => self.disk.as_ref(),
+            TierKind::Remote => None,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct WorkerSlot {
+    /// Loads submitted and not completed.
+    loads: usize,
+    /// Operations touching device blocks, submitted and not completed.
+    device_ops: usize,
+    had_load: bool,
+    load_reported: bool,
+    /// The leader asked the engine to hold this request's device blocks.
+    hold: bool,
+    /// The engine said the request finished.
+    engine_finished: bool,
+    /// The engine said the request started loading (TensorRT-LLM passes these ids).
+    engine_loading: bool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    slots: HashMap<RequestId, WorkerSlot>,
+    load_errors: BTreeSet<usize>,
+    recently_finished: VecDeque<RequestId>,
+    recently_finished_set: HashSet<RequestId>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    state: Mutex<State>,
+    device_reads: Mutex<usize>,
+    device_reads_done: Condvar,
+}
+
+/// The worker-side connector.
+pub struct Worker {
+    config: Config,
+    world_size: usize,
+    mode: InitMode,
+    transport: Arc<dyn WorkerTransport>,
+    runtime: tokio::runtime::Runtime,
+    engine: TransferEngine,
+    init: Option<Arc<InitCell<WorkerTiers>>>,
+    shared: Arc<Shared>,
+    current: Option<ConnectorMetadata>,
+    loads_submitted: bool,
+    stores_submitted: bool,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("rank", &self.transport.rank())
+            .field("world_size", &self.world_size)
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    /// A worker of `world_size` ranks talking to its leader over `transport`. Nothing runs until
+    /// [`Worker::register`].
+    pub fn new(
+        config: Config,
+        world_size: usize,
+        transport: Arc<dyn WorkerTransport>,
+        mode: InitMode,
+    ) -> Result<Self> {
+        config.validate()?;
+        if world_size == 0 || transport.rank() >= world_size {
+            return Err(Error::invalid_argument(format!(
+                "rank {} is not below world size {world_size}",
+                transport.rank()
+            )));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvbm-worker")
+            .enable_time()
+            .build()
+            .map_err(|e| Error::io("start the worker runtime", e))?;
+        let engine = TransferEngine::new(&config.transfer)?;
+        Ok(Self {
+            config,
+            world_size,
+            mode,
+            transport,
+            runtime,
+            engine,
+            init: None,
+            shared: Arc::new(Shared::default()),
+            current: None,
+            loads_submitted: false,
+            stores_submitted: false,
+        })
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    /// Registers the engine's device cache and runs the barrier (inline for
+    /// [`InitMode::Blocking`], in the background for [`InitMode::NonBlocking`]).
+    pub fn register(&mut self, device: Arc<dyn StorageTier>) -> Result<()> {
+        if self.init.is_some() {
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                "a device cache is already registered with this worker",
+            ));
+        }
+        let dims = *device.layout().dims();
+        let hello = WorkerHello {
+            rank: self.transport.rank(),
+            world_size: self.world_size,
+            bytes_per_block: device.bytes_per_block(),
+            num_device_blocks: device.num_blocks(),
+            dims,
+        };
+        let transport = self.transport.clone();
+        let config = self.config.clone();
+        let timeout = config.init_timeout();
+        let init = initialise(self.mode, "kvbm-worker-init", move || {
+            let mut tiers = None;
+            worker_barrier(transport.as_ref(), hello, timeout, |counts| {
+                tiers = Some(allocate_tiers(&config, device.clone(), counts)?);
+                Ok(())
+            })?;
+            tiers.ok_or_else(|| Error::internal("barrier finished without tiers"))
+        })?;
+        self.init = Some(init);
+        Ok(())
+    }
+
+    /// The tiers, once ready.
+    pub fn tiers(&self) -> Option<&WorkerTiers> {
+        self.init.as_ref().and_then(|c| c.get())
+    }
+
+    /// True once the barrier completed and the tiers are allocated.
+    pub fn is_ready(&self) -> bool {
+        self.tiers().is_some()
+    }
+
+    /// The start-up error, if the barrier failed.
+    pub fn init_error(&self) -> Option<Error> {
+        match self.init.as_ref()?.status() {
+            InitStatus::Failed(e) => Some(e.clone()),
+            _ => None,
+        }
+    }
+
+    /// Takes this iteration's metadata (bytes from the leader). Waits for the previous
+    /// iteration's stores to finish reading device blocks; submits any operation of the previous
+    /// metadata that was never started so none is lost.
+    pub fn bind_metadata(&mut self, bytes: &[u8]) -> Result<()> {
+        let _span = tracing::debug_span!("kvbm.worker.bind", rank = self.rank()).entered();
+        let meta = ConnectorMetadata::decode(bytes)?;
+        if !self.is_ready() {
+            if meta.operations.is_empty() {
+                return Ok(());
+            }
+            return Err(Error::new(
+                ErrorKind::NotReady,
+                format!(
+                    "worker rank {} received {} operations before its start-up finished",
+                    self.rank(),
+                    meta.operations.len()
+                ),
+            ));
+        }
+        if self.current.is_some() {
+            if !self.loads_submitted {
+                self.start_load()?;
+            }
+            if !self.stores_submitted {
+                self.save()?;
+            }
+        }
+        self.wait_device_reads(DEVICE_READ_TIMEOUT)?;
+        {
+            let mut st = self.shared.state.lock();
+            for id in &meta.new_slots {
+                st.slots.entry(id.clone()).or_default();
+            }
+            for id in &meta.hold {
+                if st.slots.contains_key(id) {
+                    if let Some(s) = st.slots.get_mut(id) {
+                        s.hold = true;
+                    }
+                } else {
+                    // Already drained here; if the engine already said finished, report at once.
+                    let finished = st.recently_finished_set.contains(id);
+                    st.slots.insert(
+                        id.clone(),
+                        WorkerSlot {
+                            hold: true,
+                            engine_finished: finished,
+                            ..Default::default()
+                        },
+                    );
+                }
+            }
+        }
+        self.current = Some(meta);
+        self.loads_submitted = false;
+        self.stores_submitted = false;
+        Ok(())
+    }
+
+    /// Drops the current metadata (after the iteration), submitting anything not yet started.
+    pub fn clear_metadata(&mut self) -> Result<()> {
+        if self.current.is_some() {
+            if !self.loads_submitted {
+                self.start_load()?;
+            }
+            if !self.stores_submitted {
+                self.save()?;
+            }
+        }
+        self.current = None;
+        Ok(())
+    }
+
+    /// Starts this iteration's loads (asynchronous).
+    pub fn start_load(&mut self) -> Result<()> {
+        self.loads_submitted = true;
+        self.submit_where(|op| op.direction() == Direction::Load)
+    }
+
+    /// Starts this iteration's stores and other operations (after the forward pass wrote the
+    /// blocks). Does not wait for them.
+    pub fn save(&mut self) -> Result<()> {
+        self.stores_submitted = true;
+        self.submit_where(|op| op.direction() != Direction::Load)
+    }
+
+    fn submit_where(&mut self, pick: impl Fn(&dyn Operation) -> bool) -> Result<()> {
+        let Some(meta) = self.current.as_ref() else {
+            return Ok(());
+        };
+        let ops: Vec<Box<dyn Operation>> = meta
+            .operations
+            .iter()
+            .filter(|op| pick(op.as_ref()))
+            .cloned()
+            .collect();
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let tiers = self
+            .tiers()
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::NotReady, "worker is not ready"))?;
+        for op in ops {
+            self.submit(&tiers, op);
+        }
+        Ok(())
+    }
+
+    fn submit(&self, tiers: &WorkerTiers, op: Box<dyn Operation>) {
+        let t = op.transfer().clone();
+        let direction = op.direction();
+        let touches_device = t.reads_device() || t.writes_device();
+        {
+            let mut st = self.shared.state.lock();
+            if let Some(id) = &t.request_id {
+                let slot = st.slots.entry(id.clone()).or_default();
+                if touches_device {
+                    slot.device_ops += 1;
+                }
+                if direction == Direction::Load {
+                    slot.loads += 1;
+                    slot.had_load = true;
+                }
+            }
+        }
+        if t.reads_device() {
+            *self.shared.device_reads.lock() += 1;
+        }
+        let done = OpDone {
+            op: t.id,
+            request: t.request_id.clone(),
+            direction,
+            touches_device,
+            reads_device: t.reads_device(),
+            dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
+        };
+        let shared = self.shared.clone();
+        let transport = self.transport.clone();
+        let (src, dst) = match (tiers.get(t.src), tiers.get(t.dst)) {
+            (Some(s), Some(d)) => (s.clone(), d.clone()),
+            _ => {
+                let e =
+                    Error::unsupported(format!("{} → {} has no tier on this worker", t.src, t.dst))
+                        .with("op", t.id);
+                complete(&shared, transport.as_ref(), done, Err(e));
+                return;
+            }
+        };
+        let handle = {
+            let _enter = self.runtime.enter();
+            self.engine.submit(src, dst, t.pairs)
+        };
+        match handle {
+            Ok(h) => {
+                self.runtime.spawn(async move {
+                    let outcome = h.await;
+                    complete(&shared, transport.as_ref(), done, outcome);
+                });
+            }
+            Err(e) => complete(&shared, transport.as_ref(), done, Err(e)),
+        }
+    }
+
+    /// Waits until no store is reading device blocks.
+    fn wait_device_reads(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut n = self.shared.device_reads.lock();
+        while *n > 0 {
+            if self
+                .shared
+                .device_reads_done
+                .wait_until(&mut n, deadline)
+                .timed_out()
+            {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{} store(s) still reading device blocks after {:.0}s",
+                        *n,
+                        timeout.as_secs_f64()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every submitted operation has completed (for shutdown and tests).
+    pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let busy = {
+                let st = self.shared.state.lock();
+                st.slots.values().any(|s| s.device_ops > 0 || s.loads > 0)
+            } || *self.shared.device_reads.lock() > 0
+                || self.runtime.metrics().num_alive_tasks() > 0;
+            if !busy {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    "operations still running at the deadline",
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Requests done on this worker, each reported once: `(released, loaded)`.
+    ///
+    /// * `finished`: requests the engine reports finished since the last call.
+    /// * `started_loading`: requests the engine says started loading (TensorRT-LLM passes them and
+    ///   accepts only those back); `None` reports any finished load (vLLM).
+    ///
+    /// `released` lists finished requests whose device blocks the engine held for us and whose
+    /// device operations are all done here; `loaded`, requests whose loads are all done here
+    /// (failed blocks are in [`Worker::take_load_errors`]).
+    pub fn get_finished(
+        &mut self,
+        finished: &[RequestId],
+        started_loading: Option<&[RequestId]>,
+    ) -> (Vec<RequestId>, Vec<RequestId>) {
+        let mut st = self.shared.state.lock();
+        for id in finished {
+            if let Some(s) = st.slots.get_mut(id) {
+                s.engine_finished = true;
+            }
+            if st.recently_finished_set.insert(id.clone()) {
+                st.recently_finished.push_back(id.clone());
+                if st.recently_finished.len() > RECENTLY_FINISHED {
+                    if let Some(old) = st.recently_finished.pop_front() {
+                        st.recently_finished_set.remove(&old);
+                    }
+                }
+            }
+        }
+        if let Some(ids) = started_loading {
+            for id in ids {
+                if let Some(s) = st.slots.get_mut(id) {
+                    s.engine_loading = true;
+                }
+            }
+        }
+        let any_loading = started_loading.is_none();
+        let mut released = Vec::new();
+        let mut loaded = Vec::new();
+        st.slots.retain(|id, s| {
+            if s.had_load && s.loads == 0 && !s.load_reported && (any_loading || s.engine_loading) {
+                s.load_reported = true;
+                loaded.push(id.clone());
+            }
+            if s.engine_finished && s.device_ops == 0 && s.loads == 0 {
+                if s.hold {
+                    released.push(id.clone());
+                }
+                return false;
+            }
+            true
+        });
+        released.sort();
+        loaded.sort();
+        (released, loaded)
+    }
+
+    /// Device blocks whose load failed since the last call (the engine must recompute them).
+    pub fn take_load_errors(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.shared.state.lock().load_errors)
+            .into_iter()
+            .collect()
+    }
+
+    /// Requests this worker tracks.
+    pub fn num_slots(&self) -> usize {
+        self.shared.state.lock().slots.len()
+    }
+
+    /// The operations of the current metadata (for tools and tests).
+    pub fn current_operations(&self) -> Vec<OperationId> {
+        self.current
+            .as_ref()
+            .map(|m| m.operations.iter().map(|o| o.id()).collect())
+            .unwrap_or_default()
+    }
+}
+
+struct OpDone {
+    op: OperationId,
+    request: Option<RequestId>,
+    direction: Direction,
+    touches_device: bool,
+    reads_device: bool,
+    dst_blocks: Vec<usize>,
+}
+
+fn complete(
+    shared: &Shared,
+    transport: &dyn WorkerTransport,
+    done: OpDone,
+    outcome: Result<TransferOutcome>,
+) {
+    let (failed, error): (Vec<usize>, Option<String>) = match outcome {
+        Ok(o) if o.is_ok() => (Vec::new(), None),
+        Ok(o) => {
+            let first = o.failed.first().map(|f| f.error.to_string());
+            (o.failed.iter().map(|f| f.dst_block).collect(), first)
+        }
+        Err(e) => (done.dst_blocks.clone(), Some(e.to_string())),
+    };
+    if let Some(e) = &error {
+        tracing::warn!(op = %done.op, failed = failed.len(), error = %e, "operation failed");
+    }
+    {
+        let mut st = shared.state.lock();
+        if done.direction == Direction::Load {
+            st.load_errors.extend(failed.iter().copied());
+        }
+        if let Some(id) = &done.request {
+            if let Some(s) = st.slots.get_mut(id) {
+                if done.touches_device {
+                    s.device_ops = s.device_ops.saturating_sub(1);
+                }
+                if done.direction == Direction::Load {
+                    s.loads = s.loads.saturating_sub(1);
+                }
+            }
+        }
+    }
+    if done.reads_device {
+        let mut n = shared.device_reads.lock();
+        *n = n.saturating_sub(1);
+        shared.device_reads_done.notify_all();
+    }
+    let msg = WorkerMessage::Completed(vec![Completion {
+        op: done.op,
+        failed_dst_blocks: failed,
+        error,
+    }]);
+    if let Err(e) = transport.send(msg) {
+        tracing::warn!(op = %done.op, error = %e, "cannot report a completion to the leader");
+    }
+}
+
+fn allocate_tiers(
+    config: &Config,
+    device: Arc<dyn StorageTier>,
+    counts: TierCounts,
+) -> Result<WorkerTiers> {
+    let dims = *device.layout().dims();
+    let host: Option<Arc<dyn StorageTier>> = if counts.num_host_blocks > 0 {
+        Some(Arc::new(MemoryTier::host(Layout::fully_contiguous(
+            dims,
+            counts.num_host_blocks,
+        )?)?))
+    } else {
+        None
+    };
+    let disk: Option<Arc<dyn StorageTier>> = if counts.num_disk_blocks > 0 {
+        let opts = DiskTierOptions {
+            dir: config.disk.dir.clone(),
+            direct_io: config.disk.direct_io,
+            persist: config.disk.persist,
+            max_in_flight: config.disk.max_in_flight,
+        };
+        Some(Arc::new(DiskTier::create(
+            TierKind::Disk,
+            dims,
+            counts.num_disk_blocks,
+            opts,
+        )?))
+    } else {
+        None
+    };
+    Ok(WorkerTiers {
+        device,
+        host,
+        disk,
+        counts,
+    })
+}

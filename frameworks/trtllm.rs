@@ -1,0 +1,363 @@
+//! TensorRT-LLM adapter: the method set of `KvCacheConnectorScheduler` and
+//! `KvCacheConnectorWorker`, in Rust types shaped like what TensorRT-LLM passes.
+//!
+//! What differs from vLLM, and how it is handled:
+//! * request ids are integers (`u64`);
+//! * `update_state_after_alloc(request, block_ids)` carries no external-token count: the scheduler
+//!   remembers, per request, the count it returned from `get_num_new_matched_tokens`;
+//! * a `num_computed_tokens` that is not block-aligned (partial device reuse) matches nothing:
+//!   `(0, false)`;
+//! * the scheduler output has no scheduled-token count, only `computed_position`: offload is by
+//!   computed position ([`ComputedPosition`]), and the blocks computed in a request's last
+//!   iteration are stored when it finishes;
+//! * one fully contiguous cache tensor `[num_blocks, num_layers, kv_factor, ...]` is registered;
+//! * the scheduler initialises non-blocking and the worker blocking (TensorRT-LLM builds both at
+//!   once; the engine is ready when the worker is);
+//! * `get_finished(finished_gen_req_ids, started_loading_req_ids)` returns an id only after the
+//!   engine passed it in.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::connector::adapter::{ComputedPosition, ScheduledRequest, SchedulerStep};
+use crate::connector::barrier::InitMode;
+use crate::connector::leader::{Leader, RequestInfo};
+use crate::connector::transport::{LeaderTransport, WorkerTransport};
+use crate::connector::worker::Worker;
+use crate::connector::RequestId;
+use crate::error::{Error, Result};
+use crate::identity::Token;
+use crate::layout::{detect_trtllm, KvLayout, LayoutKind};
+use crate::tier::StorageTier;
+
+/// The parts of TensorRT-LLM's `LlmRequest` the connector reads.
+#[derive(Debug, Clone, Copy)]
+pub struct LlmRequest<'a> {
+    /// `request.request_id`.
+    pub request_id: u64,
+    /// `request.get_tokens(0)`: prompt and generated tokens so far.
+    pub tokens: &'a [Token],
+    /// Cache salt (tenant isolation), if the request has one.
+    pub cache_salt: Option<&'a str>,
+    /// LoRA adapter name, if any.
+    pub lora_name: Option<&'a str>,
+}
+
+/// TensorRT-LLM's `RequestData`: one request in the scheduler output.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestData {
+    /// The request id.
+    pub request_id: u64,
+    /// Tokens new since the request last appeared (all tokens the first time).
+    pub new_tokens: Vec<Token>,
+    /// Device blocks allocated since the request last appeared.
+    pub new_block_ids: Vec<usize>,
+    /// Position up to which the request's KV is computed.
+    pub computed_position: usize,
+}
+
+/// TensorRT-LLM's `SchedulerOutput`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SchedulerOutput {
+    /// Requests scheduled for the first time (each appears here once).
+    pub new_requests: Vec<RequestData>,
+    /// Requests scheduled before.
+    pub cached_requests: Vec<RequestData>,
+}
+
+/// `KvCacheConnectorScheduler`.
+#[derive(Debug)]
+pub struct TrtllmScheduler {
+    leader: Leader<ComputedPosition>,
+    /// External-token counts returned by `get_num_new_matched_tokens`, consumed by
+    /// `update_state_after_alloc`.
+    external: HashMap<u64, usize>,
+    /// Tokens the engine has reported per request through the scheduler output.
+    reported: HashMap<u64, usize>,
+}
+
+impl TrtllmScheduler {
+    /// The scheduler side; its barrier runs in the background (non-blocking).
+    pub fn new(
+        config: Config,
+        tokens_per_block: usize,
+        transport: Arc<dyn LeaderTransport>,
+    ) -> Result<Self> {
+        Self::with_mode(config, tokens_per_block, transport, InitMode::NonBlocking)
+    }
+
+    /// As [`TrtllmScheduler::new`] with an explicit init mode.
+    pub fn with_mode(
+        config: Config,
+        tokens_per_block: usize,
+        transport: Arc<dyn LeaderTransport>,
+        mode: InitMode,
+    ) -> Result<Self> {
+        Ok(Self {
+            leader: Leader::new(ComputedPosition, config, tokens_per_block, transport, mode)?,
+            external: HashMap::new(),
+            reported: HashMap::new(),
+        })
+    }
+
+    /// The core leader (metrics, status).
+    pub fn leader(&self) -> &Leader<ComputedPosition> {
+        &self.leader
+    }
+
+    /// Mutable access to the core leader.
+    pub fn leader_mut(&mut self) -> &mut Leader<ComputedPosition> {
+        &mut self.leader
+    }
+
+    /// `get_num_new_matched_tokens(request, num_computed_tokens) -> (num_tokens, load_async)`.
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        request: &LlmRequest<'_>,
+        num_computed_tokens: usize,
+    ) -> Result<(usize, bool)> {
+        self.external.remove(&request.request_id);
+        if num_computed_tokens % self.leader.page_size() != 0 {
+            // Partial reuse of a device block: nothing can be loaded behind it.
+            return Ok((0, false));
+        }
+        let id = RequestId::from(request.request_id);
+        let m = self.leader.get_num_new_matched_tokens(
+            RequestInfo {
+                id: &id,
+                tokens: request.tokens,
+                cache_salt: request.cache_salt,
+                lora_name: request.lora_name,
+            },
+            num_computed_tokens,
+        )?;
+        if m.external_tokens > 0 {
+            self.external.insert(request.request_id, m.external_tokens);
+        }
+        Ok((m.external_tokens, m.load_async))
+    }
+
+    /// `update_state_after_alloc(request, block_ids)`: uses the count remembered from the match.
+    pub fn update_state_after_alloc(
+        &mut self,
+        request: &LlmRequest<'_>,
+        block_ids: &[usize],
+    ) -> Result<()> {
+        let external = self.external.get(&request.request_id).copied().unwrap_or(0);
+        let id = RequestId::from(request.request_id);
+        self.leader
+            .update_state_after_alloc(&id, block_ids, external)?;
+        self.external.remove(&request.request_id);
+        Ok(())
+    }
+
+    /// `build_connector_meta(scheduler_output) -> bytes`.
+    pub fn build_connector_meta(&mut self, output: &SchedulerOutput) -> Result<Vec<u8>> {
+        let mut step = SchedulerStep::default();
+        for (data, new) in output
+            .new_requests
+            .iter()
+            .map(|d| (d, true))
+            .chain(output.cached_requests.iter().map(|d| (d, false)))
+        {
+            let first = if new {
+                0
+            } else {
+                self.reported.get(&data.request_id).copied().unwrap_or(0)
+            };
+            step.requests.push(ScheduledRequest {
+                request_id: RequestId::from(data.request_id),
+                new_tokens: data.new_tokens.clone(),
+                first_token_index: Some(first),
+                new_block_ids: data.new_block_ids.clone(),
+                replace_block_ids: false,
+                num_computed_tokens: data.computed_position,
+                num_scheduled_tokens: None,
+                computed_position: Some(data.computed_position),
+            });
+        }
+        let bytes = self.leader.build_connector_meta(&step)?;
+        for (data, new) in output
+            .new_requests
+            .iter()
+            .map(|d| (d, true))
+            .chain(output.cached_requests.iter().map(|d| (d, false)))
+        {
+            let e = self.reported.entry(data.request_id).or_insert(0);
+            if new {
+                *e = 0;
+            }
+            *e += data.new_tokens.len();
+        }
+        Ok(bytes)
+    }
+
+    /// `request_finished(request, cache_block_ids) -> bool`: true while stores (or loads) on the
+    /// request's device blocks are in flight; the engine frees them once every worker returned the
+    /// id from `get_finished`.
+    pub fn request_finished(
+        &mut self,
+        request: &LlmRequest<'_>,
+        cache_block_ids: &[usize],
+    ) -> Result<bool> {
+        let _ = cache_block_ids;
+        self.external.remove(&request.request_id);
+        self.reported.remove(&request.request_id);
+        let id = RequestId::from(request.request_id);
+        // Every token but the last generated one has its KV computed.
+        let computed = request.tokens.len().saturating_sub(1);
+        self.leader
+            .request_finished(&id, Some(request.tokens), Some(computed))
+    }
+}
+
+/// `KvCacheConnectorWorker`.
+#[derive(Debug)]
+pub struct TrtllmWorker {
+    worker: Worker,
+    tokens_per_block: usize,
+    num_layers: usize,
+    saved_this_iteration: bool,
+}
+
+impl TrtllmWorker {
+    /// A worker of rank `transport.rank()` among `world_size`; its barrier runs inline (blocking)
+    /// in [`TrtllmWorker::register_kv_caches`].
+    pub fn new(
+        config: Config,
+        tokens_per_block: usize,
+        world_size: usize,
+        transport: Arc<dyn WorkerTransport>,
+    ) -> Result<Self> {
+        Self::with_mode(
+            config,
+            tokens_per_block,
+            world_size,
+            transport,
+            InitMode::Blocking,
+        )
+    }
+
+    /// As [`TrtllmWorker::new`] with an explicit init mode.
+    pub fn with_mode(
+        config: Config,
+        tokens_per_block: usize,
+        world_size: usize,
+        transport: Arc<dyn WorkerTransport>,
+        mode: InitMode,
+    ) -> Result<Self> {
+        if tokens_per_block == 0 {
+            return Err(Error::invalid_argument(
+                "tokens_per_block must be at least 1",
+            ));
+        }
+        Ok(Self {
+            worker: Worker::new(config, world_size, transport, mode)?,
+            tokens_per_block,
+            num_layers: 0,
+            saved_this_iteration: false,
+        })
+    }
+
+    /// The core worker.
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// Mutable access to the core worker.
+    pub fn worker_mut(&mut self) -> &mut Worker {
+        &mut self.worker
+    }
+
+    /// `register_kv_caches(kv_cache_tensor)`: the tensor's `shape` and element size, and the cache
+    /// storage behind it. The layout read from the shape must be the storage's layout.
+    pub fn register_kv_caches(
+        &mut self,
+        shape: &[usize],
+        dtype_bytes: usize,
+        cache: Arc<dyn StorageTier>,
+    ) -> Result<()> {
+        let layout = detect_trtllm(
+            shape,
+            dtype_bytes,
+            self.tokens_per_block,
+            Some(LayoutKind::FullyContiguous),
+        )?;
+        super::check_registered(&layout, cache.as_ref())?;
+        self.num_layers = layout.dims().num_layers;
+        self.worker.register(cache)
+    }
+
+    /// `bind_connector_meta(metadata)`.
+    pub fn bind_connector_meta(&mut self, metadata: &[u8]) -> Result<()> {
+        self.saved_this_iteration = false;
+        self.worker.bind_metadata(metadata)
+    }
+
+    /// `start_load_kv(stream)`: loads run asynchronously.
+    pub fn start_load_kv(&mut self) -> Result<()> {
+        self.worker.start_load()
+    }
+
+    /// `wait_for_layer_load(layer_idx, stream)`: loads are asynchronous and finish before the
+    /// engine schedules the request, so nothing to wait for; the index is checked.
+    pub fn wait_for_layer_load(&mut self, layer_idx: usize) -> Result<()> {
+        self.check_layer(layer_idx)
+    }
+
+    /// `save_kv_layer(layer_idx, stream)`: stores start after the last layer.
+    pub fn save_kv_layer(&mut self, layer_idx: usize) -> Result<()> {
+        self.check_layer(layer_idx)?;
+        if layer_idx + 1 == self.num_layers && !self.saved_this_iteration {
+            self.saved_this_iteration = true;
+            self.worker.save()?;
+        }
+        Ok(())
+    }
+
+    /// `wait_for_save(stream)`: starts the stores if the last layer did not; does not block on them.
+    pub fn wait_for_save(&mut self) -> Result<()> {
+        if !self.saved_this_iteration {
+            self.saved_this_iteration = true;
+            self.worker.save()?;
+        }
+        Ok(())
+    }
+
+    /// `get_finished(finished_gen_req_ids, started_loading_req_ids) -> (saved, loaded)`.
+    pub fn get_finished(
+        &mut self,
+        finished_gen_req_ids: &[u64],
+        started_loading_req_ids: &[u64],
+    ) -> (Vec<u64>, Vec<u64>) {
+        let finished: Vec<RequestId> = finished_gen_req_ids
+            .iter()
+            .map(|&i| RequestId::from(i))
+            .collect();
+        let loading: Vec<RequestId> = started_loading_req_ids
+            .iter()
+            .map(|&i| RequestId::from(i))
+            .collect();
+        let (saved, loaded) = self.worker.get_finished(&finished, Some(&loading));
+        let to_u64 = |v: Vec<RequestId>| -> Vec<u64> {
+            let mut out: Vec<u64> = v.iter().filter_map(|id| id.as_str().parse().ok()).collect();
+            out.sort_unstable();
+            out
+        };
+        (to_u64(saved), to_u64(loaded))
+    }
+
+    /// Device blocks whose load failed (recompute them). TensorRT-LLM's connector API has no call
+    /// for this in the version targeted; an integration should poll it after `get_finished`.
+    pub fn get_block_ids_with_load_errors(&mut self) -> Vec<usize> {
+        self.worker.take_load_errors()
+    }
+
+    fn check_layer(&self, layer_idx: usize) -> Result<()> {
+        if layer_idx >= self.num_layers {
+            return Err(Error::out_of_range("layer", layer_idx, self.num_layers));
+        }
+        Ok(())
+    }
+}

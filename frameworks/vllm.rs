@@ -1,0 +1,433 @@
+//! vLLM adapter: the method set of `KVConnectorBase_V1` (scheduler and worker roles), in Rust
+//! types shaped like what vLLM passes.
+//!
+//! What differs from TensorRT-LLM, and how it is handled:
+//! * request ids are strings;
+//! * `update_state_after_alloc(request, blocks, num_external_tokens)` carries the count, and is
+//!   called a second time with 0 after an asynchronous load finished;
+//! * the scheduler output has `num_scheduled_tokens` per request: offload is by scheduled tokens
+//!   ([`ScheduledTokens`]), so a block is stored in the iteration that computes it;
+//! * preempted requests come back through `get_num_new_matched_tokens` (their blocks were freed)
+//!   and are rescheduled with `resumed_from_preemption` and a new block list;
+//! * per-layer cache tensors are registered (layer separate, block- or outer-major, read from the
+//!   shapes);
+//! * the scheduler initialises blocking and the worker non-blocking (vLLM registers caches before
+//!   it builds the scheduler; the engine is ready when the scheduler is);
+//! * `get_finished(finished_req_ids) -> (finished_sending, finished_recving)` and
+//!   `get_block_ids_with_load_errors()`.
+//!
+//! Only one KV-cache group is supported (block ids are one list per request); hybrid models with
+//! several groups are refused with an error.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
+use crate::connector::barrier::InitMode;
+use crate::connector::leader::{Leader, RequestInfo};
+use crate::connector::transport::{LeaderTransport, WorkerTransport};
+use crate::connector::worker::Worker;
+use crate::connector::RequestId;
+use crate::error::{Error, Result};
+use crate::identity::Token;
+use crate::layout::{detect_vllm, LayoutKind};
+use crate::tier::StorageTier;
+
+/// The parts of vLLM's `Request` the connector reads.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    /// `request.request_id`.
+    pub request_id: &'a str,
+    /// `request.all_token_ids`: prompt and generated tokens so far.
+    pub all_token_ids: &'a [Token],
+    /// `request.cache_salt`.
+    pub cache_salt: Option<&'a str>,
+    /// `request.lora_request.lora_name`, if any.
+    pub lora_name: Option<&'a str>,
+    /// `request.num_computed_tokens`.
+    pub num_computed_tokens: usize,
+}
+
+/// vLLM's `NewRequestData`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NewRequestData {
+    /// `req_id`.
+    pub req_id: String,
+    /// `prompt_token_ids`.
+    pub prompt_token_ids: Vec<Token>,
+    /// `block_ids`: one list per KV-cache group (exactly one supported).
+    pub block_ids: Vec<Vec<usize>>,
+    /// `num_computed_tokens` (local prefix-cache hits plus loaded tokens).
+    pub num_computed_tokens: usize,
+}
+
+/// vLLM's `CachedRequestData` (parallel lists, one entry per request).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CachedRequestData {
+    /// `req_ids`.
+    pub req_ids: Vec<String>,
+    /// `resumed_from_preemption`.
+    pub resumed_from_preemption: Vec<bool>,
+    /// `new_token_ids` (may be empty lists when vLLM does not send them).
+    pub new_token_ids: Vec<Vec<Token>>,
+    /// `new_block_ids`: per request, `None` or one list per KV-cache group.
+    pub new_block_ids: Vec<Option<Vec<Vec<usize>>>>,
+    /// `num_computed_tokens`.
+    pub num_computed_tokens: Vec<usize>,
+}
+
+/// vLLM's `SchedulerOutput` (the fields the connector reads).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SchedulerOutput {
+    /// `scheduled_new_reqs`.
+    pub scheduled_new_reqs: Vec<NewRequestData>,
+    /// `scheduled_cached_reqs`.
+    pub scheduled_cached_reqs: CachedRequestData,
+    /// `num_scheduled_tokens`.
+    pub num_scheduled_tokens: HashMap<String, usize>,
+    /// `finished_req_ids`.
+    pub finished_req_ids: HashSet<String>,
+    /// `preempted_req_ids` (newer vLLM; empty otherwise).
+    pub preempted_req_ids: HashSet<String>,
+}
+
+fn one_group(id: &str, groups: &[Vec<usize>]) -> Result<Vec<usize>> {
+    match groups {
+        [] => Ok(Vec::new()),
+        [one] => Ok(one.clone()),
+        _ => Err(Error::unsupported(format!(
+            "request {id} has {} KV-cache groups; one is supported",
+            groups.len()
+        ))
+        .with("request", id)),
+    }
+}
+
+/// The scheduler role of `KVConnectorBase_V1`.
+#[derive(Debug)]
+pub struct VllmScheduler {
+    leader: Leader<ScheduledTokens>,
+}
+
+impl VllmScheduler {
+    /// The scheduler side; its barrier runs inline (blocking): vLLM builds it after the workers
+    /// registered their caches.
+    pub fn new(
+        config: Config,
+        block_size: usize,
+        transport: Arc<dyn LeaderTransport>,
+    ) -> Result<Self> {
+        Self::with_mode(config, block_size, transport, InitMode::Blocking)
+    }
+
+    /// As [`VllmScheduler::new`] with an explicit init mode.
+    pub fn with_mode(
+        config: Config,
+        block_size: usize,
+        transport: Arc<dyn LeaderTransport>,
+        mode: InitMode,
+    ) -> Result<Self> {
+        Ok(Self {
+            leader: Leader::new(ScheduledTokens, config, block_size, transport, mode)?,
+        })
+    }
+
+    /// The core leader (metrics, status).
+    pub fn leader(&self) -> &Leader<ScheduledTokens> {
+        &self.leader
+    }
+
+    /// Mutable access to the core leader.
+    pub fn leader_mut(&mut self) -> &mut Leader<ScheduledTokens> {
+        &mut self.leader
+    }
+
+    /// `get_num_new_matched_tokens(request, num_computed_tokens) -> (Optional[int], bool)`.
+    /// Always `Some` (this connector never asks vLLM to retry later).
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        request: &Request<'_>,
+        num_computed_tokens: usize,
+    ) -> Result<(Option<usize>, bool)> {
+        let id = RequestId::from(request.request_id);
+        let m = self.leader.get_num_new_matched_tokens(
+            RequestInfo {
+                id: &id,
+                tokens: request.all_token_ids,
+                cache_salt: request.cache_salt,
+                lora_name: request.lora_name,
+            },
+            num_computed_tokens,
+        )?;
+        Ok((Some(m.external_tokens), m.load_async))
+    }
+
+    /// `update_state_after_alloc(request, blocks, num_external_tokens)`; `block_ids` is
+    /// `blocks.get_block_ids()`: one list per KV-cache group.
+    pub fn update_state_after_alloc(
+        &mut self,
+        request: &Request<'_>,
+        block_ids: &[Vec<usize>],
+        num_external_tokens: usize,
+    ) -> Result<()> {
+        let blocks = one_group(request.request_id, block_ids)?;
+        let id = RequestId::from(request.request_id);
+        self.leader
+            .update_state_after_alloc(&id, &blocks, num_external_tokens)
+    }
+
+    /// `build_connector_meta(scheduler_output) -> KVConnectorMetadata` (as bytes).
+    pub fn build_connector_meta(&mut self, output: &SchedulerOutput) -> Result<Vec<u8>> {
+        let mut step = SchedulerStep::default();
+        let scheduled = |id: &str| -> Result<usize> {
+            output.num_scheduled_tokens.get(id).copied().ok_or_else(|| {
+                Error::invalid_argument(format!(
+                    "request {id} is scheduled but has no num_scheduled_tokens"
+                ))
+                .with("request", id)
+            })
+        };
+        for r in &output.scheduled_new_reqs {
+            step.requests.push(ScheduledRequest {
+                request_id: RequestId::from(r.req_id.as_str()),
+                new_tokens: r.prompt_token_ids.clone(),
+                first_token_index: Some(0),
+                new_block_ids: one_group(&r.req_id, &r.block_ids)?,
+                replace_block_ids: true,
+                num_computed_tokens: r.num_computed_tokens,
+                num_scheduled_tokens: Some(scheduled(&r.req_id)?),
+                computed_position: None,
+            });
+        }
+        let c = &output.scheduled_cached_reqs;
+        let n = c.req_ids.len();
+        if c.resumed_from_preemption.len() != n
+            || c.new_token_ids.len() != n
+            || c.new_block_ids.len() != n
+            || c.num_computed_tokens.len() != n
+        {
+            return Err(Error::invalid_argument(format!(
+                "scheduled_cached_reqs lists differ in length: {n} ids, {} resumed, {} token lists, {} block lists, {} computed counts",
+                c.resumed_from_preemption.len(),
+                c.new_token_ids.len(),
+                c.new_block_ids.len(),
+                c.num_computed_tokens.len()
+            )));
+        }
+        for i in 0..n {
+            let id = &c.req_ids[i];
+            let blocks = match &c.new_block_ids[i] {
+                Some(groups) => one_group(id, groups)?,
+                None => Vec::new(),
+            };
+            step.requests.push(ScheduledRequest {
+                request_id: RequestId::from(id.as_str()),
+                new_tokens: c.new_token_ids[i].clone(),
+                first_token_index: Some(c.num_computed_tokens[i]),
+                new_block_ids: blocks,
+                replace_block_ids: c.resumed_from_preemption[i],
+                num_computed_tokens: c.num_computed_tokens[i],
+                num_scheduled_tokens: Some(scheduled(id)?),
+                computed_position: None,
+            });
+        }
+        let mut preempted: Vec<&String> = output.preempted_req_ids.iter().collect();
+        preempted.sort();
+        step.preempted = preempted
+            .into_iter()
+            .map(|s| RequestId::from(s.as_str()))
+            .collect();
+        self.leader.build_connector_meta(&step)
+    }
+
+    /// `request_finished(request, block_ids) -> (bool, Optional[dict])`: true while operations on
+    /// the request's device blocks are in flight (vLLM then frees them when a worker reports the
+    /// id in `finished_sending`). No transfer parameters are returned.
+    pub fn request_finished(
+        &mut self,
+        request: &Request<'_>,
+        block_ids: &[usize],
+    ) -> Result<(bool, Option<()>)> {
+        let _ = block_ids;
+        let id = RequestId::from(request.request_id);
+        let held = self.leader.request_finished(
+            &id,
+            Some(request.all_token_ids),
+            Some(request.num_computed_tokens),
+        )?;
+        Ok((held, None))
+    }
+
+    /// `update_connector_output(connector_output)`: completions arrive over the transport, so this
+    /// only applies them early.
+    pub fn update_connector_output(&mut self) {
+        self.leader.process_completions();
+    }
+}
+
+/// The worker role of `KVConnectorBase_V1`.
+#[derive(Debug)]
+pub struct VllmWorker {
+    worker: Worker,
+    block_size: usize,
+    layers: HashMap<String, usize>,
+    saved_this_iteration: bool,
+}
+
+impl VllmWorker {
+    /// A worker of rank `transport.rank()` among `world_size`; its barrier runs in the
+    /// background (non-blocking) after [`VllmWorker::register_kv_caches`].
+    pub fn new(
+        config: Config,
+        block_size: usize,
+        world_size: usize,
+        transport: Arc<dyn WorkerTransport>,
+    ) -> Result<Self> {
+        Self::with_mode(
+            config,
+            block_size,
+            world_size,
+            transport,
+            InitMode::NonBlocking,
+        )
+    }
+
+    /// As [`VllmWorker::new`] with an explicit init mode.
+    pub fn with_mode(
+        config: Config,
+        block_size: usize,
+        world_size: usize,
+        transport: Arc<dyn WorkerTransport>,
+        mode: InitMode,
+    ) -> Result<Self> {
+        if block_size == 0 {
+            return Err(Error::invalid_argument("block_size must be at least 1"));
+        }
+        Ok(Self {
+            worker: Worker::new(config, world_size, transport, mode)?,
+            block_size,
+            layers: HashMap::new(),
+            saved_this_iteration: false,
+        })
+    }
+
+    /// The core worker.
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// Mutable access to the core worker.
+    pub fn worker_mut(&mut self) -> &mut Worker {
+        &mut self.worker
+    }
+
+    /// `register_kv_caches(kv_caches: dict[str, Tensor])`: each layer's name and shape (in
+    /// model order), the element size, the engine's block count when known, an optional layout
+    /// override (refused if it contradicts the shapes), and the cache storage behind the tensors.
+    pub fn register_kv_caches(
+        &mut self,
+        layers: &[(String, Vec<usize>)],
+        dtype_bytes: usize,
+        num_blocks: Option<usize>,
+        layout_override: Option<LayoutKind>,
+        cache: Arc<dyn StorageTier>,
+    ) -> Result<()> {
+        let shapes: Vec<Vec<usize>> = layers.iter().map(|(_, s)| s.clone()).collect();
+        let layout = detect_vllm(
+            &shapes,
+            dtype_bytes,
+            self.block_size,
+            num_blocks,
+            layout_override,
+        )?;
+        super::check_registered(&layout, cache.as_ref())?;
+        let mut names = HashMap::with_capacity(layers.len());
+        for (i, (name, _)) in layers.iter().enumerate() {
+            if names.insert(name.clone(), i).is_some() {
+                return Err(Error::invalid_argument(format!(
+                    "layer name {name:?} registered twice"
+                )));
+            }
+        }
+        self.worker.register(cache)?;
+        self.layers = names;
+        Ok(())
+    }
+
+    /// `bind_connector_metadata(metadata)`.
+    pub fn bind_connector_metadata(&mut self, metadata: &[u8]) -> Result<()> {
+        self.saved_this_iteration = false;
+        self.worker.bind_metadata(metadata)
+    }
+
+    /// `clear_connector_metadata()`.
+    pub fn clear_connector_metadata(&mut self) -> Result<()> {
+        self.worker.clear_metadata()
+    }
+
+    /// `start_load_kv(forward_context)`: loads run asynchronously.
+    pub fn start_load_kv(&mut self) -> Result<()> {
+        self.worker.start_load()
+    }
+
+    /// `wait_for_layer_load(layer_name)`: loads are asynchronous and finish before vLLM schedules
+    /// the request, so nothing to wait for; the name is checked.
+    pub fn wait_for_layer_load(&mut self, layer_name: &str) -> Result<()> {
+        self.layer_index(layer_name).map(|_| ())
+    }
+
+    /// `save_kv_layer(layer_name, kv_layer, attn_metadata)`: stores start after the last layer.
+    pub fn save_kv_layer(&mut self, layer_name: &str) -> Result<()> {
+        let i = self.layer_index(layer_name)?;
+        if i + 1 == self.layers.len() && !self.saved_this_iteration {
+            self.saved_this_iteration = true;
+            self.worker.save()?;
+        }
+        Ok(())
+    }
+
+    /// `wait_for_save()`: starts the stores if the last layer did not; does not block on them
+    /// (the engine keeps finished requests' blocks until `get_finished` reports them).
+    pub fn wait_for_save(&mut self) -> Result<()> {
+        if !self.saved_this_iteration {
+            self.saved_this_iteration = true;
+            self.worker.save()?;
+        }
+        Ok(())
+    }
+
+    /// `get_finished(finished_req_ids) -> (finished_sending, finished_recving)`; `None` for an
+    /// empty set, as vLLM expects.
+    pub fn get_finished(
+        &mut self,
+        finished_req_ids: &HashSet<String>,
+    ) -> (Option<HashSet<String>>, Option<HashSet<String>>) {
+        let mut ids: Vec<&String> = finished_req_ids.iter().collect();
+        ids.sort();
+        let finished: Vec<RequestId> = ids
+            .into_iter()
+            .map(|s| RequestId::from(s.as_str()))
+            .collect();
+        let (sending, recving) = self.worker.get_finished(&finished, None);
+        let set = |v: Vec<RequestId>| -> Option<HashSet<String>> {
+            if v.is_empty() {
+                None
+            } else {
+                Some(v.into_iter().map(|id| id.as_str().to_string()).collect())
+            }
+        };
+        (set(sending), set(recving))
+    }
+
+    /// `get_block_ids_with_load_errors() -> set[int]`: device blocks to recompute.
+    pub fn get_block_ids_with_load_errors(&mut self) -> HashSet<usize> {
+        self.worker.take_load_errors().into_iter().collect()
+    }
+
+    fn layer_index(&self, name: &str) -> Result<usize> {
+        self.layers.get(name).copied().ok_or_else(|| {
+            Error::invalid_argument(format!("unknown layer {name:?}")).with("layer", name)
+        })
+    }
+}
