@@ -179,9 +179,9 @@ fn store_then_hit_from_host_then_from_disk() {
         loaded
     };
     assert_eq!(loaded, vec![b.clone()]);
-    for k in 0..9 {
+    for (k, &dev) in blocks_b.iter().enumerate().take(9) {
         assert_eq!(
-            r.device.read_block_to_vec(blocks_b[k]).unwrap(),
+            r.device.read_block_to_vec(dev).unwrap(),
             image(&prompt, k),
             "block {k}"
         );
