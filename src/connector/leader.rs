@@ -770,7 +770,9 @@ impl<A: SchedulerAdapter> Leader<A> {
             self.disk_queue.clear();
             return;
         };
-        let queue = std::mem::take(&mut self.disk_queue);
+        let mut queue = std::mem::take(&mut self.disk_queue);
+        // Completions arrive in any order; a fixed order keeps metadata reproducible.
+        queue.sort_by_key(|(b, _)| b.block_id());
         let mut pairs = Vec::new();
         let mut dst = Vec::new();
         let mut src = Vec::new();

@@ -270,6 +270,23 @@ impl Worker {
                 }
             }
         }
+        // Count every operation against its request now, before any is started: a request is
+        // never reported done while an operation of its metadata has yet to run.
+        {
+            let mut st = self.shared.state.lock();
+            for op in &meta.operations {
+                let t = op.transfer();
+                let Some(id) = &t.request_id else { continue };
+                let slot = st.slots.entry(id.clone()).or_default();
+                if t.reads_device() || t.writes_device() {
+                    slot.device_ops += 1;
+                }
+                if op.direction() == Direction::Load {
+                    slot.loads += 1;
+                    slot.had_load = true;
+                }
+            }
+        }
         self.current = Some(meta);
         self.loads_submitted = false;
         self.stores_submitted = false;
@@ -330,19 +347,6 @@ impl Worker {
         let t = op.transfer().clone();
         let direction = op.direction();
         let touches_device = t.reads_device() || t.writes_device();
-        {
-            let mut st = self.shared.state.lock();
-            if let Some(id) = &t.request_id {
-                let slot = st.slots.entry(id.clone()).or_default();
-                if touches_device {
-                    slot.device_ops += 1;
-                }
-                if direction == Direction::Load {
-                    slot.loads += 1;
-                    slot.had_load = true;
-                }
-            }
-        }
         if t.reads_device() {
             *self.shared.device_reads.lock() += 1;
         }
