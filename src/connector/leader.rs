@@ -562,7 +562,16 @@ impl<A: SchedulerAdapter> Leader<A> {
             .map_or(0, |t| t.readiness.counts.num_device_blocks);
         // Check everything first.
         let mut computed_after = Vec::with_capacity(step.requests.len());
+        let mut seen: HashSet<&RequestId> = HashSet::with_capacity(step.requests.len());
         for r in &step.requests {
+            if !seen.insert(&r.request_id) {
+                return Err(Error::invalid_argument(format!(
+                    "request {} is scheduled twice in one iteration",
+                    r.request_id
+                ))
+                .with("request", &r.request_id)
+                .with("op", "build_connector_meta"));
+            }
             if !self.slots.contains_key(&r.request_id) {
                 return Err(unknown_request("build_connector_meta", &r.request_id));
             }

@@ -113,6 +113,8 @@ pub struct Worker {
     current: Option<ConnectorMetadata>,
     loads_submitted: bool,
     stores_submitted: bool,
+    /// Operations of the current metadata naming a request no metadata announced.
+    orphans: HashSet<OperationId>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -160,6 +162,7 @@ impl Worker {
             current: None,
             loads_submitted: false,
             stores_submitted: false,
+            orphans: HashSet::new(),
         })
     }
 
@@ -246,6 +249,7 @@ impl Worker {
             }
         }
         self.wait_device_reads(DEVICE_READ_TIMEOUT)?;
+        self.orphans.clear();
         {
             let mut st = self.shared.state.lock();
             for id in &meta.new_slots {
@@ -277,7 +281,11 @@ impl Worker {
             for op in &meta.operations {
                 let t = op.transfer();
                 let Some(id) = &t.request_id else { continue };
-                let slot = st.slots.entry(id.clone()).or_default();
+                let Some(slot) = st.slots.get_mut(id) else {
+                    // Never announced: refuse it rather than track a request nobody will finish.
+                    self.orphans.insert(t.id);
+                    continue;
+                };
                 if t.reads_device() || t.writes_device() {
                     slot.device_ops += 1;
                 }
@@ -360,6 +368,22 @@ impl Worker {
         };
         let shared = self.shared.clone();
         let transport = self.transport.clone();
+        if self.orphans.contains(&t.id) {
+            let e = Error::invalid_argument(format!(
+                "operation {} names request {:?}, which no metadata announced",
+                t.id,
+                t.request_id.as_ref().map(RequestId::as_str)
+            ));
+            let done = OpDone {
+                request: None,
+                touches_device: false,
+                reads_device: false,
+                direction: Direction::Store,
+                ..done
+            };
+            complete(&shared, transport.as_ref(), done, Err(e));
+            return;
+        }
         let (src, dst) = match (tiers.get(t.src), tiers.get(t.dst)) {
             (Some(s), Some(d)) => (s.clone(), d.clone()),
             _ => {

@@ -1,0 +1,196 @@
+//! A leader + worker rig over the in-process transport, shared by the core-level tests.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
+use kvbm_connector::connector::barrier::InitMode;
+use kvbm_connector::connector::leader::{Leader, RequestInfo};
+use kvbm_connector::connector::transport::in_process;
+use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::connector::RequestId;
+use kvbm_connector::layout::BlockOrder;
+use kvbm_connector::{Config, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind};
+
+pub const BS: usize = 4;
+pub const DEVICE_BLOCKS: usize = 32;
+
+pub fn dims() -> LayoutDims {
+    LayoutDims {
+        num_layers: 2,
+        outer_dim: 2,
+        page_size: BS,
+        inner_dim: 8,
+        dtype_bytes: 2,
+    }
+}
+
+/// The KV a model would compute for block `block` of `tokens`: a function of the whole prefix.
+pub fn image(tokens: &[u32], block: usize) -> Vec<u8> {
+    let end = (block + 1) * BS;
+    let mut h: u64 = 1469598103934665603;
+    for t in &tokens[..end] {
+        h = (h ^ u64::from(*t)).wrapping_mul(1099511628211);
+    }
+    (0..dims().bytes_per_block())
+        .map(|i| (h.wrapping_add(i as u64 * 31) >> 7) as u8)
+        .collect()
+}
+
+pub fn config(dir: &std::path::Path, host: usize, disk: usize) -> Config {
+    let mut config = Config::default();
+    config.host.cache_blocks = Some(host);
+    config.disk.cache_blocks = Some(disk);
+    config.disk.dir = dir.to_path_buf();
+    config.init_timeout_secs = 10.0;
+    config
+}
+
+pub fn device() -> Arc<dyn StorageTier> {
+    Arc::new(
+        MemoryTier::new(
+            TierKind::Device,
+            Layout::layer_separate(dims(), DEVICE_BLOCKS, BlockOrder::OuterMajor).unwrap(),
+        )
+        .unwrap(),
+    )
+}
+
+pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+pub struct Rig {
+    pub leader: Leader<ScheduledTokens>,
+    pub worker: Worker,
+    pub device: Arc<dyn StorageTier>,
+    pub dir: tempfile::TempDir,
+}
+
+pub fn rig(host: usize, disk: usize) -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), host, disk);
+    let (lt, wts) = in_process(1);
+    let device = device();
+    let mut worker = Worker::new(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    worker.register(device.clone()).unwrap();
+    let mut leader = Leader::new(ScheduledTokens, config, BS, lt, InitMode::Blocking).unwrap();
+    assert!(leader.is_ready());
+    wait_until("worker ready", || worker.is_ready());
+    Rig {
+        leader,
+        worker,
+        device,
+        dir,
+    }
+}
+
+pub fn info<'a>(id: &'a RequestId, tokens: &'a [u32]) -> RequestInfo<'a> {
+    RequestInfo {
+        id,
+        tokens,
+        cache_salt: None,
+        lora_name: None,
+    }
+}
+
+pub fn prefill(id: &RequestId, computed: usize, scheduled: usize) -> ScheduledRequest {
+    ScheduledRequest {
+        request_id: id.clone(),
+        num_computed_tokens: computed,
+        num_scheduled_tokens: Some(scheduled),
+        ..Default::default()
+    }
+}
+
+impl Rig {
+    /// One iteration: metadata, loads, the model writing `writes` (tokens, block, device block),
+    /// stores; waits for the worker and applies completions. Returns get_finished's answer.
+    pub fn step(
+        &mut self,
+        step: SchedulerStep,
+        writes: &[(&[u32], usize, usize)],
+        finished: &[RequestId],
+    ) -> (Vec<RequestId>, Vec<RequestId>) {
+        let bytes = self.leader.build_connector_meta(&step).unwrap();
+        self.worker.bind_metadata(&bytes).unwrap();
+        self.worker.start_load().unwrap();
+        for (tokens, block, device_block) in writes {
+            self.device
+                .write_block_from_slice(*device_block, &image(tokens, *block))
+                .unwrap();
+        }
+        self.worker.save().unwrap();
+        self.worker.wait_idle(Duration::from_secs(10)).unwrap();
+        self.leader.process_completions();
+        self.worker.get_finished(finished, None)
+    }
+
+    /// Runs request `id` cold through prefill on device blocks `blocks`, then finishes it and lets
+    /// every store complete.
+    pub fn offload(&mut self, id: &RequestId, tokens: &[u32], blocks: &[usize]) {
+        let m = self
+            .leader
+            .get_num_new_matched_tokens(info(id, tokens), 0)
+            .unwrap();
+        assert_eq!(m.external_tokens, 0, "expected a cold request");
+        self.leader.update_state_after_alloc(id, blocks, 0).unwrap();
+        let full = tokens.len() / BS;
+        let writes: Vec<(&[u32], usize, usize)> =
+            (0..full).map(|b| (tokens, b, blocks[b])).collect();
+        let step = SchedulerStep {
+            requests: vec![prefill(id, 0, tokens.len())],
+            ..Default::default()
+        };
+        self.step(step, &writes, &[]);
+        self.leader.request_finished(id, None, None).unwrap();
+        // Drain: stores to host, then host -> disk.
+        for _ in 0..3 {
+            self.step(SchedulerStep::default(), &[], std::slice::from_ref(id));
+        }
+    }
+
+    /// Matches `tokens` as request `id`, loads into `blocks`, and checks every loaded block's bytes.
+    /// Returns the number of tokens loaded.
+    pub fn onboard(&mut self, id: &RequestId, tokens: &[u32], blocks: &[usize]) -> usize {
+        for &b in blocks {
+            self.device
+                .write_block_from_slice(b, &vec![0xEE; dims().bytes_per_block()])
+                .unwrap();
+        }
+        let m = self
+            .leader
+            .get_num_new_matched_tokens(info(id, tokens), 0)
+            .unwrap();
+        self.leader
+            .update_state_after_alloc(id, blocks, m.external_tokens)
+            .unwrap();
+        if m.external_tokens == 0 {
+            return 0;
+        }
+        let mut loaded = Vec::new();
+        for _ in 0..3 {
+            let (_, l) = self.step(SchedulerStep::default(), &[], &[]);
+            loaded.extend(l);
+            if !loaded.is_empty() {
+                break;
+            }
+        }
+        assert_eq!(loaded, vec![id.clone()]);
+        for (k, &dev) in blocks.iter().enumerate().take(m.external_tokens / BS) {
+            assert_eq!(
+                self.device.read_block_to_vec(dev).unwrap(),
+                image(tokens, k),
+                "loaded block {k} differs"
+            );
+        }
+        m.external_tokens
+    }
+}

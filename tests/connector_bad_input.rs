@@ -1,0 +1,217 @@
+//! Bad input from the engine: every case is a typed error, and nothing already stored is lost.
+
+mod common;
+
+use common::*;
+use kvbm_connector::connector::adapter::SchedulerStep;
+use kvbm_connector::connector::metadata::{BlockTransfer, ConnectorMetadata, Load, OperationId};
+use kvbm_connector::connector::RequestId;
+use kvbm_connector::{ErrorKind, TierKind};
+
+fn prompt() -> Vec<u32> {
+    (1000..1024).collect() // 6 blocks
+}
+
+/// A rig with `prompt()` offloaded, plus a check that it still hits afterwards.
+fn stored_rig() -> Rig {
+    let mut r = rig(16, 32);
+    r.offload(&"stored".into(), &prompt(), &(0..6).collect::<Vec<_>>());
+    r
+}
+
+fn still_hits(r: &mut Rig, id: &str) {
+    let got = r.onboard(&id.into(), &prompt(), &(10..16).collect::<Vec<_>>());
+    assert_eq!(got, 5 * BS, "stored blocks were lost");
+}
+
+#[test]
+fn unknown_request_ids_are_not_found() {
+    let mut r = stored_rig();
+    let ghost: RequestId = "ghost".into();
+    let e = r
+        .leader
+        .update_state_after_alloc(&ghost, &[1, 2], 0)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert_eq!(e.context_value("request"), Some("ghost"));
+    let step = SchedulerStep {
+        requests: vec![prefill(&ghost, 0, 4)],
+        ..Default::default()
+    };
+    let e = r.leader.build_connector_meta(&step).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    let step = SchedulerStep {
+        preempted: vec![ghost.clone()],
+        ..Default::default()
+    };
+    assert_eq!(
+        r.leader.build_connector_meta(&step).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+    // Finishing a request the leader never saw holds nothing.
+    assert!(!r.leader.request_finished(&ghost, None, None).unwrap());
+    still_hits(&mut r, "after-unknown");
+}
+
+#[test]
+fn duplicate_ids_are_refused() {
+    let mut r = stored_rig();
+    let a: RequestId = "a".into();
+    let tokens: Vec<u32> = (1..9).collect();
+    r.leader
+        .get_num_new_matched_tokens(info(&a, &tokens), 0)
+        .unwrap();
+    r.leader.update_state_after_alloc(&a, &[20, 21], 0).unwrap();
+    let step = SchedulerStep {
+        requests: vec![prefill(&a, 0, 8), prefill(&a, 0, 8)],
+        ..Default::default()
+    };
+    let e = r.leader.build_connector_meta(&step).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.to_string().contains("twice"), "{e}");
+    // A request that held nothing is forgotten at once; finishing it again holds nothing either.
+    assert!(!r.leader.request_finished(&a, None, Some(0)).unwrap());
+    assert_eq!(r.leader.request_state(&a), None);
+    assert!(!r.leader.request_finished(&a, None, None).unwrap());
+    still_hits(&mut r, "after-duplicates");
+}
+
+#[test]
+fn finishing_a_held_request_twice_is_an_invalid_state() {
+    let mut r = rig(16, 32);
+    let a: RequestId = "a".into();
+    let tokens = prompt();
+    r.leader
+        .get_num_new_matched_tokens(info(&a, &tokens), 0)
+        .unwrap();
+    r.leader
+        .update_state_after_alloc(&a, &[0, 1, 2, 3, 4, 5], 0)
+        .unwrap();
+    // Built but never executed: the stores are in flight when the request finishes.
+    r.leader
+        .build_connector_meta(&SchedulerStep {
+            requests: vec![prefill(&a, 0, 24)],
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(r.leader.request_finished(&a, None, None).unwrap());
+    let e = r.leader.request_finished(&a, None, None).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidState);
+    assert_eq!(e.context_value("request"), Some("a"));
+}
+
+#[test]
+fn device_block_ids_out_of_range_are_refused() {
+    let mut r = stored_rig();
+    let a: RequestId = "a".into();
+    let tokens = prompt();
+    let m = r
+        .leader
+        .get_num_new_matched_tokens(info(&a, &tokens), 0)
+        .unwrap();
+    assert_eq!(m.external_tokens, 5 * BS);
+    let e = r
+        .leader
+        .update_state_after_alloc(&a, &[10, 11, 12, DEVICE_BLOCKS, 14, 15], m.external_tokens)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfRange);
+    assert_eq!(e.context_value("request"), Some("a"));
+    // The staging survived the refused call: a corrected call loads.
+    r.leader
+        .update_state_after_alloc(&a, &[10, 11, 12, 13, 14, 15], m.external_tokens)
+        .unwrap();
+    let mut step = prefill(&a, 0, 4);
+    step.new_block_ids = vec![DEVICE_BLOCKS + 7];
+    let e = r
+        .leader
+        .build_connector_meta(&SchedulerStep {
+            requests: vec![step],
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfRange);
+}
+
+#[test]
+fn external_token_count_must_match_the_staging() {
+    let mut r = stored_rig();
+    let a: RequestId = "a".into();
+    let tokens = prompt();
+    let m = r
+        .leader
+        .get_num_new_matched_tokens(info(&a, &tokens), 0)
+        .unwrap();
+    let e = r
+        .leader
+        .update_state_after_alloc(&a, &[10, 11, 12, 13, 14, 15], m.external_tokens - BS)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    let b: RequestId = "b".into();
+    let other: Vec<u32> = (1..9).collect();
+    r.leader
+        .get_num_new_matched_tokens(info(&b, &other), 0)
+        .unwrap();
+    let e = r
+        .leader
+        .update_state_after_alloc(&b, &[20, 21], 8)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+}
+
+#[test]
+fn malformed_metadata_bytes_are_decode_errors_and_change_nothing() {
+    let mut r = stored_rig();
+    for bad in [
+        &b"garbage"[..],
+        &b"{\"version\":1}"[..],
+        &[0xff, 0x00, 0x13][..],
+    ] {
+        let e = r.worker.bind_metadata(bad).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Decode, "{e}");
+    }
+    still_hits(&mut r, "after-garbage");
+}
+
+#[test]
+fn forged_operations_fail_cleanly_on_the_worker() {
+    let mut r = stored_rig();
+    let mut meta = ConnectorMetadata::empty(999);
+    meta.new_slots.push("forged".into());
+    // Blocks far out of range, and a source tier the worker does not have.
+    meta.operations.push(Box::new(Load(BlockTransfer {
+        id: OperationId(1_000_000),
+        request_id: Some("forged".into()),
+        src: TierKind::Host,
+        dst: TierKind::Device,
+        pairs: vec![(usize::MAX, 3)],
+    })));
+    meta.operations.push(Box::new(Load(BlockTransfer {
+        id: OperationId(1_000_001),
+        request_id: Some("forged".into()),
+        src: TierKind::Remote,
+        dst: TierKind::Device,
+        pairs: vec![(0, 4)],
+    })));
+    // A request no metadata announced: refused without running, nothing tracked.
+    meta.operations.push(Box::new(Load(BlockTransfer {
+        id: OperationId(1_000_002),
+        request_id: Some("never-announced".into()),
+        src: TierKind::Host,
+        dst: TierKind::Device,
+        pairs: vec![(0, 5)],
+    })));
+    r.worker.bind_metadata(&meta.encode().unwrap()).unwrap();
+    r.worker.start_load().unwrap();
+    r.worker
+        .wait_idle(std::time::Duration::from_secs(5))
+        .unwrap();
+    let mut errors = r.worker.take_load_errors();
+    errors.sort_unstable();
+    assert_eq!(errors, vec![3, 4]);
+    let (_, loaded) = r.worker.get_finished(&["forged".into()], None);
+    assert_eq!(loaded, vec![RequestId::from("forged")]);
+    assert_eq!(r.worker.num_slots(), 0);
+    // The leader ignores completions of operations it never issued.
+    r.leader.process_completions();
+    still_hits(&mut r, "after-forgery");
+}

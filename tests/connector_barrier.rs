@@ -1,0 +1,187 @@
+//! Start-up: both init modes on both sides, the deadline, disagreeing ranks, "not ready".
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::connector::adapter::{ScheduledTokens, SchedulerStep};
+use kvbm_connector::connector::barrier::InitMode;
+use kvbm_connector::connector::leader::{Leader, LeaderStatus};
+use kvbm_connector::connector::metadata::{BlockTransfer, ConnectorMetadata, Load, OperationId};
+use kvbm_connector::connector::transport::in_process;
+use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::connector::RequestId;
+use kvbm_connector::{ErrorKind, Layout, LayoutDims, StorageTier, TierKind};
+
+#[test]
+fn leader_deadline_names_the_missing_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 8, 0);
+    cfg.init_timeout_secs = 0.3;
+    let (lt, wts) = in_process(2);
+    let mut w0 = Worker::new(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    w0.register(device()).unwrap();
+    let started = Instant::now();
+    let e = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(e.kind(), ErrorKind::Timeout);
+    assert_eq!(e.context_value("missing_ranks"), Some("[1]"), "{e}");
+    assert!(e.to_string().contains("step 1"), "{e}");
+}
+
+#[test]
+fn worker_deadline_without_a_leader() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 8, 0);
+    cfg.init_timeout_secs = 0.2;
+    let (_lt, wts) = in_process(1);
+    let mut w = Worker::new(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
+    let e = w.register(device()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout);
+    assert_eq!(e.context_value("rank"), Some("0"));
+}
+
+#[test]
+fn non_blocking_leader_answers_not_ready_until_the_worker_registers() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8, 8);
+    let (lt, wts) = in_process(1);
+    let mut leader =
+        Leader::new(ScheduledTokens, cfg.clone(), BS, lt, InitMode::NonBlocking).unwrap();
+    assert!(!leader.is_ready());
+    assert!(matches!(leader.status(), LeaderStatus::NotReady));
+    let id: RequestId = "early".into();
+    let tokens: Vec<u32> = (0..16).collect();
+    let m = leader
+        .get_num_new_matched_tokens(info(&id, &tokens), 0)
+        .unwrap();
+    assert_eq!((m.external_tokens, m.load_async), (0, false));
+    leader
+        .update_state_after_alloc(&id, &[0, 1, 2, 3], 0)
+        .unwrap();
+    let meta = ConnectorMetadata::decode(
+        &leader
+            .build_connector_meta(&SchedulerStep::default())
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(meta.is_empty());
+    assert!(!leader.request_finished(&id, None, None).unwrap());
+    // TensorRT-LLM order: the worker registers blocking while the leader waits in the background.
+    let mut worker = Worker::new(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
+    worker.register(device()).unwrap();
+    assert!(worker.is_ready());
+    wait_until("leader ready", || leader.is_ready());
+    match leader.status() {
+        LeaderStatus::Ready(r) => {
+            assert_eq!(r.counts.num_host_blocks, 8);
+            assert_eq!(r.counts.num_device_blocks, DEVICE_BLOCKS);
+            assert_eq!(r.total_bytes_per_block(), dims().bytes_per_block());
+        }
+        other => panic!("not ready: {other:?}"),
+    }
+}
+
+#[test]
+fn worker_refuses_operations_before_it_is_ready() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8, 0);
+    let (_lt, wts) = in_process(1);
+    let mut w = Worker::new(cfg, 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    w.register(device()).unwrap();
+    assert!(!w.is_ready());
+    w.bind_metadata(&ConnectorMetadata::empty(1).encode().unwrap())
+        .unwrap();
+    let mut meta = ConnectorMetadata::empty(2);
+    meta.operations.push(Box::new(Load(BlockTransfer {
+        id: OperationId(1),
+        request_id: None,
+        src: TierKind::Host,
+        dst: TierKind::Device,
+        pairs: vec![(0, 0)],
+    })));
+    assert_eq!(
+        w.bind_metadata(&meta.encode().unwrap()).unwrap_err().kind(),
+        ErrorKind::NotReady
+    );
+}
+
+#[test]
+fn tensor_parallel_counts_use_the_sum_of_bytes_and_the_minimum_device_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 0, 0);
+    cfg.host.cache_blocks = None;
+    // 1 MB of host cache over two ranks whose shards are 512 B each: 1e6 / 1024 blocks.
+    cfg.host.cache_gb = Some(0.001);
+    let (lt, wts) = in_process(2);
+    let mut workers = Vec::new();
+    for (rank, n) in [(0usize, 32usize), (1, 20)] {
+        let dev: Arc<dyn StorageTier> = Arc::new(
+            MemoryTier::new(
+                TierKind::Device,
+                Layout::fully_contiguous(dims(), n).unwrap(),
+            )
+            .unwrap(),
+        );
+        let mut w = Worker::new(cfg.clone(), 2, wts[rank].clone(), InitMode::NonBlocking).unwrap();
+        w.register(dev).unwrap();
+        workers.push(w);
+    }
+    let leader = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap();
+    let LeaderStatus::Ready(r) = leader.status() else {
+        panic!("leader not ready")
+    };
+    assert_eq!(dims().bytes_per_block(), 256);
+    assert_eq!(r.counts.num_host_blocks, 1_000_000 / 512);
+    assert_eq!(r.counts.num_device_blocks, 20);
+    for w in &workers {
+        wait_until("workers ready", || w.is_ready());
+        assert_eq!(w.tiers().unwrap().counts, r.counts);
+    }
+}
+
+#[test]
+fn ranks_with_disagreeing_layouts_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 8, 0);
+    cfg.init_timeout_secs = 5.0;
+    let (lt, wts) = in_process(2);
+    let other = LayoutDims {
+        num_layers: 3,
+        ..dims()
+    };
+    let mut w0 = Worker::new(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    w0.register(device()).unwrap();
+    let mut w1 = Worker::new(cfg.clone(), 2, wts[1].clone(), InitMode::NonBlocking).unwrap();
+    w1.register(Arc::new(
+        MemoryTier::new(
+            TierKind::Device,
+            Layout::fully_contiguous(other, 32).unwrap(),
+        )
+        .unwrap(),
+    ))
+    .unwrap();
+    let e = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidLayout, "{e}");
+    assert!(
+        e.to_string().contains("rank 1") || e.to_string().contains("rank 0"),
+        "{e}"
+    );
+    // The refused worker learns why instead of waiting for the deadline.
+    let refused = [&w0, &w1].iter().any(|w| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(e) = w.init_error() {
+                break e.to_string().contains("refused");
+            }
+            if Instant::now() > deadline {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    });
+    assert!(refused);
+}
