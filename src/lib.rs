@@ -48,6 +48,9 @@ pub mod pool;
 pub mod tier;
 pub mod transfer;
 
+#[cfg(feature = "cli")]
+pub mod cli;
+
 #[path = "../backends/mod.rs"]
 pub mod backends;
 

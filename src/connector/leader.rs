@@ -52,12 +52,16 @@ pub struct RequestInfo<'a> {
 }
 
 /// The answer to a match.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MatchResult {
     /// Tokens beyond the device's prefix that can be loaded.
     pub external_tokens: usize,
     /// Whether they load asynchronously (always, when there are any).
     pub load_async: bool,
+    /// Of `external_tokens`, those held in the host tier.
+    pub host_tokens: usize,
+    /// Of `external_tokens`, those held in the disk tier.
+    pub disk_tokens: usize,
 }
 
 impl MatchResult {
@@ -65,6 +69,8 @@ impl MatchResult {
     pub const NONE: MatchResult = MatchResult {
         external_tokens: 0,
         load_async: false,
+        host_tokens: 0,
+        disk_tokens: 0,
     };
 }
 
@@ -165,6 +171,7 @@ pub struct Leader<A: SchedulerAdapter> {
     next_op: u64,
     metrics: Arc<Metrics>,
     failure_logged: bool,
+    last_match: MatchResult,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -214,6 +221,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             next_op: 0,
             metrics: Arc::new(Metrics::new()),
             failure_logged: false,
+            last_match: MatchResult::NONE,
         };
         leader.ensure_ready();
         Ok(leader)
@@ -227,6 +235,12 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// Tokens per block.
     pub fn page_size(&self) -> usize {
         self.page_size
+    }
+
+    /// The answer of the most recent successful match (with its host/disk split); adapters whose
+    /// engine API returns only a count use this for reporting.
+    pub fn last_match(&self) -> MatchResult {
+        self.last_match
     }
 
     /// The counters (share the `Arc` with an exporter).
@@ -352,6 +366,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         num_computed_tokens: usize,
     ) -> Result<MatchResult> {
         let _span = tracing::debug_span!("kvbm.leader.match", request = %request.id).entered();
+        self.last_match = MatchResult::NONE;
         self.poll_completions();
         if !self.ensure_ready() {
             return Ok(MatchResult::NONE);
@@ -425,11 +440,18 @@ impl<A: SchedulerAdapter> Leader<A> {
             return Ok(MatchResult::NONE);
         }
         slot.life.stage_onboard()?;
+        let (host_blocks, disk_blocks) = staged
+            .as_ref()
+            .map_or((0, 0), |s| (s.host.len(), s.disk.len()));
         slot.staged = staged;
-        Ok(MatchResult {
+        let m = MatchResult {
             external_tokens: matched_blocks * bs,
             load_async: true,
-        })
+            host_tokens: host_blocks * bs,
+            disk_tokens: disk_blocks * bs,
+        };
+        self.last_match = m;
+        Ok(m)
     }
 
     /// The engine allocated `block_ids` (the request's whole device block list) and will load

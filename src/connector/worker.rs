@@ -93,9 +93,37 @@ struct State {
     recently_finished_set: HashSet<RequestId>,
 }
 
+/// Bytes moved on one tier pair by this worker, and the time its transfers took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct PathStats {
+    /// Source tier.
+    pub src: TierKind,
+    /// Destination tier.
+    pub dst: TierKind,
+    /// Blocks copied successfully.
+    pub blocks: u64,
+    /// Bytes copied successfully.
+    pub bytes: u64,
+    /// Sum of the transfers' durations (submission to completion); concurrent transfers overlap.
+    pub busy: Duration,
+}
+
+impl PathStats {
+    /// Bytes per second over the busy time.
+    pub fn bytes_per_sec(&self) -> f64 {
+        let s = self.busy.as_secs_f64();
+        if s > 0.0 {
+            self.bytes as f64 / s
+        } else {
+            0.0
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Shared {
     state: Mutex<State>,
+    paths: Mutex<Vec<PathStats>>,
     device_reads: Mutex<usize>,
     device_reads_done: Condvar,
 }
@@ -518,6 +546,13 @@ impl Worker {
             .collect()
     }
 
+    /// Bytes moved per tier pair so far, ordered by (source, destination).
+    pub fn transfer_stats(&self) -> Vec<PathStats> {
+        let mut v = self.shared.paths.lock().clone();
+        v.sort_by_key(|p| (p.src, p.dst));
+        v
+    }
+
     /// Requests this worker tracks.
     pub fn num_slots(&self) -> usize {
         self.shared.state.lock().slots.len()
@@ -547,6 +582,23 @@ fn complete(
     done: OpDone,
     outcome: Result<TransferOutcome>,
 ) {
+    if let Ok(o) = &outcome {
+        let mut paths = shared.paths.lock();
+        match paths.iter_mut().find(|p| p.src == o.src && p.dst == o.dst) {
+            Some(p) => {
+                p.blocks += o.blocks as u64;
+                p.bytes += o.bytes;
+                p.busy += o.elapsed;
+            }
+            None => paths.push(PathStats {
+                src: o.src,
+                dst: o.dst,
+                blocks: o.blocks as u64,
+                bytes: o.bytes,
+                busy: o.elapsed,
+            }),
+        }
+    }
     let (failed, error): (Vec<usize>, Option<String>) = match outcome {
         Ok(o) if o.is_ok() => (Vec::new(), None),
         Ok(o) => {
