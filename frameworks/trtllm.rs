@@ -75,6 +75,8 @@ pub struct TrtllmScheduler {
     external: HashMap<u64, usize>,
     /// Tokens the engine has reported per request through the scheduler output.
     reported: HashMap<u64, usize>,
+    /// Prompt length per request, from its first match.
+    prompt_len: HashMap<u64, usize>,
 }
 
 impl TrtllmScheduler {
@@ -98,6 +100,7 @@ impl TrtllmScheduler {
             leader: Leader::new(ComputedPosition, config, tokens_per_block, transport, mode)?,
             external: HashMap::new(),
             reported: HashMap::new(),
+            prompt_len: HashMap::new(),
         })
     }
 
@@ -118,10 +121,11 @@ impl TrtllmScheduler {
         num_computed_tokens: usize,
     ) -> Result<(usize, bool)> {
         self.external.remove(&request.request_id);
-        if num_computed_tokens % self.leader.page_size() != 0 {
-            // Partial reuse of a device block: nothing can be loaded behind it.
-            return Ok((0, false));
-        }
+        self.prompt_len
+            .entry(request.request_id)
+            .or_insert(request.tokens.len());
+        // An unaligned count (partial reuse of a device block) matches nothing: the leader
+        // answers (0, false) for it, and still tracks the request.
         let id = RequestId::from(request.request_id);
         let m = self.leader.get_num_new_matched_tokens(
             RequestInfo {
@@ -171,7 +175,8 @@ impl TrtllmScheduler {
                 new_tokens: data.new_tokens.clone(),
                 first_token_index: Some(first),
                 new_block_ids: data.new_block_ids.clone(),
-                replace_block_ids: false,
+                // A request's first appearance carries its whole block list.
+                replace_block_ids: new,
                 num_computed_tokens: data.computed_position,
                 num_scheduled_tokens: None,
                 computed_position: Some(data.computed_position),
@@ -204,11 +209,17 @@ impl TrtllmScheduler {
         let _ = cache_block_ids;
         self.external.remove(&request.request_id);
         self.reported.remove(&request.request_id);
+        let prompt_len = self.prompt_len.remove(&request.request_id);
         let id = RequestId::from(request.request_id);
-        // Every token but the last generated one has its KV computed.
-        let computed = request.tokens.len().saturating_sub(1);
+        // Once a token was generated, every token but the last has its KV computed. A request
+        // that ends before that (aborted while loading or mid-prefill) has computed only what its
+        // last computed_position said: let the leader use that.
+        let computed = match prompt_len {
+            Some(p) if request.tokens.len() > p => Some(request.tokens.len() - 1),
+            _ => None,
+        };
         self.leader
-            .request_finished(&id, Some(request.tokens), Some(computed))
+            .request_finished(&id, Some(request.tokens), computed)
     }
 }
 

@@ -150,6 +150,7 @@ struct Outbox {
     new_slots: Vec<RequestId>,
     operations: Vec<Box<dyn crate::connector::metadata::Operation>>,
     hold: Vec<RequestId>,
+    finished: Vec<RequestId>,
 }
 
 /// The scheduler-side connector, generic over how the engine describes an iteration.
@@ -638,6 +639,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         meta.new_slots = outbox.new_slots;
         meta.operations = outbox.operations;
         meta.hold = outbox.hold;
+        meta.finished = outbox.finished;
         self.adapter.extend_metadata(&mut meta)?;
         Ok(meta)
     }
@@ -668,6 +670,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         if !ready {
             self.slots.remove(id);
+            self.outbox.finished.push(id.clone());
             return Ok(false);
         }
         if let Some(tokens) = all_tokens {
@@ -694,6 +697,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             Ok(true)
         } else {
             self.slots.remove(id);
+            self.outbox.finished.push(id.clone());
             Ok(false)
         }
     }

@@ -152,6 +152,10 @@ pub struct ConnectorMetadata {
     /// Finished requests whose device blocks the engine keeps until the workers report them done
     /// (the leader answered `request_finished` with true).
     pub hold: Vec<RequestId>,
+    /// Finished requests the engine frees at once (the leader answered false): workers forget
+    /// them once their operations are done, whether or not the engine tells them itself.
+    #[serde(default)]
+    pub finished: Vec<RequestId>,
 }
 
 impl ConnectorMetadata {
@@ -163,12 +167,16 @@ impl ConnectorMetadata {
             new_slots: Vec::new(),
             operations: Vec::new(),
             hold: Vec::new(),
+            finished: Vec::new(),
         }
     }
 
     /// True when there is nothing for the workers to do.
     pub fn is_empty(&self) -> bool {
-        self.new_slots.is_empty() && self.operations.is_empty() && self.hold.is_empty()
+        self.new_slots.is_empty()
+            && self.operations.is_empty()
+            && self.hold.is_empty()
+            && self.finished.is_empty()
     }
 
     /// Encodes to bytes.

@@ -283,6 +283,12 @@ impl Worker {
             for id in &meta.new_slots {
                 st.slots.entry(id.clone()).or_default();
             }
+            for id in &meta.finished {
+                if let Some(s) = st.slots.get_mut(id) {
+                    s.engine_finished = true;
+                    s.hold = false;
+                }
+            }
             for id in &meta.hold {
                 if st.slots.contains_key(id) {
                     if let Some(s) = st.slots.get_mut(id) {
@@ -513,9 +519,8 @@ impl Worker {
         }
         if let Some(ids) = started_loading {
             for id in ids {
-                if let Some(s) = st.slots.get_mut(id) {
-                    s.engine_loading = true;
-                }
+                // The engine may name a load before the metadata announcing it is bound.
+                st.slots.entry(id.clone()).or_default().engine_loading = true;
             }
         }
         let any_loading = started_loading.is_none();

@@ -1,0 +1,966 @@
+//! End-to-end tests of the TensorRT-LLM adapter: scheduler (leader) and worker in one process over
+//! the in-process transport, a memory "device" tier registered as TensorRT-LLM's single cache
+//! tensor, a memory host tier and a disk tier.
+//!
+//! [`Engine`] is a small stand-in for TensorRT-LLM's executor. Every iteration it makes the
+//! connector calls in TensorRT-LLM's order:
+//!
+//! 1. admission of each new context request: `get_num_new_matched_tokens` → allocate device
+//!    blocks → `update_state_after_alloc`; a request whose match loads asynchronously waits, not
+//!    scheduled, until `get_finished` returns it as loaded;
+//! 2. `build_connector_meta` with TensorRT-LLM's `RequestData`: `computed_position` is the
+//!    context's current position for a context request (the loaded tokens not counted on its
+//!    first appearance) and `len(tokens) - 1` for a generation request; `new_tokens` and
+//!    `new_block_ids` are what is new since the request last appeared;
+//! 3. worker: `bind_connector_meta`, `start_load_kv`, then per layer `wait_for_layer_load` → the
+//!    model stand-in writes that layer's KV of the tokens computed this iteration →
+//!    `save_kv_layer`; then `wait_for_save`;
+//! 4. sampling; a finished request goes through `request_finished`: true means the engine keeps
+//!    its device blocks until `get_finished` reports it saved;
+//! 5. `get_finished(finished_gen_req_ids, started_loading_req_ids)` with the ids new since the
+//!    last call (as TensorRT-LLM's `KvCacheConnectorManager` passes them), then
+//!    `process_completions`.
+//!
+//! Determinism: right after the forward pass the engine waits for the worker to be idle, so every
+//! completion is in the leader's queue before `request_finished` and `get_finished` run; the
+//! metadata of every iteration is then the same on every run and is snapshotted.
+//!
+//! Bytes: the KV of a token is a pure function of (token prefix, layer, K/V, position), so a full
+//! block's bytes are a pure function of the prefix up to its end. Every onboarded block is
+//! compared with them; freed device blocks are clobbered, so a hit passes only if the load copied.
+
+#![cfg(feature = "trtllm")]
+
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::connector::lifecycle::RequestState;
+use kvbm_connector::connector::metadata::{ConnectorMetadata, Direction};
+use kvbm_connector::connector::metrics::MetricsSnapshot;
+use kvbm_connector::connector::transport::in_process;
+use kvbm_connector::connector::RequestId;
+use kvbm_connector::frameworks::trtllm::{
+    LlmRequest, RequestData, SchedulerOutput, TrtllmScheduler, TrtllmWorker,
+};
+use kvbm_connector::{Config, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind};
+
+/// Tokens per block.
+const BS: usize = 4;
+const LAYERS: usize = 2;
+const INNER: usize = 4;
+const DTYPE: usize = 2;
+const DEVICE_BLOCKS: usize = 48;
+/// Bytes of one token's K (or V) in one layer.
+const TOKEN_BYTES: usize = INNER * DTYPE;
+/// An engine that needs more iterations than this is stuck.
+const MAX_ITERATIONS: usize = 100;
+
+fn dims() -> LayoutDims {
+    LayoutDims {
+        num_layers: LAYERS,
+        outer_dim: 2,
+        page_size: BS,
+        inner_dim: INNER,
+        dtype_bytes: DTYPE,
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The model stand-in
+// ------------------------------------------------------------------------------------------------
+
+/// `h[p]` names the prefix `tokens[..=p]` (FNV-1a).
+fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    tokens
+        .iter()
+        .map(|&t| {
+            h = (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3);
+            h
+        })
+        .collect()
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// K (`kv == 0`) or V of the token at `pos` in `layer`, given the hash of its prefix.
+fn token_kv(prefix: u64, layer: usize, kv: usize, pos: usize) -> [u8; TOKEN_BYTES] {
+    let mut x = prefix ^ ((layer as u64) << 56) ^ ((kv as u64) << 48) ^ pos as u64;
+    let mut out = [0u8; TOKEN_BYTES];
+    for chunk in out.chunks_mut(8) {
+        x = splitmix(x);
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+    }
+    out
+}
+
+/// Byte offset of (layer, K/V, slot in block) in a fully contiguous block.
+fn offset(layer: usize, kv: usize, slot: usize) -> usize {
+    ((layer * 2 + kv) * BS + slot) * TOKEN_BYTES
+}
+
+/// The bytes of full block `block` of `tokens`: a function of `tokens[..(block + 1) * BS]` only.
+fn expected_block(tokens: &[u32], block: usize) -> Vec<u8> {
+    let end = (block + 1) * BS;
+    let h = prefix_hashes(&tokens[..end]);
+    let mut image = vec![0u8; dims().bytes_per_block()];
+    for layer in 0..LAYERS {
+        for kv in 0..2 {
+            for (p, &prefix) in h.iter().enumerate().skip(block * BS) {
+                let o = offset(layer, kv, p % BS);
+                image[o..o + TOKEN_BYTES].copy_from_slice(&token_kv(prefix, layer, kv, p));
+            }
+        }
+    }
+    image
+}
+
+/// The token sampled after `tokens`.
+fn next_token(tokens: &[u32]) -> u32 {
+    let h = prefix_hashes(tokens).last().copied().unwrap_or(0);
+    100_000 + (h % 50_000) as u32
+}
+
+/// A prompt of `len` tokens, distinct per `seed`.
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| seed * 1000 + i).collect()
+}
+
+// ------------------------------------------------------------------------------------------------
+// The engine stand-in
+// ------------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone)]
+struct Req {
+    id: u64,
+    /// Prompt and generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens to generate before finishing (at least 1).
+    max_new: usize,
+    /// Tokens the engine's own device prefix cache provides (`num_computed_tokens`).
+    device_prefix: usize,
+    blocks: Vec<usize>,
+    /// Tokens with KV on the device (TensorRT-LLM's context position).
+    pos: usize,
+    /// Tokens onboarded asynchronously by the connector.
+    loaded: usize,
+    appeared: bool,
+    reported_tokens: usize,
+    reported_blocks: usize,
+}
+
+impl Req {
+    fn llm(&self) -> LlmRequest<'_> {
+        LlmRequest {
+            request_id: self.id,
+            tokens: &self.tokens,
+            cache_salt: None,
+            lora_name: None,
+        }
+    }
+}
+
+/// What one iteration computes: a request and the token positions whose KV it writes.
+type Plan = Vec<(u64, Range<usize>)>;
+
+struct Engine {
+    sched: TrtllmScheduler,
+    worker: TrtllmWorker,
+    device: Arc<dyn StorageTier>,
+    free: BTreeSet<usize>,
+    /// Most context tokens a request computes per iteration.
+    chunk: usize,
+    waiting: Vec<Req>,
+    /// Admitted, waiting for their asynchronous load.
+    loading: Vec<Req>,
+    running: Vec<Req>,
+    /// Finished; device blocks kept until `get_finished` reports them saved.
+    saving: Vec<Req>,
+    /// Ids not yet passed to `get_finished` (TensorRT-LLM's `new_async_requests`).
+    new_saving: Vec<u64>,
+    new_loading: Vec<u64>,
+    /// Requests done and freed.
+    done: HashMap<u64, Req>,
+    /// `get_num_new_matched_tokens` answers.
+    matched: HashMap<u64, (usize, bool)>,
+    /// `request_finished` answers.
+    finish_held: HashMap<u64, bool>,
+    admitted_at: HashMap<u64, usize>,
+    first_scheduled_at: HashMap<u64, usize>,
+    /// Iteration in which `get_finished` reported an id saved / loaded.
+    saved_at: HashMap<u64, usize>,
+    loaded_at: HashMap<u64, usize>,
+    /// Onboarded device blocks compared byte for byte.
+    verified_blocks: usize,
+    /// Every iteration's metadata, decoded.
+    metas: Vec<ConnectorMetadata>,
+    /// A request finished after the last metadata was built.
+    finished_since_bind: bool,
+    iteration: usize,
+    _dir: tempfile::TempDir,
+}
+
+impl Engine {
+    /// Scheduler first (non-blocking), then the worker registers its cache (blocking: it returns
+    /// once the barrier completed), then the scheduler is polled until ready.
+    fn new(host_blocks: usize, disk_blocks: usize) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.host.cache_blocks = Some(host_blocks);
+        config.disk.cache_blocks = Some(disk_blocks);
+        config.disk.dir = dir.path().to_path_buf();
+        let (leader_transport, worker_transports) = in_process(1);
+        let mut sched = TrtllmScheduler::new(config.clone(), BS, leader_transport).unwrap();
+        let mut worker = TrtllmWorker::new(config, BS, 1, worker_transports[0].clone()).unwrap();
+        let device: Arc<dyn StorageTier> = Arc::new(
+            MemoryTier::new(
+                TierKind::Device,
+                Layout::fully_contiguous(dims(), DEVICE_BLOCKS).unwrap(),
+            )
+            .unwrap(),
+        );
+        worker
+            .register_kv_caches(
+                &[DEVICE_BLOCKS, LAYERS, 2, BS * INNER],
+                DTYPE,
+                device.clone(),
+            )
+            .unwrap();
+        assert!(
+            worker.worker().is_ready(),
+            "blocking registration returned before ready"
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sched.leader_mut().is_ready() {
+            assert!(
+                Instant::now() < deadline,
+                "scheduler not ready: {:?}",
+                sched.leader().status()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let engine = Self {
+            sched,
+            worker,
+            device,
+            free: (0..DEVICE_BLOCKS).collect(),
+            chunk: usize::MAX,
+            waiting: Vec::new(),
+            loading: Vec::new(),
+            running: Vec::new(),
+            saving: Vec::new(),
+            new_saving: Vec::new(),
+            new_loading: Vec::new(),
+            done: HashMap::new(),
+            matched: HashMap::new(),
+            finish_held: HashMap::new(),
+            admitted_at: HashMap::new(),
+            first_scheduled_at: HashMap::new(),
+            saved_at: HashMap::new(),
+            loaded_at: HashMap::new(),
+            verified_blocks: 0,
+            metas: Vec::new(),
+            finished_since_bind: false,
+            iteration: 0,
+            _dir: dir,
+        };
+        for b in 0..DEVICE_BLOCKS {
+            engine.clobber(b);
+        }
+        engine
+    }
+
+    fn submit(&mut self, id: u64, tokens: Vec<u32>, max_new: usize) {
+        self.submit_with_prefix(id, tokens, max_new, 0);
+    }
+
+    /// A request of which the engine's own prefix cache already holds `device_prefix` tokens.
+    fn submit_with_prefix(&mut self, id: u64, tokens: Vec<u32>, max_new: usize, prefix: usize) {
+        assert!(max_new >= 1 && prefix < tokens.len());
+        self.waiting.push(Req {
+            id,
+            prompt_len: tokens.len(),
+            tokens,
+            max_new,
+            device_prefix: prefix,
+            blocks: Vec::new(),
+            pos: 0,
+            loaded: 0,
+            appeared: false,
+            reported_tokens: 0,
+            reported_blocks: 0,
+        });
+    }
+
+    // --- one iteration ---------------------------------------------------------------------------
+
+    /// One engine iteration.
+    fn step(&mut self) {
+        self.iteration += 1;
+        self.admit();
+        let (output, plan) = self.plan();
+        self.bind(&output);
+        self.forward(&plan);
+        self.worker_idle();
+        self.sample(&plan);
+        self.report();
+        self.sched.leader_mut().process_completions();
+    }
+
+    /// Iterates until every request is done and a metadata built after the last finish carries
+    /// nothing (so host → disk copies queued by the last completions have run too).
+    fn run(&mut self) {
+        for _ in 0..MAX_ITERATIONS {
+            let idle = self.waiting.is_empty()
+                && self.loading.is_empty()
+                && self.running.is_empty()
+                && self.saving.is_empty()
+                && !self.finished_since_bind
+                && self.sched.leader().num_operations_in_flight() == 0;
+            if idle && self.metas.last().is_some_and(ConnectorMetadata::is_empty) {
+                return;
+            }
+            self.step();
+        }
+        panic!("engine still busy after {MAX_ITERATIONS} iterations");
+    }
+
+    /// Step 1: match, allocate, `update_state_after_alloc`.
+    fn admit(&mut self) {
+        for mut req in std::mem::take(&mut self.waiting) {
+            let (tokens, load_async) = self
+                .sched
+                .get_num_new_matched_tokens(&req.llm(), req.device_prefix)
+                .unwrap();
+            assert_eq!(
+                load_async,
+                tokens > 0,
+                "request {}: loads are async",
+                req.id
+            );
+            assert_eq!(tokens % BS, 0, "request {}: whole blocks only", req.id);
+            self.matched.insert(req.id, (tokens, load_async));
+            self.admitted_at.insert(req.id, self.iteration);
+            req.blocks = (0..req.prompt_len.div_ceil(BS))
+                .map(|_| self.free.pop_first().expect("device out of blocks"))
+                .collect();
+            // The engine's own prefix cache provides the first `device_prefix` tokens.
+            self.write_kv(&req, 0..req.device_prefix, 0..LAYERS);
+            self.sched
+                .update_state_after_alloc(&req.llm(), &req.blocks)
+                .unwrap();
+            req.pos = req.device_prefix;
+            if load_async {
+                req.loaded = tokens;
+                req.pos += tokens;
+                self.new_loading.push(req.id);
+                self.loading.push(req);
+            } else {
+                self.running.push(req);
+            }
+        }
+    }
+
+    /// Step 2 (engine side): what each running request computes, as TensorRT-LLM reports it.
+    fn plan(&mut self) -> (SchedulerOutput, Plan) {
+        let mut output = SchedulerOutput::default();
+        let mut plan = Plan::new();
+        for req in &mut self.running {
+            let len = req.tokens.len();
+            let context = req.pos < req.prompt_len;
+            let range = if context {
+                req.pos..req.pos.saturating_add(self.chunk).min(req.prompt_len)
+            } else {
+                len - 1..len
+            };
+            while req.blocks.len() * BS < range.end {
+                let b = self.free.pop_first().expect("device out of blocks");
+                req.blocks.push(b);
+            }
+            let computed_position = if !context {
+                len - 1
+            } else if req.appeared {
+                req.pos
+            } else {
+                // TensorRT-LLM leaves the connector's tokens out of the first scheduler output.
+                req.pos - req.loaded
+            };
+            let data = RequestData {
+                request_id: req.id,
+                new_tokens: req.tokens[req.reported_tokens..].to_vec(),
+                new_block_ids: req.blocks[req.reported_blocks..].to_vec(),
+                computed_position,
+            };
+            req.reported_tokens = len;
+            req.reported_blocks = req.blocks.len();
+            if req.appeared {
+                output.cached_requests.push(data);
+            } else {
+                self.first_scheduled_at.insert(req.id, self.iteration);
+                output.new_requests.push(data);
+            }
+            req.appeared = true;
+            plan.push((req.id, range));
+        }
+        (output, plan)
+    }
+
+    /// Step 2: `build_connector_meta` → `bind_connector_meta`.
+    fn bind(&mut self, output: &SchedulerOutput) {
+        let bytes = self.sched.build_connector_meta(output).unwrap();
+        self.finished_since_bind = false;
+        self.metas.push(ConnectorMetadata::decode(&bytes).unwrap());
+        self.worker.bind_connector_meta(&bytes).unwrap();
+    }
+
+    /// Step 3: the forward pass with the worker's per-layer hooks.
+    fn forward(&mut self, plan: &Plan) {
+        self.worker.start_load_kv().unwrap();
+        for layer in 0..LAYERS {
+            self.worker.wait_for_layer_load(layer).unwrap();
+            for (id, range) in plan {
+                let req = self.running.iter().find(|r| r.id == *id).unwrap();
+                self.write_kv(req, range.clone(), layer..layer + 1);
+            }
+            self.worker.save_kv_layer(layer).unwrap();
+        }
+        self.worker.wait_for_save().unwrap();
+    }
+
+    /// Waits until the worker finished everything submitted (completions are then queued for
+    /// the leader, which applies them on its next call).
+    fn worker_idle(&self) {
+        self.worker
+            .worker()
+            .wait_idle(Duration::from_secs(10))
+            .unwrap();
+    }
+
+    /// Step 4: advance positions, sample, finish.
+    fn sample(&mut self, plan: &Plan) {
+        for (id, range) in plan {
+            let i = self.running.iter().position(|r| r.id == *id).unwrap();
+            let req = &mut self.running[i];
+            req.pos = range.end;
+            if req.pos < req.tokens.len() {
+                continue; // a context chunk that is not the last
+            }
+            let t = next_token(&req.tokens);
+            req.tokens.push(t);
+            if req.tokens.len() - req.prompt_len == req.max_new {
+                let req = self.running.remove(i);
+                self.finish(req);
+            }
+        }
+    }
+
+    fn finish(&mut self, req: Req) {
+        let held = self
+            .sched
+            .request_finished(&req.llm(), &req.blocks)
+            .unwrap();
+        self.finish_held.insert(req.id, held);
+        self.finished_since_bind = true;
+        if held {
+            self.new_saving.push(req.id);
+            self.saving.push(req);
+        } else {
+            self.release(req);
+        }
+    }
+
+    /// The client cancels a request that is loading or running. Returns `request_finished`'s answer.
+    fn abort(&mut self, id: u64) -> bool {
+        let req = if let Some(i) = self.loading.iter().position(|r| r.id == id) {
+            self.loading.remove(i)
+        } else {
+            let i = self.running.iter().position(|r| r.id == id).unwrap();
+            self.running.remove(i)
+        };
+        self.finish(req);
+        self.finish_held[&id]
+    }
+
+    /// Step 5: `get_finished` with the ids new since the last call; acts on what it returns.
+    fn report(&mut self) -> (Vec<u64>, Vec<u64>) {
+        let finished = std::mem::take(&mut self.new_saving);
+        let loading = std::mem::take(&mut self.new_loading);
+        let (saved, loaded) = self.worker.get_finished(&finished, &loading);
+        for &id in &loaded {
+            assert!(
+                self.loaded_at.insert(id, self.iteration).is_none(),
+                "request {id} reported loaded twice"
+            );
+            let req = self
+                .loading
+                .iter()
+                .chain(&self.saving)
+                .find(|r| r.id == id)
+                .unwrap_or_else(|| panic!("request {id} reported loaded but not loading"));
+            self.verified_blocks += self.verify_onboarded(req);
+            if let Some(i) = self.loading.iter().position(|r| r.id == id) {
+                let req = self.loading.remove(i);
+                self.running.push(req);
+            }
+        }
+        for &id in &saved {
+            assert!(
+                self.saved_at.insert(id, self.iteration).is_none(),
+                "request {id} reported saved twice"
+            );
+            let i = self
+                .saving
+                .iter()
+                .position(|r| r.id == id)
+                .unwrap_or_else(|| {
+                    panic!("request {id} reported saved but the engine holds nothing")
+                });
+            let req = self.saving.remove(i);
+            self.release(req);
+        }
+        (saved, loaded)
+    }
+
+    // --- device blocks ---------------------------------------------------------------------------
+
+    /// The model stand-in: writes the KV of `req.tokens[range]` in `layers` into its blocks.
+    fn write_kv(&self, req: &Req, range: Range<usize>, layers: Range<usize>) {
+        if range.is_empty() {
+            return;
+        }
+        let h = prefix_hashes(&req.tokens[..range.end]);
+        let mut p = range.start;
+        while p < range.end {
+            let b = p / BS;
+            let stop = range.end.min((b + 1) * BS);
+            let mut image = self.device.read_block_to_vec(req.blocks[b]).unwrap();
+            for layer in layers.clone() {
+                for kv in 0..2 {
+                    for (q, &prefix) in h.iter().enumerate().take(stop).skip(p) {
+                        let o = offset(layer, kv, q % BS);
+                        image[o..o + TOKEN_BYTES].copy_from_slice(&token_kv(prefix, layer, kv, q));
+                    }
+                }
+            }
+            self.device
+                .write_block_from_slice(req.blocks[b], &image)
+                .unwrap();
+            p = stop;
+        }
+    }
+
+    /// Compares every onboarded block with what the model computes for its prefix; returns how
+    /// many blocks it compared.
+    fn verify_onboarded(&self, req: &Req) -> usize {
+        let first = req.device_prefix / BS;
+        let blocks = first..first + req.loaded / BS;
+        for b in blocks.clone() {
+            let got = self.device.read_block_to_vec(req.blocks[b]).unwrap();
+            assert!(
+                got == expected_block(&req.tokens, b),
+                "request {}: onboarded block {b} (device block {}) does not hold its prefix's KV",
+                req.id,
+                req.blocks[b]
+            );
+        }
+        blocks.len()
+    }
+
+    fn clobber(&self, block: usize) {
+        let junk = vec![0xa5 ^ block as u8; dims().bytes_per_block()];
+        self.device.write_block_from_slice(block, &junk).unwrap();
+    }
+
+    fn release(&mut self, req: Req) {
+        for &b in &req.blocks {
+            self.clobber(b);
+            assert!(self.free.insert(b), "device block {b} freed twice");
+        }
+        self.done.insert(req.id, req);
+    }
+
+    // --- checks ----------------------------------------------------------------------------------
+
+    fn metrics(&self) -> MetricsSnapshot {
+        self.sched.leader().metrics().snapshot()
+    }
+
+    /// Blocks copied `src` → `dst` (completed).
+    fn transferred(&self, src: TierKind, dst: TierKind) -> u64 {
+        self.metrics().transfer(src, dst).map_or(0, |t| t.blocks)
+    }
+
+    /// Device → host block pairs in each iteration's metadata.
+    fn stores_per_iteration(&self) -> Vec<usize> {
+        self.metas
+            .iter()
+            .map(|m| {
+                m.operations
+                    .iter()
+                    .filter(|op| op.direction() == Direction::Store)
+                    .filter(|op| op.transfer().src == TierKind::Device)
+                    .map(|op| op.transfer().pairs.len())
+                    .sum()
+            })
+            .collect()
+    }
+
+    fn tokens_of(&self, id: u64) -> Vec<u32> {
+        self.done[&id].tokens.clone()
+    }
+
+    /// Nothing left anywhere: no slot, no operation, no held block, every device block free.
+    fn assert_drained(&self) {
+        assert!(self.waiting.is_empty() && self.loading.is_empty() && self.running.is_empty());
+        assert!(
+            self.saving.is_empty(),
+            "engine still holds blocks of finished requests"
+        );
+        assert_eq!(self.free.len(), DEVICE_BLOCKS, "device blocks leaked");
+        let leader = self.sched.leader();
+        assert_eq!(leader.num_slots(), 0, "leader slots left");
+        assert_eq!(
+            leader.num_operations_in_flight(),
+            0,
+            "leader operations left"
+        );
+        let (host, disk) = leader.pool_stats().expect("leader ready");
+        for stats in [host, disk].into_iter().flatten() {
+            assert_eq!(stats.mutable, 0, "{stats:?}");
+            assert_eq!(stats.active, 0, "{stats:?}");
+        }
+        assert_eq!(self.worker.worker().num_slots(), 0, "worker slots left");
+    }
+
+    /// Snapshots every iteration's metadata as `snapshots/trtllm__<scenario>.snap`.
+    fn snapshot(&self, scenario: &str) {
+        let mut settings = insta::Settings::clone_current();
+        settings.set_snapshot_path("../snapshots");
+        settings.set_prepend_module_to_snapshot(false);
+        settings.bind(|| insta::assert_yaml_snapshot!(format!("trtllm__{scenario}"), self.metas));
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Scenarios
+// ------------------------------------------------------------------------------------------------
+
+#[test]
+fn cold_request() {
+    let mut e = Engine::new(16, 64);
+    e.submit(1, prompt(1, 14), 2); // 3 full blocks and 2 tokens
+    e.run();
+    assert_eq!(e.matched[&1], (0, false));
+    // Iteration 1 computes the prompt; iteration 2 (computed_position 14) stores its 3 full
+    // blocks; at finish nothing is left to store.
+    assert_eq!(e.stores_per_iteration()[..2], [0, 3]);
+    assert!(!e.finish_held[&1]);
+    assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 3);
+    assert_eq!(e.transferred(TierKind::Host, TierKind::Disk), 3);
+    let (host, disk) = e.sched.leader().pool_stats().unwrap();
+    assert_eq!(host.unwrap().registered, 3);
+    assert_eq!(disk.unwrap().registered, 3);
+    let m = e.metrics();
+    assert_eq!((m.lookup_tokens, m.matched_tokens), (14, 0));
+    e.assert_drained();
+    e.snapshot("cold_request");
+}
+
+#[test]
+fn prefix_hit_from_host() {
+    let mut e = Engine::new(16, 64);
+    let p = prompt(1, 14);
+    e.submit(1, p.clone(), 1);
+    e.run();
+    e.submit(2, p, 1);
+    e.run();
+    // All 3 full blocks match (the prompt's last 2 tokens are left to compute).
+    assert_eq!(e.matched[&2], (12, true));
+    assert_eq!(e.verified_blocks, 3);
+    // Not scheduled until loaded; loaded in the iteration it was admitted in.
+    assert_eq!(e.loaded_at[&2], e.admitted_at[&2]);
+    assert_eq!(e.first_scheduled_at[&2], e.loaded_at[&2] + 1);
+    let m = e.metrics();
+    assert_eq!((m.host_hit_tokens, m.disk_hit_tokens), (12, 0));
+    assert_eq!(m.load_error_blocks, 0);
+    // The hit stores nothing new: its blocks are on host already.
+    assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 3);
+    e.assert_drained();
+    e.snapshot("prefix_hit_from_host");
+}
+
+#[test]
+fn disk_hit_after_host_eviction() {
+    let mut e = Engine::new(4, 64);
+    let a = prompt(1, 13);
+    e.submit(1, a.clone(), 1);
+    e.run();
+    // B's 3 blocks need host room: A's blocks are evicted (they are on disk by now).
+    e.submit(2, prompt(2, 13), 1);
+    e.run();
+    let (host, _) = e.sched.leader().pool_stats().unwrap();
+    assert!(host.unwrap().evictions >= 2);
+    e.submit(3, a, 1);
+    e.run();
+    assert_eq!(e.matched[&3], (12, true));
+    assert_eq!(e.verified_blocks, 3);
+    let m = e.metrics();
+    assert!(m.disk_hit_tokens > 0, "{m:?}");
+    assert_eq!(m.host_hit_tokens + m.disk_hit_tokens, 12);
+    assert_eq!(m.load_error_blocks, 0);
+    e.assert_drained();
+    e.snapshot("disk_hit_after_host_eviction");
+}
+
+#[test]
+fn chunked_prefill() {
+    let mut e = Engine::new(16, 64);
+    e.chunk = 6;
+    e.submit(1, prompt(1, 22), 1); // 5 full blocks, chunks [0,6) [6,12) [12,18) [18,22)
+    e.run();
+    // Offload follows computed_position, one iteration behind: a block is stored in the
+    // iteration after the one that completed it; the last chunk's block is flushed at finish.
+    assert_eq!(e.stores_per_iteration()[..5], [0, 1, 2, 1, 1]);
+    assert!(e.finish_held[&1]);
+    assert_eq!(e.saved_at[&1], 5);
+    assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 5);
+    // All of them are right: a second request with the same prompt loads and checks them.
+    e.submit(2, prompt(1, 22), 1);
+    e.run();
+    assert_eq!(e.matched[&2], (20, true));
+    assert_eq!(e.verified_blocks, 5);
+    assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 5);
+    e.assert_drained();
+    e.snapshot("chunked_prefill");
+}
+
+#[test]
+fn decode_fills_new_blocks() {
+    let mut e = Engine::new(16, 64);
+    // Prompt 10 tokens; 8 generated: block 2 is completed by generated tokens, block 3 is all
+    // generated (allocated during decode).
+    e.submit(1, prompt(1, 10), 8);
+    e.run();
+    assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 4);
+    let generated = e.tokens_of(1);
+    assert_eq!(generated.len(), 18);
+    // A later prompt made of those tokens hits all four blocks.
+    e.submit(2, generated[..17].to_vec(), 1);
+    e.run();
+    assert_eq!(e.matched[&2], (16, true));
+    assert_eq!(e.verified_blocks, 4);
+    e.assert_drained();
+    e.snapshot("decode_fills_new_blocks");
+}
+
+#[test]
+fn abort_while_load_in_flight() {
+    let mut e = Engine::new(16, 64);
+    let p = prompt(1, 13);
+    e.submit(1, p.clone(), 1);
+    e.run();
+    // Iteration by hand: admit B, abort it before the worker ran its load.
+    e.submit(2, p, 4);
+    e.iteration += 1;
+    e.admit();
+    assert_eq!(e.matched[&2], (12, true));
+    assert!(e.abort(2), "a request with a load in flight must be held");
+    let id = RequestId::from(2u64);
+    assert_eq!(
+        e.sched.leader().request_state(&id),
+        Some(RequestState::Aborted)
+    );
+    let (output, plan) = e.plan();
+    assert!(plan.is_empty());
+    e.bind(&output);
+    let meta = e.metas.last().unwrap();
+    assert!(meta.hold.contains(&id));
+    assert!(meta
+        .operations
+        .iter()
+        .any(|op| op.direction() == Direction::Load && op.request_id() == Some(&id)));
+    // Bound but not started: neither saved nor loaded yet.
+    assert_eq!(e.report(), (vec![], vec![]));
+    e.forward(&plan);
+    e.worker_idle();
+    // Load done: the id comes back both as loaded and as saved (its blocks may be freed).
+    assert_eq!(e.report(), (vec![2], vec![2]));
+    e.sched.leader_mut().process_completions();
+    assert_eq!(e.verified_blocks, 3);
+    e.run();
+    e.assert_drained();
+    e.snapshot("abort_while_load_in_flight");
+}
+
+#[test]
+fn finish_with_stores_in_flight() {
+    let mut e = Engine::new(16, 64);
+    let p = prompt(1, 8);
+    e.submit(1, p.clone(), 1); // finishes in its only iteration
+    e.step();
+    // Its 2 blocks were computed in the last (only) iteration: stored at finish.
+    assert!(e.finish_held[&1]);
+    assert_eq!(e.stores_per_iteration(), [0]);
+    assert_eq!(e.saving.len(), 1, "the engine must keep the blocks");
+    assert!(!e.saved_at.contains_key(&1));
+    e.step();
+    assert_eq!(e.stores_per_iteration(), [0, 2]);
+    assert!(e.metas[1].hold.contains(&RequestId::from(1u64)));
+    assert_eq!(e.saved_at[&1], 2);
+    e.run();
+    // The flushed bytes are the final ones.
+    let mut q = p;
+    q.push(7);
+    e.submit(2, q, 1);
+    e.run();
+    assert_eq!(e.matched[&2], (8, true));
+    assert_eq!(e.verified_blocks, 2);
+    e.assert_drained();
+    e.snapshot("finish_with_stores_in_flight");
+}
+
+#[test]
+fn shared_prefix_in_one_iteration() {
+    let mut e = Engine::new(16, 64);
+    let shared = prompt(1, 8);
+    let a: Vec<u32> = shared.iter().copied().chain(prompt(2, 6)).collect();
+    let b: Vec<u32> = shared.iter().copied().chain(prompt(3, 6)).collect();
+    e.submit(1, a, 1);
+    e.submit(2, b.clone(), 1);
+    e.run();
+    assert_eq!(e.first_scheduled_at[&1], e.first_scheduled_at[&2]);
+    // 2 shared blocks + 1 of each: 4 distinct blocks, each stored once.
+    assert_eq!(e.stores_per_iteration()[..2], [0, 4]);
+    assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 4);
+    e.submit(3, b, 1);
+    e.run();
+    assert_eq!(e.matched[&3], (12, true));
+    assert_eq!(e.verified_blocks, 3);
+    e.assert_drained();
+    e.snapshot("shared_prefix_in_one_iteration");
+}
+
+#[test]
+fn full_prompt_match_drops_last_block() {
+    let mut e = Engine::new(16, 64);
+    let p = prompt(1, 12); // exactly 3 blocks
+    e.submit(1, p.clone(), 1);
+    e.run();
+    assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 3);
+    e.submit(2, p, 1);
+    e.run();
+    // All 3 blocks are stored, but the engine must compute at least one token.
+    assert_eq!(e.matched[&2], (8, true));
+    assert_eq!(e.verified_blocks, 2);
+    assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 3);
+    e.assert_drained();
+    e.snapshot("full_prompt_match_drops_last_block");
+}
+
+#[test]
+fn unaligned_computed_count() {
+    let mut e = Engine::new(16, 64);
+    let p = prompt(1, 13);
+    e.submit(1, p.clone(), 1);
+    e.run();
+    // The device holds 5 tokens (a partial block): nothing can be loaded behind them.
+    let r = LlmRequest {
+        request_id: 2,
+        tokens: &p,
+        cache_salt: None,
+        lora_name: None,
+    };
+    assert_eq!(
+        e.sched.get_num_new_matched_tokens(&r, 5).unwrap(),
+        (0, false)
+    );
+    // Nothing staged: no host block held, no request state.
+    let (host, _) = e.sched.leader().pool_stats().unwrap();
+    assert_eq!(host.unwrap().active, 0);
+    assert_ne!(
+        e.sched.leader().request_state(&RequestId::from(2u64)),
+        Some(RequestState::OnboardStaged)
+    );
+    assert_eq!(e.metrics().matched_tokens, 0);
+    // The engine gives up on it: nothing is held.
+    assert!(!e.sched.request_finished(&r, &[]).unwrap());
+    e.finish_held.insert(2, false);
+    // An aligned count on the same prefix does match: blocks 1 and 2 load behind the device's 4.
+    e.submit_with_prefix(3, p, 1, 4);
+    e.run();
+    assert_eq!(e.matched[&3], (8, true));
+    assert_eq!(e.verified_blocks, 2);
+    e.assert_drained();
+    e.snapshot("unaligned_computed_count");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Regressions: bugs this suite found, kept as minimal reproductions
+// ------------------------------------------------------------------------------------------------
+
+/// TensorRT-LLM passes to `get_finished` only the ids `request_finished` answered true for; a
+/// request answered false is never named again, and nothing else tells the worker to drop the
+/// slot the metadata made for it: one slot leaks per such request.
+#[test]
+fn regression_worker_forgets_requests_finished_without_hold() {
+    let mut e = Engine::new(16, 64);
+    e.submit(1, prompt(1, 14), 2);
+    e.run();
+    assert!(!e.finish_held[&1]);
+    assert_eq!(e.sched.leader().num_slots(), 0);
+    assert_eq!(e.worker.worker().num_slots(), 0, "worker slot leaked");
+}
+
+/// `request_finished` assumes every token but the last has its KV on the device
+/// (`tokens.len() - 1`); for a request aborted before it computed anything, the full blocks
+/// beyond the loaded prefix hold junk, and they are stored and become matchable.
+#[test]
+fn regression_abort_during_load_stores_no_uncomputed_blocks() {
+    let mut e = Engine::new(16, 64);
+    let p = prompt(1, 8);
+    e.submit(1, p.clone(), 1);
+    e.run();
+    assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 2);
+    // B extends the stored prefix by 2 blocks and 1 token; aborted before its load ran.
+    let b: Vec<u32> = p.iter().copied().chain(prompt(2, 9)).collect();
+    e.submit(2, b.clone(), 1);
+    e.iteration += 1;
+    e.admit();
+    assert_eq!(e.matched[&2], (8, true));
+    assert!(e.abort(2));
+    e.run();
+    assert_eq!(
+        e.transferred(TierKind::Device, TierKind::Host),
+        2,
+        "blocks 2 and 3 of the aborted request were never computed"
+    );
+    // A later request with B's prompt must not be served those blocks.
+    e.submit(3, b, 1);
+    e.run();
+    assert_eq!(e.matched[&3], (8, true));
+}
+
+/// With an unaligned `num_computed_tokens` the adapter answers (0, false) without telling the
+/// leader about the request, so the engine's next calls for it (`update_state_after_alloc`,
+/// then `build_connector_meta`) fail with "unknown request id".
+#[test]
+fn regression_unaligned_request_can_be_scheduled() {
+    let mut e = Engine::new(16, 64);
+    let p = prompt(1, 13);
+    e.submit(1, p.clone(), 1);
+    e.run();
+    e.submit_with_prefix(2, p, 1, 5);
+    e.run();
+    assert_eq!(e.matched[&2], (0, false));
+    assert!(e.done.contains_key(&2));
+    e.assert_drained();
+}
