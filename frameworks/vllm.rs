@@ -409,7 +409,10 @@ impl VllmWorker {
             .into_iter()
             .map(|s| RequestId::from(s.as_str()))
             .collect();
-        let (sending, recving) = self.worker.get_finished(&finished, None);
+        let (sending, mut recving) = self.worker.get_finished(&finished, None);
+        // A request aborted while loading is done on both counts at once; vLLM frees it on the
+        // first report and must not see it again, so it is reported as sending only.
+        recving.retain(|id| !sending.contains(id));
         let set = |v: Vec<RequestId>| -> Option<HashSet<String>> {
             if v.is_empty() {
                 None

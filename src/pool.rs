@@ -341,7 +341,8 @@ impl State {
         }
     }
 
-    /// One handle fewer; the last one makes the block inactive at the MRU end of the LRU.
+    /// One handle fewer; the last one makes the block inactive at the MRU end of the LRU, or
+    /// free if it was unregistered meanwhile.
     fn release_immutable(&mut self, id: u32) {
         let Some(s) = self.slots.get_mut(id as usize) else {
             return;
@@ -351,10 +352,32 @@ impl State {
         }
         s.refs = s.refs.saturating_sub(1);
         if s.refs == 0 {
-            s.state = SlotState::Inactive;
+            let hash = s.hash;
             self.active = self.active.saturating_sub(1);
-            self.lru_push_back(id);
+            if self.map.get(&hash) == Some(&id) {
+                if let Some(s) = self.slots.get_mut(id as usize) {
+                    s.state = SlotState::Inactive;
+                }
+                self.lru_push_back(id);
+            } else {
+                self.free_push(id);
+            }
         }
+    }
+
+    /// Removes `id`'s registration (if `id` still holds `hash`); an inactive block becomes free.
+    fn unregister(&mut self, id: u32, hash: SequenceHash) -> bool {
+        match self.map.entry(hash) {
+            Entry::Occupied(e) if *e.get() == id => {
+                e.remove();
+            }
+            _ => return false,
+        }
+        if self.state_of(id) == Some(SlotState::Inactive) {
+            self.lru_unlink(id);
+            self.free_push(id);
+        }
+        true
     }
 
     /// Mutable `id` becomes registered under `hash`; returns the block now holding `hash` with a
@@ -542,6 +565,16 @@ impl BlockPool {
     /// Whether `hash` is registered (active or inactive).
     pub fn contains(&self, hash: SequenceHash) -> bool {
         self.inner.state.lock().map.contains_key(&hash)
+    }
+
+    /// Withdraws a block's registration (its data turned out bad): it can no longer be matched,
+    /// and it returns to the free list when its last handle drops. False if the handle belongs to
+    /// another pool or the block no longer holds its key.
+    pub fn unregister(&self, block: &ImmutableBlock) -> bool {
+        if !Arc::ptr_eq(&self.inner, &block.inner) {
+            return false;
+        }
+        self.inner.state.lock().unregister(block.id, block.hash)
     }
 }
 
@@ -1192,5 +1225,25 @@ mod tests {
         );
         // Only a sanity bound here (debug builds, shared CI); release runs well under 1 ms.
         assert!(per < Duration::from_millis(200), "{per:?}");
+    }
+
+    #[test]
+    fn unregister_withdraws_a_block_and_frees_it_on_release() {
+        let pool = BlockPool::new(TierKind::Disk, 4).unwrap();
+        let b = pool.allocate(1).unwrap().pop().unwrap();
+        let held = pool.register(b, SequenceHash(7)).unwrap();
+        assert!(pool.unregister(&held));
+        assert!(!pool.contains(SequenceHash(7)));
+        assert!(pool.match_prefix(&[SequenceHash(7)]).is_empty());
+        assert!(!pool.unregister(&held));
+        drop(held);
+        let s = pool.stats();
+        assert_eq!((s.free, s.active, s.inactive, s.registered), (4, 0, 0, 0));
+        // A fresh copy can be registered under the same key again.
+        let b = pool.allocate(1).unwrap().pop().unwrap();
+        let again = pool.register(b, SequenceHash(7)).unwrap();
+        assert!(pool.contains(SequenceHash(7)));
+        drop(again);
+        assert_eq!(pool.stats().inactive, 1);
     }
 }

@@ -215,3 +215,78 @@ fn forged_operations_fail_cleanly_on_the_worker() {
     r.leader.process_completions();
     still_hits(&mut r, "after-forgery");
 }
+
+/// An adapter whose metadata hook fails once.
+struct FlakyHook {
+    fail_next: bool,
+}
+
+impl kvbm_connector::connector::adapter::SchedulerAdapter for FlakyHook {
+    fn name(&self) -> &'static str {
+        "flaky"
+    }
+    fn computed_after(
+        &self,
+        r: &kvbm_connector::connector::adapter::ScheduledRequest,
+    ) -> kvbm_connector::Result<usize> {
+        kvbm_connector::connector::adapter::ScheduledTokens.computed_after(r)
+    }
+    fn extend_metadata(&mut self, _meta: &mut ConnectorMetadata) -> kvbm_connector::Result<()> {
+        if std::mem::take(&mut self.fail_next) {
+            return Err(kvbm_connector::Error::invalid_argument(
+                "hook failed on purpose",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_failing_metadata_hook_loses_no_operation() {
+    use kvbm_connector::connector::barrier::InitMode;
+    use kvbm_connector::connector::leader::Leader;
+    use kvbm_connector::connector::transport::in_process;
+    use kvbm_connector::connector::worker::Worker;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 16, 0);
+    let (lt, wts) = in_process(1);
+    let mut worker = Worker::new(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    worker.register(device()).unwrap();
+    let mut leader = Leader::new(
+        FlakyHook { fail_next: false },
+        cfg,
+        BS,
+        lt,
+        InitMode::Blocking,
+    )
+    .unwrap();
+    let a: RequestId = "a".into();
+    let tokens = prompt();
+    leader
+        .get_num_new_matched_tokens(info(&a, &tokens), 0)
+        .unwrap();
+    leader
+        .update_state_after_alloc(&a, &[0, 1, 2, 3, 4, 5], 0)
+        .unwrap();
+    leader.adapter_mut().fail_next = true;
+    let step = SchedulerStep {
+        requests: vec![prefill(&a, 0, 24)],
+        ..Default::default()
+    };
+    let e = leader.build_connector_meta(&step).unwrap_err();
+    assert!(e.to_string().contains("on purpose"));
+    // The next metadata carries the slot and the six stores decided by the failed call.
+    let meta = ConnectorMetadata::decode(
+        &leader
+            .build_connector_meta(&SchedulerStep::default())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(meta.new_slots, vec![a.clone()]);
+    let stored: usize = meta
+        .operations
+        .iter()
+        .map(|o| o.transfer().pairs.len())
+        .sum();
+    assert_eq!(stored, 6);
+}

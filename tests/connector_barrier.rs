@@ -185,3 +185,16 @@ fn ranks_with_disagreeing_layouts_are_refused() {
     });
     assert!(refused);
 }
+
+#[test]
+fn a_leader_whose_page_size_differs_from_the_workers_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8, 0);
+    let (lt, wts) = in_process(1);
+    let mut w = Worker::new(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    w.register(device()).unwrap();
+    let e = Leader::new(ScheduledTokens, cfg, BS * 2, lt, InitMode::Blocking).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidLayout, "{e}");
+    assert!(e.to_string().contains("4-token blocks"), "{e}");
+    wait_until("worker refused", || w.init_error().is_some());
+}

@@ -10,6 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::connector::metadata::ConnectorMetadata;
+use crate::connector::transport::Completion;
 use crate::connector::RequestId;
 use crate::error::{Error, Result};
 use crate::identity::Token;
@@ -68,6 +69,14 @@ pub trait SchedulerAdapter: Send + 'static {
     /// own kinds. The default adds nothing.
     fn extend_metadata(&mut self, metadata: &mut ConnectorMetadata) -> Result<()> {
         let _ = metadata;
+        Ok(())
+    }
+
+    /// Called once per rank for each completion of an operation whose id is custom
+    /// ([`OperationId::custom`](crate::connector::metadata::OperationId::custom)). The default
+    /// ignores it.
+    fn on_custom_completion(&mut self, rank: usize, completion: &Completion) -> Result<()> {
+        let _ = (rank, completion);
         Ok(())
     }
 }

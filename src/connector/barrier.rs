@@ -168,9 +168,13 @@ fn timed_out(step: &str, timeout: Duration, ranks: &[Rank]) -> Error {
 }
 
 /// The leader's side of the barrier.
+///
+/// `page_size`, when given, is the leader's tokens per block: a rank whose blocks hold another
+/// number is refused (its keys would name different token spans).
 pub fn leader_barrier(
     transport: &dyn LeaderTransport,
     config: &Config,
+    page_size: Option<usize>,
     timeout: Duration,
 ) -> Result<Readiness> {
     let deadline = Instant::now() + timeout;
@@ -195,7 +199,20 @@ pub fn leader_barrier(
         };
         match msg {
             WorkerMessage::Hello(h) => {
-                if let Err(e) = check_hello(rank, world, &h, hellos.iter().flatten().next()) {
+                let check =
+                    check_hello(rank, world, &h, hellos.iter().flatten().next()).and_then(|()| {
+                        match page_size {
+                            Some(p) if p != h.dims.page_size => {
+                                Err(Error::invalid_layout(format!(
+                            "rank {rank} has {}-token blocks but the leader keys {p}-token blocks",
+                            h.dims.page_size
+                        ))
+                                .with("rank", rank))
+                            }
+                            _ => Ok(()),
+                        }
+                    });
+                if let Err(e) = check {
                     let _ = transport.send(rank, LeaderMessage::Refused(e.message().to_string()));
                     return Err(e);
                 }

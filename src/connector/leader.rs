@@ -120,6 +120,8 @@ enum Holds {
     Load {
         tier: TierKind,
         src: Vec<ImmutableBlock>,
+        /// The device block each source block goes to (same order).
+        dst: Vec<usize>,
     },
     Store {
         tier: TierKind,
@@ -204,7 +206,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         let (t, c) = (transport.clone(), config.clone());
         let timeout = config.init_timeout();
         let init = initialise(mode, "kvbm-leader-init", move || {
-            leader_barrier(t.as_ref(), &c, timeout)
+            leader_barrier(t.as_ref(), &c, Some(page_size), timeout)
         })?;
         let mut leader = Self {
             adapter,
@@ -224,13 +226,22 @@ impl<A: SchedulerAdapter> Leader<A> {
             failure_logged: false,
             last_match: MatchResult::NONE,
         };
-        leader.ensure_ready();
+        if !leader.ensure_ready() && mode == InitMode::Blocking {
+            if let LeaderStatus::Failed(e) = leader.status() {
+                return Err(e);
+            }
+        }
         Ok(leader)
     }
 
     /// The adapter.
     pub fn adapter(&self) -> &A {
         &self.adapter
+    }
+
+    /// The adapter, mutably (for adapters that keep state of their own).
+    pub fn adapter_mut(&mut self) -> &mut A {
+        &mut self.adapter
     }
 
     /// Tokens per block.
@@ -326,6 +337,12 @@ impl<A: SchedulerAdapter> Leader<A> {
     }
 
     fn build_tiers(&self, readiness: Readiness) -> Result<Tiers> {
+        if readiness.dims.page_size != self.page_size {
+            return Err(Error::invalid_layout(format!(
+                "the leader keys blocks of {} tokens but the workers' blocks hold {}",
+                self.page_size, readiness.dims.page_size
+            )));
+        }
         let pool = |kind, n: usize| -> Result<Option<BlockPool>> {
             if n == 0 {
                 Ok(None)
@@ -394,6 +411,17 @@ impl<A: SchedulerAdapter> Leader<A> {
                 })
             }
         };
+        if slot.life.state() == RequestState::Onboarding && slot.loads_in_flight > 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!(
+                    "request {}: matched again while its loads are in flight",
+                    request.id
+                ),
+            )
+            .with("request", request.id)
+            .with("state", RequestState::Onboarding));
+        }
         if matches!(
             slot.life.state(),
             RequestState::Prefilling | RequestState::Decoding
@@ -541,6 +569,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         for (tier, pairs, src) in loads {
             let op = self.next_op_id();
+            let dst: Vec<usize> = pairs.iter().map(|p| p.1).collect();
             let transfer = BlockTransfer {
                 id: op,
                 request_id: Some(id.clone()),
@@ -549,7 +578,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                 pairs,
             };
             self.outbox.operations.push(Box::new(Load(transfer)));
-            self.track(op, Some(id.clone()), Holds::Load { tier, src });
+            self.track(op, Some(id.clone()), Holds::Load { tier, src, dst });
             if let Some(slot) = self.slots.get_mut(id) {
                 slot.loads_in_flight += 1;
             }
@@ -565,7 +594,34 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// out of range is an error and the leader's state is as before.
     pub fn build_connector_meta(&mut self, step: &SchedulerStep) -> Result<Vec<u8>> {
         let meta = self.build_metadata(step)?;
-        meta.encode()
+        match meta.encode() {
+            Ok(bytes) => Ok(bytes),
+            Err(e) => {
+                self.restore_outbox(meta);
+                Err(e)
+            }
+        }
+    }
+
+    /// Puts this leader's own work from an undelivered metadata back in front of the queue, so
+    /// a failing hook or encoder loses nothing (operations of other kinds are dropped).
+    fn restore_outbox(&mut self, meta: ConnectorMetadata) {
+        let mut outbox = Outbox {
+            new_slots: meta.new_slots,
+            operations: meta
+                .operations
+                .into_iter()
+                .filter(|op| self.ops.contains_key(&op.id()))
+                .collect(),
+            hold: meta.hold,
+            finished: meta.finished,
+        };
+        let later = std::mem::take(&mut self.outbox);
+        outbox.new_slots.extend(later.new_slots);
+        outbox.operations.extend(later.operations);
+        outbox.hold.extend(later.hold);
+        outbox.finished.extend(later.finished);
+        self.outbox = outbox;
     }
 
     /// As [`Leader::build_connector_meta`], returning the metadata unencoded.
@@ -640,7 +696,11 @@ impl<A: SchedulerAdapter> Leader<A> {
         meta.operations = outbox.operations;
         meta.hold = outbox.hold;
         meta.finished = outbox.finished;
-        self.adapter.extend_metadata(&mut meta)?;
+        let backup = meta.clone();
+        if let Err(e) = self.adapter.extend_metadata(&mut meta) {
+            self.restore_outbox(backup);
+            return Err(e);
+        }
         Ok(meta)
     }
 
@@ -730,6 +790,10 @@ impl<A: SchedulerAdapter> Leader<A> {
         let Some(slot) = self.slots.get_mut(id) else {
             return;
         };
+        if slot.loads_in_flight > 0 {
+            // Loads are still writing this request's device blocks: nothing there is final.
+            return;
+        }
         let full = (computed.min(slot.seq.total_tokens()) / bs).min(slot.seq.num_full_blocks());
         if full <= slot.offloaded {
             return;
@@ -850,8 +914,12 @@ impl<A: SchedulerAdapter> Leader<A> {
         self.poll_completions();
     }
 
-    /// Drains worker messages and completes operations every rank has reported.
+    /// Drains worker messages and completes operations every rank has reported. Before the
+    /// barrier completed the barrier owns the transport: nothing is drained here.
     fn poll_completions(&mut self) {
+        if !self.ensure_ready() {
+            return;
+        }
         loop {
             match self.transport.try_recv() {
                 Ok(Some((rank, WorkerMessage::Completed(list)))) => {
@@ -875,6 +943,12 @@ impl<A: SchedulerAdapter> Leader<A> {
     }
 
     fn on_completion(&mut self, rank: usize, c: Completion) {
+        if c.op.is_custom() {
+            if let Err(e) = self.adapter.on_custom_completion(rank, &c) {
+                tracing::warn!(rank, op = %c.op, error = %e, "adapter refused a completion");
+            }
+            return;
+        }
         let Some(track) = self.ops.get_mut(&c.op) else {
             tracing::warn!(rank, op = %c.op, "completion for an unknown operation");
             return;
@@ -908,10 +982,27 @@ impl<A: SchedulerAdapter> Leader<A> {
         let ok_all = track.failed.is_empty();
         self.metrics.record_operation_completed(ok_all);
         match track.holds {
-            Holds::Load { tier, src } => {
+            Holds::Load { tier, src, dst } => {
                 let total = src.len() as u64;
                 let failed = (track.failed.len() as u64).min(total);
                 let ok = total - failed;
+                // A block that failed to load (e.g. its checksum) is withdrawn: no later match
+                // may serve it, and a recomputed copy can be stored under its key again.
+                if failed > 0 {
+                    let pool = self.tiers.as_ref().and_then(|t| match tier {
+                        TierKind::Host => t.host.clone(),
+                        TierKind::Disk => t.disk.clone(),
+                        _ => None,
+                    });
+                    for (b, d) in src.iter().zip(&dst) {
+                        if track.failed.contains(d) {
+                            if let Some(p) = &pool {
+                                p.unregister(b);
+                            }
+                            tracing::warn!(tier = %tier, block = b.block_id(), key = %b.sequence_hash(), "withdrew a block whose load failed");
+                        }
+                    }
+                }
                 self.metrics.record_hit(tier, ok * bs);
                 self.metrics
                     .record_transfer(tier, TierKind::Device, ok, ok * bpb);
@@ -919,7 +1010,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                     self.metrics.record_load_error(failed);
                 }
                 // A block read from host was just reused: count the sighting for disk admission.
-                if tier == TierKind::Host {
+                if tier == TierKind::Host && failed == 0 {
                     for b in src {
                         self.consider_for_disk(b);
                     }

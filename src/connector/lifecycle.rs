@@ -136,9 +136,13 @@ impl Event {
     fn next(self, from: RequestState) -> std::result::Result<RequestState, &'static str> {
         use RequestState as S;
         match (self, from) {
-            (Event::StageOnboard, S::New | S::OnboardStaged | S::Preempted) => Ok(S::OnboardStaged),
+            // From Onboarding only once its loads finished (the leader checks): the engine matches
+            // again after a load failed on the first blocks.
+            (Event::StageOnboard, S::New | S::OnboardStaged | S::Preempted | S::Onboarding) => {
+                Ok(S::OnboardStaged)
+            }
 
-            (Event::Unstage, S::OnboardStaged | S::New) => Ok(S::New),
+            (Event::Unstage, S::OnboardStaged | S::New | S::Onboarding) => Ok(S::New),
             (Event::Unstage, S::Preempted) => Ok(S::Preempted),
 
             (Event::StartOnboard, S::OnboardStaged) => Ok(S::Onboarding),
@@ -388,8 +392,8 @@ mod tests {
                 x,
             ],
             S::Onboarding => [
-                x,
-                x,
+                Some(S::OnboardStaged),
+                Some(S::New),
                 x,
                 Some(S::Prefilling),
                 Some(S::Decoding),

@@ -33,6 +33,23 @@ pub const MAX_METADATA_BYTES: usize = 64 << 20;
 #[serde(transparent)]
 pub struct OperationId(pub u64);
 
+impl OperationId {
+    /// The bit that marks ids of operations an adapter creates itself.
+    pub const CUSTOM_BIT: u64 = 1 << 63;
+
+    /// An id for an adapter's own operation: `n` with [`OperationId::CUSTOM_BIT`] set. The
+    /// leader's ids never have it, so the two never collide; completions of custom ids go to
+    /// [`SchedulerAdapter::on_custom_completion`](crate::connector::adapter::SchedulerAdapter::on_custom_completion).
+    pub fn custom(n: u64) -> Self {
+        OperationId(n | Self::CUSTOM_BIT)
+    }
+
+    /// Whether an adapter (not the leader) created this id.
+    pub fn is_custom(self) -> bool {
+        self.0 & Self::CUSTOM_BIT != 0
+    }
+}
+
 impl std::fmt::Display for OperationId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "op{}", self.0)

@@ -398,6 +398,7 @@ impl Worker {
             direction,
             touches_device,
             reads_device: t.reads_device(),
+            writes_device: t.writes_device(),
             dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
         };
         let shared = self.shared.clone();
@@ -412,6 +413,7 @@ impl Worker {
                 request: None,
                 touches_device: false,
                 reads_device: false,
+                writes_device: false,
                 direction: Direction::Store,
                 ..done
             };
@@ -578,6 +580,7 @@ struct OpDone {
     direction: Direction,
     touches_device: bool,
     reads_device: bool,
+    writes_device: bool,
     dst_blocks: Vec<usize>,
 }
 
@@ -617,7 +620,8 @@ fn complete(
     }
     {
         let mut st = shared.state.lock();
-        if done.direction == Direction::Load {
+        // Only device blocks are the engine's to recompute.
+        if done.writes_device {
             st.load_errors.extend(failed.iter().copied());
         }
         if let Some(id) = &done.request {
