@@ -12,6 +12,8 @@
 //! * [`pool`] — per-tier block pools: free, in use, registered (reusable), LRU eviction, prefix match;
 //! * [`transfer`] — async block copies between tiers with layout conversion and checksums;
 //! * [`config`] — one configuration struct from a TOML file and environment variables;
+//! * [`connector`] — the protocol: leader (scheduler side), worker (GPU side), request lifecycle,
+//!   per-iteration metadata, start-up barrier, transport, metrics;
 //! * [`error`] — the one error type.
 //!
 //! Storage lives in [`backends`] (memory and disk always built); engine adapters in `frameworks`
@@ -26,15 +28,16 @@
 //! | `vllm`   | vLLM adapter (`frameworks::vllm`) | — |
 //! | `cuda`   | GPU device and pinned-host tiers | cudarc (loaded at run time) |
 //! | `nixl`   | NIXL transfer backend (POSIX disk, UCX remote) | nixl-sys (loaded at run time) |
-//! | `cli`    | the `kvbm` binary | clap |
+//! | `cli` (default) | the `kvbm` binary and [`cli`] (enables `trtllm`, `vllm`) | clap |
 //!
 //! ```toml
 //! [dependencies]
-//! kvbm-connector = { version = "0.1", features = ["vllm"] }
+//! # the lean core plus the vLLM adapter, without the CLI
+//! kvbm-connector = { version = "0.1", default-features = false, features = ["vllm"] }
 //! ```
 //!
-//! The adapters, `cuda`, `nixl` and `cli` features are declared now and filled in by later work;
-//! enabling them today adds nothing.
+//! `cuda` and `nixl` are declared now and filled in by later work; enabling them today adds
+//! nothing.
 
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]

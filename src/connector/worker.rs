@@ -351,6 +351,7 @@ impl Worker {
 
     /// Starts this iteration's loads (asynchronous).
     pub fn start_load(&mut self) -> Result<()> {
+        let _span = tracing::debug_span!("kvbm.worker.start_load", rank = self.rank()).entered();
         self.loads_submitted = true;
         self.submit_where(|op| op.direction() == Direction::Load)
     }
@@ -358,6 +359,7 @@ impl Worker {
     /// Starts this iteration's stores and other operations (after the forward pass wrote the
     /// blocks). Does not wait for them.
     pub fn save(&mut self) -> Result<()> {
+        let _span = tracing::debug_span!("kvbm.worker.save", rank = self.rank()).entered();
         self.stores_submitted = true;
         self.submit_where(|op| op.direction() != Direction::Load)
     }
@@ -505,6 +507,7 @@ impl Worker {
         finished: &[RequestId],
         started_loading: Option<&[RequestId]>,
     ) -> (Vec<RequestId>, Vec<RequestId>) {
+        let _span = tracing::debug_span!("kvbm.worker.get_finished", rank = self.rank()).entered();
         let mut st = self.shared.state.lock();
         for id in finished {
             if let Some(s) = st.slots.get_mut(id) {
