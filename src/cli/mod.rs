@@ -6,6 +6,8 @@
 //! * `kvbm config` — prints the effective configuration and the derived block counts.
 
 pub mod bench;
+pub mod multiproc;
+pub mod rank;
 pub mod sim;
 pub mod workload;
 
@@ -38,6 +40,9 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Print the effective configuration (file + environment) and the derived block counts.
     Config(ConfigArgs),
+    /// One tensor-parallel rank of a multi-process replay (started by `kvbm replay --tp N`, or by
+    /// hand with `--external-workers`).
+    Worker(multiproc::WorkerArgs),
 }
 
 /// `on` / `off`.
@@ -143,6 +148,25 @@ pub struct ReplayArgs {
     /// Simulated compute cost per prompt token, microseconds (decode tokens cost a tenth).
     #[arg(long, default_value_t = 50.0)]
     pub prefill_us_per_token: f64,
+    /// Tensor-parallel ranks: with more than 1, each rank is a `kvbm worker` child process and the
+    /// leader talks to them over TCP on loopback (`KVBM_LEADER_ADDR`, `KVBM_AUTH_TOKEN`).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// The leader's transport address with `--tp` above 1 (default: `KVBM_LEADER_ADDR`, else a
+    /// free loopback port).
+    #[arg(long)]
+    pub leader_addr: Option<std::net::SocketAddr>,
+    /// The engine channel's address with `--tp` above 1 (default: a free loopback port).
+    #[arg(long)]
+    pub engine_addr: Option<std::net::SocketAddr>,
+    /// With `--tp` above 1: do not start the workers; wait for `kvbm worker` processes started
+    /// by hand.
+    #[arg(long)]
+    pub external_workers: bool,
+    /// Fault injection for tests: SIGKILL rank R's process at the first step from S on that has a
+    /// load in flight (`R@S`).
+    #[arg(long, hide = true, value_parser = parse_kill)]
+    pub kill_rank: Option<(usize, u64)>,
     /// Write the JSON report here.
     #[arg(long)]
     pub report: Option<PathBuf>,
@@ -188,6 +212,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Command::Replay(a) => replay(&a),
         Command::Bench(a) => bench::run(&a),
         Command::Config(a) => config_cmd(&a),
+        Command::Worker(a) => multiproc::run_worker(&a),
     }
 }
 
@@ -240,8 +265,28 @@ fn replay(a: &ReplayArgs) -> Result<ExitCode> {
         model: a.model.shape(),
         config,
         progress: !a.quiet && std::io::stderr().is_terminal(),
+        tp: a.tp,
+        kill: a.kill_rank,
     };
-    let report = sim::replay(opts, &workload)?;
+    let report = if a.tp > 1 || a.external_workers {
+        let leader_addr = match a.leader_addr {
+            Some(addr) => addr,
+            None => match std::env::var("KVBM_LEADER_ADDR") {
+                Ok(_) => crate::connector::tcp::leader_addr_from_env()?,
+                Err(_) => std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            },
+        };
+        let topo = multiproc::Topology {
+            leader_addr,
+            engine_addr: a
+                .engine_addr
+                .unwrap_or_else(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+            external_workers: a.external_workers,
+        };
+        multiproc::replay(opts, &workload, &topo)?
+    } else {
+        sim::replay(opts, &workload)?
+    };
     if let Some(path) = &a.report {
         let json = serde_json::to_string_pretty(&report)
             .map_err(|e| Error::internal(format!("cannot encode the report: {e}")))?;
@@ -263,6 +308,16 @@ fn replay(a: &ReplayArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn parse_kill(s: &str) -> std::result::Result<(usize, u64), String> {
+    let (r, st) = s
+        .split_once('@')
+        .ok_or_else(|| format!("expected RANK@STEP, got {s:?}"))?;
+    Ok((
+        r.parse().map_err(|e| format!("rank {r:?}: {e}"))?,
+        st.parse().map_err(|e| format!("step {st:?}: {e}"))?,
+    ))
 }
 
 /// The short human table printed by `kvbm replay`.

@@ -21,19 +21,19 @@
 //! that per decode token; idle stretches skip to the next arrival.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::io::IoSliceMut;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backends::memory::MemoryTier;
 use crate::config::Config;
 use crate::connector::transport::in_process;
 use crate::error::{Error, ErrorKind, Result};
 use crate::frameworks::{trtllm, vllm};
 use crate::identity::{BlockHasher, HashAlgorithm, Salt};
-use crate::layout::{BlockOrder, Layout, LayoutDims};
-use crate::tier::{StorageTier, TierKind};
+use crate::layout::LayoutDims;
+use crate::tier::TierKind;
 
+use super::rank::{
+    BlockWrite, LocalRank, RankDriver, RankExecutor, Shard, StepCommand, StepReply, Verify,
+};
 use super::workload::{prefix_hash_step, sample_token, TraceRequest, PREFIX_HASH_SEED};
 
 /// Which engine to imitate.
@@ -94,6 +94,10 @@ pub struct SimOptions {
     pub config: Config,
     /// Show a progress line on stderr.
     pub progress: bool,
+    /// Tensor-parallel ranks (each a worker process when more than 1).
+    pub tp: usize,
+    /// Fault injection: kill this rank's process at this step (multi-process runs).
+    pub kill: Option<(usize, u64)>,
 }
 
 /// Per-request outcome.
@@ -189,6 +193,10 @@ pub struct Summary {
     pub load_errors: usize,
     /// Preemptions.
     pub preemptions: usize,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Ranks lost during the run (their loads were recomputed).
+    pub rank_failures: usize,
     /// Engine steps.
     pub steps: u64,
     /// Simulated engine time, ms.
@@ -206,62 +214,6 @@ pub struct Report {
     pub summary: Summary,
     /// Per-request figures, in workload order.
     pub requests: Vec<RequestReport>,
-}
-
-// ------------------------------------------------------------------------------------------------
-// The model stand-in
-// ------------------------------------------------------------------------------------------------
-
-/// Bytes of one token in one (layer, K/V) run.
-fn token_bytes(d: &LayoutDims) -> usize {
-    d.inner_dim * d.dtype_bytes
-}
-
-/// Fills `out` with the KV of the token whose prefix hash is `h`, for `run` = layer × outer + kv.
-fn kv_bytes(h: u64, run: usize, out: &mut [u8]) {
-    let mut z = h ^ ((run as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    for chunk in out.chunks_mut(8) {
-        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut x = z;
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^= x >> 31;
-        let b = x.to_le_bytes();
-        chunk.copy_from_slice(&b[..chunk.len()]);
-    }
-}
-
-/// The canonical image the model computes for block `block` given per-token prefix hashes.
-fn expected_block(d: &LayoutDims, prefix: &[u64], block: usize) -> Vec<u8> {
-    let tb = token_bytes(d);
-    let run = d.region_bytes();
-    let mut img = vec![0u8; d.bytes_per_block()];
-    for r in 0..d.regions_per_block() {
-        for t in 0..d.page_size {
-            let p = block * d.page_size + t;
-            let h = prefix.get(p).copied().unwrap_or(0);
-            let at = r * run + t * tb;
-            kv_bytes(h, r, &mut img[at..at + tb]);
-        }
-    }
-    img
-}
-
-/// Writes `bytes` at canonical offset `at` of a block lent as segments.
-fn write_canonical(segs: &mut [IoSliceMut<'_>], mut at: usize, mut bytes: &[u8]) {
-    for s in segs.iter_mut() {
-        if bytes.is_empty() {
-            return;
-        }
-        if at >= s.len() {
-            at -= s.len();
-            continue;
-        }
-        let n = (s.len() - at).min(bytes.len());
-        s[at..at + n].copy_from_slice(&bytes[..n]);
-        bytes = &bytes[n..];
-        at = 0;
-    }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -406,15 +358,46 @@ impl Req {
     }
 }
 
-enum Conn {
-    Trt {
-        sched: Box<trtllm::TrtllmScheduler>,
-        worker: Box<trtllm::TrtllmWorker>,
-    },
-    Vllm {
-        sched: Box<vllm::VllmScheduler>,
-        worker: Box<vllm::VllmWorker>,
-    },
+/// The scheduler side of the connector, per engine.
+pub(crate) enum Sched {
+    /// TensorRT-LLM.
+    Trt(Box<trtllm::TrtllmScheduler>),
+    /// vLLM.
+    Vllm(Box<vllm::VllmScheduler>),
+}
+
+impl Sched {
+    fn is_ready(&mut self) -> bool {
+        match self {
+            Sched::Trt(s) => s.leader_mut().is_ready(),
+            Sched::Vllm(s) => s.leader_mut().is_ready(),
+        }
+    }
+
+    fn process_completions(&mut self) {
+        match self {
+            Sched::Trt(s) => s.leader_mut().process_completions(),
+            Sched::Vllm(s) => s.leader_mut().process_completions(),
+        }
+    }
+
+    fn ops_in_flight(&self) -> usize {
+        match self {
+            Sched::Trt(s) => s.leader().num_operations_in_flight(),
+            Sched::Vllm(s) => s.leader().num_operations_in_flight(),
+        }
+    }
+
+    fn init_error(&self) -> Option<Error> {
+        let status = match self {
+            Sched::Trt(s) => s.leader().status(),
+            Sched::Vllm(s) => s.leader().status(),
+        };
+        match status {
+            crate::connector::leader::LeaderStatus::Failed(e) => Some(e),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -461,10 +444,16 @@ impl Timings {
 /// The simulated engine.
 pub struct Engine {
     opts: SimOptions,
-    dims: LayoutDims,
-    device: Arc<dyn StorageTier>,
     pool: DevicePool,
-    conn: Conn,
+    sched: Sched,
+    /// The ranks; `None` once a rank died.
+    ranks: Vec<Option<Box<dyn RankDriver>>>,
+    /// Child processes of the ranks (multi-process runs), by rank.
+    children: Vec<std::process::Child>,
+    /// Per request: how many live ranks reported it released / loaded so far.
+    released_votes: HashMap<usize, usize>,
+    loaded_votes: HashMap<usize, usize>,
+    rank_failures: usize,
     reqs: Vec<Req>,
     by_id: HashMap<String, usize>,
     by_num: HashMap<u64, usize>,
@@ -491,7 +480,6 @@ pub struct Engine {
     blocks_verified: usize,
     load_errors: usize,
     preemptions: usize,
-    scratch: Vec<u8>,
 }
 
 fn sim_err(msg: impl Into<String>) -> Error {
@@ -499,91 +487,122 @@ fn sim_err(msg: impl Into<String>) -> Error {
 }
 
 impl Engine {
-    /// Builds the engine and its connector; runs the start-up barrier.
-    pub fn new(opts: SimOptions, workload: &[TraceRequest]) -> Result<Self> {
+    /// Checks the options and the model's block dimensions (of the whole model, all ranks).
+    pub fn model_dims(opts: &SimOptions) -> Result<LayoutDims> {
         if opts.block_size == 0
             || opts.device_blocks == 0
             || opts.max_batch == 0
             || opts.chunk_tokens == 0
+            || opts.tp == 0
         {
             return Err(sim_err(
-                "block size, device blocks, max batch and chunk tokens must be at least 1",
+                "block size, device blocks, max batch, chunk tokens and tp must be at least 1",
             ));
         }
         if !(opts.prefill_us_per_token.is_finite() && opts.prefill_us_per_token >= 0.0) {
             return Err(sim_err("prefill_us_per_token must be a number >= 0"));
         }
         let m = opts.model;
+        if m.kv_heads % opts.tp != 0 {
+            return Err(sim_err(format!(
+                "{} KV heads cannot be split evenly over {} ranks",
+                m.kv_heads, opts.tp
+            )));
+        }
         let dims = LayoutDims {
             num_layers: m.layers,
             outer_dim: 2,
             page_size: opts.block_size,
-            inner_dim: m.kv_heads * m.head_dim,
+            inner_dim: m.kv_heads.saturating_mul(m.head_dim),
             dtype_bytes: m.dtype_bytes,
         };
         dims.validate()?;
+        Ok(dims)
+    }
+
+    /// The block dimensions of one rank's shard (KV heads split evenly).
+    pub fn shard_dims(opts: &SimOptions) -> Result<LayoutDims> {
+        let d = Self::model_dims(opts)?;
+        Ok(LayoutDims {
+            inner_dim: d.inner_dim / opts.tp,
+            ..d
+        })
+    }
+
+    /// Builds a single-process engine: leader and one worker over the in-process transport.
+    pub fn new(opts: SimOptions, workload: &[TraceRequest]) -> Result<Self> {
+        let shard = Shard {
+            rank: 0,
+            dims: Self::shard_dims(&opts)?,
+        };
         let n = opts.device_blocks;
         let (lt, wts) = in_process(1);
         let wt = wts
             .into_iter()
             .next()
             .ok_or_else(|| Error::internal("no worker transport"))?;
-        let (device, conn): (Arc<dyn StorageTier>, Conn) = match opts.framework {
+        let (sched, rank) = match opts.framework {
             Framework::Trtllm => {
-                let device: Arc<dyn StorageTier> = Arc::new(MemoryTier::new(
-                    TierKind::Device,
-                    Layout::fully_contiguous(dims, n)?,
-                )?);
                 // TensorRT-LLM: the scheduler starts non-blocking, the worker registers blocking.
-                let sched = trtllm::TrtllmScheduler::new(opts.config.clone(), opts.block_size, lt)?;
-                let mut worker =
-                    trtllm::TrtllmWorker::new(opts.config.clone(), opts.block_size, 1, wt)?;
-                worker.register_kv_caches(
-                    &[n, m.layers, 2, opts.block_size * m.kv_heads * m.head_dim],
-                    m.dtype_bytes,
-                    device.clone(),
-                )?;
-                (
-                    device,
-                    Conn::Trt {
-                        sched: Box::new(sched),
-                        worker: Box::new(worker),
-                    },
-                )
+                let sched = Sched::Trt(Box::new(trtllm::TrtllmScheduler::new(
+                    opts.config.clone(),
+                    opts.block_size,
+                    lt,
+                )?));
+                let exec = RankExecutor::new(opts.framework, opts.config.clone(), shard, n, 1, wt)?;
+                (sched, exec)
             }
             Framework::Vllm => {
-                let device: Arc<dyn StorageTier> = Arc::new(MemoryTier::new(
-                    TierKind::Device,
-                    Layout::layer_separate(dims, n, BlockOrder::OuterMajor)?,
-                )?);
                 // vLLM: the worker registers non-blocking, then the scheduler starts blocking.
-                let mut worker =
-                    vllm::VllmWorker::new(opts.config.clone(), opts.block_size, 1, wt)?;
-                let layers: Vec<(String, Vec<usize>)> = (0..m.layers)
-                    .map(|l| {
-                        (
-                            format!("model.layers.{l}.self_attn.attn"),
-                            vec![2, n, opts.block_size, m.kv_heads, m.head_dim],
-                        )
-                    })
-                    .collect();
-                worker.register_kv_caches(&layers, m.dtype_bytes, Some(n), None, device.clone())?;
-                let sched = vllm::VllmScheduler::new(opts.config.clone(), opts.block_size, lt)?;
-                (
-                    device,
-                    Conn::Vllm {
-                        sched: Box::new(sched),
-                        worker: Box::new(worker),
-                    },
-                )
+                let exec = RankExecutor::new(opts.framework, opts.config.clone(), shard, n, 1, wt)?;
+                let sched = Sched::Vllm(Box::new(vllm::VllmScheduler::new(
+                    opts.config.clone(),
+                    opts.block_size,
+                    lt,
+                )?));
+                (sched, exec)
             }
         };
+        let deadline = Instant::now() + opts.config.init_timeout();
+        while !rank.is_ready() {
+            if let Some(e) = rank.init_error() {
+                return Err(e);
+            }
+            if Instant::now() > deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    "the worker did not become ready",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Self::assemble(
+            opts,
+            workload,
+            sched,
+            vec![Box::new(LocalRank(rank))],
+            Vec::new(),
+        )
+    }
+
+    pub(crate) fn assemble(
+        opts: SimOptions,
+        workload: &[TraceRequest],
+        sched: Sched,
+        ranks: Vec<Box<dyn RankDriver>>,
+        children: Vec<std::process::Child>,
+    ) -> Result<Self> {
+        Self::model_dims(&opts)?;
+        let n = opts.device_blocks;
         let mut engine = Self {
             pool: DevicePool::new(n, opts.device_prefix_cache),
             hasher: BlockHasher::new(HashAlgorithm::Xxh3, Salt::NONE),
-            dims,
-            device,
-            conn,
+            sched,
+            ranks: ranks.into_iter().map(Some).collect(),
+            children,
+            released_votes: HashMap::new(),
+            loaded_votes: HashMap::new(),
+            rank_failures: 0,
             reqs: Vec::with_capacity(workload.len()),
             by_id: HashMap::new(),
             by_num: HashMap::new(),
@@ -602,7 +621,6 @@ impl Engine {
             blocks_verified: 0,
             load_errors: 0,
             preemptions: 0,
-            scratch: vec![0u8; token_bytes(&dims)],
             opts,
         };
         engine.wait_ready()?;
@@ -665,16 +683,11 @@ impl Engine {
     fn wait_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.opts.config.init_timeout();
         loop {
-            let ready = match &mut self.conn {
-                Conn::Trt { sched, worker } => {
-                    sched.leader_mut().is_ready() && worker.worker().is_ready()
-                }
-                Conn::Vllm { sched, worker } => {
-                    sched.leader_mut().is_ready() && worker.worker().is_ready()
-                }
-            };
-            if ready {
+            if self.sched.is_ready() {
                 return Ok(());
+            }
+            if let Some(e) = self.sched.init_error() {
+                return Err(e);
             }
             if Instant::now() > deadline {
                 return Err(Error::new(
@@ -758,26 +771,22 @@ impl Engine {
 
     /// Lets background stores (host → disk) finish so the report counts them.
     fn drain(&mut self) -> Result<()> {
-        for _ in 0..8 {
-            let busy = match &mut self.conn {
-                Conn::Trt { sched, worker } => {
-                    worker.worker().wait_idle(Duration::from_secs(30))?;
-                    sched.leader_mut().process_completions();
-                    sched.leader().num_operations_in_flight()
-                }
-                Conn::Vllm { sched, worker } => {
-                    worker.worker().wait_idle(Duration::from_secs(30))?;
-                    sched.leader_mut().process_completions();
-                    sched.leader().num_operations_in_flight()
-                }
-            };
-            if busy == 0 {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            self.sched.process_completions();
+            if self.sched.ops_in_flight() == 0 {
                 return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    "background transfers did not finish within 60 s",
+                ));
             }
             // Operations still queued in the leader go out with one more (empty) iteration.
             self.engine_iteration(&[], &[])?;
+            std::thread::sleep(Duration::from_micros(200));
         }
-        Ok(())
     }
 
     fn one_step(&mut self) -> Result<()> {
@@ -885,8 +894,8 @@ impl Engine {
     fn connector_match(&mut self, i: usize, local: usize) -> Result<(usize, usize, usize)> {
         let r = &self.reqs[i];
         let timings = &mut self.timings;
-        let (ext, host, disk) = match &mut self.conn {
-            Conn::Trt { sched, .. } => {
+        let (ext, host, disk) = match &mut self.sched {
+            Sched::Trt(sched) => {
                 let req = trtllm::LlmRequest {
                     request_id: r.num_id,
                     tokens: &r.tokens,
@@ -899,7 +908,7 @@ impl Engine {
                 let m = sched.leader().last_match();
                 (n, m.host_tokens, m.disk_tokens)
             }
-            Conn::Vllm { sched, .. } => {
+            Sched::Vllm(sched) => {
                 let req = vllm::Request {
                     request_id: &r.id,
                     all_token_ids: &r.tokens,
@@ -920,8 +929,8 @@ impl Engine {
     fn connector_alloc(&mut self, i: usize, external: usize) -> Result<()> {
         let r = &self.reqs[i];
         let timings = &mut self.timings;
-        match &mut self.conn {
-            Conn::Trt { sched, .. } => {
+        match &mut self.sched {
+            Sched::Trt(sched) => {
                 // TensorRT-LLM calls it once per admission and passes no count.
                 let _ = external;
                 let req = trtllm::LlmRequest {
@@ -934,7 +943,7 @@ impl Engine {
                     sched.update_state_after_alloc(&req, &r.blocks)
                 })
             }
-            Conn::Vllm { sched, .. } => {
+            Sched::Vllm(sched) => {
                 let req = vllm::Request {
                     request_id: &r.id,
                     all_token_ids: &r.tokens,
@@ -1021,26 +1030,8 @@ impl Engine {
         r.report.preemptions += 1;
         self.preemptions += 1;
         self.waiting.push_front(i);
-        if let Conn::Vllm { .. } = self.conn {
+        if let Sched::Vllm(_) = self.sched {
             self.pending_preempted.push(self.reqs[i].id.clone());
-        }
-        Ok(())
-    }
-
-    /// Overwrites freed device blocks with junk (those not reused or kept by the prefix cache).
-    /// Runs after the next metadata is bound and before loads start: the engine writes a freed
-    /// block only in a later forward pass, after stores that read it have finished.
-    fn clobber_freed(&mut self) -> Result<()> {
-        for b in std::mem::take(&mut self.to_clobber) {
-            if self.pool.refs[b] != 0 || self.pool.key_of[b].is_some() {
-                continue;
-            }
-            self.device.with_block_mut(b, &mut |segs| {
-                for s in segs.iter_mut() {
-                    s.fill(0xA5);
-                }
-                Ok(())
-            })?;
         }
         Ok(())
     }
@@ -1052,15 +1043,180 @@ impl Engine {
         scheduled: &[(usize, usize)],
         computed_before: &[usize],
     ) -> Result<()> {
-        let meta = self.build_meta(scheduled)?;
-        self.run_worker(&meta, scheduled, computed_before)?;
+        let metadata = self.build_meta(scheduled)?;
+        let bs = self.opts.block_size;
+        // The KV the model computes this iteration, block by block.
+        let mut writes = Vec::new();
+        for (&(i, n), &before) in scheduled.iter().zip(computed_before) {
+            let r = &self.reqs[i];
+            let mut p = before;
+            while p < before + n {
+                let k = p / bs;
+                let upto = ((k + 1) * bs).min(before + n);
+                let block = *r
+                    .blocks
+                    .get(k)
+                    .ok_or_else(|| Error::internal("a scheduled token has no device block"))?;
+                writes.push(BlockWrite {
+                    block,
+                    first_slot: p % bs,
+                    hashes: r.prefix[p..upto].to_vec(),
+                });
+                p = upto;
+            }
+        }
+        let (finished, started_loading) = match self.sched {
+            Sched::Trt(_) => (
+                std::mem::take(&mut self.new_saving)
+                    .iter()
+                    .map(u64::to_string)
+                    .collect(),
+                std::mem::take(&mut self.new_loading)
+                    .iter()
+                    .map(u64::to_string)
+                    .collect(),
+            ),
+            Sched::Vllm(_) => {
+                let mut f: Vec<String> = std::mem::take(&mut self.vllm_finished_for_worker)
+                    .into_iter()
+                    .collect();
+                f.sort();
+                (f, Vec::new())
+            }
+        };
+        // Freed blocks are clobbered on the ranks unless reused or kept by the prefix cache.
+        let clobber: Vec<usize> = std::mem::take(&mut self.to_clobber)
+            .into_iter()
+            .filter(|&b| self.pool.refs[b] == 0 && self.pool.key_of[b].is_none())
+            .collect();
+        let cmd = StepCommand {
+            metadata,
+            clobber,
+            writes,
+            finished,
+            started_loading,
+        };
+        let mut replies = Vec::new();
+        for rank in 0..self.ranks.len() {
+            // Fault injection: at the first step from S on with a load in flight.
+            if let Some((victim, at)) = self.opts.kill {
+                if victim == rank
+                    && self.step >= at
+                    && self.ranks[rank].is_some()
+                    && self.reqs.iter().any(|r| r.phase == Phase::Loading)
+                {
+                    self.kill_rank(rank);
+                }
+            }
+            let Some(driver) = self.ranks[rank].as_mut() else {
+                continue;
+            };
+            match driver.step(&cmd) {
+                Ok(r) => replies.push(r),
+                Err(e) => self.rank_died(rank, &e),
+            }
+        }
+        self.apply_replies(replies)
+    }
+
+    /// Kills a rank's process (fault injection for tests).
+    fn kill_rank(&mut self, rank: usize) {
+        if let Some(child) = self.children.get_mut(rank) {
+            tracing::warn!(rank, "killing the rank's process (fault injection)");
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// A rank stopped answering: its device is gone. Requests whose loads it had not confirmed
+    /// are treated as failed loads (recomputed); the engine runs on with the live ranks.
+    fn rank_died(&mut self, rank: usize, e: &Error) {
+        tracing::error!(rank, error = %e, "rank lost; its loads are recomputed");
+        eprintln!("kvbm: rank {rank} lost: {e}");
+        self.ranks[rank] = None;
+        self.rank_failures += 1;
+        let loading: Vec<usize> = (0..self.reqs.len())
+            .filter(|&i| self.reqs[i].phase == Phase::Loading)
+            .collect();
+        for i in loading {
+            let Some((first, count)) = self.reqs[i].loading.take() else {
+                continue;
+            };
+            self.load_errors += count;
+            let r = &mut self.reqs[i];
+            r.report.load_errors += count;
+            r.computed = first * self.opts.block_size;
+            r.loaded = true;
+            r.phase = Phase::Waiting;
+            self.waiting.push_front(i);
+        }
+    }
+
+    fn live_ranks(&self) -> usize {
+        self.ranks.iter().filter(|r| r.is_some()).count()
+    }
+
+    /// Acts on an id only once every live rank reported it.
+    fn apply_replies(&mut self, replies: Vec<StepReply>) -> Result<()> {
+        let mut errors: HashSet<usize> = HashSet::new();
+        let mut released = Vec::new();
+        let mut loaded = Vec::new();
+        for r in replies {
+            errors.extend(r.load_errors);
+            for id in r.released {
+                if let Some(&i) = self.index_of(&id) {
+                    *self.released_votes.entry(i).or_default() += 1;
+                }
+            }
+            for id in r.loaded {
+                if let Some(&i) = self.index_of(&id) {
+                    *self.loaded_votes.entry(i).or_default() += 1;
+                }
+            }
+        }
+        let live = self.live_ranks().max(1);
+        self.released_votes.retain(|&i, v| {
+            if *v >= live {
+                released.push(i);
+                false
+            } else {
+                true
+            }
+        });
+        self.loaded_votes.retain(|&i, v| {
+            if *v >= live {
+                loaded.push(i);
+                false
+            } else {
+                true
+            }
+        });
+        released.sort_unstable();
+        loaded.sort_unstable();
+        self.load_errors += errors.len();
+        for i in loaded {
+            self.on_loaded(i, &errors)?;
+        }
+        for i in released {
+            if self.reqs[i].phase == Phase::Held {
+                self.free_request_blocks(i)?;
+                self.reqs[i].phase = Phase::Done;
+            }
+        }
         Ok(())
+    }
+
+    fn index_of(&self, id: &str) -> Option<&usize> {
+        match self.sched {
+            Sched::Trt(_) => id.parse::<u64>().ok().and_then(|n| self.by_num.get(&n)),
+            Sched::Vllm(_) => self.by_id.get(id),
+        }
     }
 
     fn build_meta(&mut self, scheduled: &[(usize, usize)]) -> Result<Vec<u8>> {
         let timings = &mut self.timings;
-        match &mut self.conn {
-            Conn::Trt { sched, .. } => {
+        match &mut self.sched {
+            Sched::Trt(sched) => {
                 let mut out = trtllm::SchedulerOutput::default();
                 for &(i, _) in scheduled {
                     let r = &mut self.reqs[i];
@@ -1086,7 +1242,7 @@ impl Engine {
                 }
                 timings.time("build_connector_meta", || sched.build_connector_meta(&out))
             }
-            Conn::Vllm { sched, .. } => {
+            Sched::Vllm(sched) => {
                 let mut out = vllm::SchedulerOutput {
                     finished_req_ids: std::mem::take(&mut self.finished_last_step),
                     ..Default::default()
@@ -1110,11 +1266,9 @@ impl Engine {
                         let c = &mut out.scheduled_cached_reqs;
                         c.req_ids.push(r.id.clone());
                         c.resumed_from_preemption.push(false);
-                        c.new_token_ids.push(
-                            r.tokens[r.computed.min(r.tokens.len())
-                                ..(r.computed + n).min(r.tokens.len())]
-                                .to_vec(),
-                        );
+                        let lo = r.computed.min(r.tokens.len());
+                        let hi = (r.computed + n).min(r.tokens.len());
+                        c.new_token_ids.push(r.tokens[lo..hi].to_vec());
                         let new_blocks = r.blocks[r.sent_blocks.min(r.blocks.len())..].to_vec();
                         r.sent_blocks = r.blocks.len();
                         c.new_block_ids.push(if new_blocks.is_empty() {
@@ -1131,128 +1285,13 @@ impl Engine {
         }
     }
 
-    fn run_worker(
-        &mut self,
-        meta: &[u8],
-        scheduled: &[(usize, usize)],
-        computed_before: &[usize],
-    ) -> Result<()> {
-        let layers = self.dims.num_layers;
-        // Bind and start loads.
-        match &mut self.conn {
-            Conn::Trt { worker, .. } => worker.bind_connector_meta(meta)?,
-            Conn::Vllm { worker, .. } => worker.bind_connector_metadata(meta)?,
-        }
-        self.clobber_freed()?;
-        match &mut self.conn {
-            Conn::Trt { worker, .. } => worker.start_load_kv()?,
-            Conn::Vllm { worker, .. } => worker.start_load_kv()?,
-        }
-        // The forward pass, layer by layer.
-        for l in 0..layers {
-            let name = format!("model.layers.{l}.self_attn.attn");
-            match &mut self.conn {
-                Conn::Trt { worker, .. } => worker.wait_for_layer_load(l)?,
-                Conn::Vllm { worker, .. } => worker.wait_for_layer_load(&name)?,
-            }
-            for (&(i, n), &before) in scheduled.iter().zip(computed_before) {
-                self.write_layer(i, l, before, n)?;
-            }
-            match &mut self.conn {
-                Conn::Trt { worker, .. } => worker.save_kv_layer(l)?,
-                Conn::Vllm { worker, .. } => worker.save_kv_layer(&name)?,
-            }
-        }
-        // End of the forward pass, then completions.
-        let (released, loaded, errors) = match &mut self.conn {
-            Conn::Trt { worker, .. } => {
-                worker.wait_for_save()?;
-                let saving = std::mem::take(&mut self.new_saving);
-                let loading = std::mem::take(&mut self.new_loading);
-                let (s, l) = worker.get_finished(&saving, &loading);
-                let errors = worker.get_block_ids_with_load_errors();
-                let by_num = &self.by_num;
-                let name = |v: Vec<u64>| -> Vec<usize> {
-                    v.iter().filter_map(|n| by_num.get(n).copied()).collect()
-                };
-                (name(s), name(l), errors)
-            }
-            Conn::Vllm { worker, .. } => {
-                worker.wait_for_save()?;
-                let finished = std::mem::take(&mut self.vllm_finished_for_worker);
-                let (s, l) = worker.get_finished(&finished);
-                let errors: Vec<usize> = worker
-                    .get_block_ids_with_load_errors()
-                    .into_iter()
-                    .collect();
-                worker.clear_connector_metadata()?;
-                let by_id = &self.by_id;
-                let name = |v: Option<HashSet<String>>| -> Vec<usize> {
-                    let mut v: Vec<usize> = v
-                        .unwrap_or_default()
-                        .iter()
-                        .filter_map(|s| by_id.get(s).copied())
-                        .collect();
-                    v.sort_unstable();
-                    v
-                };
-                (name(s), name(l), errors)
-            }
-        };
-        let errors: HashSet<usize> = errors.into_iter().collect();
-        self.load_errors += errors.len();
-        for i in loaded {
-            self.on_loaded(i, &errors)?;
-        }
-        for i in released {
-            self.free_request_blocks(i)?;
-            self.reqs[i].phase = Phase::Done;
-        }
-        Ok(())
-    }
-
-    /// The model stand-in computes tokens `before..before+n` of request `i` for layer `l`.
-    fn write_layer(&mut self, i: usize, l: usize, before: usize, n: usize) -> Result<()> {
-        let d = self.dims;
-        let bs = d.page_size;
-        let tb = token_bytes(&d);
-        let run = d.region_bytes();
-        let r = &self.reqs[i];
-        let mut scratch = std::mem::take(&mut self.scratch);
-        let mut p = before;
-        let end = before + n;
-        while p < end {
-            let block_idx = p / bs;
-            let Some(&block) = r.blocks.get(block_idx) else {
-                self.scratch = scratch;
-                return Err(Error::internal("a scheduled token has no device block"));
-            };
-            let upto = ((block_idx + 1) * bs).min(end);
-            let prefix = &r.prefix;
-            self.device.with_block_mut(block, &mut |segs| {
-                for q in p..upto {
-                    let t = q % bs;
-                    let h = prefix.get(q).copied().unwrap_or(0);
-                    for o in 0..d.outer_dim {
-                        let reg = l * d.outer_dim + o;
-                        kv_bytes(h, reg, &mut scratch);
-                        write_canonical(segs, reg * run + t * tb, &scratch);
-                    }
-                }
-                Ok(())
-            })?;
-            p = upto;
-        }
-        self.scratch = scratch;
-        Ok(())
-    }
-
     fn on_loaded(&mut self, i: usize, errors: &HashSet<usize>) -> Result<()> {
         let bs = self.opts.block_size;
         let Some((first, count)) = self.reqs[i].loading.take() else {
             return Ok(());
         };
         let mut first_bad: Option<usize> = None;
+        let mut check = Verify::default();
         for k in first..first + count {
             let block = self.reqs[i].blocks[k];
             if errors.contains(&block) {
@@ -1260,19 +1299,27 @@ impl Engine {
                 self.reqs[i].report.load_errors += 1;
                 continue;
             }
-            let want = expected_block(&self.dims, &self.reqs[i].prefix, k);
-            let got = {
-                let mut buf = vec![0u8; self.dims.bytes_per_block()];
-                self.device
-                    .read_block(block, &mut [IoSliceMut::new(&mut buf)])?;
-                buf
-            };
-            self.blocks_verified += 1;
-            if got != want {
-                self.integrity_errors += 1;
-                tracing::error!(request = %self.reqs[i].id, block = k, "onboarded block differs from the model's KV");
-                first_bad.get_or_insert(k);
+            if first_bad.is_none() {
+                check
+                    .blocks
+                    .push((block, self.reqs[i].prefix[k * bs..(k + 1) * bs].to_vec()));
             }
+        }
+        // Every live rank compares its shard of each onboarded block with the model's KV.
+        let mut bad = 0;
+        for rank in 0..self.ranks.len() {
+            let Some(driver) = self.ranks[rank].as_mut() else {
+                continue;
+            };
+            match driver.verify(&check) {
+                Ok(n) => bad += n,
+                Err(e) => self.rank_died(rank, &e),
+            }
+        }
+        self.blocks_verified += check.blocks.len();
+        if bad > 0 {
+            self.integrity_errors += bad;
+            tracing::error!(request = %self.reqs[i].id, bad, "onboarded blocks differ from the model's KV");
         }
         let r = &mut self.reqs[i];
         // Loaded tokens count as computed, up to the first bad block (recomputed instead).
@@ -1317,8 +1364,8 @@ impl Engine {
         self.running.retain(|&j| j != i);
         let r = &self.reqs[i];
         let timings = &mut self.timings;
-        let held = match &mut self.conn {
-            Conn::Trt { sched, .. } => {
+        let held = match &mut self.sched {
+            Sched::Trt(sched) => {
                 let req = trtllm::LlmRequest {
                     request_id: r.num_id,
                     tokens: &r.tokens,
@@ -1329,7 +1376,7 @@ impl Engine {
                     sched.request_finished(&req, &r.blocks)
                 })?
             }
-            Conn::Vllm { sched, .. } => {
+            Sched::Vllm(sched) => {
                 let req = vllm::Request {
                     request_id: &r.id,
                     all_token_ids: &r.tokens,
@@ -1369,28 +1416,52 @@ impl Engine {
         Ok(())
     }
 
-    fn report(&self, wall: Duration) -> Report {
-        let (metrics, paths) = match &self.conn {
-            Conn::Trt { sched, worker } => (
-                sched.leader().metrics().snapshot(),
-                worker.worker().transfer_stats(),
-            ),
-            Conn::Vllm { sched, worker } => (
-                sched.leader().metrics().snapshot(),
-                worker.worker().transfer_stats(),
-            ),
-        };
-        let _ = metrics;
+    /// Lets every live rank finish its background transfers; sums their per-path statistics.
+    fn collect_paths(&mut self) -> Vec<(TierKind, TierKind, u64, u64, f64)> {
+        let mut sums: Vec<(TierKind, TierKind, u64, u64, f64)> = Vec::new();
+        for rank in 0..self.ranks.len() {
+            let Some(driver) = self.ranks[rank].as_mut() else {
+                continue;
+            };
+            match driver.finish() {
+                Ok(stats) => {
+                    for (src, dst, blocks, bytes, busy) in stats.paths {
+                        match sums.iter_mut().find(|p| p.0 == src && p.1 == dst) {
+                            Some(p) => {
+                                p.2 += blocks;
+                                p.3 += bytes;
+                                p.4 += busy;
+                            }
+                            None => sums.push((src, dst, blocks, bytes, busy)),
+                        }
+                    }
+                }
+                Err(e) => self.rank_died(rank, &e),
+            }
+        }
+        sums.sort_by_key(|p| (p.0, p.1));
+        sums
+    }
+
+    fn report(&mut self, wall: Duration) -> Report {
+        let paths = self.collect_paths();
+        for c in &mut self.children {
+            let _ = c.wait();
+        }
         let mut offloaded = Vec::new();
         let mut onboarded = Vec::new();
-        for p in paths {
+        for (src, dst, blocks, bytes, busy) in paths {
             let row = PathReport {
-                path: format!("{}->{}", p.src, p.dst),
-                blocks: p.blocks,
-                bytes: p.bytes,
-                gb_per_s: p.bytes_per_sec() / 1e9,
+                path: format!("{src}->{dst}"),
+                blocks,
+                bytes,
+                gb_per_s: if busy > 0.0 {
+                    bytes as f64 / busy / 1e9
+                } else {
+                    0.0
+                },
             };
-            if p.dst == TierKind::Device {
+            if dst == TierKind::Device {
                 onboarded.push(row);
             } else {
                 offloaded.push(row);
@@ -1427,6 +1498,8 @@ impl Engine {
                 blocks_verified: self.blocks_verified,
                 load_errors: self.load_errors,
                 preemptions: self.preemptions,
+                tp: self.ranks.len(),
+                rank_failures: self.rank_failures,
                 steps: self.step,
                 simulated_ms: self.clock_us / 1000.0,
                 mean_ttft_ms: if ttft.is_empty() {
@@ -1441,7 +1514,7 @@ impl Engine {
     }
 }
 
-/// Runs a replay.
+/// Runs a replay in one process (leader and one worker over the in-process transport).
 pub fn replay(opts: SimOptions, workload: &[TraceRequest]) -> Result<Report> {
     Engine::new(opts, workload)?.run()
 }

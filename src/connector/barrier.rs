@@ -220,6 +220,13 @@ pub fn leader_barrier(
                     *slot = Some(h);
                 }
             }
+            WorkerMessage::Disconnected(why) => {
+                // It may reconnect before the deadline; forget what it said.
+                tracing::warn!(rank, reason = %why, "rank disconnected during barrier step 1");
+                if let Some(slot) = hellos.get_mut(rank) {
+                    *slot = None;
+                }
+            }
             other => tracing::warn!(rank, ?other, "unexpected message during barrier step 1"),
         }
     }
@@ -267,6 +274,13 @@ pub fn leader_barrier(
                 return Err(Error::new(
                     ErrorKind::NotReady,
                     format!("rank {rank} could not allocate its tiers: {why}"),
+                )
+                .with("rank", rank))
+            }
+            WorkerMessage::Disconnected(why) => {
+                return Err(Error::new(
+                    ErrorKind::Cancelled,
+                    format!("rank {rank} disconnected during start-up: {why}"),
                 )
                 .with("rank", rank))
             }

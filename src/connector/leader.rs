@@ -131,6 +131,16 @@ enum Holds {
     },
 }
 
+impl Holds {
+    /// The destination block ids of the operation.
+    fn dst_blocks(&self) -> Vec<usize> {
+        match self {
+            Holds::Load { dst, .. } => dst.clone(),
+            Holds::Store { dst, .. } => dst.iter().map(|(b, _)| b.block_id()).collect(),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct OpTrack {
     request: Option<RequestId>,
@@ -175,6 +185,9 @@ pub struct Leader<A: SchedulerAdapter> {
     metrics: Arc<Metrics>,
     failure_logged: bool,
     last_match: MatchResult,
+    /// Ranks whose connection was lost. While any is dead the leader is degraded: it matches
+    /// nothing and stores nothing, and operations count as failed on the dead ranks.
+    dead: Vec<bool>,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -225,6 +238,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             metrics: Arc::new(Metrics::new()),
             failure_logged: false,
             last_match: MatchResult::NONE,
+            dead: Vec::new(),
         };
         if !leader.ensure_ready() && mode == InitMode::Blocking {
             if let LeaderStatus::Failed(e) = leader.status() {
@@ -282,6 +296,20 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// Operations sent (or queued) and not yet completed by every rank.
     pub fn num_operations_in_flight(&self) -> usize {
         self.ops.len()
+    }
+
+    /// Ranks whose connection was lost (the leader is degraded while any is listed).
+    pub fn dead_ranks(&self) -> Vec<usize> {
+        self.dead
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| **d)
+            .map(|(r, _)| r)
+            .collect()
+    }
+
+    fn degraded(&self) -> bool {
+        self.dead.iter().any(|d| *d)
     }
 
     /// The lifecycle state of a request, if tracked.
@@ -444,7 +472,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             return Ok(MatchResult::NONE);
         };
         let mut staged = None;
-        if aligned && start < limit {
+        if aligned && start < limit && !self.dead.iter().any(|d| *d) {
             let hashes = &slot.seq.hashes()[start..limit.min(slot.seq.num_full_blocks())];
             let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
             let m = match_across(&pools, hashes);
@@ -768,16 +796,56 @@ impl<A: SchedulerAdapter> Leader<A> {
 
     fn track(&mut self, op: OperationId, request: Option<RequestId>, holds: Holds) {
         let world = self.transport.world_size();
-        self.ops.insert(
-            op,
-            OpTrack {
-                request,
-                acked: vec![false; world],
-                failed: HashSet::new(),
-                holds,
-            },
-        );
+        let mut track = OpTrack {
+            request,
+            acked: vec![false; world],
+            failed: HashSet::new(),
+            holds,
+        };
+        // A dead rank will never do it: count it as done there, every block failed.
+        for (r, dead) in self.dead.iter().enumerate() {
+            if *dead {
+                if let Some(a) = track.acked.get_mut(r) {
+                    *a = true;
+                }
+                track.failed.extend(track.holds.dst_blocks());
+            }
+        }
+        self.ops.insert(op, track);
         self.metrics.record_operation_submitted();
+    }
+
+    /// A rank's connection was lost: every operation it had not completed counts as failed there
+    /// (loads are load errors, stores are not registered), and the leader degrades.
+    fn on_rank_lost(&mut self, rank: usize, why: &str) {
+        tracing::error!(rank, reason = %why, "kvbm leader lost a worker; matching and storing stop");
+        if self.dead.len() <= rank {
+            self.dead.resize(rank + 1, false);
+        }
+        if self.dead[rank] {
+            return;
+        }
+        self.dead[rank] = true;
+        let ids: Vec<OperationId> = self.ops.keys().copied().collect();
+        for id in ids {
+            let done = match self.ops.get_mut(&id) {
+                Some(t) => match t.acked.get_mut(rank) {
+                    Some(a) if !*a => {
+                        *a = true;
+                        let blocks = t.holds.dst_blocks();
+                        t.failed.extend(blocks);
+                        t.acked.iter().all(|a| *a)
+                    }
+                    _ => false,
+                },
+                None => false,
+            };
+            if done {
+                if let Some(t) = self.ops.remove(&id) {
+                    self.finish_op(t);
+                }
+            }
+        }
     }
 
     /// Schedules device → host (or device → disk without a host tier) stores for every full block
@@ -792,6 +860,11 @@ impl<A: SchedulerAdapter> Leader<A> {
         };
         if slot.loads_in_flight > 0 {
             // Loads are still writing this request's device blocks: nothing there is final.
+            return;
+        }
+        if self.dead.iter().any(|d| *d) {
+            // A rank is gone: its shard of any block stored now would be missing.
+            slot.offloaded = slot.offloaded.max(computed / bs);
             return;
         }
         let full = (computed.min(slot.seq.total_tokens()) / bs).min(slot.seq.num_full_blocks());
@@ -865,6 +938,10 @@ impl<A: SchedulerAdapter> Leader<A> {
         if self.disk_queue.is_empty() {
             return;
         }
+        if self.degraded() {
+            self.disk_queue.clear();
+            return;
+        }
         let Some(disk) = self.tiers.as_ref().and_then(|t| t.disk.clone()) else {
             self.disk_queue.clear();
             return;
@@ -926,6 +1003,9 @@ impl<A: SchedulerAdapter> Leader<A> {
                     for c in list {
                         self.on_completion(rank, c);
                     }
+                }
+                Ok(Some((rank, WorkerMessage::Disconnected(why)))) => {
+                    self.on_rank_lost(rank, &why);
                 }
                 Ok(Some((rank, other))) => {
                     tracing::warn!(rank, ?other, "unexpected worker message after start-up");

@@ -1,0 +1,307 @@
+//! Multi-process replays: the engine stand-in and the leader in this process, one `kvbm worker`
+//! process per tensor-parallel rank.
+//!
+//! Two channels connect them, both on loopback by default:
+//! * the connector's own transport ([`crate::connector::tcp`]): barrier and completions;
+//! * the simulated engine's channel ([`super::rank`]): per-iteration commands, as a real engine
+//!   drives its GPU processes.
+//!
+//! With `--external-workers` the replay does not start the workers: they are started by hand
+//! (before or after it) with `kvbm worker --rank N ...` pointing at `--leader-addr` and
+//! `--engine-addr`.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::Config;
+use crate::connector::tcp::{auth_token_from_env, TcpLeader, TcpWorker};
+use crate::error::{Error, ErrorKind, Result};
+use crate::frameworks::{trtllm, vllm};
+
+use super::rank::{read_frame, serve, write_frame, RankDriver, RankExecutor, RemoteRank, Shard};
+use super::sim::{Engine, Framework, Report, SimOptions};
+use super::workload::TraceRequest;
+use super::ModelArgs;
+
+/// `kvbm worker` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// This worker's rank.
+    #[arg(long)]
+    pub rank: usize,
+    /// Ranks in all.
+    #[arg(long)]
+    pub world_size: usize,
+    /// The leader's transport address.
+    #[arg(long)]
+    pub leader_addr: SocketAddr,
+    /// The engine's command channel address.
+    #[arg(long)]
+    pub engine_addr: SocketAddr,
+    /// Engine to imitate.
+    #[arg(long, value_enum, default_value_t = Framework::Trtllm)]
+    pub framework: Framework,
+    /// Model shape (of the whole model; this rank holds 1/world_size of the KV heads).
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Device blocks.
+    #[arg(long, default_value_t = 320)]
+    pub device_blocks: usize,
+    /// Configuration file (TOML); the environment still overrides it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Directory of the disk tier's file (overrides the configuration).
+    #[arg(long)]
+    pub disk_dir: Option<PathBuf>,
+}
+
+/// Runs `kvbm worker`: joins the leader, registers this rank's device shard, then serves the
+/// engine's commands until the engine finishes.
+pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
+    let mut config = Config::load(a.config.as_deref())?;
+    if let Some(d) = &a.disk_dir {
+        config.disk.dir = d.clone();
+    }
+    if a.world_size == 0 || a.rank >= a.world_size {
+        return Err(Error::invalid_argument(format!(
+            "rank {} is not below world size {}",
+            a.rank, a.world_size
+        )));
+    }
+    let heads = a.model.kv_heads;
+    if heads % a.world_size != 0 {
+        return Err(Error::invalid_argument(format!(
+            "{heads} KV heads cannot be split evenly over {} ranks",
+            a.world_size
+        )));
+    }
+    let dims = crate::layout::LayoutDims {
+        num_layers: a.model.layers,
+        outer_dim: 2,
+        page_size: a.model.block_size,
+        inner_dim: heads / a.world_size * a.model.head_dim,
+        dtype_bytes: a.model.dtype_bytes,
+    };
+    dims.validate()?;
+    let deadline = config.init_timeout();
+    let transport = TcpWorker::connect(
+        a.leader_addr,
+        a.rank,
+        a.world_size,
+        auth_token_from_env(),
+        deadline,
+    )?;
+    let exec = RankExecutor::new(
+        a.framework,
+        config,
+        Shard { rank: a.rank, dims },
+        a.device_blocks,
+        a.world_size,
+        transport,
+    )?;
+    let until = Instant::now() + deadline;
+    while !exec.is_ready() {
+        if let Some(e) = exec.init_error() {
+            return Err(e);
+        }
+        if Instant::now() > until {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!("rank {} did not finish its start-up barrier", a.rank),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let mut stream = connect_retry(a.engine_addr, until)?;
+    write_frame(&mut stream, &a.rank)?;
+    serve(exec, stream)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn connect_retry(addr: SocketAddr, until: Instant) -> Result<TcpStream> {
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) => {
+                if Instant::now() > until {
+                    return Err(Error::io("connect to the engine channel", e).with("addr", addr));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+/// Where the multi-process replay listens, and whether it starts its workers.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    /// The leader's transport address (port 0: any free port).
+    pub leader_addr: SocketAddr,
+    /// The engine channel address (port 0: any free port).
+    pub engine_addr: SocketAddr,
+    /// Do not start workers; wait for them to be started by hand.
+    pub external_workers: bool,
+}
+
+fn kill_all(children: &mut [Child]) {
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// Runs a replay with one worker process per rank.
+pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> Result<Report> {
+    Engine::model_dims(&opts)?;
+    let tp = opts.tp;
+    let token = auth_token_from_env();
+    let leader_transport = TcpLeader::bind(topo.leader_addr, tp, token)?;
+    let leader_addr = leader_transport.local_addr();
+    let listener = TcpListener::bind(topo.engine_addr)
+        .map_err(|e| Error::io("bind the engine channel", e).with("addr", topo.engine_addr))?;
+    let engine_addr = listener
+        .local_addr()
+        .map_err(|e| Error::io("read the engine channel address", e))?;
+    // The workers read the same configuration: write it to a file they are pointed at.
+    let config_path = std::env::temp_dir().join(format!("kvbm-replay-{}.toml", std::process::id()));
+    std::fs::write(&config_path, opts.config.to_toml()?)
+        .map_err(|e| Error::io("write the workers' configuration", e))?;
+    let mut children = Vec::new();
+    if topo.external_workers {
+        eprintln!(
+            "kvbm: waiting for {tp} workers: kvbm worker --rank R --world-size {tp} --leader-addr {leader_addr} --engine-addr {engine_addr} --framework {} --device-blocks {}",
+            opts.framework, opts.device_blocks
+        );
+    } else {
+        let exe = std::env::current_exe().map_err(|e| Error::io("find the kvbm executable", e))?;
+        let m = opts.model;
+        for rank in 0..tp {
+            let child = Command::new(&exe)
+                .arg("worker")
+                .args(["--rank", &rank.to_string()])
+                .args(["--world-size", &tp.to_string()])
+                .args(["--leader-addr", &leader_addr.to_string()])
+                .args(["--engine-addr", &engine_addr.to_string()])
+                .args(["--framework", &opts.framework.to_string()])
+                .args(["--block-size", &opts.block_size.to_string()])
+                .args(["--layers", &m.layers.to_string()])
+                .args(["--kv-heads", &m.kv_heads.to_string()])
+                .args(["--head-dim", &m.head_dim.to_string()])
+                .args(["--dtype-bytes", &m.dtype_bytes.to_string()])
+                .args(["--device-blocks", &opts.device_blocks.to_string()])
+                .arg("--config")
+                .arg(&config_path)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .spawn();
+            match child {
+                Ok(c) => children.push(c),
+                Err(e) => {
+                    kill_all(&mut children);
+                    let _ = std::fs::remove_file(&config_path);
+                    return Err(Error::io("start a worker process", e).with("rank", rank));
+                }
+            }
+        }
+    }
+    let result = connect(opts, workload, leader_transport, &listener, children);
+    let _ = std::fs::remove_file(&config_path);
+    let engine = result?;
+    engine.run()
+}
+
+fn connect(
+    opts: SimOptions,
+    workload: &[TraceRequest],
+    leader_transport: Arc<TcpLeader>,
+    listener: &TcpListener,
+    mut children: Vec<Child>,
+) -> Result<Engine> {
+    let tp = opts.tp;
+    let timeout = opts.config.init_timeout();
+    let sched = match opts.framework {
+        // TensorRT-LLM: the scheduler starts non-blocking; vLLM: blocking (workers registered).
+        Framework::Trtllm => super::sim::Sched::Trt(Box::new(trtllm::TrtllmScheduler::new(
+            opts.config.clone(),
+            opts.block_size,
+            leader_transport.clone(),
+        )?)),
+        Framework::Vllm => {
+            match vllm::VllmScheduler::new(
+                opts.config.clone(),
+                opts.block_size,
+                leader_transport.clone(),
+            ) {
+                Ok(s) => super::sim::Sched::Vllm(Box::new(s)),
+                Err(e) => {
+                    kill_all(&mut children);
+                    return Err(e);
+                }
+            }
+        }
+    };
+    // Each worker connects to the engine channel once its barrier finished.
+    let until = Instant::now() + timeout;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Error::io("configure the engine channel", e))?;
+    let mut ranks: Vec<Option<RemoteRank>> = (0..tp).map(|_| None).collect();
+    while ranks.iter().any(Option::is_none) {
+        match listener.accept() {
+            Ok((mut stream, peer)) => {
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_nodelay(true);
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+                let rank: usize = match read_frame(&mut stream) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(%peer, error = %e, "engine channel: bad greeting; closed");
+                        continue;
+                    }
+                };
+                let _ = stream.set_read_timeout(None);
+                match ranks.get_mut(rank) {
+                    Some(slot @ None) => *slot = Some(RemoteRank::new(rank, stream)),
+                    _ => tracing::warn!(%peer, rank, "engine channel: unexpected rank; closed"),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() > until {
+                    let missing: Vec<usize> = ranks
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| r.is_none())
+                        .map(|(i, _)| i)
+                        .collect();
+                    kill_all(&mut children);
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "rank(s) {missing:?} did not join within {:.0}s",
+                            timeout.as_secs_f64()
+                        ),
+                    )
+                    .with("missing_ranks", format!("{missing:?}")));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(Error::io("accept on the engine channel", e));
+            }
+        }
+    }
+    leader_transport.mark_session_started();
+    let drivers: Vec<Box<dyn RankDriver>> = ranks
+        .into_iter()
+        .flatten()
+        .map(|r| Box::new(r) as Box<dyn RankDriver>)
+        .collect();
+    Engine::assemble(opts, workload, sched, drivers, children)
+}
