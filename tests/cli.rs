@@ -462,14 +462,15 @@ fn check_hand_trace(keep_busy: bool) {
     }
 }
 
+/// The same with a long-decoding request keeping the engine stepping between arrivals.
 #[test]
 fn hand_computed_trace_matches_the_rule() {
     check_hand_trace(true);
 }
 
-/// The rule as the issue states it: requests far apart, and nothing else running in between.
+/// The rule exactly as the issue states it: requests far apart with nothing running in between,
+/// so the engine skips each idle stretch at once.
 #[test]
-#[ignore = "bug: vLLM replay misses earlier offloads when the engine idles between far-apart requests (completion not yet seen by the leader)"]
 fn hand_computed_trace_matches_the_rule_with_an_idle_engine() {
     check_hand_trace(false);
 }
@@ -539,17 +540,15 @@ fn random_trace_matches_the_model() {
 }
 
 #[test]
-#[ignore = "bug: vLLM replay misses earlier offloads when the engine idles between far-apart requests (completion not yet seen by the leader)"]
 fn random_trace_matches_the_model_with_an_idle_engine() {
     check_random_trace(false);
 }
 
-/// Minimal form of the bug above: `a` offloads its one full block; `b`, 50 idle steps later,
-/// should match it. vLLM misses it in most runs: the worker tells the engine the store is done
-/// (`get_finished`) before it sends the completion to the leader, and the engine's idle skip
-/// lets no time pass before `b` is matched.
+/// The smallest case of the idle rule, repeated: `a` offloads its one full block; `b`, 50 idle
+/// steps later, matches it. (A worker that let the engine see a store as done before sending its
+/// completion to the leader, with an idle skip that lets no time pass, made vLLM miss it in most
+/// runs of an earlier engine stand-in.)
 #[test]
-#[ignore = "bug: worker reports a store done to the engine before the leader can see it; idle skip makes far-apart requests miss it"]
 fn far_apart_request_sees_the_previous_offload() {
     let prompt: Vec<u32> = (1..=7).collect();
     for framework in FRAMEWORKS {
@@ -563,7 +562,7 @@ fn far_apart_request_sees_the_previous_offload() {
 /// After the run, every block offloaded to host has been copied down to disk (ample disk,
 /// `min_frequency` 1), and the report counts those copies.
 #[test]
-#[ignore = "bug: drain returns while host->disk copies are still queued in the leader, so the last blocks never reach disk nor the report"]
+
 fn report_counts_the_last_host_to_disk_copies() {
     for framework in FRAMEWORKS {
         let dir = tmp();
@@ -643,7 +642,7 @@ fn malformed_traces_fail_cleanly() {
         (
             "wrong type",
             r#"{"id":"a","arrival":0,"prompt":"1 2 3","max_tokens":1}"#.to_string(),
-            vec!["line 1", "invalid type"],
+            vec!["line 1", "\"prompt\"", "must be an array"],
         ),
         ("empty file", String::new(), vec!["no requests"]),
         (
@@ -691,7 +690,7 @@ fn malformed_traces_fail_cleanly() {
 
 /// A type error in a trace line names the line and the offending value but not the field.
 #[test]
-#[ignore = "bug: trace type errors (negative arrival, prompt not a list) do not name the field"]
+
 fn trace_type_errors_name_the_field() {
     for (line, field) in [
         (
@@ -864,15 +863,17 @@ fn report_json_schema() {
             "--workload",
             "shared-prefix",
         ])
+        // The engine's own prefix cache off: the connector serves the shared prefixes, so the
+        // report has matches and onboarded paths.
         .args([
             "--requests",
             "8",
             "--seed",
             "1",
-            "--disk-blocks",
-            "1024",
-            "--disk-dir",
+            "--device-prefix-cache",
+            "off",
         ])
+        .args(["--disk-blocks", "1024", "--disk-dir"])
         .arg(dir.path())
         .arg("--report")
         .arg(&report)
@@ -881,11 +882,11 @@ fn report_json_schema() {
     assert_ok(&out, "snapshot run");
     let r = read_report(&report);
     check_report_invariants(&r, "snapshot run");
-    // build_connector_meta is called once per engine step plus once per extra iteration of the
-    // final drain, whose count depends on when background stores finish: redacted below.
-    let lat = r["summary"]["leader_latency"].as_array().expect("latency");
-    assert_eq!(lat[0]["method"], "build_connector_meta");
-    assert!(u(&lat[0]["calls"]) >= u(&r["summary"]["steps"]));
+    assert!(
+        u(&r["summary"]["matched_tokens"]) > 0,
+        "the snapshot run has hits"
+    );
+    // Only timings are redacted: everything else is a function of the arguments.
     let mut settings = insta::Settings::clone_current();
     settings.set_snapshot_path("../snapshots");
     settings.set_prepend_module_to_snapshot(false);
@@ -894,7 +895,6 @@ fn report_json_schema() {
             ".summary.wall_s" => "[wall_s]",
             ".summary.leader_latency[].p50_us" => "[p50_us]",
             ".summary.leader_latency[].p99_us" => "[p99_us]",
-            ".summary.leader_latency[0].calls" => "[steps + drain iterations]",
             ".summary.offloaded[].gb_per_s" => "[gb_per_s]",
             ".summary.onboarded[].gb_per_s" => "[gb_per_s]",
         });

@@ -8,7 +8,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -35,10 +35,20 @@ fn any_port() -> SocketAddr {
     "127.0.0.1:0".parse().unwrap()
 }
 
-/// A loopback address with a port that was free a moment ago (for "workers start first").
+/// A loopback address with a port that was free a moment ago and that nobody listens on (for
+/// "workers start first"). It is taken below the kernel's ephemeral range (32768 and up on
+/// Linux), so a concurrent bind to port 0 elsewhere cannot be handed the same port meanwhile.
 fn free_port() -> SocketAddr {
-    let l = std::net::TcpListener::bind(any_port()).unwrap();
-    l.local_addr().unwrap()
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 500) as u16 * 20;
+    for _ in 0..200 {
+        let port = base + NEXT.fetch_add(1, Ordering::SeqCst) % 2_000;
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        if std::net::TcpListener::bind(addr).is_ok() {
+            return addr;
+        }
+    }
+    panic!("no free port below the ephemeral range");
 }
 
 fn hello(rank: usize, world: usize) -> WorkerHello {
@@ -559,6 +569,11 @@ fn real_leader_and_worker_offload_and_onboard_over_tcp() {
     };
     let tokens: Vec<u32> = (0..16).collect();
     rig.offload(&RequestId::from("a"), &tokens, &[0, 1, 2, 3]);
+    // Completions cross the network asynchronously: let every store land before matching.
+    wait_until("stores to complete", || {
+        rig.leader.process_completions();
+        rig.leader.num_operations_in_flight() == 0
+    });
     let loaded = rig.onboard(&RequestId::from("b"), &tokens, &[4, 5, 6, 7]);
     assert!(loaded >= BS, "loaded {loaded} tokens");
     assert!(lt.is_session_started());

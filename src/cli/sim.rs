@@ -381,10 +381,10 @@ impl Sched {
         }
     }
 
-    fn ops_in_flight(&self) -> usize {
+    fn has_pending_work(&self) -> bool {
         match self {
-            Sched::Trt(s) => s.leader().num_operations_in_flight(),
-            Sched::Vllm(s) => s.leader().num_operations_in_flight(),
+            Sched::Trt(s) => s.leader().has_pending_work(),
+            Sched::Vllm(s) => s.leader().has_pending_work(),
         }
     }
 
@@ -774,7 +774,7 @@ impl Engine {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             self.sched.process_completions();
-            if self.sched.ops_in_flight() == 0 {
+            if !self.sched.has_pending_work() {
                 return Ok(());
             }
             if Instant::now() > deadline {

@@ -195,9 +195,67 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRequest>> {
         if line.trim().is_empty() {
             continue;
         }
-        let r: TraceRequest = serde_json::from_str(line).map_err(|e| {
-            Error::new(ErrorKind::InvalidArgument, format!("trace line {n}: {e}")).with("line", n)
-        })?;
+        let bad = |what: &str| -> Result<Vec<TraceRequest>> {
+            Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("trace line {n}: {what}"),
+            )
+            .with("line", n))
+        };
+        // Check each field's presence and type first, so the error names the field.
+        let value: serde_json::Value = match serde_json::from_str(line) {
+            Ok(v) => v,
+            Err(e) => return bad(&format!("not JSON: {e}")),
+        };
+        let Some(obj) = value.as_object() else {
+            return bad("expected a JSON object");
+        };
+        for key in obj.keys() {
+            if !matches!(key.as_str(), "id" | "arrival" | "prompt" | "max_tokens") {
+                return bad(&format!(
+                    "unknown field {key:?} (expected id, arrival, prompt, max_tokens)"
+                ));
+            }
+        }
+        match obj.get("id") {
+            Some(serde_json::Value::String(_)) => {}
+            Some(other) => return bad(&format!("field \"id\" must be a string, got {other}")),
+            None => return bad("missing field \"id\""),
+        }
+        for key in ["arrival", "max_tokens"] {
+            match obj.get(key) {
+                Some(v) if v.as_u64().is_some() => {}
+                Some(v) => {
+                    return bad(&format!(
+                        "field {key:?} must be a non-negative integer, got {v}"
+                    ))
+                }
+                None => return bad(&format!("missing field {key:?}")),
+            }
+        }
+        match obj.get("prompt") {
+            Some(serde_json::Value::Array(items)) => {
+                if let Some((k, v)) = items
+                    .iter()
+                    .enumerate()
+                    .find(|(_, v)| v.as_u64().is_none_or(|t| t > u64::from(u32::MAX)))
+                {
+                    return bad(&format!(
+                        "field \"prompt\"[{k}] must be a token id (0..=4294967295), got {v}"
+                    ));
+                }
+            }
+            Some(other) => {
+                return bad(&format!(
+                    "field \"prompt\" must be an array of token ids, got {other}"
+                ))
+            }
+            None => return bad("missing field \"prompt\""),
+        }
+        let r: TraceRequest = match serde_json::from_value(value) {
+            Ok(r) => r,
+            Err(e) => return bad(&e.to_string()),
+        };
         let bad = |what: &str| {
             Err(Error::new(
                 ErrorKind::InvalidArgument,

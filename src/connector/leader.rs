@@ -298,6 +298,16 @@ impl<A: SchedulerAdapter> Leader<A> {
         self.ops.len()
     }
 
+    /// True while anything is still to do: operations in flight, host blocks waiting to be
+    /// copied to disk, or work queued for the next metadata. An idle engine keeps building
+    /// (empty) iterations until this is false.
+    pub fn has_pending_work(&self) -> bool {
+        !self.ops.is_empty()
+            || !self.disk_queue.is_empty()
+            || !self.outbox.operations.is_empty()
+            || !self.outbox.hold.is_empty()
+    }
+
     /// Ranks whose connection was lost (the leader is degraded while any is listed).
     pub fn dead_ranks(&self) -> Vec<usize> {
         self.dead

@@ -1048,6 +1048,8 @@ pub struct TcpWorker {
     world_size: usize,
     leader: SocketAddr,
     stream: Mutex<StdTcpStream>,
+    /// Another handle on the socket, to shut it down while a send holds `stream`.
+    control: StdTcpStream,
     rx: Mutex<Receiver<LeaderMessage>>,
     closed: Arc<Closed>,
 }
@@ -1211,6 +1213,9 @@ impl TcpWorker {
         let reader = stream
             .try_clone()
             .map_err(|e| err("clone the leader connection", e))?;
+        let control = stream
+            .try_clone()
+            .map_err(|e| err("clone the leader connection", e))?;
         let (tx, rx) = channel();
         let closed = Arc::new(Closed::default());
         let c = closed.clone();
@@ -1223,6 +1228,7 @@ impl TcpWorker {
             world_size,
             leader: addr,
             stream: Mutex::new(stream),
+            control,
             rx: Mutex::new(rx),
             closed,
         })
@@ -1248,7 +1254,7 @@ impl TcpWorker {
     pub fn close(&self) {
         self.closed
             .close("this worker closed its connection".to_string());
-        let _ = self.stream.lock().shutdown(Shutdown::Both);
+        let _ = self.control.shutdown(Shutdown::Both);
     }
 
     fn gone(&self, op: &str) -> Error {

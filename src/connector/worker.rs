@@ -621,6 +621,16 @@ fn complete(
     if let Some(e) = &error {
         tracing::warn!(op = %done.op, failed = failed.len(), error = %e, "operation failed");
     }
+    // Tell the leader first: once the engine learns the operation is done (below), a later
+    // match must already be able to find what it stored.
+    let msg = WorkerMessage::Completed(vec![Completion {
+        op: done.op,
+        failed_dst_blocks: failed.clone(),
+        error,
+    }]);
+    if let Err(e) = transport.send(msg) {
+        tracing::warn!(op = %done.op, error = %e, "cannot report a completion to the leader");
+    }
     {
         let mut st = shared.state.lock();
         // Only device blocks are the engine's to recompute.
@@ -642,14 +652,6 @@ fn complete(
         let mut n = shared.device_reads.lock();
         *n = n.saturating_sub(1);
         shared.device_reads_done.notify_all();
-    }
-    let msg = WorkerMessage::Completed(vec![Completion {
-        op: done.op,
-        failed_dst_blocks: failed,
-        error,
-    }]);
-    if let Err(e) = transport.send(msg) {
-        tracing::warn!(op = %done.op, error = %e, "cannot report a completion to the leader");
     }
 }
 
