@@ -102,19 +102,13 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
         a.world_size,
         transport,
     )?;
+    super::sim::wait_for(&format!("rank {}", a.rank), deadline, || {
+        match exec.init_error() {
+            Some(e) => Err(e),
+            None => Ok(exec.is_ready()),
+        }
+    })?;
     let until = Instant::now() + deadline;
-    while !exec.is_ready() {
-        if let Some(e) = exec.init_error() {
-            return Err(e);
-        }
-        if Instant::now() > until {
-            return Err(Error::new(
-                ErrorKind::Timeout,
-                format!("rank {} did not finish its start-up barrier", a.rank),
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
     let mut stream = connect_retry(a.engine_addr, until)?;
     write_frame(&mut stream, &a.rank)?;
     serve(exec, stream)?;

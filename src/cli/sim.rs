@@ -482,6 +482,28 @@ pub struct Engine {
     preemptions: usize,
 }
 
+/// Polls `ready` until it answers true, fails, or `timeout` passes (a `Timeout` naming `what`).
+pub(crate) fn wait_for(
+    what: &str,
+    timeout: Duration,
+    mut ready: impl FnMut() -> Result<bool>,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !ready()? {
+        if Instant::now() > deadline {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "{what} did not become ready within {:.0}s",
+                    timeout.as_secs_f64()
+                ),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
+}
+
 fn sim_err(msg: impl Into<String>) -> Error {
     Error::new(ErrorKind::InvalidArgument, msg)
 }
@@ -563,19 +585,12 @@ impl Engine {
                 (sched, exec)
             }
         };
-        let deadline = Instant::now() + opts.config.init_timeout();
-        while !rank.is_ready() {
-            if let Some(e) = rank.init_error() {
-                return Err(e);
+        wait_for("the worker", opts.config.init_timeout(), || {
+            match rank.init_error() {
+                Some(e) => Err(e),
+                None => Ok(rank.is_ready()),
             }
-            if Instant::now() > deadline {
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    "the worker did not become ready",
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        })?;
         Self::assemble(
             opts,
             workload,
@@ -681,22 +696,12 @@ impl Engine {
     }
 
     fn wait_ready(&mut self) -> Result<()> {
-        let deadline = Instant::now() + self.opts.config.init_timeout();
-        loop {
-            if self.sched.is_ready() {
-                return Ok(());
-            }
-            if let Some(e) = self.sched.init_error() {
-                return Err(e);
-            }
-            if Instant::now() > deadline {
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    "connector did not become ready",
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let timeout = self.opts.config.init_timeout();
+        let sched = &mut self.sched;
+        wait_for("the connector", timeout, || match sched.init_error() {
+            Some(e) => Err(e),
+            None => Ok(sched.is_ready()),
+        })
     }
 
     fn keys(&self, i: usize, blocks: usize) -> Vec<u64> {
