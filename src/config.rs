@@ -75,6 +75,29 @@ impl TierSize {
     }
 }
 
+/// How the disk tier does its I/O.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    strum::Display,
+    strum::EnumString,
+)]
+#[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase", ascii_case_insensitive)]
+pub enum DiskIo {
+    /// Positional vectored I/O of our own (`backends::disk`).
+    #[default]
+    Builtin,
+    /// NIXL's POSIX backend (`backends::nixl`, feature `nixl`).
+    Nixl,
+}
+
 /// The disk (G3) tier.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -94,6 +117,8 @@ pub struct DiskConfig {
     pub persist: bool,
     /// Parallel I/O requests the tier keeps in flight. Default: 4.
     pub max_in_flight: usize,
+    /// Who does the disk I/O: `builtin` or `nixl` (needs the `nixl` feature). Default: builtin.
+    pub io: DiskIo,
 }
 
 impl Default for DiskConfig {
@@ -106,6 +131,7 @@ impl Default for DiskConfig {
             direct_io: true,
             persist: false,
             max_in_flight: 4,
+            io: DiskIo::Builtin,
         }
     }
 }
@@ -207,6 +233,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_DISK_DIRECT_IO", "disk.direct_io"),
     ours("KVBM_DISK_PERSIST", "disk.persist"),
     ours("KVBM_DISK_MAX_IN_FLIGHT", "disk.max_in_flight"),
+    ours("KVBM_DISK_IO", "disk.io"),
     ours("KVBM_TRANSFER_CONCURRENCY", "transfer.max_concurrency"),
     ours("KVBM_TRANSFER_BATCH_BLOCKS", "transfer.batch_blocks"),
     ours("KVBM_INIT_TIMEOUT_SECS", "init_timeout_secs"),
@@ -333,6 +360,12 @@ impl Config {
                 self.disk.min_frequency = parse_num(source, raw, "a count >= 1")?
             }
             "disk.direct_io" => self.disk.direct_io = parse_bool(source, raw)?,
+            "disk.io" => {
+                self.disk.io = raw
+                    .trim()
+                    .parse()
+                    .map_err(|_| Error::invalid_config(source, raw, "expected builtin or nixl"))?
+            }
             "disk.persist" => self.disk.persist = parse_bool(source, raw)?,
             "disk.max_in_flight" => {
                 self.disk.max_in_flight = parse_num(source, raw, "a count >= 1")?

@@ -9,6 +9,14 @@
 //! * the leader's hot path: matches of an 8-block request per second (vs the reference's figure
 //!   for Dynamo's leader, quoted, not measured).
 //!
+//! With the `nixl` feature (and NIXL loadable, see `docs/nixl.md`), also:
+//!
+//! * memory → disk and disk → memory through NIXL's POSIX plugin (`NixlDiskTier`, host memory
+//!   registered) vs raw O_DIRECT on the same file, memory and bytes, and vs the built-in disk
+//!   tier on the same memory and bytes, all three interleaved;
+//! * host → host over UCX (a `RemoteTier` on another agent's registered host tier, read into
+//!   a registered host tier) vs a memcpy of the same bytes.
+//!
 //! Rounds alternate limit and ours; medians are reported. The ratio is the figure to quote.
 
 use std::io::IsTerminal;
@@ -51,6 +59,19 @@ pub struct BenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also measure the CUDA paths: GPU device tier <-> pinned host tier, against a plain
+    /// cudaMemcpy of the same bytes (feature `cuda`; fails without a usable GPU).
+    #[cfg(feature = "cuda")]
+    #[arg(long)]
+    pub cuda: bool,
+    /// Blocks per transfer for the CUDA paths.
+    #[cfg(feature = "cuda")]
+    #[arg(long, default_value_t = 256)]
+    pub cuda_blocks: usize,
+    /// GPU ordinal for the CUDA paths.
+    #[cfg(feature = "cuda")]
+    #[arg(long, default_value_t = 0)]
+    pub cuda_device: usize,
 }
 
 /// One measured path.
@@ -368,14 +389,43 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     if progress {
         eprintln!("bench: disk paths in {}…", dir.display());
     }
-    let (disk, note) = disk_paths(a.blocks, a.rounds, dir, a.in_flight)?;
+    let (disk, note) = disk_paths(a.blocks, a.rounds, dir.clone(), a.in_flight)?;
     results.extend(disk);
+    #[cfg(feature = "nixl")]
+    let nixl_note = {
+        if progress {
+            eprintln!("bench: NIXL paths (POSIX disk, UCX host->host)…");
+        }
+        match nixl_bench::paths(a.blocks, a.rounds, dir, a.in_flight) {
+            Ok(r) => {
+                results.extend(r);
+                None
+            }
+            // NIXL not installed: the other paths still stand; say why these are missing.
+            Err(e) if e.kind() == ErrorKind::Unsupported => {
+                Some(format!("NIXL paths skipped: {e}"))
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    #[cfg(feature = "cuda")]
+    if a.cuda {
+        if progress {
+            eprintln!("bench: CUDA paths (device <-> pinned host)…");
+        }
+        results.extend(cuda_bench::paths(a.cuda_blocks, a.rounds, a.cuda_device)?);
+    }
     if progress {
         eprintln!("bench: leader hot path…");
     }
     results.push(leader_path(a.rounds)?);
     if a.json {
-        let v = serde_json::json!({ "paths": results, "disk_note": note });
+        #[cfg_attr(not(feature = "nixl"), expect(unused_mut))]
+        let mut v = serde_json::json!({ "paths": results, "disk_note": note });
+        #[cfg(feature = "nixl")]
+        if let Some(obj) = v.as_object_mut() {
+            obj.insert("nixl_note".into(), serde_json::json!(nixl_note));
+        }
         println!(
             "{}",
             serde_json::to_string_pretty(&v).map_err(|e| Error::internal(e.to_string()))?
@@ -394,6 +444,385 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         if let Some(n) = note {
             println!("note: the disk tier runs without O_DIRECT here: {n}");
         }
+        #[cfg(feature = "nixl")]
+        if let Some(n) = nixl_note {
+            println!("note: {n}");
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `kvbm bench`'s NIXL paths (feature `nixl`); see the [module docs](self).
+#[cfg(feature = "nixl")]
+mod nixl_bench {
+    use super::*;
+    use crate::backends::nixl::{
+        NixlAgent, NixlBackend, NixlDiskTier, RemoteTier, REMOTE_MAX_IN_FLIGHT,
+    };
+
+    /// Times three closures in turn, `rounds` times each after one warm-up; medians.
+    fn interleaved3(
+        rounds: usize,
+        mut f: [&mut dyn FnMut() -> Result<()>; 3],
+    ) -> Result<[Duration; 3]> {
+        for g in f.iter_mut() {
+            g()?;
+        }
+        let mut times: [Vec<Duration>; 3] = Default::default();
+        for _ in 0..rounds.max(1) {
+            for (g, t) in f.iter_mut().zip(times.iter_mut()) {
+                let start = Instant::now();
+                g()?;
+                t.push(start.elapsed());
+            }
+        }
+        let [a, b, c] = times;
+        Ok([median(a), median(b), median(c)])
+    }
+
+    pub(super) fn paths(
+        blocks: usize,
+        rounds: usize,
+        dir: PathBuf,
+        in_flight: usize,
+    ) -> Result<Vec<PathResult>> {
+        let mut out = posix_paths(blocks, rounds, dir, in_flight)?;
+        out.push(ucx_path(blocks, rounds)?);
+        Ok(out)
+    }
+
+    fn posix_paths(
+        blocks: usize,
+        rounds: usize,
+        dir: PathBuf,
+        in_flight: usize,
+    ) -> Result<Vec<PathResult>> {
+        let d = dims();
+        let bpb = d.bytes_per_block();
+        let bytes = blocks * bpb;
+        let agent = NixlAgent::new(None, &[NixlBackend::Posix])?;
+        let mem: Arc<dyn StorageTier> =
+            Arc::new(MemoryTier::host(Layout::fully_contiguous(d, blocks)?)?);
+        fill(mem.as_ref())?;
+        agent.register_host_tier(mem.clone())?;
+        let opts = DiskTierOptions::new(dir).with_max_in_flight(in_flight);
+        let nixl_disk = NixlDiskTier::create(&agent, TierKind::Disk, d, blocks, opts.clone())?;
+        let direct = nixl_disk.direct_io();
+        let (path, slot) = (nixl_disk.path().to_path_buf(), nixl_disk.slot_bytes());
+        let nixl_disk: Arc<dyn StorageTier> = Arc::new(nixl_disk);
+        let builtin: Arc<dyn StorageTier> =
+            Arc::new(DiskTier::create(TierKind::Disk, d, blocks, opts)?);
+        let mut ptrs = Vec::with_capacity(blocks);
+        for b in 0..blocks {
+            mem.with_block(b, &mut |segs| {
+                ptrs.push(segs.first().map_or(0, |s| s.as_ptr() as usize));
+                Ok(())
+            })?;
+        }
+        let mut oo = std::fs::OpenOptions::new();
+        oo.read(true).write(true);
+        if direct {
+            oo.custom_flags(libc::O_DIRECT);
+        }
+        let raw = oo
+            .open(&path)
+            .map_err(|e| Error::io("open the NIXL disk tier's file for the raw limit", e))?;
+        let fd = raw.as_raw_fd();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .build()
+            .map_err(|e| Error::io("start a runtime", e))?;
+        let engine = TransferEngine::new(&TransferConfig {
+            max_concurrency: in_flight,
+            batch_blocks: 1,
+        })?;
+        let pairs: Vec<(usize, usize)> = (0..blocks).map(|i| (i, i)).collect();
+        let copy = |src: &Arc<dyn StorageTier>, dst: &Arc<dyn StorageTier>| -> Result<()> {
+            check_outcome(runtime.block_on(engine.copy(src.clone(), dst.clone(), pairs.clone()))?)
+        };
+        let kind = if direct { "O_DIRECT" } else { "buffered" };
+        let mut out = Vec::new();
+        // Writes: raw, built-in, NIXL. Reads follow NIXL's write, so its checksums hold.
+        let [raw_t, builtin_t, nixl_t] = interleaved3(
+            rounds,
+            [
+                &mut || raw_direct(fd, &ptrs, bpb, slot, in_flight, true),
+                &mut || copy(&mem, &builtin),
+                &mut || copy(&mem, &nixl_disk),
+            ],
+        )?;
+        out.push(bandwidth(
+            "memory->disk (NIXL POSIX)",
+            bytes,
+            raw_t,
+            nixl_t,
+            &format!("raw {kind} pwrite, same file, memory and bytes"),
+        ));
+        out.push(bandwidth(
+            "memory->disk (NIXL POSIX vs built-in)",
+            bytes,
+            builtin_t,
+            nixl_t,
+            "built-in disk tier, same memory and bytes",
+        ));
+        let [raw_t, builtin_t, nixl_t] = interleaved3(
+            rounds,
+            [
+                &mut || raw_direct(fd, &ptrs, bpb, slot, in_flight, false),
+                &mut || copy(&builtin, &mem),
+                &mut || copy(&nixl_disk, &mem),
+            ],
+        )?;
+        out.push(bandwidth(
+            "disk->memory (NIXL POSIX, checksummed)",
+            bytes,
+            raw_t,
+            nixl_t,
+            &format!("raw {kind} pread, same file, memory and bytes"),
+        ));
+        out.push(bandwidth(
+            "disk->memory (NIXL POSIX vs built-in)",
+            bytes,
+            builtin_t,
+            nixl_t,
+            "built-in disk tier, same memory and bytes",
+        ));
+        Ok(out)
+    }
+
+    /// Two agents in this process, UCX between them (its shared-memory transports): what one
+    /// worker pulling another's host blocks costs, against a memcpy of the same bytes.
+    fn ucx_path(blocks: usize, rounds: usize) -> Result<PathResult> {
+        let d = dims();
+        let bytes = blocks * d.bytes_per_block();
+        let exporter = NixlAgent::new(None, &[NixlBackend::Ucx])?;
+        let theirs: Arc<dyn StorageTier> =
+            Arc::new(MemoryTier::host(Layout::fully_contiguous(d, blocks)?)?);
+        fill(theirs.as_ref())?;
+        let id = exporter.register_host_tier(theirs.clone())?;
+        let export = exporter.export_tier(id)?;
+        let importer = NixlAgent::new(None, &[NixlBackend::Ucx])?;
+        let remote: Arc<dyn StorageTier> = Arc::new(RemoteTier::connect(
+            &importer,
+            &export,
+            REMOTE_MAX_IN_FLIGHT,
+        )?);
+        let ours: Arc<dyn StorageTier> =
+            Arc::new(MemoryTier::host(Layout::fully_contiguous(d, blocks)?)?);
+        importer.register_host_tier(ours.clone())?;
+        let pairs: Vec<(usize, usize)> = (0..blocks).map(|i| (i, i)).collect();
+        let a = vec![7u8; bytes];
+        let mut b = vec![0u8; bytes];
+        let (l, o) = interleaved(
+            rounds * 3,
+            || {
+                b.copy_from_slice(std::hint::black_box(&a));
+                Ok(())
+            },
+            || {
+                check_outcome(TransferEngine::copy_blocking(
+                    remote.as_ref(),
+                    ours.as_ref(),
+                    &pairs,
+                )?)
+            },
+        )?;
+        Ok(bandwidth(
+            "host->host (UCX, other agent's host tier)",
+            bytes,
+            l,
+            o,
+            "memcpy of the same bytes",
+        ))
+    }
+}
+
+/// `kvbm bench --cuda` (feature `cuda`): the GPU device tier against the pinned host tier, each
+/// path against one plain synchronous `cuMemcpy` (what `cudaMemcpy` does) of the same bytes
+/// between the same device and pinned memory, interleaved. The limit source names how many
+/// copies our side issued per transfer.
+#[cfg(feature = "cuda")]
+mod cuda_bench {
+    use std::ffi::c_void;
+
+    use super::*;
+    use crate::backends::cuda::cudarc::driver::sys;
+    use crate::backends::cuda::{
+        self, cuda_err, CudaDevice, CudaDeviceTier, DeviceBuffer, PinnedHostTier,
+    };
+    use crate::layout::KvLayout;
+
+    #[derive(Clone, Copy)]
+    enum Dir {
+        D2H,
+        H2D,
+    }
+
+    /// A device tier over `bufs` (one per allocation of `layout`), which must outlive it.
+    fn register(
+        dev: &Arc<CudaDevice>,
+        layout: Layout,
+        bufs: &[DeviceBuffer],
+    ) -> Result<Arc<CudaDeviceTier>> {
+        let ptrs: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
+        // SAFETY: the caller keeps `bufs` alive (declared before the tier, dropped after).
+        unsafe { CudaDeviceTier::register(dev.clone(), layout, &ptrs) }
+    }
+
+    /// Runs `f` once and says how many copies the tier issued for it.
+    fn copies_of(tier: &CudaDeviceTier, f: &mut dyn FnMut() -> Result<()>) -> Result<String> {
+        let b = tier.copy_stats();
+        f()?;
+        let a = tier.copy_stats();
+        Ok(format!(
+            "ours: {} plain + {} strided copies in {} batch(es)",
+            a.copies_1d - b.copies_1d,
+            a.copies_2d - b.copies_2d,
+            a.batches - b.batches
+        ))
+    }
+
+    /// A fixed permutation of `0..n` (xorshift Fisher-Yates).
+    fn shuffled(n: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..n).collect();
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        for i in (1..n).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            v.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+        v
+    }
+
+    pub(super) fn paths(blocks: usize, rounds: usize, ordinal: usize) -> Result<Vec<PathResult>> {
+        if blocks == 0 {
+            return Err(Error::invalid_argument("--cuda-blocks must be at least 1"));
+        }
+        let info = cuda::probe()?;
+        let dev = CudaDevice::open(ordinal)?;
+        let gpu = dev.info();
+        eprintln!(
+            "bench: CUDA GPU {ordinal}: {} (sm_{}{}, {} GiB), driver {} ({})",
+            gpu.name,
+            gpu.compute_capability.0,
+            gpu.compute_capability.1,
+            gpu.total_memory >> 30,
+            info.driver_version_string(),
+            info.library
+        );
+        let d = dims();
+        let bytes = blocks * d.bytes_per_block();
+        let host_tier = PinnedHostTier::host(&dev, Layout::fully_contiguous(d, blocks)?)?;
+        let mut host_ptr = 0usize;
+        host_tier.with_block(0, &mut |segs| {
+            host_ptr = segs.first().map_or(0, |s| s.as_ptr() as usize);
+            Ok(())
+        })?;
+        let host: Arc<dyn StorageTier> = Arc::new(host_tier);
+        let fc_layout = Layout::fully_contiguous(d, blocks)?;
+        let fc_bufs = vec![dev.alloc(fc_layout.allocation_bytes())?];
+        let fc = register(&dev, fc_layout, &fc_bufs)?;
+        let ls_layout = Layout::layer_separate(d, blocks, BlockOrder::OuterMajor)?;
+        let ls_bufs = (0..ls_layout.num_allocations())
+            .map(|_| dev.alloc(ls_layout.allocation_bytes()))
+            .collect::<Result<Vec<_>>>()?;
+        let ls = register(&dev, ls_layout, &ls_bufs)?;
+        fc_bufs[0].fill(0x3C)?;
+        for b in &ls_bufs {
+            b.fill(0xC3)?;
+        }
+        let dptr = fc_bufs[0].ptr();
+        // The limit: one synchronous copy of all the bytes, contiguous on both sides. The
+        // pinned tier's memory is touched by nothing else while the bench runs.
+        let plain = |dir: Dir| -> Result<()> {
+            dev.bind()?;
+            // SAFETY: `bytes` bytes at `host_ptr` (the pinned tier's one allocation) and at
+            // `dptr` (the contiguous device buffer), both live for the whole bench.
+            let r = unsafe {
+                match dir {
+                    Dir::D2H => sys::cuMemcpyDtoH_v2(host_ptr as *mut c_void, dptr, bytes),
+                    Dir::H2D => sys::cuMemcpyHtoD_v2(dptr, host_ptr as *const c_void, bytes),
+                }
+            };
+            r.result().map_err(|e| cuda_err("cuMemcpy", e))
+        };
+        let seq: Vec<(usize, usize)> = (0..blocks).map(|i| (i, i)).collect();
+        let scattered: Vec<(usize, usize)> = shuffled(blocks).into_iter().zip(0..blocks).collect();
+        let copy = |src: &dyn StorageTier, dst: &dyn StorageTier, pairs: &[(usize, usize)]| {
+            check_outcome(TransferEngine::copy_blocking(src, dst, pairs)?)
+        };
+        let mut out = Vec::new();
+        type Case<'a> = (&'a str, Dir, &'a Arc<CudaDeviceTier>, &'a [(usize, usize)]);
+        let cases: [Case<'_>; 5] = [
+            ("device->pinned (contiguous)", Dir::D2H, &fc, &seq),
+            ("pinned->device (contiguous)", Dir::H2D, &fc, &seq),
+            (
+                "device->pinned (layer-separate gather)",
+                Dir::D2H,
+                &ls,
+                &seq,
+            ),
+            (
+                "pinned->device (layer-separate scatter)",
+                Dir::H2D,
+                &ls,
+                &seq,
+            ),
+            (
+                "device->pinned (layer-separate, scattered)",
+                Dir::D2H,
+                &ls,
+                &scattered,
+            ),
+        ];
+        for (name, dir, tier, pairs) in cases {
+            let mut ours = || match dir {
+                Dir::D2H => copy(tier.as_ref(), host.as_ref(), pairs),
+                Dir::H2D => copy(host.as_ref(), tier.as_ref(), pairs),
+            };
+            let copies = copies_of(tier, &mut ours)?;
+            let (l, o) = interleaved(rounds, || plain(dir), &mut ours)?;
+            let what = match dir {
+                Dir::D2H => "cuMemcpyDtoH",
+                Dir::H2D => "cuMemcpyHtoD",
+            };
+            out.push(bandwidth(
+                name,
+                bytes,
+                l,
+                o,
+                &format!("one plain {what} of the same bytes, pinned; {copies}"),
+            ));
+        }
+        // What the connector runs: the transfer engine with its default batches and concurrency.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .build()
+            .map_err(|e| Error::io("start a runtime", e))?;
+        let cfg = TransferConfig::default();
+        let engine = TransferEngine::new(&cfg)?;
+        let ls_dyn: Arc<dyn StorageTier> = ls.clone();
+        let mut ours = || {
+            check_outcome(runtime.block_on(engine.copy(
+                ls_dyn.clone(),
+                host.clone(),
+                seq.clone(),
+            ))?)
+        };
+        let copies = copies_of(&ls, &mut ours)?;
+        let (l, o) = interleaved(rounds, || plain(Dir::D2H), &mut ours)?;
+        out.push(bandwidth(
+            "device->pinned (gather, engine defaults)",
+            bytes,
+            l,
+            o,
+            &format!(
+                "one plain cuMemcpyDtoH of the same bytes, pinned; batches of {}, {} in flight; {copies}",
+                cfg.batch_blocks, cfg.max_concurrency
+            ),
+        ));
+        drop((fc, ls));
+        Ok(out)
+    }
 }

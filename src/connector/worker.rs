@@ -25,7 +25,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::backends::disk::{DiskTier, DiskTierOptions};
 use crate::backends::memory::MemoryTier;
-use crate::config::Config;
+use crate::config::{Config, DiskIo};
 use crate::connector::barrier::{initialise, worker_barrier, InitCell, InitMode, InitStatus};
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
 use crate::connector::transport::{
@@ -655,6 +655,41 @@ fn complete(
     }
 }
 
+/// The disk tier through NIXL's POSIX backend; the host tier is registered with the same agent
+/// (the tier keeps the agent alive).
+#[cfg(feature = "nixl")]
+fn nixl_disk(
+    host: Option<&Arc<dyn StorageTier>>,
+    dims: crate::layout::LayoutDims,
+    n: usize,
+    opts: DiskTierOptions,
+) -> Result<Arc<dyn StorageTier>> {
+    use crate::backends::nixl::{NixlAgent, NixlBackend, NixlDiskTier};
+    let agent = NixlAgent::new(None, &[NixlBackend::Posix])?;
+    if let Some(h) = host {
+        agent.register_host_tier(h.clone())?;
+    }
+    Ok(Arc::new(NixlDiskTier::create(
+        &agent,
+        TierKind::Disk,
+        dims,
+        n,
+        opts,
+    )?))
+}
+
+#[cfg(not(feature = "nixl"))]
+fn nixl_disk(
+    _host: Option<&Arc<dyn StorageTier>>,
+    _dims: crate::layout::LayoutDims,
+    _n: usize,
+    _opts: DiskTierOptions,
+) -> Result<Arc<dyn StorageTier>> {
+    Err(Error::unsupported(
+        "disk.io = nixl (KVBM_DISK_IO) needs kvbm-connector built with the `nixl` feature",
+    ))
+}
+
 fn allocate_tiers(
     config: &Config,
     device: Arc<dyn StorageTier>,
@@ -676,12 +711,15 @@ fn allocate_tiers(
             persist: config.disk.persist,
             max_in_flight: config.disk.max_in_flight,
         };
-        Some(Arc::new(DiskTier::create(
-            TierKind::Disk,
-            dims,
-            counts.num_disk_blocks,
-            opts,
-        )?))
+        Some(match config.disk.io {
+            DiskIo::Builtin => Arc::new(DiskTier::create(
+                TierKind::Disk,
+                dims,
+                counts.num_disk_blocks,
+                opts,
+            )?),
+            DiskIo::Nixl => nixl_disk(host.as_ref(), dims, counts.num_disk_blocks, opts)?,
+        })
     } else {
         None
     };
