@@ -28,6 +28,7 @@
 //! | `vllm`   | vLLM adapter (`frameworks::vllm`) | — |
 //! | `cuda`   | GPU device and pinned-host tiers | cudarc (loaded at run time) |
 //! | `nixl`   | NIXL transfer backend (POSIX disk, UCX remote) | nixl-sys (loaded at run time) |
+//! | `python` | the Python extension module (`kvbm_connector`) | pyo3 |
 //! | `cli` (default) | the `kvbm` binary and [`cli`] (enables `trtllm`, `vllm`) | clap |
 //!
 //! ```toml
@@ -36,8 +37,10 @@
 //! kvbm-connector = { version = "0.1", default-features = false, features = ["vllm"] }
 //! ```
 //!
-//! `cuda` and `nixl` are declared now and filled in by later work; enabling them today adds
-//! nothing.
+//! `cuda` (GPU device and pinned host tiers, `backends::cuda`) and `nixl` (NIXL POSIX disk and UCX
+//! remote tiers, `backends::nixl`) load their native libraries at run time: both build without
+//! them, and a missing library is an error at run time, never an abort. `python` builds the
+//! Python extension module (with maturin). See `docs/cuda.md`, `docs/nixl.md`, `docs/python.md`.
 
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -60,6 +63,9 @@ pub mod backends;
 #[cfg(any(feature = "trtllm", feature = "vllm"))]
 #[path = "../frameworks/mod.rs"]
 pub mod frameworks;
+
+#[cfg(feature = "python")]
+mod python;
 
 pub use config::Config;
 pub use error::{Error, ErrorKind, Result};

@@ -314,6 +314,24 @@ fn copy_batch(
         copied: 0,
         failed: Vec::new(),
     };
+    // A GPU device tier on one side: the whole batch as planned stream copies, one event wait.
+    #[cfg(feature = "cuda")]
+    if let Some(done) = crate::backends::cuda::copy_batch(src, dst, pairs) {
+        for (&(s, d), r) in pairs.iter().zip(done) {
+            match r {
+                Ok(()) => result.copied += 1,
+                Err(error) => {
+                    tracing::warn!(src_tier = %src.kind(), dst_tier = %dst.kind(), src_block = s, dst_block = d, %error, "block copy failed");
+                    result.failed.push(BlockFailure {
+                        src_block: s,
+                        dst_block: d,
+                        error: error.with("src_block", s).with("dst_block", d),
+                    })
+                }
+            }
+        }
+        return result;
+    }
     let mut bounce: Option<Vec<u8>> = None;
     for &(s, d) in pairs {
         match copy_block(src, dst, s, d, &mut bounce) {

@@ -1044,6 +1044,9 @@ fn replay_with_nixl_disk_passes_integrity() {
         let s = &report.summary;
         assert_eq!(s.integrity_errors, 0, "{framework}");
         assert!(s.matched_from.disk > 0, "{framework}: no disk hits: {s:?}");
-        assert!(s.onboarded.iter().any(|p| p.path == "disk->device" && p.blocks > 0));
+        assert!(s
+            .onboarded
+            .iter()
+            .any(|p| p.path == "disk->device" && p.blocks > 0));
     }
 }

@@ -168,9 +168,17 @@ pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> R
         .map_err(|e| Error::io("write the workers' configuration", e))?;
     let mut children = Vec::new();
     if topo.external_workers {
+        let m = opts.model;
         eprintln!(
-            "kvbm: waiting for {tp} workers: kvbm worker --rank R --world-size {tp} --leader-addr {leader_addr} --engine-addr {engine_addr} --framework {} --device-blocks {}",
-            opts.framework, opts.device_blocks
+            "kvbm: waiting for {tp} workers: kvbm worker --rank R --world-size {tp} --leader-addr {leader_addr} --engine-addr {engine_addr} --framework {} --device-blocks {} --block-size {} --layers {} --kv-heads {} --head-dim {} --dtype-bytes {} --config {}",
+            opts.framework,
+            opts.device_blocks,
+            opts.block_size,
+            m.layers,
+            m.kv_heads,
+            m.head_dim,
+            m.dtype_bytes,
+            config_path.display()
         );
     } else {
         let exe = std::env::current_exe().map_err(|e| Error::io("find the kvbm executable", e))?;
@@ -240,8 +248,9 @@ fn connect(
             }
         }
     };
-    // Each worker connects to the engine channel once its barrier finished.
-    let until = Instant::now() + timeout;
+    // Each worker connects to the engine channel once its barrier finished. A little longer than
+    // the barrier's own deadline, so its error (which names the missing ranks) comes first.
+    let until = Instant::now() + timeout + Duration::from_secs(2);
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::io("configure the engine channel", e))?;
@@ -266,6 +275,11 @@ fn connect(
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                // The barrier's own error (naming the ranks it misses) beats ours.
+                if let Some(e) = sched.init_error() {
+                    kill_all(&mut children);
+                    return Err(e);
+                }
                 if Instant::now() > until {
                     let missing: Vec<usize> = ranks
                         .iter()

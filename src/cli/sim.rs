@@ -226,8 +226,12 @@ struct DevicePool {
     /// Prefix cache: key → block, and each cached block's key.
     cached: HashMap<u64, usize>,
     key_of: Vec<Option<u64>>,
-    /// Cached blocks with no reference, oldest first (lazy: stale entries skipped).
+    /// Cached blocks with no reference, oldest first; each block at most once (`queued`), and
+    /// entries referenced again since are skipped when popped.
     evictable: VecDeque<usize>,
+    queued: Vec<bool>,
+    /// Cached blocks with no reference (what eviction can reclaim).
+    idle_cached: usize,
     enabled: bool,
 }
 
@@ -239,17 +243,14 @@ impl DevicePool {
             cached: HashMap::new(),
             key_of: vec![None; n],
             evictable: VecDeque::new(),
+            queued: vec![false; n],
+            idle_cached: 0,
             enabled,
         }
     }
 
     fn available(&self) -> usize {
-        self.free.len()
-            + self
-                .evictable
-                .iter()
-                .filter(|&&b| self.refs[b] == 0 && self.key_of[b].is_some())
-                .count()
+        self.free.len() + self.idle_cached
     }
 
     fn alloc(&mut self) -> Option<usize> {
@@ -258,9 +259,11 @@ impl DevicePool {
             return Some(b);
         }
         while let Some(b) = self.evictable.pop_front() {
+            self.queued[b] = false;
             if self.refs[b] == 0 {
                 if let Some(k) = self.key_of[b].take() {
                     self.cached.remove(&k);
+                    self.idle_cached -= 1;
                     self.refs[b] = 1;
                     return Some(b);
                 }
@@ -278,6 +281,9 @@ impl DevicePool {
         for k in keys {
             match self.cached.get(k) {
                 Some(&b) => {
+                    if self.refs[b] == 0 {
+                        self.idle_cached -= 1;
+                    }
                     self.refs[b] += 1;
                     out.push(b);
                 }
@@ -301,7 +307,11 @@ impl DevicePool {
             }
             if self.refs[b] == 0 {
                 if self.key_of[b].is_some() {
-                    self.evictable.push_back(b);
+                    self.idle_cached += 1;
+                    if !self.queued[b] {
+                        self.queued[b] = true;
+                        self.evictable.push_back(b);
+                    }
                 } else {
                     self.free.push(b);
                 }
@@ -388,7 +398,18 @@ impl Sched {
         }
     }
 
-    fn init_error(&self) -> Option<Error> {
+    fn request_state(
+        &self,
+        id: &str,
+        num: u64,
+    ) -> Option<crate::connector::lifecycle::RequestState> {
+        match self {
+            Sched::Trt(s) => s.leader().request_state(&num.into()),
+            Sched::Vllm(s) => s.leader().request_state(&id.into()),
+        }
+    }
+
+    pub(crate) fn init_error(&self) -> Option<Error> {
         let status = match self {
             Sched::Trt(s) => s.leader().status(),
             Sched::Vllm(s) => s.leader().status(),
@@ -752,8 +773,40 @@ impl Engine {
             self.one_step()?;
             self.step += 1;
             guard += 1;
-            if guard > 10_000_000 {
-                return Err(Error::internal("replay made no progress"));
+            if guard > 200_000 {
+                let count = |p: Phase| self.reqs.iter().filter(|r| r.phase == p).count();
+                let loading: Vec<usize> = (0..self.reqs.len())
+                    .filter(|&i| self.reqs[i].phase == Phase::Loading)
+                    .collect();
+                let stuck: Vec<String> = loading
+                    .iter()
+                    .chain(self.running.iter())
+                    .chain(self.waiting.iter())
+                    .take(6)
+                    .map(|&i| {
+                        let r = &self.reqs[i];
+                        format!(
+                            "{}:{:?} computed {}/{} blocks {} loading {:?} loaded {} leader {:?}",
+                            r.id,
+                            r.phase,
+                            r.computed,
+                            r.tokens.len(),
+                            r.blocks.len(),
+                            r.loading,
+                            r.loaded,
+                            self.sched.request_state(&r.id, r.num_id)
+                        )
+                    })
+                    .collect();
+                return Err(Error::internal(format!(
+                    "replay made no progress: {} running, {} waiting, {} loading, {} held, {} blocks available; {}",
+                    self.running.len(),
+                    self.waiting.len(),
+                    count(Phase::Loading),
+                    count(Phase::Held),
+                    self.pool.available(),
+                    stuck.join("; ")
+                )));
             }
             if self.opts.progress && last_progress.elapsed() > Duration::from_millis(200) {
                 let done = self.reqs.iter().filter(|r| r.phase == Phase::Done).count();
@@ -1001,7 +1054,16 @@ impl Engine {
                         "TensorRT-LLM request ran out of reserved blocks",
                     ));
                 }
-                let Some(&victim) = self.running.last() else {
+                // The newest request the engine has already run (vLLM schedules running
+                // requests before it admits waiting ones, so a request admitted this step is
+                // never a victim — unless it is the one that needs the block, which then waits).
+                let victim = self
+                    .running
+                    .iter()
+                    .rev()
+                    .copied()
+                    .find(|&j| j == i || self.reqs[j].announced);
+                let Some(victim) = victim else {
                     break;
                 };
                 self.preempt(victim)?;
@@ -1029,13 +1091,16 @@ impl Engine {
         self.pool.release(&blocks, &keys);
         self.to_clobber.extend_from_slice(&blocks);
         let r = &mut self.reqs[i];
+        let was_announced = r.announced;
         r.computed = 0;
         r.announced = false;
         r.phase = Phase::Waiting;
         r.report.preemptions += 1;
         self.preemptions += 1;
         self.waiting.push_front(i);
-        if let Sched::Vllm(_) = self.sched {
+        // Only a request the engine ran is "preempted" for the connector; one admitted this step
+        // and put back before it ran is simply matched again when it is next admitted.
+        if matches!(self.sched, Sched::Vllm(_)) && was_announced {
             self.pending_preempted.push(self.reqs[i].id.clone());
         }
         Ok(())

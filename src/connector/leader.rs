@@ -700,8 +700,16 @@ impl<A: SchedulerAdapter> Leader<A> {
             computed_after.push(self.adapter.computed_after(r)?);
         }
         for p in &step.preempted {
-            if !self.slots.contains_key(p) {
-                return Err(unknown_request("build_connector_meta (preempted)", p));
+            match self.slots.get(p) {
+                None => return Err(unknown_request("build_connector_meta (preempted)", p)),
+                Some(s) if s.loads_in_flight > 0 => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidState,
+                        format!("request {p}: preempted while its loads are in flight"),
+                    )
+                    .with("request", p))
+                }
+                Some(_) => {}
             }
         }
         self.iteration += 1;

@@ -161,7 +161,8 @@ impl Event {
             ) => Ok(self.target()),
 
             (Event::Preempt, S::Prefilling | S::Decoding | S::Preempted) => Ok(S::Preempted),
-            (Event::Preempt, S::Onboarding) => Err("a loading request is not running"),
+            // Only once its loads finished (the leader checks): it was running, or admitted.
+            (Event::Preempt, S::Onboarding) => Ok(S::Preempted),
             (Event::Preempt, S::New | S::OnboardStaged) => Err("the request never ran"),
 
             (Event::Finish { .. }, s) if s.is_finishing() => Err("already finished"),
@@ -397,7 +398,7 @@ mod tests {
                 x,
                 Some(S::Prefilling),
                 Some(S::Decoding),
-                x,
+                Some(S::Preempted),
                 Some(S::Finished),
                 Some(S::Finishing),
                 Some(S::Aborted),
@@ -563,11 +564,12 @@ mod tests {
     }
 
     #[test]
-    fn preempt_while_onboarding_is_refused() {
+    fn preempt_after_onboarding_is_allowed() {
+        // The leader refuses it while loads are still in flight; the state machine allows it
+        // once they finished (an engine may admit and preempt a loaded request in one step).
         let mut lc = Lifecycle::with_state(RequestId::from("o"), S::Onboarding);
-        let err = lc.preempt().err();
-        assert_eq!(err.map(|e| e.kind()), Some(ErrorKind::InvalidState));
-        assert_eq!(lc.state(), S::Onboarding);
+        assert!(lc.preempt().is_ok());
+        assert_eq!(lc.state(), S::Preempted);
     }
 
     #[test]

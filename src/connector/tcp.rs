@@ -1088,24 +1088,27 @@ impl TcpWorker {
         let end = started + deadline;
         let mut backoff = Duration::from_millis(10);
         let mut attempts = 0u32;
+        let mut last: Option<String> = None;
         loop {
             let left = end.saturating_duration_since(Instant::now());
-            let last = if left.is_zero() {
-                None
-            } else {
-                attempts += 1;
-                match StdTcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))) {
-                    Ok(stream) => match Self::handshake(stream, addr, rank, &hello_frame, left) {
-                        Ok(w) => {
-                            tracing::info!(leader = %addr, rank, attempts, "kvbm worker connected");
-                            return Ok(Arc::new(w));
-                        }
-                        Err(Attempt::Fail(e)) => return Err(e),
-                        Err(Attempt::Retry(why)) => Some(why),
-                    },
-                    Err(e) => Some(format!("connect: {e}")),
-                }
-            };
+            // Keep the previous failure when no attempt fits before the deadline.
+            if !left.is_zero() {
+                last = {
+                    attempts += 1;
+                    match StdTcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))) {
+                        Ok(stream) => match Self::handshake(stream, addr, rank, &hello_frame, left)
+                        {
+                            Ok(w) => {
+                                tracing::info!(leader = %addr, rank, attempts, "kvbm worker connected");
+                                return Ok(Arc::new(w));
+                            }
+                            Err(Attempt::Fail(e)) => return Err(e),
+                            Err(Attempt::Retry(why)) => Some(why),
+                        },
+                        Err(e) => Some(format!("connect: {e}")),
+                    }
+                };
+            }
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(Error::new(

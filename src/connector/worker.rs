@@ -326,6 +326,9 @@ impl Worker {
                 if op.direction() == Direction::Load {
                     slot.loads += 1;
                     slot.had_load = true;
+                    // A request matched again (after a preemption or a failed load) loads anew
+                    // and is reported loaded anew.
+                    slot.load_reported = false;
                 }
             }
         }

@@ -1,0 +1,216 @@
+//! Python bindings (feature `python`): the extension module `kvbm_connector._kvbm`.
+//!
+//! The Python package (`python/kvbm_connector/`) is the public face: its `trtllm` and `vllm`
+//! modules are the classes the engines load, and they read the engine's objects (requests,
+//! scheduler outputs, tensors) into plain Python values. This module turns those plain values
+//! into calls on the Rust adapters in `frameworks/`. It owns the boundary rules:
+//!
+//! * every error is a `kvbm_connector.KvbmError` carrying the message, the [`ErrorKind`] name
+//!   (`.kind`) and the key/value context (`.context`) ([`error`]);
+//! * every call into the core runs with the GIL released (`Python::detach`), so a blocking
+//!   start-up barrier, a wait for a previous iteration's stores, or a TCP connect never stalls
+//!   other Python threads; and inside `catch_unwind`, so a panic becomes a `KvbmError` of kind
+//!   `internal` and the object that panicked refuses further calls ([`Guarded`]);
+//! * cache tensors are read from any object with `data_ptr()`, `shape`, `dtype` and `device`
+//!   (torch tensors, or numpy-backed stand-ins); CPU memory only, until the CUDA tier exists
+//!   ([`tensor`]).
+//!
+//! [`ErrorKind`]: crate::ErrorKind
+
+mod common;
+mod error;
+mod tensor;
+mod transport;
+mod trtllm;
+mod vllm;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+
+use crate::config::{Config, ENV_VARS};
+use crate::error::{Error, Result};
+
+pub(crate) use error::{to_py_err, KvbmError};
+
+/// A Rust object shared with Python: one call at a time, each with the GIL released and panics
+/// caught. After a panic the object is left unusable (its state may be half-updated).
+pub(crate) struct Guarded<T> {
+    what: &'static str,
+    inner: Mutex<T>,
+    poisoned: AtomicBool,
+}
+
+impl<T: Send> Guarded<T> {
+    pub(crate) fn new(what: &'static str, inner: T) -> Self {
+        Self {
+            what,
+            inner: Mutex::new(inner),
+            poisoned: AtomicBool::new(false),
+        }
+    }
+
+    /// Runs `f` on the object without the GIL; errors and panics become `KvbmError`.
+    pub(crate) fn call<R: Send>(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        f: impl FnOnce(&mut T) -> Result<R> + Send,
+    ) -> PyResult<R> {
+        if self.poisoned.load(Ordering::Acquire) {
+            return Err(to_py_err(
+                py,
+                Error::internal(format!(
+                    "this {} is unusable: an earlier call panicked",
+                    self.what
+                ))
+                .with("op", op),
+            ));
+        }
+        let out = py.detach(|| {
+            catch_unwind(AssertUnwindSafe(|| {
+                let mut guard = self.inner.lock();
+                f(&mut guard)
+            }))
+        });
+        match out {
+            Ok(r) => r.map_err(|e| to_py_err(py, e.with("op", op))),
+            Err(panic) => {
+                self.poisoned.store(true, Ordering::Release);
+                Err(to_py_err(py, panic_error(self.what, op, panic.as_ref())))
+            }
+        }
+    }
+}
+
+/// Runs `f` without the GIL and with panics caught, for calls that need no shared object.
+pub(crate) fn detached<R: Send>(
+    py: Python<'_>,
+    op: &'static str,
+    f: impl FnOnce() -> Result<R> + Send,
+) -> PyResult<R> {
+    match py.detach(|| catch_unwind(AssertUnwindSafe(f))) {
+        Ok(r) => r.map_err(|e| to_py_err(py, e.with("op", op))),
+        Err(panic) => Err(to_py_err(py, panic_error("call", op, panic.as_ref()))),
+    }
+}
+
+fn panic_error(what: &str, op: &str, panic: &(dyn std::any::Any + Send)) -> Error {
+    let text = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_string());
+    Error::internal(format!("panic in {what}.{op}: {text}"))
+}
+
+/// The effective configuration: defaults, then the TOML file, then the environment; the same
+/// `Config::load` the Rust side and the `kvbm` CLI use.
+#[pyclass(module = "kvbm_connector._kvbm", name = "Config", frozen)]
+#[derive(Clone)]
+pub(crate) struct PyConfig {
+    pub(crate) inner: Config,
+}
+
+#[pymethods]
+impl PyConfig {
+    /// `Config.load(path=None)`: the file at `path` (else `$KVBM_CONFIG`, else none), then the
+    /// `DYN_KVBM_*` and `KVBM_*` environment variables.
+    #[staticmethod]
+    #[pyo3(signature = (path=None))]
+    fn load(py: Python<'_>, path: Option<std::path::PathBuf>) -> PyResult<Self> {
+        detached(py, "Config.load", move || {
+            Config::load(path.as_deref()).map(|inner| Self { inner })
+        })
+    }
+
+    /// `Config.from_toml(text)`: the file format alone, without the environment.
+    #[staticmethod]
+    fn from_toml(py: Python<'_>, text: String) -> PyResult<Self> {
+        detached(py, "Config.from_toml", move || {
+            Config::from_toml_str(&text).map(|inner| Self { inner })
+        })
+    }
+
+    /// The built-in defaults, without file or environment.
+    #[staticmethod]
+    fn defaults() -> Self {
+        Self {
+            inner: Config::default(),
+        }
+    }
+
+    /// The configuration as TOML (the file format).
+    fn to_toml(&self, py: Python<'_>) -> PyResult<String> {
+        self.inner.to_toml().map_err(|e| to_py_err(py, e))
+    }
+
+    /// The configuration as JSON text (`json.loads` it for a dict).
+    fn to_json(&self, py: Python<'_>) -> PyResult<String> {
+        serde_json::to_string(&self.inner).map_err(|e| {
+            to_py_err(
+                py,
+                Error::internal(format!("cannot encode the configuration: {e}")),
+            )
+        })
+    }
+
+    /// The start-up barrier's deadline in seconds.
+    #[getter]
+    fn init_timeout_secs(&self) -> f64 {
+        self.inner.init_timeout_secs
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Config({:?})", self.inner)
+    }
+}
+
+/// `(name, toml key, is_dynamo_alias)` for every environment variable the configuration reads,
+/// in the order applied (later wins).
+#[pyfunction]
+fn env_vars() -> Vec<(&'static str, &'static str, bool)> {
+    ENV_VARS
+        .iter()
+        .map(|v| (v.name, v.key, v.dynamo_alias))
+        .collect()
+}
+
+/// Raises a `KvbmError` of the given kind (tests of the error mapping) or panics inside a
+/// guarded call (tests of the panic boundary).
+#[pyfunction]
+#[pyo3(signature = (kind, message, panic=false))]
+fn _raise(py: Python<'_>, kind: &str, message: String, panic: bool) -> PyResult<()> {
+    let kind = error::kind_from_name(kind).ok_or_else(|| {
+        to_py_err(
+            py,
+            Error::invalid_argument(format!("unknown error kind {kind:?}")),
+        )
+    })?;
+    detached(py, "_raise", move || {
+        if panic {
+            panic!("{message}");
+        }
+        Err(Error::new(kind, message).with("test", "yes"))
+    })
+}
+
+/// The extension module.
+#[pymodule]
+#[pyo3(name = "_kvbm")]
+fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KvbmError", py.get_type::<KvbmError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("ERROR_KINDS", error::kind_names())?;
+    m.add_class::<PyConfig>()?;
+    m.add_function(wrap_pyfunction!(env_vars, m)?)?;
+    m.add_function(wrap_pyfunction!(_raise, m)?)?;
+    transport::register(m)?;
+    tensor::register(m)?;
+    trtllm::register(m)?;
+    vllm::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,562 @@
+//! Cache registration from tensor-like Python objects, and the tier over their memory.
+//!
+//! A cache tensor is any object with `data_ptr()` (or numpy's `__array_interface__`), `shape`,
+//! an element size (`element_size()`, or `dtype.itemsize`), and optionally `device` and
+//! `is_contiguous()`: a torch tensor, a numpy array, or a numpy-backed stand-in. Refused: a
+//! device other than the CPU (a CUDA tensor waits for the CUDA tier), a non-contiguous or
+//! read-only tensor, a null pointer, tensors that overlap.
+//!
+//! The engine owns the memory. [`TensorTier`] keeps a reference to every tensor object it reads,
+//! so the memory outlives the tier; the engine keeps writing its blocks (that is its job), and
+//! the connector touches a device block only while the metadata says it may (stores after the
+//! forward pass wrote the block, loads into blocks the engine gave a loading request).
+
+use std::io::{IoSlice, IoSliceMut};
+use std::str::FromStr;
+
+use parking_lot::RwLock;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::error::{bad_value, to_py_err};
+use crate::error::{Error, Result};
+use crate::layout::{detect_trtllm, detect_vllm, KvLayout, Layout, LayoutKind};
+use crate::tier::{check_io, copy_segments, total_len, Capability, StorageTier, TierKind};
+
+/// What the connector reads from one cache tensor.
+#[derive(Debug)]
+pub(crate) struct TensorInfo {
+    /// Which tensor (a layer name, or `kv_cache_tensor`), for error messages.
+    pub name: String,
+    /// Address of the first element.
+    pub ptr: usize,
+    /// `tensor.shape`.
+    pub shape: Vec<usize>,
+    /// Bytes per element.
+    pub itemsize: usize,
+    /// `product(shape) × itemsize`.
+    pub nbytes: usize,
+    /// The tensor object, kept alive while the tier lives.
+    pub owner: Py<PyAny>,
+}
+
+fn invalid(py: Python<'_>, name: &str, message: String) -> PyErr {
+    to_py_err(py, Error::invalid_argument(message).with("tensor", name))
+}
+
+/// The device type of `obj`: `device.type` (torch), else `str(device)` (numpy 2 says `"cpu"`);
+/// `None` without a `device` attribute.
+fn device_type(obj: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    if !obj.hasattr("device")? {
+        return Ok(None);
+    }
+    let device = obj.getattr("device")?;
+    let text = if device.hasattr("type")? {
+        device.getattr("type")?.str()?.to_string()
+    } else {
+        device.str()?.to_string()
+    };
+    Ok(Some(text))
+}
+
+/// Reads one cache tensor; refuses what the connector cannot use, with the reason.
+pub(crate) fn read_tensor(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+) -> PyResult<TensorInfo> {
+    let ty = obj
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default();
+    match device_type(obj).map_err(|e| bad_value(py, &format!("{name}.device"), e))? {
+        None => {}
+        Some(d) if d == "cpu" => {}
+        Some(d) if d.starts_with("cuda") => {
+            return Err(to_py_err(
+                py,
+                Error::unsupported(format!(
+                    "cache tensor {name} is on device {d}: CUDA tensors cannot be registered until the CUDA tier exists; only CPU tensors are supported"
+                ))
+                .with("tensor", name)
+                .with("device", d),
+            ))
+        }
+        Some(d) => {
+            return Err(to_py_err(
+                py,
+                Error::unsupported(format!(
+                    "cache tensor {name} is on device {d}; only CPU tensors are supported"
+                ))
+                .with("tensor", name)
+                .with("device", d),
+            ))
+        }
+    }
+
+    let shape_obj = obj.getattr("shape").map_err(|_| {
+        invalid(
+            py,
+            name,
+            format!("cache tensor {name} ({ty}) has no shape attribute"),
+        )
+    })?;
+    let shape: Vec<usize> = shape_obj
+        .try_iter()
+        .and_then(|it| it.map(|d| d.and_then(|d| d.extract::<usize>())).collect())
+        .map_err(|e| {
+            invalid(
+                py,
+                name,
+                format!(
+                    "cache tensor {name}: shape must be a sequence of non-negative integers ({e})"
+                ),
+            )
+        })?;
+
+    let itemsize: usize = if obj.hasattr("element_size")? {
+        obj.call_method0("element_size")
+            .and_then(|v| v.extract())
+            .map_err(|e| bad_value(py, &format!("{name}.element_size()"), e))?
+    } else if obj.hasattr("dtype")? {
+        obj.getattr("dtype")
+            .and_then(|d| d.getattr("itemsize"))
+            .and_then(|v| v.extract())
+            .map_err(|e| {
+                invalid(
+                    py,
+                    name,
+                    format!("cache tensor {name}: cannot read the element size from dtype.itemsize ({e})"),
+                )
+            })?
+    } else {
+        return Err(invalid(
+            py,
+            name,
+            format!("cache tensor {name} ({ty}) has neither element_size() nor dtype"),
+        ));
+    };
+
+    let array_interface = if obj.hasattr("__array_interface__")? {
+        Some(obj.getattr("__array_interface__")?)
+    } else {
+        None
+    };
+    let ptr: usize = if obj.hasattr("data_ptr")? {
+        obj.call_method0("data_ptr")
+            .and_then(|v| v.extract())
+            .map_err(|e| bad_value(py, &format!("{name}.data_ptr()"), e))?
+    } else if let Some(ai) = &array_interface {
+        ai.get_item("data")
+            .and_then(|d| d.get_item(0))
+            .and_then(|v| v.extract())
+            .map_err(|e| bad_value(py, &format!("{name}.__array_interface__['data']"), e))?
+    } else {
+        return Err(invalid(
+            py,
+            name,
+            format!("cache tensor {name} ({ty}) has neither data_ptr() nor __array_interface__"),
+        ));
+    };
+
+    // Contiguity: the tensor's own answer when it has one, else numpy's strides.
+    let contiguous = if obj.hasattr("is_contiguous")? {
+        obj.call_method0("is_contiguous")
+            .and_then(|v| v.is_truthy())
+            .map_err(|e| bad_value(py, &format!("{name}.is_contiguous()"), e))?
+    } else if let Some(ai) = &array_interface {
+        let strides = ai.get_item("strides")?;
+        if strides.is_none() {
+            true
+        } else {
+            let strides: Vec<isize> = strides
+                .extract()
+                .map_err(|e| bad_value(py, &format!("{name}.__array_interface__['strides']"), e))?;
+            c_strides(&shape, itemsize) == strides
+        }
+    } else {
+        true
+    };
+    if !contiguous {
+        return Err(to_py_err(
+            py,
+            Error::invalid_layout(format!(
+                "cache tensor {name} of shape {shape:?} is not contiguous; register the engine's contiguous cache tensor, not a view of it"
+            ))
+            .with("tensor", name),
+        ));
+    }
+    if let Some(ai) = &array_interface {
+        let readonly = ai
+            .get_item("data")
+            .and_then(|d| d.get_item(1))
+            .and_then(|v| v.is_truthy())
+            .unwrap_or(false);
+        if readonly {
+            return Err(invalid(
+                py,
+                name,
+                format!("cache tensor {name} is read-only; loads write into it"),
+            ));
+        }
+    }
+
+    let nbytes = shape
+        .iter()
+        .try_fold(itemsize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| {
+            to_py_err(
+                py,
+                Error::invalid_layout(format!(
+                    "cache tensor {name}: shape {shape:?} × {itemsize} bytes overflows"
+                ))
+                .with("tensor", name),
+            )
+        })?;
+    if ptr == 0 && nbytes > 0 {
+        return Err(invalid(
+            py,
+            name,
+            format!("cache tensor {name} has a null data pointer"),
+        ));
+    }
+    Ok(TensorInfo {
+        name: name.to_string(),
+        ptr,
+        shape,
+        itemsize,
+        nbytes,
+        owner: obj.clone().unbind(),
+    })
+}
+
+fn c_strides(shape: &[usize], itemsize: usize) -> Vec<isize> {
+    let mut out = vec![0isize; shape.len()];
+    let mut acc = itemsize as isize;
+    for (i, &d) in shape.iter().enumerate().rev() {
+        out[i] = acc;
+        acc = acc.saturating_mul(d as isize);
+    }
+    out
+}
+
+/// The device tier over an engine's cache tensors (CPU memory the engine owns).
+///
+/// Soundness: blocks are reached only under a per-block reader/writer lock, so the connector
+/// never holds a mutable and another slice of one block; distinct blocks never overlap (layout
+/// invariant, and [`TensorTier::from_tensors`] refuses overlapping tensors). The engine writing
+/// its own blocks while the connector reads others is the sharing every engine connector has.
+pub(crate) struct TensorTier {
+    layout: Layout,
+    allocations: Vec<(*mut u8, usize)>,
+    locks: Box<[RwLock<()>]>,
+    /// The tensor objects: keep the memory alive (dropped without the GIL, pyo3 defers the
+    /// reference decrement to the next time it holds it).
+    _owners: Vec<Py<PyAny>>,
+}
+
+// SAFETY: the raw pointers are only dereferenced through `&self` methods that take the block's
+// lock first (shared for reads, exclusive for writes); blocks never overlap. `Py<PyAny>` is
+// Send + Sync.
+unsafe impl Send for TensorTier {}
+// SAFETY: see above.
+unsafe impl Sync for TensorTier {}
+
+impl std::fmt::Debug for TensorTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorTier")
+            .field("layout", &self.layout)
+            .field("tensors", &self.allocations.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TensorTier {
+    /// A device tier with `layout` over `tensors` (one per allocation of the layout, in order).
+    ///
+    /// Checks the tensor count, that each tensor holds exactly `layout.allocation_bytes()` and
+    /// that no two overlap.
+    ///
+    /// # Safety
+    ///
+    /// Each tensor's `ptr` must address `nbytes` bytes of CPU memory, valid for reads and writes
+    /// for as long as its `owner` object lives, and not resized or freed meanwhile (torch and
+    /// numpy guarantee this for their tensors; a stand-in object that reports another address is
+    /// the caller's bug, as with `ctypes`).
+    pub(crate) unsafe fn from_tensors(layout: Layout, tensors: Vec<TensorInfo>) -> Result<Self> {
+        if tensors.len() != layout.num_allocations() {
+            return Err(Error::internal(format!(
+                "{} tensors for a layout of {} allocations",
+                tensors.len(),
+                layout.num_allocations()
+            )));
+        }
+        let want = layout.allocation_bytes();
+        for t in &tensors {
+            if t.nbytes != want {
+                return Err(Error::invalid_layout(format!(
+                    "cache tensor {} holds {} bytes but its layout needs {want}",
+                    t.name, t.nbytes
+                ))
+                .with("tensor", &t.name));
+            }
+        }
+        let mut spans: Vec<(usize, usize, &str)> = tensors
+            .iter()
+            .map(|t| (t.ptr, t.nbytes, t.name.as_str()))
+            .collect();
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(Error::invalid_layout(format!(
+                    "cache tensors {} and {} share memory; each layer needs its own tensor",
+                    w[0].2, w[1].2
+                )));
+            }
+        }
+        let locks = (0..layout.num_blocks()).map(|_| RwLock::new(())).collect();
+        let allocations = tensors
+            .iter()
+            .map(|t| (t.ptr as *mut u8, t.nbytes))
+            .collect();
+        Ok(Self {
+            layout,
+            allocations,
+            locks,
+            _owners: tensors.into_iter().map(|t| t.owner).collect(),
+        })
+    }
+
+    fn runs(&self, block: usize) -> Result<Vec<(*mut u8, usize)>> {
+        let mut out = Vec::with_capacity(self.layout.dims().regions_per_block());
+        for r in self.layout.regions(block)? {
+            let (base, len) = *self
+                .allocations
+                .get(r.allocation)
+                .ok_or_else(|| Error::internal("region names a missing allocation"))?;
+            if r.offset + r.len > len {
+                return Err(Error::internal("region outside its tensor"));
+            }
+            // SAFETY: offset + len <= the tensor's size (checked above and a layout invariant).
+            out.push((unsafe { base.add(r.offset) }, r.len));
+        }
+        Ok(out)
+    }
+
+    fn lock(&self, op: &'static str, block: usize) -> Result<&RwLock<()>> {
+        self.locks.get(block).ok_or_else(|| {
+            Error::out_of_range("block", block, self.locks.len())
+                .with("tier", TierKind::Device)
+                .with("op", op)
+        })
+    }
+}
+
+impl StorageTier for TensorTier {
+    fn kind(&self) -> TierKind {
+        TierKind::Device
+    }
+
+    fn capability(&self) -> Capability {
+        Capability {
+            host_addressable: true,
+            direct_io_alignment: 1,
+            checksummed: false,
+            max_in_flight: 64,
+        }
+    }
+
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
+        check_io(
+            TierKind::Device,
+            "read_block",
+            block,
+            self.num_blocks(),
+            total_len(dst),
+            self.bytes_per_block(),
+        )?;
+        self.with_block(block, &mut |src| {
+            copy_segments(src, dst);
+            Ok(())
+        })
+    }
+
+    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
+        check_io(
+            TierKind::Device,
+            "write_block",
+            block,
+            self.num_blocks(),
+            total_len(src),
+            self.bytes_per_block(),
+        )?;
+        self.with_block_mut(block, &mut |dst| {
+            copy_segments(src, dst);
+            Ok(())
+        })
+    }
+
+    fn with_block(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&[IoSlice<'_>]) -> Result<()>,
+    ) -> Result<()> {
+        let _guard = self.lock("with_block", block)?.read();
+        let runs = self.runs(block)?;
+        let slices: Vec<IoSlice<'_>> = runs
+            .iter()
+            // SAFETY: the run lies inside a live tensor (see `runs`, `from_tensors`) and the
+            // shared lock keeps the connector's writers of this block out while the slices live.
+            .map(|&(p, len)| IoSlice::new(unsafe { std::slice::from_raw_parts(p, len) }))
+            .collect();
+        f(&slices)
+    }
+
+    fn with_block_mut(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> Result<()>,
+    ) -> Result<()> {
+        let _guard = self.lock("with_block_mut", block)?.write();
+        let runs = self.runs(block)?;
+        let mut slices: Vec<IoSliceMut<'_>> = runs
+            .iter()
+            // SAFETY: as in `with_block`; the exclusive lock makes these the connector's only
+            // slices of this block, and runs of one block never overlap each other.
+            .map(|&(p, len)| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p, len) }))
+            .collect();
+        f(&mut slices)
+    }
+}
+
+/// Parses a layout override name (`fully_contiguous`, `layer_separate_block_major`,
+/// `layer_separate_outer_major`).
+pub(crate) fn parse_layout_kind(
+    py: Python<'_>,
+    name: Option<&str>,
+) -> PyResult<Option<LayoutKind>> {
+    name.map(|n| {
+        LayoutKind::from_str(n).map_err(|_| {
+            to_py_err(
+                py,
+                Error::invalid_argument(format!(
+                    "unknown layout {n:?}: expected fully_contiguous, layer_separate_block_major or layer_separate_outer_major"
+                ))
+                .with("argument", "layout"),
+            )
+        })
+    })
+    .transpose()
+}
+
+/// The layout as a dict (`kind`, `num_blocks`, `bytes_per_block`, and the dims).
+pub(crate) fn layout_dict<'py>(py: Python<'py>, layout: &Layout) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let dims = layout.dims();
+    d.set_item("kind", layout.kind().to_string())?;
+    d.set_item("num_blocks", layout.num_blocks())?;
+    d.set_item("num_layers", dims.num_layers)?;
+    d.set_item("outer_dim", dims.outer_dim)?;
+    d.set_item("page_size", dims.page_size)?;
+    d.set_item("inner_dim", dims.inner_dim)?;
+    d.set_item("dtype_bytes", dims.dtype_bytes)?;
+    d.set_item("bytes_per_block", layout.bytes_per_block())?;
+    Ok(d)
+}
+
+/// `detect_trtllm_layout(tensor, tokens_per_block)`: the layout TensorRT-LLM's one cache tensor
+/// describes, as a dict; raises `KvbmError` for a tensor the worker would refuse.
+#[pyfunction]
+fn detect_trtllm_layout<'py>(
+    py: Python<'py>,
+    tensor: &Bound<'py, PyAny>,
+    tokens_per_block: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let t = read_tensor(py, tensor, "kv_cache_tensor")?;
+    let layout = detect_trtllm(&t.shape, t.itemsize, tokens_per_block, None)
+        .map_err(|e| to_py_err(py, e.with("tensor", "kv_cache_tensor")))?;
+    layout_dict(py, &layout)
+}
+
+/// `detect_vllm_layout(kv_caches, block_size, num_blocks=None, layout=None)`: the layout vLLM's
+/// per-layer tensors (a dict layer name → tensor) describe, as a dict.
+#[pyfunction]
+#[pyo3(signature = (kv_caches, block_size, num_blocks=None, layout=None))]
+fn detect_vllm_layout<'py>(
+    py: Python<'py>,
+    kv_caches: &Bound<'py, PyAny>,
+    block_size: usize,
+    num_blocks: Option<usize>,
+    layout: Option<&str>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let tensors = read_layer_tensors(py, kv_caches)?;
+    let l = vllm_layout(
+        py,
+        &tensors,
+        block_size,
+        num_blocks,
+        parse_layout_kind(py, layout)?,
+    )?;
+    layout_dict(py, &l)
+}
+
+/// Reads vLLM's `kv_caches` (a dict, or a sequence of `(name, tensor)` pairs) in order.
+pub(crate) fn read_layer_tensors(
+    py: Python<'_>,
+    kv_caches: &Bound<'_, PyAny>,
+) -> PyResult<Vec<TensorInfo>> {
+    let items: Vec<(String, Bound<'_, PyAny>)> = if let Ok(d) = kv_caches.cast::<PyDict>() {
+        d.iter()
+            .map(|(k, v)| Ok((k.str()?.to_string(), v)))
+            .collect::<PyResult<_>>()?
+    } else {
+        kv_caches
+            .try_iter()
+            .and_then(|it| it.map(|p| p.and_then(|p| p.extract())).collect())
+            .map_err(|e| bad_value(py, "kv_caches (a dict of layer name -> tensor)", e))?
+    };
+    if items.is_empty() {
+        return Err(to_py_err(
+            py,
+            Error::invalid_layout("no per-layer cache tensors registered"),
+        ));
+    }
+    items
+        .iter()
+        .map(|(name, t)| read_tensor(py, t, name))
+        .collect()
+}
+
+/// The layer-separate layout vLLM's tensors describe; every layer must share one element size.
+pub(crate) fn vllm_layout(
+    py: Python<'_>,
+    tensors: &[TensorInfo],
+    block_size: usize,
+    num_blocks: Option<usize>,
+    layout: Option<LayoutKind>,
+) -> PyResult<Layout> {
+    let itemsize = tensors.first().map_or(0, |t| t.itemsize);
+    if let Some(t) = tensors.iter().find(|t| t.itemsize != itemsize) {
+        return Err(to_py_err(
+            py,
+            Error::invalid_layout(format!(
+                "layer {} has {}-byte elements but layer {} has {itemsize}-byte elements",
+                t.name, t.itemsize, tensors[0].name
+            ))
+            .with("tensor", &t.name),
+        ));
+    }
+    let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape.clone()).collect();
+    detect_vllm(&shapes, itemsize, block_size, num_blocks, layout).map_err(|e| to_py_err(py, e))
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(detect_trtllm_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(detect_vllm_layout, m)?)?;
+    Ok(())
+}

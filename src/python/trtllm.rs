@@ -1,0 +1,335 @@
+//! `TrtllmScheduler` and `TrtllmWorker`: [`crate::frameworks::trtllm`] over plain Python values.
+//! `kvbm_connector.trtllm` reads TensorRT-LLM's objects into these calls.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use super::tensor::{read_tensor, TensorTier};
+use super::transport::{PyLeaderTransport, PyWorkerTransport};
+use super::{common, detached, to_py_err, Guarded, PyConfig};
+use crate::connector::barrier::InitMode;
+use crate::frameworks::trtllm::{
+    LlmRequest, RequestData, SchedulerOutput, TrtllmScheduler, TrtllmWorker,
+};
+use crate::layout::{detect_trtllm, LayoutKind};
+
+fn mode(blocking: bool) -> InitMode {
+    if blocking {
+        InitMode::Blocking
+    } else {
+        InitMode::NonBlocking
+    }
+}
+
+/// `(request_id, new_tokens, new_block_ids, computed_position)`: TensorRT-LLM's `RequestData`.
+type RequestTuple = (u64, Vec<u32>, Vec<usize>, usize);
+
+fn request_data(v: Vec<RequestTuple>) -> Vec<RequestData> {
+    v.into_iter()
+        .map(
+            |(request_id, new_tokens, new_block_ids, computed_position)| RequestData {
+                request_id,
+                new_tokens,
+                new_block_ids,
+                computed_position,
+            },
+        )
+        .collect()
+}
+
+/// The scheduler side (`KvCacheConnectorScheduler`), on rank 0. Its start-up barrier runs in
+/// the background unless `blocking`.
+#[pyclass(module = "kvbm_connector._kvbm", name = "TrtllmScheduler", frozen)]
+pub(crate) struct PyTrtllmScheduler {
+    inner: Guarded<TrtllmScheduler>,
+}
+
+#[pymethods]
+impl PyTrtllmScheduler {
+    #[new]
+    #[pyo3(signature = (config, tokens_per_block, transport, blocking=false))]
+    fn new(
+        py: Python<'_>,
+        config: &PyConfig,
+        tokens_per_block: usize,
+        transport: &PyLeaderTransport,
+        blocking: bool,
+    ) -> PyResult<Self> {
+        let (config, transport) = (config.inner.clone(), transport.inner.clone());
+        let s = detached(py, "TrtllmScheduler", move || {
+            TrtllmScheduler::with_mode(config, tokens_per_block, transport, mode(blocking))
+        })?;
+        Ok(Self {
+            inner: Guarded::new("TrtllmScheduler", s),
+        })
+    }
+
+    /// `(num_external_tokens, load_async)` for the request's tokens beyond `num_computed_tokens`.
+    #[pyo3(signature = (request_id, tokens, num_computed_tokens, cache_salt=None, lora_name=None))]
+    fn get_num_new_matched_tokens(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        tokens: Vec<u32>,
+        num_computed_tokens: usize,
+        cache_salt: Option<String>,
+        lora_name: Option<String>,
+    ) -> PyResult<(usize, bool)> {
+        self.inner.call(py, "get_num_new_matched_tokens", move |s| {
+            s.get_num_new_matched_tokens(
+                &LlmRequest {
+                    request_id,
+                    tokens: &tokens,
+                    cache_salt: cache_salt.as_deref(),
+                    lora_name: lora_name.as_deref(),
+                },
+                num_computed_tokens,
+            )
+        })
+    }
+
+    /// The engine allocated `block_ids` (the request's whole block list) for the request.
+    fn update_state_after_alloc(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        block_ids: Vec<usize>,
+    ) -> PyResult<()> {
+        self.inner.call(py, "update_state_after_alloc", move |s| {
+            s.update_state_after_alloc(
+                &LlmRequest {
+                    request_id,
+                    tokens: &[],
+                    cache_salt: None,
+                    lora_name: None,
+                },
+                &block_ids,
+            )
+        })
+    }
+
+    /// The metadata bytes of this iteration; each request is
+    /// `(request_id, new_tokens, new_block_ids, computed_position)`.
+    fn build_connector_meta<'py>(
+        &self,
+        py: Python<'py>,
+        new_requests: Vec<RequestTuple>,
+        cached_requests: Vec<RequestTuple>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let output = SchedulerOutput {
+            new_requests: request_data(new_requests),
+            cached_requests: request_data(cached_requests),
+        };
+        let bytes = self.inner.call(py, "build_connector_meta", move |s| {
+            s.build_connector_meta(&output)
+        })?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// True while operations on the request's device blocks are in flight.
+    fn request_finished(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        tokens: Vec<u32>,
+        cache_block_ids: Vec<usize>,
+    ) -> PyResult<bool> {
+        self.inner.call(py, "request_finished", move |s| {
+            s.request_finished(
+                &LlmRequest {
+                    request_id,
+                    tokens: &tokens,
+                    cache_salt: None,
+                    lora_name: None,
+                },
+                &cache_block_ids,
+            )
+        })
+    }
+
+    /// True once the start-up barrier completed; raises its error if it failed.
+    fn is_ready(&self, py: Python<'_>) -> PyResult<bool> {
+        self.inner
+            .call(py, "is_ready", |s| common::leader_ready(s.leader_mut()))
+    }
+
+    /// Waits (GIL released) until the barrier completed; raises on failure or at the deadline.
+    fn wait_ready(&self, py: Python<'_>, timeout_secs: f64) -> PyResult<()> {
+        self.inner.call(py, "wait_ready", move |s| {
+            common::wait_until(timeout_secs, "the scheduler's start-up barrier", || {
+                common::leader_ready(s.leader_mut())
+            })
+        })
+    }
+
+    /// Applies operation completions that arrived.
+    fn process_completions(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.call(py, "process_completions", |s| {
+            s.leader_mut().process_completions();
+            Ok(())
+        })
+    }
+
+    /// True while operations are in flight or queued.
+    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
+        self.inner.call(py, "has_pending_work", |s| {
+            Ok(s.leader().has_pending_work())
+        })
+    }
+
+    /// The counters as JSON text.
+    fn metrics_json(&self, py: Python<'_>) -> PyResult<String> {
+        self.inner.call(py, "metrics_json", |s| {
+            common::metrics_json(s.leader().metrics())
+        })
+    }
+
+    /// The counters in Prometheus text format.
+    fn metrics_prometheus(&self, py: Python<'_>) -> PyResult<String> {
+        self.inner.call(py, "metrics_prometheus", |s| {
+            Ok(s.leader().metrics().render_prometheus())
+        })
+    }
+}
+
+/// The worker side (`KvCacheConnectorWorker`), one per rank. Its barrier runs inside
+/// `register_kv_caches` (blocking) unless `blocking` is false.
+#[pyclass(module = "kvbm_connector._kvbm", name = "TrtllmWorker", frozen)]
+pub(crate) struct PyTrtllmWorker {
+    inner: Guarded<TrtllmWorker>,
+    tokens_per_block: usize,
+}
+
+#[pymethods]
+impl PyTrtllmWorker {
+    #[new]
+    #[pyo3(signature = (config, tokens_per_block, world_size, transport, blocking=true))]
+    fn new(
+        py: Python<'_>,
+        config: &PyConfig,
+        tokens_per_block: usize,
+        world_size: usize,
+        transport: &PyWorkerTransport,
+        blocking: bool,
+    ) -> PyResult<Self> {
+        let (config, transport) = (config.inner.clone(), transport.inner.clone());
+        let w = detached(py, "TrtllmWorker", move || {
+            TrtllmWorker::with_mode(
+                config,
+                tokens_per_block,
+                world_size,
+                transport,
+                mode(blocking),
+            )
+        })?;
+        Ok(Self {
+            inner: Guarded::new("TrtllmWorker", w),
+            tokens_per_block,
+        })
+    }
+
+    /// Registers the one fully contiguous cache tensor `[num_blocks, num_layers, kv_factor, ...]`
+    /// (CPU memory; the tensor object is kept alive) and runs the start-up barrier.
+    fn register_kv_caches(
+        &self,
+        py: Python<'_>,
+        kv_cache_tensor: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let t = read_tensor(py, kv_cache_tensor, "kv_cache_tensor")?;
+        let (shape, itemsize) = (t.shape.clone(), t.itemsize);
+        let layout = detect_trtllm(
+            &shape,
+            itemsize,
+            self.tokens_per_block,
+            Some(LayoutKind::FullyContiguous),
+        )
+        .map_err(|e| to_py_err(py, e.with("tensor", "kv_cache_tensor")))?;
+        // SAFETY: `read_tensor` took the address and size from the tensor object, which the tier
+        // keeps alive; see `TensorTier::from_tensors`.
+        let tier =
+            unsafe { TensorTier::from_tensors(layout, vec![t]) }.map_err(|e| to_py_err(py, e))?;
+        self.inner.call(py, "register_kv_caches", move |w| {
+            w.register_kv_caches(&shape, itemsize, Arc::new(tier))
+        })
+    }
+
+    /// Takes this iteration's metadata bytes.
+    fn bind_connector_meta(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<()> {
+        let metadata = metadata.to_vec();
+        self.inner.call(py, "bind_connector_meta", move |w| {
+            w.bind_connector_meta(&metadata)
+        })
+    }
+
+    /// Submits this iteration's loads.
+    fn start_load_kv(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.call(py, "start_load_kv", |w| w.start_load_kv())
+    }
+
+    /// Checks the layer index (loads finish before the engine schedules their request).
+    fn wait_for_layer_load(&self, py: Python<'_>, layer_idx: usize) -> PyResult<()> {
+        self.inner.call(py, "wait_for_layer_load", move |w| {
+            w.wait_for_layer_load(layer_idx)
+        })
+    }
+
+    /// Starts the stores after the last layer.
+    fn save_kv_layer(&self, py: Python<'_>, layer_idx: usize) -> PyResult<()> {
+        self.inner
+            .call(py, "save_kv_layer", move |w| w.save_kv_layer(layer_idx))
+    }
+
+    /// Starts the stores if the last layer did not.
+    fn wait_for_save(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.call(py, "wait_for_save", |w| w.wait_for_save())
+    }
+
+    /// `(finished_saving, finished_loading)` request ids.
+    fn get_finished(
+        &self,
+        py: Python<'_>,
+        finished_gen_req_ids: Vec<u64>,
+        started_loading_req_ids: Vec<u64>,
+    ) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        self.inner.call(py, "get_finished", move |w| {
+            Ok(w.get_finished(&finished_gen_req_ids, &started_loading_req_ids))
+        })
+    }
+
+    /// Device blocks whose load failed since the last call.
+    fn get_block_ids_with_load_errors(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        self.inner.call(py, "get_block_ids_with_load_errors", |w| {
+            Ok(w.get_block_ids_with_load_errors())
+        })
+    }
+
+    /// True once the barrier completed; raises its error if it failed.
+    fn is_ready(&self, py: Python<'_>) -> PyResult<bool> {
+        self.inner
+            .call(py, "is_ready", |w| common::worker_ready(w.worker()))
+    }
+
+    /// Waits (GIL released) until the barrier completed; raises on failure or at the deadline.
+    fn wait_ready(&self, py: Python<'_>, timeout_secs: f64) -> PyResult<()> {
+        self.inner.call(py, "wait_ready", move |w| {
+            common::wait_until(timeout_secs, "the worker's start-up barrier", || {
+                common::worker_ready(w.worker())
+            })
+        })
+    }
+
+    /// Waits (GIL released) until every submitted operation completed.
+    fn wait_idle(&self, py: Python<'_>, timeout_secs: f64) -> PyResult<()> {
+        self.inner.call(py, "wait_idle", move |w| {
+            w.worker().wait_idle(common::secs(timeout_secs)?)
+        })
+    }
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyTrtllmScheduler>()?;
+    m.add_class::<PyTrtllmWorker>()?;
+    Ok(())
+}
