@@ -873,6 +873,11 @@ fn registry() -> &'static Registry {
     REGISTRY.get_or_init(Default::default)
 }
 
+/// The GPU of `tier` when it is a [`CudaDeviceTier`] (behind any `&dyn StorageTier`).
+pub fn device_of(tier: &dyn StorageTier) -> Option<Arc<CudaDevice>> {
+    lookup(tier).map(|t| t.device().clone())
+}
+
 fn lookup(tier: &dyn StorageTier) -> Option<Arc<CudaDeviceTier>> {
     if tier.kind() != TierKind::Device || tier.capability().host_addressable {
         return None;

@@ -1039,6 +1039,7 @@ fn replay_with_nixl_disk_passes_integrity() {
             progress: false,
             tp: 1,
             kill: None,
+            device: Default::default(),
         };
         let report = replay(opts, &workload).unwrap();
         let s = &report.summary;

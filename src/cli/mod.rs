@@ -124,6 +124,10 @@ pub struct ReplayArgs {
     /// Device (G1) blocks of the simulated engine.
     #[arg(long, default_value_t = 320)]
     pub device_blocks: usize,
+    /// What backs the device cache: host memory laid out like the engine's (default), or real
+    /// GPU memory (`cuda`, needs the `cuda` feature and a GPU; the host tier is then pinned).
+    #[arg(long, value_enum, default_value_t = rank::DeviceKind::Memory)]
+    pub device: rank::DeviceKind,
     /// Host (G2) blocks (overrides the configuration).
     #[arg(long)]
     pub host_blocks: Option<usize>,
@@ -267,6 +271,7 @@ fn replay(a: &ReplayArgs) -> Result<ExitCode> {
         progress: !a.quiet && std::io::stderr().is_terminal(),
         tp: a.tp,
         kill: a.kill_rank,
+        device: a.device,
     };
     let report = if a.tp > 1 || a.external_workers {
         let leader_addr = match a.leader_addr {

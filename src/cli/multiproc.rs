@@ -21,7 +21,9 @@ use crate::connector::tcp::{auth_token_from_env, TcpLeader, TcpWorker};
 use crate::error::{Error, ErrorKind, Result};
 use crate::frameworks::{trtllm, vllm};
 
-use super::rank::{read_frame, serve, write_frame, RankDriver, RankExecutor, RemoteRank, Shard};
+use super::rank::{
+    read_frame, serve, write_frame, DeviceKind, RankDriver, RankExecutor, RemoteRank, Shard,
+};
 use super::sim::{Engine, Framework, Report, SimOptions};
 use super::workload::TraceRequest;
 use super::ModelArgs;
@@ -50,6 +52,9 @@ pub struct WorkerArgs {
     /// Device blocks.
     #[arg(long, default_value_t = 320)]
     pub device_blocks: usize,
+    /// What backs the device cache.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Memory)]
+    pub device: DeviceKind,
     /// Configuration file (TOML); the environment still overrides it.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -96,6 +101,7 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
     )?;
     let exec = RankExecutor::new(
         a.framework,
+        a.device,
         config,
         Shard { rank: a.rank, dims },
         a.device_blocks,
@@ -197,6 +203,7 @@ pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> R
                 .args(["--head-dim", &m.head_dim.to_string()])
                 .args(["--dtype-bytes", &m.dtype_bytes.to_string()])
                 .args(["--device-blocks", &opts.device_blocks.to_string()])
+                .args(["--device", &opts.device.to_string()])
                 .arg("--config")
                 .arg(&config_path)
                 .stdin(Stdio::null())

@@ -179,6 +179,63 @@ fn write_canonical(segs: &mut [IoSliceMut<'_>], mut at: usize, mut bytes: &[u8])
     }
 }
 
+/// What backs the simulated engine's device cache.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    strum::Display,
+    clap::ValueEnum,
+    Serialize,
+    Deserialize,
+)]
+#[strum(serialize_all = "lowercase")]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// Host memory laid out like the engine's cache (no GPU needed).
+    #[default]
+    Memory,
+    /// Real GPU memory on GPU 0 (feature `cuda`); the host tier is then pinned.
+    Cuda,
+}
+
+/// Keeps GPU allocations alive for as long as the rank runs.
+#[cfg(feature = "cuda")]
+type GpuBuffers = Vec<crate::backends::cuda::DeviceBuffer>;
+#[cfg(not(feature = "cuda"))]
+type GpuBuffers = ();
+
+/// The device tier of one rank, in `layout`.
+fn device_tier(kind: DeviceKind, layout: Layout) -> Result<(Arc<dyn StorageTier>, GpuBuffers)> {
+    match kind {
+        DeviceKind::Memory => Ok((
+            Arc::new(MemoryTier::new(TierKind::Device, layout)?),
+            GpuBuffers::default(),
+        )),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => {
+            use crate::backends::cuda::{CudaDevice, CudaDeviceTier};
+            use crate::layout::KvLayout;
+            let dev = CudaDevice::open(0)?;
+            let buffers = (0..layout.num_allocations())
+                .map(|_| dev.alloc(layout.allocation_bytes()))
+                .collect::<Result<Vec<_>>>()?;
+            let ptrs: Vec<u64> = buffers.iter().map(|b| b.ptr()).collect();
+            // SAFETY: the buffers are the executor's (its last field, dropped after the worker
+            // and the tier) and nothing else uses them.
+            let tier = unsafe { CudaDeviceTier::register(dev, layout, &ptrs)? };
+            Ok((tier, buffers))
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => Err(Error::unsupported(
+            "--device cuda needs kvbm built with the `cuda` feature",
+        )),
+    }
+}
+
 enum FrameworkWorker {
     Trt(Box<trtllm::TrtllmWorker>),
     Vllm(Box<vllm::VllmWorker>),
@@ -191,6 +248,8 @@ pub struct RankExecutor {
     worker: FrameworkWorker,
     layer_names: Vec<String>,
     scratch: Vec<u8>,
+    /// Declared last: dropped after the worker and the device tier that use it.
+    _gpu: GpuBuffers,
 }
 
 /// Name of layer `l` in the simulated vLLM model.
@@ -202,8 +261,10 @@ impl RankExecutor {
     /// Creates the rank's device tier (its shard, laid out as `framework` lays out its cache),
     /// builds the framework's worker over `transport` and registers the cache (TensorRT-LLM:
     /// blocking; vLLM: non-blocking — the barrier then completes in the background).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         framework: Framework,
+        device_kind: DeviceKind,
         config: Config,
         shard: Shard,
         num_blocks: usize,
@@ -213,12 +274,13 @@ impl RankExecutor {
         let d = shard.dims;
         let heads_dim = d.inner_dim;
         let layer_names: Vec<String> = (0..d.num_layers).map(layer_name).collect();
-        let (device, worker): (Arc<dyn StorageTier>, FrameworkWorker) = match framework {
+        let layout = match framework {
+            Framework::Trtllm => Layout::fully_contiguous(d, num_blocks)?,
+            Framework::Vllm => Layout::layer_separate(d, num_blocks, BlockOrder::OuterMajor)?,
+        };
+        let (device, gpu) = device_tier(device_kind, layout)?;
+        let worker = match framework {
             Framework::Trtllm => {
-                let device: Arc<dyn StorageTier> = Arc::new(MemoryTier::new(
-                    TierKind::Device,
-                    Layout::fully_contiguous(d, num_blocks)?,
-                )?);
                 let mut w = trtllm::TrtllmWorker::with_mode(
                     config,
                     d.page_size,
@@ -231,13 +293,9 @@ impl RankExecutor {
                     d.dtype_bytes,
                     device.clone(),
                 )?;
-                (device, FrameworkWorker::Trt(Box::new(w)))
+                FrameworkWorker::Trt(Box::new(w))
             }
             Framework::Vllm => {
-                let device: Arc<dyn StorageTier> = Arc::new(MemoryTier::new(
-                    TierKind::Device,
-                    Layout::layer_separate(d, num_blocks, BlockOrder::OuterMajor)?,
-                )?);
                 let mut w = vllm::VllmWorker::with_mode(
                     config,
                     d.page_size,
@@ -256,7 +314,7 @@ impl RankExecutor {
                     None,
                     device.clone(),
                 )?;
-                (device, FrameworkWorker::Vllm(Box::new(w)))
+                FrameworkWorker::Vllm(Box::new(w))
             }
         };
         Ok(Self {
@@ -265,6 +323,7 @@ impl RankExecutor {
             device,
             worker,
             layer_names,
+            _gpu: gpu,
         })
     }
 

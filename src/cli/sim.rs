@@ -98,6 +98,8 @@ pub struct SimOptions {
     pub tp: usize,
     /// Fault injection: kill this rank's process at this step (multi-process runs).
     pub kill: Option<(usize, u64)>,
+    /// What backs the device cache (host memory, or a real GPU with feature `cuda`).
+    pub device: super::rank::DeviceKind,
 }
 
 /// Per-request outcome.
@@ -592,12 +594,28 @@ impl Engine {
                     opts.block_size,
                     lt,
                 )?));
-                let exec = RankExecutor::new(opts.framework, opts.config.clone(), shard, n, 1, wt)?;
+                let exec = RankExecutor::new(
+                    opts.framework,
+                    opts.device,
+                    opts.config.clone(),
+                    shard,
+                    n,
+                    1,
+                    wt,
+                )?;
                 (sched, exec)
             }
             Framework::Vllm => {
                 // vLLM: the worker registers non-blocking, then the scheduler starts blocking.
-                let exec = RankExecutor::new(opts.framework, opts.config.clone(), shard, n, 1, wt)?;
+                let exec = RankExecutor::new(
+                    opts.framework,
+                    opts.device,
+                    opts.config.clone(),
+                    shard,
+                    n,
+                    1,
+                    wt,
+                )?;
                 let sched = Sched::Vllm(Box::new(vllm::VllmScheduler::new(
                     opts.config.clone(),
                     opts.block_size,

@@ -693,6 +693,19 @@ fn nixl_disk(
     ))
 }
 
+/// The host (G2) tier: pinned memory on the device tier's GPU when the device tier is a CUDA
+/// tier (so device ↔ host copies are DMA), plain aligned memory otherwise.
+fn host_tier(device: &dyn StorageTier, layout: Layout) -> Result<Arc<dyn StorageTier>> {
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = crate::backends::cuda::device_of(device) {
+        return Ok(Arc::new(crate::backends::cuda::PinnedHostTier::host(
+            &gpu, layout,
+        )?));
+    }
+    let _ = device;
+    Ok(Arc::new(MemoryTier::host(layout)?))
+}
+
 fn allocate_tiers(
     config: &Config,
     device: Arc<dyn StorageTier>,
@@ -700,10 +713,8 @@ fn allocate_tiers(
 ) -> Result<WorkerTiers> {
     let dims = *device.layout().dims();
     let host: Option<Arc<dyn StorageTier>> = if counts.num_host_blocks > 0 {
-        Some(Arc::new(MemoryTier::host(Layout::fully_contiguous(
-            dims,
-            counts.num_host_blocks,
-        )?)?))
+        let layout = Layout::fully_contiguous(dims, counts.num_host_blocks)?;
+        Some(host_tier(device.as_ref(), layout)?)
     } else {
         None
     };
