@@ -11,8 +11,8 @@
 #      (contiguous D2H and H2D: target ratio >= 0.9), layer-separate gather and scatter, scattered
 #      blocks, and the transfer engine with its default batches.
 #
-# `kvbm replay` has no `--device cuda` (its ranks build their device tier from host memory in
-# src/cli/rank.rs); the connector test in step 2 is the GPU integrity check instead.
+#   4. `kvbm replay --device cuda` for both engines: the replay's device cache in GPU memory, a
+#      pinned host tier, every onboarded block verified (integrity errors must be 0).
 #
 # Usage:
 #   scripts/gpu-check.sh               build here (needs the crates: network or a warm cargo
@@ -73,10 +73,15 @@ run() {
   # The probe's line (driver, GPUs) is printed past the capture; failures show their output.
   KVBM_REQUIRE_GPU=1 KVBM_CUDA_DEVICE="$gpu" timeout 180 "$stage/cuda-tests" --test-threads 4
 
-  step "replay with a GPU device tier"
-  echo "not available: kvbm replay has no --device cuda (src/cli/rank.rs allocates its device"
-  echo "tier in host memory). Integrity on the GPU is covered by the connector test above:"
-  echo "gpu_connector_offloads_and_onboards_through_the_gpu_tier (every onboarded block verified)."
+  step "replay with a GPU device tier (both engines; integrity errors must be 0)"
+  local rdir
+  rdir=$(mktemp -d)
+  for fw in trtllm vllm; do
+    # exit 1 on any integrity error, 2 on any other failure
+    KVBM_DISK_CACHE_DIR="$rdir" timeout 120 "$stage/kvbm" replay --device cuda --framework "$fw" \
+      --report "$rdir/replay-$fw.json"
+  done
+  rm -rf "$rdir"
 
   step "kvbm bench --cuda (device <-> pinned host vs one plain cuMemcpy of the same bytes)"
   local tmp json
