@@ -197,6 +197,36 @@ fn _raise(py: Python<'_>, kind: &str, message: String, panic: bool) -> PyResult<
     })
 }
 
+/// A guarded object for tests of the panic boundary: `panic()` panics inside a guarded call,
+/// after which every call (`ok()` included) raises.
+#[pyclass(module = "kvbm_connector._kvbm", name = "_PanicProbe", frozen)]
+struct PanicProbe {
+    inner: Guarded<u32>,
+}
+
+#[pymethods]
+impl PanicProbe {
+    #[new]
+    fn new() -> Self {
+        Self {
+            inner: Guarded::new("_PanicProbe", 0),
+        }
+    }
+
+    fn ok(&self, py: Python<'_>) -> PyResult<u32> {
+        self.inner.call(py, "ok", |n| {
+            *n += 1;
+            Ok(*n)
+        })
+    }
+
+    fn panic(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.call(py, "panic", |_| -> Result<()> {
+            panic!("probe panicked");
+        })
+    }
+}
+
 /// The extension module.
 #[pymodule]
 #[pyo3(name = "_kvbm")]
@@ -208,6 +238,7 @@ fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyConfig>()?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
     m.add_function(wrap_pyfunction!(_raise, m)?)?;
+    m.add_class::<PanicProbe>()?;
     transport::register(m)?;
     tensor::register(m)?;
     trtllm::register(m)?;

@@ -3,7 +3,7 @@
 //! A cache tensor is any object with `data_ptr()` (or numpy's `__array_interface__`), `shape`,
 //! an element size (`element_size()`, or `dtype.itemsize`), and optionally `device` and
 //! `is_contiguous()`: a torch tensor, a numpy array, or a numpy-backed stand-in. Refused: a
-//! device other than the CPU (a CUDA tensor waits for the CUDA tier), a non-contiguous or
+//! device other than the CPU (CUDA tensors wait for the CUDA tier to be wired in), a non-contiguous or
 //! read-only tensor, a null pointer, tensors that overlap.
 //!
 //! The engine owns the memory. [`TensorTier`] keeps a reference to every tensor object it reads,
@@ -77,7 +77,7 @@ pub(crate) fn read_tensor(
             return Err(to_py_err(
                 py,
                 Error::unsupported(format!(
-                    "cache tensor {name} is on device {d}: CUDA tensors cannot be registered until the CUDA tier exists; only CPU tensors are supported"
+                    "cache tensor {name} is on device {d}: the Python bindings do not register CUDA tensors yet (the CUDA tier is not wired into them); only CPU tensors are supported"
                 ))
                 .with("tensor", name)
                 .with("device", d),

@@ -180,6 +180,20 @@ impl PyVllmScheduler {
         })
     }
 
+    /// `(external_tokens, load_async, host_tokens, disk_tokens)` of the most recent match: where
+    /// the matched tokens are held.
+    fn last_match(&self, py: Python<'_>) -> PyResult<(usize, bool, usize, usize)> {
+        self.inner.call(py, "last_match", |s| {
+            let m = s.leader().last_match();
+            Ok((
+                m.external_tokens,
+                m.load_async,
+                m.host_tokens,
+                m.disk_tokens,
+            ))
+        })
+    }
+
     /// Applies operation completions that arrived.
     fn update_connector_output(&self, py: Python<'_>) -> PyResult<()> {
         self.inner.call(py, "update_connector_output", |s| {

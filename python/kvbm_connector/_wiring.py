@@ -1,0 +1,191 @@
+"""How a scheduler finds its workers: configuration and transports.
+
+* One process (tests; vLLM with one GPU and the in-process executor): the in-process transport.
+  The scheduler and the workers are built separately by the engine, so the ends are handed out
+  through a process-wide registry keyed by an *instance* name: the first side to ask creates the
+  connected ends, the others take theirs; once every end is taken the entry is dropped, so a
+  later engine in the same process gets a fresh set.
+* Several processes (tensor parallelism; TensorRT-LLM under MPI; vLLM's multiprocess executor):
+  the TCP transport. The scheduler listens on ``$KVBM_LEADER_ADDR`` and every worker connects to
+  it as its rank (``$KVBM_AUTH_TOKEN``, when set, must match on both sides).
+
+TCP is chosen when asked for, when ``$KVBM_LEADER_ADDR`` is set, or when there is more than one
+rank (ranks of a real engine never share a process); otherwise in process.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import threading
+from typing import Optional
+
+from . import _kvbm
+from ._kvbm import Config, KvbmError
+
+LEADER_ADDR_ENV = "KVBM_LEADER_ADDR"
+"""The leader's TCP address (``ip:port`` or ``host:port``)."""
+
+RANK_ENV = "KVBM_RANK"
+"""A worker's rank when the engine does not say (TensorRT-LLM without MPI, tests)."""
+
+_TRANSPORTS = ("in_process", "tcp")
+
+
+def error(kind: str, message: str, **context: object) -> KvbmError:
+    """A :class:`KvbmError` shaped like the ones the Rust side raises."""
+    text = f"{kind}: {message}"
+    if context:
+        text += " (" + ", ".join(f"{k}={v}" for k, v in context.items()) + ")"
+    e = KvbmError(text)
+    e.kind = kind
+    e.message = message
+    e.context = {k: str(v) for k, v in context.items()}
+    return e
+
+
+def load_config(path: Optional[str] = None) -> Config:
+    """The effective configuration: built-in defaults, then the TOML file at ``path`` (else
+    ``$KVBM_CONFIG``, else none), then the ``DYN_KVBM_*`` and ``KVBM_*`` environment variables.
+    The same ``Config::load`` as the Rust side and the ``kvbm`` CLI."""
+    return Config.load(None if path is None else os.fspath(path))
+
+
+def choose_transport(world_size: int, transport: Optional[str], address: Optional[str]) -> str:
+    if transport is not None:
+        if transport not in _TRANSPORTS:
+            raise error(
+                "invalid_config",
+                f"unknown transport {transport!r}: expected 'in_process' or 'tcp'",
+                setting="transport",
+            )
+        return transport
+    if address or os.environ.get(LEADER_ADDR_ENV):
+        return "tcp"
+    return "tcp" if world_size > 1 else "in_process"
+
+
+class _Ends:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.leader, workers = _kvbm.in_process_transport(world_size)
+        self.workers: list = list(workers)
+
+    def done(self) -> bool:
+        return self.leader is None and all(w is None for w in self.workers)
+
+
+_registry: dict = {}
+_registry_lock = threading.Lock()
+
+
+def _take(instance: str, world_size: int, rank: Optional[int]):
+    with _registry_lock:
+        ends = _registry.get(instance)
+        if ends is None:
+            ends = _registry[instance] = _Ends(world_size)
+        if ends.world_size != world_size:
+            raise error(
+                "invalid_argument",
+                f"in-process instance {instance!r} was created for {ends.world_size} ranks, "
+                f"not {world_size}",
+                instance=instance,
+            )
+        if rank is None:
+            end, ends.leader = ends.leader, None
+            what = "the leader end"
+        else:
+            if not 0 <= rank < world_size:
+                raise error(
+                    "out_of_range",
+                    f"rank {rank} out of range (0..{world_size})",
+                    rank=rank,
+                )
+            end, ends.workers[rank] = ends.workers[rank], None
+            what = f"the end of rank {rank}"
+        if end is None:
+            raise error(
+                "already_exists",
+                f"{what} of in-process instance {instance!r} is taken already; give each "
+                "engine in this process its own instance name",
+                instance=instance,
+            )
+        if ends.done():
+            del _registry[instance]
+        return end
+
+
+def leader_transport(
+    world_size: int,
+    *,
+    instance: str = "default",
+    transport: Optional[str] = None,
+    address: Optional[str] = None,
+) -> _kvbm.LeaderTransport:
+    """The scheduler's end: TCP (listening on ``address``, else ``$KVBM_LEADER_ADDR``) or the
+    leader end of in-process ``instance``."""
+    if choose_transport(world_size, transport, address) == "tcp":
+        return _kvbm.tcp_leader(world_size, address)
+    return _take(instance, world_size, None)
+
+
+def worker_transport(
+    rank: int,
+    world_size: int,
+    *,
+    instance: str = "default",
+    transport: Optional[str] = None,
+    address: Optional[str] = None,
+    connect_timeout_secs: float = 60.0,
+) -> _kvbm.WorkerTransport:
+    """A worker's end: TCP (connecting on first use to ``address``, else
+    ``$KVBM_LEADER_ADDR``) or rank ``rank``'s end of in-process ``instance``."""
+    if choose_transport(world_size, transport, address) == "tcp":
+        return _kvbm.tcp_worker(
+            rank, world_size, address, connect_timeout_secs=connect_timeout_secs
+        )
+    return _take(instance, world_size, rank)
+
+
+def env_rank(default: int = 0) -> int:
+    """``$KVBM_RANK`` as an int, else ``default``."""
+    raw = os.environ.get(RANK_ENV)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        rank = int(raw)
+    except ValueError:
+        raise error(
+            "invalid_config", f"invalid value {raw!r} for {RANK_ENV}: expected an integer",
+            setting=RANK_ENV,
+        ) from None
+    if rank < 0:
+        raise error("invalid_config", f"{RANK_ENV} must be >= 0, got {rank}", setting=RANK_ENV)
+    return rank
+
+
+def as_bytes(metadata: object, what: str) -> bytes:
+    """Metadata as bytes: ``None`` is empty metadata."""
+    if metadata is None:
+        return b""
+    if isinstance(metadata, bytes):
+        return metadata
+    if isinstance(metadata, (bytearray, memoryview)):
+        return bytes(metadata)
+    raise error(
+        "invalid_argument",
+        f"{what} must be the bytes the scheduler built, got {type(metadata).__name__}",
+        argument=what,
+    )
+
+
+def int_list(values: object, what: str) -> list:
+    """A list of ints from any iterable of ints (lists, tuples, numpy arrays)."""
+    if values is None:
+        return []
+    try:
+        out = [operator.index(v) for v in values]  # type: ignore[union-attr]
+    except (TypeError, ValueError) as e:
+        raise error("invalid_argument", f"{what} must be a sequence of integers ({e})",
+                    argument=what) from None
+    return out

@@ -1,0 +1,330 @@
+"""TensorRT-LLM connector classes: ``KvbmConnectorScheduler`` and ``KvbmConnectorWorker``.
+
+Load them through the LLM API's ``kv_connector_config``::
+
+    kv_connector_config:
+      connector_module: kvbm_connector.trtllm
+      connector_scheduler_class: KvbmConnectorScheduler
+      connector_worker_class: KvbmConnectorWorker
+
+They implement the method sets of TensorRT-LLM's ``KvCacheConnectorScheduler`` and
+``KvCacheConnectorWorker`` (``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py``) and
+subclass them when ``tensorrt_llm`` is importable; otherwise they subclass local stand-ins with
+the same non-abstract helpers, so the classes can be built and tested without TensorRT-LLM.
+
+What is read from TensorRT-LLM's objects (the shapes its ``KvCacheConnectorManager`` passes):
+
+* ``llm_args`` (``TorchLlmArgs``): ``kv_cache_config.tokens_per_block``; the world size from
+  ``parallel_config.world_size`` (else ``tensor_parallel_size * pipeline_parallel_size``);
+* ``LlmRequest``: ``request_id`` (int), ``get_tokens(0)`` (prompt and generated tokens),
+  ``cache_salt_id`` and ``lora_task_id`` when present (tenant isolation);
+* ``SchedulerOutput``: ``new_requests`` and ``cached_requests``, lists of ``RequestData`` with
+  ``request_id``, ``new_tokens``, ``new_block_ids`` and ``computed_position`` (offload is by
+  computed position; a ``num_scheduled_tokens`` field, in newer versions, is not needed);
+* ``register_kv_caches(kv_cache_tensor)``: one fully contiguous tensor
+  ``[num_blocks, num_layers, kv_factor, ...]``, CPU tensors only (CUDA is not wired in yet).
+
+The scheduler lives on rank 0 only and initialises non-blocking; every rank has a worker, whose
+``register_kv_caches`` blocks until the start-up barrier completed (TensorRT-LLM builds both at
+once; the engine is ready when the worker is). The metadata is ``bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+from . import _kvbm
+from ._wiring import (
+    as_bytes,
+    env_rank,
+    error,
+    int_list,
+    leader_transport,
+    load_config,
+    worker_transport,
+)
+
+try:  # pragma: no cover - exercised only where TensorRT-LLM is installed
+    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
+        KvCacheConnectorScheduler as _SchedulerBase,
+    )
+    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
+        KvCacheConnectorWorker as _WorkerBase,
+    )
+
+    HAVE_TRTLLM = True
+except Exception:  # ImportError, or anything a broken install raises on import
+    HAVE_TRTLLM = False
+
+    class _SchedulerBase:  # type: ignore[no-redef]
+        """Stand-in for ``KvCacheConnectorScheduler`` (its constructor)."""
+
+        def __init__(self, llm_args: Any) -> None:
+            self._llm_args = llm_args
+            super().__init__()
+
+    class _WorkerBase:  # type: ignore[no-redef]
+        """Stand-in for ``KvCacheConnectorWorker`` (its constructor and non-abstract helpers)."""
+
+        def __init__(self, llm_args: Any) -> None:
+            self._llm_args = llm_args
+            self._metadata = None
+            super().__init__()
+
+        def bind_connector_meta(self, metadata: object) -> None:
+            self._metadata = metadata
+
+        def get_connector_meta(self) -> object:
+            return self._metadata
+
+        def _clear_connector_meta(self) -> None:
+            self._metadata = None
+
+        def register_forward_pass_callable(self) -> Any:
+            return None
+
+
+#: TensorRT-LLM's abstract methods and their parameters (after ``self``), as the reference and
+#: ``kv_cache_connector.py`` list them; a test checks our classes against these.
+SCHEDULER_METHODS = {
+    "build_connector_meta": ("scheduler_output",),
+    "get_num_new_matched_tokens": ("request", "num_computed_tokens"),
+    "request_finished": ("request", "cache_block_ids"),
+    "update_state_after_alloc": ("request", "block_ids"),
+}
+WORKER_METHODS = {
+    "register_kv_caches": ("kv_cache_tensor",),
+    "start_load_kv": ("stream",),
+    "wait_for_layer_load": ("layer_idx", "stream"),
+    "save_kv_layer": ("layer_idx", "stream"),
+    "wait_for_save": ("stream",),
+    "get_finished": ("finished_gen_req_ids", "started_loading_req_ids"),
+}
+
+_INSTANCE = "trtllm"
+
+
+def _tokens_per_block(llm_args: Any) -> int:
+    kv = getattr(llm_args, "kv_cache_config", None)
+    tpb = getattr(kv, "tokens_per_block", None) if kv is not None else None
+    if tpb is None:
+        raise error(
+            "invalid_config",
+            "llm_args.kv_cache_config.tokens_per_block is not set; the connector needs the "
+            "cache's tokens per block",
+            setting="kv_cache_config.tokens_per_block",
+        )
+    return int(tpb)
+
+
+def _world_size(llm_args: Any) -> int:
+    pc = getattr(llm_args, "parallel_config", None)
+    ws = getattr(pc, "world_size", None) if pc is not None else None
+    if isinstance(ws, int) and ws > 0:
+        return ws
+    tp = getattr(llm_args, "tensor_parallel_size", None) or 1
+    pp = getattr(llm_args, "pipeline_parallel_size", None) or 1
+    return int(tp) * int(pp)
+
+
+def _rank() -> int:
+    try:  # pragma: no cover - TensorRT-LLM only
+        from tensorrt_llm._utils import mpi_rank
+
+        return int(mpi_rank())
+    except Exception:
+        return env_rank()
+
+
+def _tokens(request: Any) -> List[int]:
+    get = getattr(request, "get_tokens", None)
+    if get is None:
+        raise error(
+            "invalid_argument",
+            f"request {getattr(request, 'request_id', '?')} has no get_tokens(beam); "
+            "expected a TensorRT-LLM LlmRequest",
+            argument="request",
+        )
+    return int_list(get(0), "request.get_tokens(0)")
+
+
+def _opt_str(request: Any, attr: str) -> Optional[str]:
+    v = getattr(request, attr, None)
+    return None if v is None else str(v)
+
+
+def _request_data(r: Any) -> Tuple[int, List[int], List[int], int]:
+    return (
+        int(r.request_id),
+        int_list(r.new_tokens, "RequestData.new_tokens"),
+        int_list(r.new_block_ids, "RequestData.new_block_ids"),
+        int(r.computed_position),
+    )
+
+
+class KvbmConnectorScheduler(_SchedulerBase):
+    """TensorRT-LLM's ``KvCacheConnectorScheduler``: the leader, on rank 0.
+
+    ``config`` (a :class:`kvbm_connector.Config`) defaults to :func:`kvbm_connector.load_config`;
+    ``transport`` (a leader transport) to TCP on ``$KVBM_LEADER_ADDR`` when set or with several
+    ranks, else the in-process transport shared with this process's worker.
+    """
+
+    def __init__(
+        self,
+        llm_args: Any,
+        *,
+        config: Optional[_kvbm.Config] = None,
+        transport: Optional[_kvbm.LeaderTransport] = None,
+    ) -> None:
+        super().__init__(llm_args)
+        self.tokens_per_block = _tokens_per_block(llm_args)
+        self.world_size = _world_size(llm_args)
+        self._config = config if config is not None else load_config()
+        if transport is None:
+            transport = leader_transport(self.world_size, instance=_INSTANCE)
+        self._inner = _kvbm.TrtllmScheduler(
+            self._config, self.tokens_per_block, transport, blocking=False
+        )
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+        return self._inner.get_num_new_matched_tokens(
+            int(request.request_id),
+            _tokens(request),
+            int(num_computed_tokens),
+            _opt_str(request, "cache_salt_id"),
+            _opt_str(request, "lora_task_id"),
+        )
+
+    def update_state_after_alloc(self, request: Any, block_ids: List[int]) -> None:
+        self._inner.update_state_after_alloc(
+            int(request.request_id), int_list(block_ids, "block_ids")
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> bytes:
+        return self._inner.build_connector_meta(
+            [_request_data(r) for r in scheduler_output.new_requests],
+            [_request_data(r) for r in scheduler_output.cached_requests],
+        )
+
+    def request_finished(self, request: Any, cache_block_ids: List[int]) -> bool:
+        return self._inner.request_finished(
+            int(request.request_id),
+            _tokens(request),
+            int_list(cache_block_ids, "cache_block_ids"),
+        )
+
+    # -- beyond TensorRT-LLM's interface --------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        """True once the start-up barrier completed (raises its error if it failed)."""
+        return self._inner.is_ready()
+
+    def wait_ready(self, timeout_secs: float = 60.0) -> None:
+        """Blocks (GIL released) until the barrier completed."""
+        self._inner.wait_ready(timeout_secs)
+
+    def process_completions(self) -> None:
+        """Applies the operation completions that arrived (every call does this too; an idle
+        engine may call it so stored blocks become matchable sooner)."""
+        self._inner.process_completions()
+
+    def has_pending_work(self) -> bool:
+        """True while operations are in flight or queued for the next metadata."""
+        return self._inner.has_pending_work()
+
+    def metrics(self) -> dict:
+        """The leader's counters."""
+        import json
+
+        return json.loads(self._inner.metrics_json())
+
+    def metrics_prometheus(self) -> str:
+        """The leader's counters in Prometheus text format."""
+        return self._inner.metrics_prometheus()
+
+
+class KvbmConnectorWorker(_WorkerBase):
+    """TensorRT-LLM's ``KvCacheConnectorWorker``: one per rank.
+
+    ``rank`` defaults to TensorRT-LLM's MPI rank (else ``$KVBM_RANK``, else 0); ``config`` and
+    ``transport`` as for :class:`KvbmConnectorScheduler`.
+    """
+
+    def __init__(
+        self,
+        llm_args: Any,
+        *,
+        config: Optional[_kvbm.Config] = None,
+        transport: Optional[_kvbm.WorkerTransport] = None,
+        rank: Optional[int] = None,
+    ) -> None:
+        super().__init__(llm_args)
+        self.tokens_per_block = _tokens_per_block(llm_args)
+        self.world_size = _world_size(llm_args)
+        self.rank = _rank() if rank is None else int(rank)
+        self._config = config if config is not None else load_config()
+        if transport is None:
+            transport = worker_transport(
+                self.rank,
+                self.world_size,
+                instance=_INSTANCE,
+                connect_timeout_secs=max(self._config.init_timeout_secs, 1.0),
+            )
+        self._inner = _kvbm.TrtllmWorker(
+            self._config, self.tokens_per_block, self.world_size, transport, blocking=True
+        )
+
+    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
+        self._inner.register_kv_caches(kv_cache_tensor)
+
+    def bind_connector_meta(self, metadata: object) -> None:
+        super().bind_connector_meta(metadata)
+        self._inner.bind_connector_meta(as_bytes(metadata, "metadata"))
+
+    def start_load_kv(self, stream: Any) -> None:
+        self._inner.start_load_kv()
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        self._inner.wait_for_layer_load(int(layer_idx))
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        self._inner.save_kv_layer(int(layer_idx))
+
+    def wait_for_save(self, stream: Any) -> None:
+        self._inner.wait_for_save()
+
+    def get_finished(
+        self, finished_gen_req_ids: List[int], started_loading_req_ids: List[int]
+    ) -> Tuple[List[int], List[int]]:
+        saved, loaded = self._inner.get_finished(
+            int_list(finished_gen_req_ids, "finished_gen_req_ids"),
+            int_list(started_loading_req_ids, "started_loading_req_ids"),
+        )
+        return list(saved), list(loaded)
+
+    # -- beyond TensorRT-LLM's interface --------------------------------------------------------
+
+    def get_block_ids_with_load_errors(self) -> List[int]:
+        """Device blocks whose load failed since the last call (recompute them). TensorRT-LLM's
+        interface has no such call; poll it after ``get_finished``."""
+        return list(self._inner.get_block_ids_with_load_errors())
+
+    def is_ready(self) -> bool:
+        return self._inner.is_ready()
+
+    def wait_ready(self, timeout_secs: float = 60.0) -> None:
+        self._inner.wait_ready(timeout_secs)
+
+    def wait_idle(self, timeout_secs: float = 60.0) -> None:
+        """Blocks (GIL released) until every submitted operation completed."""
+        self._inner.wait_idle(timeout_secs)
+
+
+__all__ = [
+    "HAVE_TRTLLM",
+    "KvbmConnectorScheduler",
+    "KvbmConnectorWorker",
+    "SCHEDULER_METHODS",
+    "WORKER_METHODS",
+]

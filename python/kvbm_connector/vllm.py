@@ -1,0 +1,417 @@
+"""vLLM connector class: ``KvbmConnector``, a ``KVConnectorBase_V1``.
+
+Load it with ``--kv-transfer-config`` (or ``KVTransferConfig``)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvbmConnector",
+        "kv_connector_module_path": "kvbm_connector.vllm", "kv_role": "kv_both"}'
+
+When vLLM is importable the class subclasses the real
+``vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1`` (and its metadata class
+``KVConnectorMetadata``), so vLLM's ``KVConnectorFactory`` can build it for either role;
+otherwise it subclasses a local stand-in with the same non-abstract helpers.
+
+What is read from vLLM's objects (vLLM v1):
+
+* ``vllm_config``: ``cache_config.block_size``; ``parallel_config.tensor_parallel_size`` (and
+  ``pipeline_parallel_size``, which must be 1); ``kv_transfer_config.engine_id`` and
+  ``kv_transfer_config.kv_connector_extra_config`` (see below);
+* ``Request``: ``request_id``, ``all_token_ids``, ``num_computed_tokens``, ``cache_salt`` and
+  ``lora_request.lora_name`` when present;
+* ``KVCacheBlocks``: ``get_block_ids()`` (one list per KV-cache group; one group is supported);
+* ``SchedulerOutput``: ``scheduled_new_reqs`` (``NewRequestData``: ``req_id``,
+  ``prompt_token_ids``, ``block_ids``, ``num_computed_tokens``), ``scheduled_cached_reqs``
+  (``CachedRequestData``: ``req_ids``, ``resumed_from_preemption`` or, in newer versions,
+  ``resumed_req_ids``, ``new_token_ids``, ``new_block_ids``, ``num_computed_tokens``),
+  ``num_scheduled_tokens``, ``finished_req_ids`` and ``preempted_req_ids`` when present;
+* ``register_kv_caches(kv_caches)``: a dict layer name -> tensor, each
+  ``[2, num_blocks, block_size, heads, head_dim]`` (outer-major),
+  ``[num_blocks, 2, block_size, ...]`` (block-major) or ``[num_blocks, block_size, ...]`` (MLA);
+  CPU tensors only (CUDA is not wired in yet).
+
+``kv_connector_extra_config`` keys (all optional): ``config`` (a kvbm TOML file, else
+``$KVBM_CONFIG``), ``transport`` (``in_process`` or ``tcp``), ``leader_addr`` (else
+``$KVBM_LEADER_ADDR``), ``instance`` (the in-process pairing name, else the engine id),
+``rank`` (a worker's rank, else vLLM's tensor-parallel rank), ``num_blocks`` and ``layout``
+(how to read the cache shapes when they are ambiguous).
+
+The scheduler initialises blocking (vLLM builds it after the workers registered their caches);
+the workers non-blocking.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import json
+from typing import Any, Iterable, List, Optional, Set, Tuple
+
+from . import _kvbm
+from ._wiring import (
+    as_bytes,
+    env_rank,
+    error,
+    int_list,
+    leader_transport,
+    load_config,
+    worker_transport,
+)
+
+try:  # pragma: no cover - exercised where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1 as _Base,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata as _MetadataBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    HAVE_VLLM = True
+except Exception:  # ImportError, or anything a partial install raises on import
+    HAVE_VLLM = False
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorRole``."""
+
+        SCHEDULER = 0
+        WORKER = 1
+
+    class _MetadataBase:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorMetadata``."""
+
+    class _Base:  # type: ignore[no-redef]
+        """Stand-in for ``KVConnectorBase_V1``: its constructor and metadata helpers."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            self._role = role
+            self._kv_cache_config = kv_cache_config
+
+        @property
+        def role(self) -> Any:
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self) -> Any:
+            return self._connector_metadata
+
+        def take_events(self) -> Iterable[Any]:
+            return ()
+
+        def get_kv_connector_stats(self) -> Any:
+            return None
+
+
+try:  # pragma: no cover - newer vLLM
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as _CacheHitSource
+
+    _HIT_HOST = _CacheHitSource.HOST
+    _HIT_DISK = _CacheHitSource.DISK
+    _HIT_UNSPECIFIED = _CacheHitSource.EXTERNAL_UNSPECIFIED
+except Exception:
+    _HIT_HOST, _HIT_DISK, _HIT_UNSPECIFIED = "host", "disk", "external_unspecified"
+
+
+def _base_init_takes_kv_cache_config() -> bool:
+    try:
+        return "kv_cache_config" in inspect.signature(_Base.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+_BASE_TAKES_KV_CACHE_CONFIG = _base_init_takes_kv_cache_config()
+
+
+class KvbmConnectorMetadata(_MetadataBase):
+    """The per-step metadata: the bytes the scheduler built for the workers."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"KvbmConnectorMetadata({len(self.data)} bytes)"
+
+
+def _role_name(role: Any) -> str:
+    name = getattr(role, "name", None)
+    if name is None:
+        name = {0: "SCHEDULER", 1: "WORKER"}.get(role, str(role))
+    name = str(name).upper()
+    if name not in ("SCHEDULER", "WORKER"):
+        raise error("invalid_argument", f"unknown connector role {role!r}", argument="role")
+    return name
+
+
+def _groups(block_ids: Any, what: str) -> List[List[int]]:
+    """One list per KV-cache group, from vLLM's ``tuple[list[int], ...]`` (or a flat list, as
+    older versions pass)."""
+    if block_ids is None:
+        return []
+    if hasattr(block_ids, "get_block_ids"):
+        block_ids = block_ids.get_block_ids()
+    items = list(block_ids)
+    if items and not hasattr(items[0], "__iter__"):
+        return [int_list(items, what)]
+    return [int_list(g, what) for g in items]
+
+
+def _lora_name(request: Any) -> Optional[str]:
+    lora = getattr(request, "lora_request", None)
+    name = getattr(lora, "lora_name", None) if lora is not None else None
+    return None if name is None else str(name)
+
+
+def _opt_str(v: Any) -> Optional[str]:
+    return None if v is None else str(v)
+
+
+def _cached_args(c: Any) -> tuple:
+    ids = [str(i) for i in c.req_ids]
+    n = len(ids)
+    if hasattr(c, "resumed_from_preemption"):
+        resumed = [bool(x) for x in c.resumed_from_preemption]
+    else:
+        resumed_ids = set(getattr(c, "resumed_req_ids", None) or ())
+        resumed = [i in resumed_ids for i in ids]
+    new_tokens = list(getattr(c, "new_token_ids", None) or [])
+    if len(new_tokens) != n:
+        # vLLM fills new_token_ids only with pipeline parallelism; the leader then learns the
+        # generated tokens from request_finished.
+        new_tokens = [[] for _ in ids]
+    new_tokens = [int_list(t, "new_token_ids") for t in new_tokens]
+    new_blocks = [
+        None if b is None else _groups(b, "new_block_ids") for b in list(c.new_block_ids)
+    ]
+    computed = [int(x) for x in c.num_computed_tokens]
+    return (ids, resumed, new_tokens, new_blocks, computed)
+
+
+class KvbmConnector(_Base):
+    """vLLM's ``KVConnectorBase_V1`` over the kvbm block manager, for either role."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if _BASE_TAKES_KV_CACHE_CONFIG:
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:  # pragma: no cover - older vLLM
+            super().__init__(vllm_config, role)
+        self._kvbm_role = _role_name(role)
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        self._extra = extra
+        self.block_size = int(vllm_config.cache_config.block_size)
+        pc = vllm_config.parallel_config
+        if int(getattr(pc, "pipeline_parallel_size", 1) or 1) != 1:
+            raise error(
+                "unsupported",
+                "pipeline parallelism is not supported by the kvbm connector yet",
+                setting="pipeline_parallel_size",
+            )
+        self.world_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        instance = str(extra.get("instance") or getattr(ktc, "engine_id", None) or "default")
+        self._config = load_config(extra.get("config"))
+        transport = extra.get("transport")
+        address = extra.get("leader_addr")
+        self._num_blocks = extra.get("num_blocks")
+        if self._num_blocks is None and kv_cache_config is not None:
+            self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self._layout = extra.get("layout")
+        self._scheduler = None
+        self._worker = None
+        self._worker_ready = False
+        self._hit_split: dict = {}
+        if self._kvbm_role == "SCHEDULER":
+            self._scheduler = _kvbm.VllmScheduler(
+                self._config,
+                self.block_size,
+                leader_transport(
+                    self.world_size, instance=instance, transport=transport, address=address
+                ),
+                blocking=True,
+            )
+        else:
+            self.rank = int(extra["rank"]) if "rank" in extra else _tp_rank()
+            self._worker = _kvbm.VllmWorker(
+                self._config,
+                self.block_size,
+                self.world_size,
+                worker_transport(
+                    self.rank,
+                    self.world_size,
+                    instance=instance,
+                    transport=transport,
+                    address=address,
+                    connect_timeout_secs=max(self._config.init_timeout_secs, 1.0),
+                ),
+                blocking=False,
+            )
+
+    # -- scheduler side --------------------------------------------------------------------------
+
+    def _sched(self, op: str) -> Any:
+        if self._scheduler is None:
+            raise error("invalid_state", f"{op} is a scheduler call; this connector is a worker",
+                        op=op)
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> Tuple[Optional[int], bool]:
+        sched = self._sched("get_num_new_matched_tokens")
+        rid = str(request.request_id)
+        out = sched.get_num_new_matched_tokens(
+            rid,
+            int_list(request.all_token_ids, "request.all_token_ids"),
+            int(num_computed_tokens),
+            _opt_str(getattr(request, "cache_salt", None)),
+            _lora_name(request),
+        )
+        if out[0]:
+            _, _, host, disk = sched.last_match()
+            self._hit_split[rid] = (host, disk)
+        else:
+            self._hit_split.pop(rid, None)
+        return out
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+        """Splits the tokens loaded for ``request`` by the tier that held them (host, disk)."""
+        n = int(num_external_tokens)
+        host, disk = self._hit_split.pop(str(request.request_id), (0, 0))
+        if n == 0:
+            return {}
+        if host + disk != n:
+            return {_HIT_UNSPECIFIED: n}
+        return {k: v for k, v in ((_HIT_HOST, host), (_HIT_DISK, disk)) if v}
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        self._sched("update_state_after_alloc").update_state_after_alloc(
+            str(request.request_id), _groups(blocks, "blocks"), int(num_external_tokens)
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
+        so = scheduler_output
+        new = [
+            (
+                str(r.req_id),
+                int_list(r.prompt_token_ids, "prompt_token_ids"),
+                _groups(r.block_ids, "block_ids"),
+                int(r.num_computed_tokens),
+            )
+            for r in so.scheduled_new_reqs
+        ]
+        data = self._sched("build_connector_meta").build_connector_meta(
+            new,
+            _cached_args(so.scheduled_cached_reqs),
+            {str(k): int(v) for k, v in dict(so.num_scheduled_tokens).items()},
+            {str(i) for i in (so.finished_req_ids or ())},
+            {str(i) for i in (getattr(so, "preempted_req_ids", None) or ())},
+        )
+        return KvbmConnectorMetadata(data)
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
+        self._hit_split.pop(str(request.request_id), None)
+        held = self._sched("request_finished").request_finished(
+            str(request.request_id),
+            int_list(request.all_token_ids, "request.all_token_ids"),
+            int(request.num_computed_tokens),
+            int_list(block_ids, "block_ids"),
+        )
+        return held, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched("update_connector_output").update_connector_output()
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def _work(self, op: str) -> Any:
+        if self._worker is None:
+            raise error("invalid_state", f"{op} is a worker call; this connector is the scheduler",
+                        op=op)
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        self._work("register_kv_caches").register_kv_caches(
+            kv_caches,
+            None if self._num_blocks is None else int(self._num_blocks),
+            self._layout,
+        )
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        data = getattr(connector_metadata, "data", connector_metadata)
+        worker = self._work("bind_connector_metadata")
+        if not self._worker_ready:
+            # The worker's barrier runs in the background; the scheduler that built this metadata
+            # has finished its side, so the worker's is about to: wait for it (bounded by the
+            # init timeout; a failed barrier raises its error) rather than refuse the first step.
+            worker.wait_ready(max(self._config.init_timeout_secs, 1.0))
+            self._worker_ready = True
+        worker.bind_connector_metadata(as_bytes(data, "connector_metadata"))
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._work("clear_connector_metadata").clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work("start_load_kv").start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work("wait_for_layer_load").wait_for_layer_load(str(layer_name))
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._work("save_kv_layer").save_kv_layer(str(layer_name))
+
+    def wait_for_save(self) -> None:
+        self._work("wait_for_save").wait_for_save()
+
+    def get_finished(
+        self, finished_req_ids: Set[str]
+    ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        return self._work("get_finished").get_finished({str(i) for i in finished_req_ids})
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        return set(self._work("get_block_ids_with_load_errors").get_block_ids_with_load_errors())
+
+    # -- beyond vLLM's interface -----------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        """True once the start-up barrier completed on this side (raises its error if failed)."""
+        return (self._scheduler or self._worker).is_ready()
+
+    def wait_ready(self, timeout_secs: float = 60.0) -> None:
+        (self._scheduler or self._worker).wait_ready(timeout_secs)
+
+    def wait_idle(self, timeout_secs: float = 60.0) -> None:
+        """Worker: blocks (GIL released) until every submitted operation completed."""
+        self._work("wait_idle").wait_idle(timeout_secs)
+
+    def has_pending_work(self) -> bool:
+        """Scheduler: true while operations are in flight or queued for the next metadata."""
+        return self._sched("has_pending_work").has_pending_work()
+
+    def metrics(self) -> dict:
+        """Scheduler: the leader's counters."""
+        return json.loads(self._sched("metrics").metrics_json())
+
+
+def _tp_rank() -> int:
+    try:  # pragma: no cover - needs vLLM's distributed state
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return env_rank()
+
+
+__all__ = ["HAVE_VLLM", "KVConnectorRole", "KvbmConnector", "KvbmConnectorMetadata"]

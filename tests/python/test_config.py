@@ -1,0 +1,94 @@
+"""Configuration: the same ``Config::load`` as the Rust side -- defaults, the TOML file
+(``$KVBM_CONFIG`` or a path), then ``DYN_KVBM_*`` and ``KVBM_*`` variables (ours win)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import _engines as E
+from kvbm_connector import Config, KvbmError, env_vars, load_config, vllm
+
+
+def as_dict(c: Config) -> dict:
+    return json.loads(c.to_json())
+
+
+def test_environment_variables_apply(monkeypatch):
+    monkeypatch.setenv("KVBM_HOST_CACHE_GB", "2.5")
+    monkeypatch.setenv("KVBM_DISK_MIN_FREQUENCY", "3")
+    monkeypatch.setenv("KVBM_HASH", "sha256")
+    c = as_dict(load_config())
+    assert c["host"]["cache_gb"] == 2.5
+    assert c["host"]["cache_blocks"] == 16  # from the fixture
+    assert c["disk"]["min_frequency"] == 3
+    assert c["hash"] == "sha256"
+
+
+def test_dynamo_names_are_accepted_and_ours_win(monkeypatch):
+    monkeypatch.delenv("KVBM_HOST_CACHE_BLOCKS")
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "1")
+    assert as_dict(load_config())["host"]["cache_gb"] == 1.0
+    monkeypatch.setenv("KVBM_HOST_CACHE_GB", "3")
+    assert as_dict(load_config())["host"]["cache_gb"] == 3.0
+
+
+def test_config_file_then_environment(monkeypatch, tmp_path):
+    f = tmp_path / "kvbm.toml"
+    f.write_text('hash = "sha256"\n[host]\ncache_blocks = 99\n[transfer]\nbatch_blocks = 5\n')
+    monkeypatch.delenv("KVBM_HOST_CACHE_BLOCKS")
+    monkeypatch.setenv("KVBM_CONFIG", str(f))
+    c = as_dict(load_config())
+    assert (c["hash"], c["host"]["cache_blocks"], c["transfer"]["batch_blocks"]) == ("sha256", 99, 5)
+    monkeypatch.setenv("KVBM_TRANSFER_BATCH_BLOCKS", "7")
+    assert as_dict(load_config())["transfer"]["batch_blocks"] == 7
+    g = tmp_path / "other.toml"
+    g.write_text("[host]\ncache_blocks = 3\n")
+    assert as_dict(load_config(g))["host"]["cache_blocks"] == 3  # a path wins over $KVBM_CONFIG
+
+
+def test_invalid_values_name_the_variable(monkeypatch):
+    monkeypatch.setenv("KVBM_HASH", "md5")
+    with pytest.raises(KvbmError) as ei:
+        load_config()
+    assert ei.value.kind == "invalid_config"
+    assert "KVBM_HASH" in str(ei.value) and "md5" in str(ei.value)
+
+
+def test_invalid_file_is_refused(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[host]\ncache_blokcs = 3\n")
+    with pytest.raises(KvbmError) as ei:
+        load_config(f)
+    assert ei.value.kind == "invalid_config"
+    with pytest.raises(KvbmError) as ei:
+        load_config(tmp_path / "missing.toml")
+    assert ei.value.kind in ("invalid_config", "io")
+
+
+def test_env_vars_lists_what_rust_reads():
+    names = {name for name, _, _ in env_vars()}
+    assert {"KVBM_HOST_CACHE_GB", "KVBM_DISK_CACHE_DIR", "DYN_KVBM_CPU_CACHE_GB"} <= names
+    assert all(alias == name.startswith("DYN_") for name, _, alias in env_vars())
+
+
+def test_toml_round_trip():
+    c = Config.from_toml('[disk]\ncache_blocks = 12\n')
+    assert as_dict(Config.from_toml(c.to_toml())) == as_dict(c)
+    assert Config.defaults().init_timeout_secs == 60.0
+
+
+def test_vllm_extra_config_names_the_file(vllm_engine, tmp_path, monkeypatch):
+    f = tmp_path / "kvbm.toml"
+    f.write_text("[host]\ncache_blocks = 2\n")
+    monkeypatch.delenv("KVBM_HOST_CACHE_BLOCKS")
+    e = vllm_engine(extra={"config": str(f)})
+    a = E.prompt(1, 16)
+    e.add("a", a)
+    e.run()
+    e.add("b", a + [1])
+    e.run()
+    # Only 2 host blocks: the rest of the prefix comes from disk or not at all.
+    assert e.matches["b"][0] <= 16
+    assert as_dict(e.sched._config)["host"]["cache_blocks"] == 2
