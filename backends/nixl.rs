@@ -430,6 +430,8 @@ struct HostRegistration {
     kind: TierKind,
     #[expect(dead_code, reason = "held to keep the registered memory alive")]
     tier: Arc<dyn StorageTier>,
+    /// The tier's block headers, once registered ([`NixlAgent::register_block_headers`]).
+    headers: Option<Arc<BlockHeaders>>,
 }
 
 struct AgentShared {
@@ -626,8 +628,32 @@ impl NixlAgent {
             layout,
             kind: tier.kind(),
             tier,
+            headers: None,
         });
         Ok(hosts.len() - 1)
+    }
+
+    /// Registers (with the UCX backend) a block header array for host tier `id`: one
+    /// [`BLOCK_HEADER_BYTES`] entry per block, naming the key the block holds and the xxh3-64
+    /// checksum of its image. Exported with the tier ([`TierExport::headers`]), it lets an
+    /// importer verify a block it reads ([`RemoteTier::read_verified`]). Registering again
+    /// returns the same array.
+    ///
+    /// The owner keeps it true: [`BlockHeaders::invalidate`] a block **before** its bytes are
+    /// overwritten, [`BlockHeaders::publish_from`] once the new bytes are complete.
+    pub fn register_block_headers(&self, id: usize) -> Result<Arc<BlockHeaders>> {
+        self.require_backend(NixlBackend::Ucx)?;
+        let mut hosts = self.inner.hosts.write();
+        let n = hosts.len();
+        let h = hosts
+            .get_mut(id)
+            .ok_or_else(|| Error::out_of_range("host tier", id, n))?;
+        if let Some(existing) = &h.headers {
+            return Ok(existing.clone());
+        }
+        let headers = Arc::new(BlockHeaders::new(self, h.layout.num_blocks())?);
+        h.headers = Some(headers.clone());
+        Ok(headers)
     }
 
     /// Whether every non-empty segment lies inside one registered host tier allocation.
@@ -648,12 +674,17 @@ impl NixlAgent {
     /// Take it after every tier is registered: it carries the agent's metadata as of now.
     pub fn export_tier(&self, id: usize) -> Result<TierExport> {
         self.require_backend(NixlBackend::Ucx)?;
-        let (layout, bases, kind) = {
+        let (layout, bases, kind, headers) = {
             let hosts = self.inner.hosts.read();
             let h = hosts
                 .get(id)
                 .ok_or_else(|| Error::out_of_range("host tier", id, hosts.len()))?;
-            (h.layout, h.bases.clone(), h.kind)
+            (
+                h.layout,
+                h.bases.clone(),
+                h.kind,
+                h.headers.as_ref().map(|x| x.addr() as u64),
+            )
         };
         let metadata =
             self.inner.agent.get_local_md().map_err(|e| {
@@ -665,6 +696,7 @@ impl NixlAgent {
             layout,
             allocations: bases,
             metadata,
+            headers,
         })
     }
 
@@ -1242,6 +1274,10 @@ pub struct TierExport {
     pub allocations: Vec<u64>,
     /// NIXL metadata of the exporting agent.
     pub metadata: Vec<u8>,
+    /// Address of the tier's block header array ([`BlockHeaders`]) in the exporter's address
+    /// space, when it registered one; needed by [`RemoteTier::read_verified`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headers: Option<u64>,
 }
 
 impl TierExport {
@@ -1268,6 +1304,7 @@ pub struct RemoteTier {
     remote: String,
     layout: Layout,
     allocations: Vec<usize>,
+    headers: Option<usize>,
     locks: Box<[RwLock<()>]>,
 }
 
@@ -1335,11 +1372,18 @@ impl RemoteTier {
                 ),
             ));
         }
+        let headers = export
+            .headers
+            .map(|a| {
+                usize::try_from(a)
+                    .map_err(|_| Error::new(ErrorKind::Decode, "header address overflows usize"))
+            })
+            .transpose()?;
         let bounce = BouncePool::new(
             agent,
             NixlBackend::Ucx,
             max_in_flight,
-            layout.bytes_per_block(),
+            layout.bytes_per_block().max(BLOCK_HEADER_BYTES),
         )?;
         Ok(Self {
             bounce,
@@ -1348,7 +1392,96 @@ impl RemoteTier {
             locks: (0..layout.num_blocks()).map(|_| RwLock::new(())).collect(),
             layout,
             allocations,
+            headers,
         })
+    }
+
+    /// Whether the export carried block headers ([`read_verified`](Self::read_verified) works).
+    pub fn has_headers(&self) -> bool {
+        self.headers.is_some()
+    }
+
+    /// Reads block `block` only if it is verified to hold `key`: reads the exporter's header
+    /// entry for the block (one-sided), then the block's bytes into a bounce buffer, and copies
+    /// them to `dst` only when the header is valid (sealed, not invalidated), names `key`, and
+    /// the bytes' xxh3-64 equals the header's checksum. Returns the checksum.
+    ///
+    /// Why this is enough while the exporter may evict and rewrite the block at any time: the
+    /// exporter invalidates the header before it writes the block and publishes (key, checksum)
+    /// only after the write, so a valid header for `key` means some complete image of `key`
+    /// had that checksum; bytes read afterwards that hash to it are that image (a torn or newer
+    /// image hashes differently, up to xxh3-64 collisions). A header torn by a concurrent
+    /// update fails its seal.
+    ///
+    /// Errors: no headers in the export ([`ErrorKind::Unsupported`]); header invalid or naming
+    /// another key ([`ErrorKind::NotFound`]); checksum mismatch ([`ErrorKind::Corrupt`]);
+    /// transfer failures ([`ErrorKind::Io`]); `dst` of the wrong length.
+    pub fn read_verified(&self, block: usize, key: u64, dst: &mut [IoSliceMut<'_>]) -> Result<u64> {
+        check_io(
+            TierKind::Remote,
+            "read_verified",
+            block,
+            self.num_blocks(),
+            total_len(dst),
+            self.bytes_per_block(),
+        )?;
+        let hdr = self.headers.ok_or_else(|| {
+            Error::unsupported(format!(
+                "the export of {} carries no block headers: its blocks cannot be verified",
+                self.remote
+            ))
+            .with("remote_agent", &self.remote)
+        })?;
+        let ctx = |e: Error| {
+            e.with("tier", TierKind::Remote)
+                .with("block", block)
+                .with("remote_agent", &self.remote)
+                .with("key", format!("{key:#018x}"))
+        };
+        let _guard = self.lock("read_verified", block)?.read();
+        let mut bg = self.bounce.take();
+        let buf = bg.buf()?;
+        self.agent
+            .transfer(
+                XferOp::Read,
+                NixlBackend::Ucx,
+                &self.remote,
+                MemType::Dram,
+                0,
+                &[(
+                    buf.addr(),
+                    hdr + block * BLOCK_HEADER_BYTES,
+                    BLOCK_HEADER_BYTES,
+                )],
+            )
+            .map_err(ctx)?;
+        let (found, checksum) =
+            decode_header(buf.as_slice(BLOCK_HEADER_BYTES)).ok_or_else(|| {
+                ctx(Error::new(
+                    ErrorKind::NotFound,
+                    "remote block header is invalid (never published, or being rewritten)",
+                ))
+            })?;
+        if found != key {
+            return Err(ctx(Error::new(
+                ErrorKind::NotFound,
+                format!("remote block holds key {found:#018x}, not the expected one"),
+            )));
+        }
+        let bpb = self.bytes_per_block();
+        self.io(XferOp::Read, block, &[(buf.addr(), bpb)])?;
+        let got = hash_segments(&[buf.as_slice(bpb)]);
+        if got != checksum {
+            return Err(ctx(Error::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "remote block bytes hash to {got:#018x}, its header says {checksum:#018x} \
+                     (rewritten during the read?)"
+                ),
+            )));
+        }
+        copy_segments(&[IoSlice::new(buf.as_slice(bpb))], dst);
+        Ok(checksum)
     }
 
     /// The exporting agent's name.
@@ -1444,9 +1577,211 @@ impl StorageTier for RemoteTier {
     }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Block headers: what makes a remote block verifiable
+// ------------------------------------------------------------------------------------------------
+
+/// Bytes of one block header entry: `[key, checksum, sequence, seal]`, four little-endian u64.
+pub const BLOCK_HEADER_BYTES: usize = 32;
+
+/// The seal of a header entry: a hash of its three fields, never 0 (0 marks "being written").
+fn seal(key: u64, checksum: u64, seq: u64) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(b"kvbm-block-header");
+    h.update(&key.to_le_bytes());
+    h.update(&checksum.to_le_bytes());
+    h.update(&seq.to_le_bytes());
+    h.digest() | 1
+}
+
+/// Decodes one header entry read from an exporter: `(key, checksum)` when it is valid (a
+/// non-zero key and a matching seal), `None` when invalidated, being written or torn.
+pub fn decode_header(bytes: &[u8]) -> Option<(u64, u64)> {
+    if bytes.len() < BLOCK_HEADER_BYTES {
+        return None;
+    }
+    let w = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
+        u64::from_le_bytes(b)
+    };
+    let (key, checksum, seq, sealed) = (w(0), w(1), w(2), w(3));
+    (key != 0 && sealed == seal(key, checksum, seq)).then_some((key, checksum))
+}
+
+/// One header entry per block of an exported host tier, in memory registered with UCX, so that
+/// importers can check what a block holds before they trust its bytes. See
+/// [`NixlAgent::register_block_headers`] and [`RemoteTier::read_verified`].
+pub struct BlockHeaders {
+    /// Deregistered (dropped) before `words` is freed (fields drop in order).
+    _handle: RegistrationHandle,
+    /// Four words per block: key, checksum, sequence, seal.
+    words: Box<[AtomicU64]>,
+    seq: AtomicU64,
+}
+
+impl std::fmt::Debug for BlockHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockHeaders")
+            .field("num_blocks", &self.num_blocks())
+            .finish_non_exhaustive()
+    }
+}
+
+impl BlockHeaders {
+    fn new(agent: &NixlAgent, num_blocks: usize) -> Result<Self> {
+        let words: Box<[AtomicU64]> = (0..num_blocks * 4).map(|_| AtomicU64::new(0)).collect();
+        let handle = agent.register(
+            &RawRegion {
+                addr: words.as_ptr() as usize,
+                len: (num_blocks * BLOCK_HEADER_BYTES).max(1),
+                mem: MemType::Dram,
+                dev: 0,
+            },
+            Some(NixlBackend::Ucx),
+        )?;
+        Ok(Self {
+            _handle: handle,
+            words,
+            seq: AtomicU64::new(0),
+        })
+    }
+
+    fn addr(&self) -> usize {
+        self.words.as_ptr() as usize
+    }
+
+    /// Blocks covered.
+    pub fn num_blocks(&self) -> usize {
+        self.words.len() / 4
+    }
+
+    fn entry(&self, block: usize) -> Result<&[AtomicU64]> {
+        self.words
+            .get(block * 4..block * 4 + 4)
+            .ok_or_else(|| Error::out_of_range("block header", block, self.num_blocks()))
+    }
+
+    /// Marks `block` as holding nothing verifiable. Call it **before** overwriting the block.
+    pub fn invalidate(&self, block: usize) -> Result<()> {
+        let e = self.entry(block)?;
+        e[3].store(0, Ordering::SeqCst);
+        e[0].store(0, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Publishes that `block` holds `key` (non-zero) with image checksum `checksum`.
+    pub fn publish(&self, block: usize, key: u64, checksum: u64) -> Result<()> {
+        if key == 0 {
+            return Err(Error::invalid_argument(
+                "key 0 marks an invalid block header",
+            ));
+        }
+        let e = self.entry(block)?;
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        e[3].store(0, Ordering::SeqCst);
+        e[0].store(key, Ordering::SeqCst);
+        e[1].store(checksum, Ordering::SeqCst);
+        e[2].store(seq, Ordering::SeqCst);
+        e[3].store(seal(key, checksum, seq), Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Hashes `block` of `tier` (the registered tier these headers describe; no write to the
+    /// block may run meanwhile) and publishes it as holding `key`. Returns the checksum.
+    pub fn publish_from(&self, tier: &dyn StorageTier, block: usize, key: u64) -> Result<u64> {
+        let mut checksum = 0;
+        tier.with_block(block, &mut |runs| {
+            checksum = hash_segments(runs);
+            Ok(())
+        })?;
+        self.publish(block, key, checksum)?;
+        Ok(checksum)
+    }
+
+    /// `(key, checksum)` of `block` when valid.
+    pub fn get(&self, block: usize) -> Option<(u64, u64)> {
+        let e = self.entry(block).ok()?;
+        let mut b = [0u8; BLOCK_HEADER_BYTES];
+        for (i, w) in e.iter().enumerate() {
+            b[i * 8..i * 8 + 8].copy_from_slice(&w.load(Ordering::SeqCst).to_le_bytes());
+        }
+        decode_header(&b)
+    }
+}
+
+/// A [`RemoteTier`] whose reads are verified against the keys the reader expects: what a worker
+/// loads from (transfer engine source) for one remote load. `read_block` of a block with no
+/// expected key, or whose check fails, is an error (the block fails, never served); writes are
+/// refused.
+#[derive(Debug)]
+pub struct VerifiedRemote {
+    tier: Arc<RemoteTier>,
+    keys: std::collections::HashMap<usize, u64>,
+}
+
+impl VerifiedRemote {
+    /// `keys`: `(remote block, expected key)`.
+    pub fn new(tier: Arc<RemoteTier>, keys: impl IntoIterator<Item = (usize, u64)>) -> Self {
+        Self {
+            tier,
+            keys: keys.into_iter().collect(),
+        }
+    }
+}
+
+impl StorageTier for VerifiedRemote {
+    fn kind(&self) -> TierKind {
+        TierKind::Remote
+    }
+
+    fn capability(&self) -> Capability {
+        Capability {
+            checksummed: true,
+            ..self.tier.capability()
+        }
+    }
+
+    fn layout(&self) -> &Layout {
+        self.tier.layout()
+    }
+
+    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
+        let key = *self.keys.get(&block).ok_or_else(|| {
+            Error::new(ErrorKind::NotFound, "no expected key for this remote block")
+                .with("tier", TierKind::Remote)
+                .with("block", block)
+        })?;
+        self.tier.read_verified(block, key, dst).map(|_| ())
+    }
+
+    fn write_block(&self, block: usize, _src: &[IoSlice<'_>]) -> Result<()> {
+        Err(Error::unsupported("verified remote reads are read-only")
+            .with("tier", TierKind::Remote)
+            .with("block", block))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn header_seal_detects_invalid_and_torn_entries() {
+        let enc = |k: u64, c: u64, s: u64, x: u64| {
+            [k, c, s, x]
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .collect::<Vec<u8>>()
+        };
+        assert_eq!(decode_header(&enc(7, 9, 1, seal(7, 9, 1))), Some((7, 9)));
+        assert_eq!(decode_header(&enc(0, 9, 1, seal(0, 9, 1))), None);
+        assert_eq!(decode_header(&enc(7, 9, 1, 0)), None);
+        // Key of one version, checksum of another.
+        assert_eq!(decode_header(&enc(7, 10, 1, seal(7, 9, 1))), None);
+        assert_eq!(decode_header(&enc(7, 9, 2, seal(7, 9, 1))), None);
+        assert_eq!(decode_header(&[0u8; 8]), None);
+    }
 
     #[test]
     fn pair_runs_cuts_at_both_boundaries() {
@@ -1504,6 +1839,7 @@ mod tests {
             .unwrap(),
             allocations: vec![4096],
             metadata: vec![1, 2, 3],
+            headers: None,
         };
         assert_eq!(TierExport::from_bytes(&e.to_bytes().unwrap()).unwrap(), e);
         assert_eq!(

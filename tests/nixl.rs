@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use kvbm_connector::backends::disk::DiskTierOptions;
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::backends::nixl::{
-    probe, NixlAgent, NixlBackend, NixlDiskTier, NixlInfo, RemoteTier, TierExport, LIB_DIR_ENV,
-    PLUGIN_DIR_ENV, REMOTE_MAX_IN_FLIGHT,
+    probe, NixlAgent, NixlBackend, NixlDiskTier, NixlInfo, RemoteTier, TierExport, VerifiedRemote,
+    LIB_DIR_ENV, PLUGIN_DIR_ENV, REMOTE_MAX_IN_FLIGHT,
 };
 use kvbm_connector::config::TransferConfig;
 use kvbm_connector::layout::BlockOrder;
@@ -669,6 +669,93 @@ fn transfer_engine_round_trip_through_nixl_disk() {
             }
         }
     }
+}
+
+/// Verified remote reads (the G4 tier's guarantee): a block is served only while the exporter's
+/// header names the expected key and the bytes read hash to the header's checksum; after the
+/// exporter evicts and rewrites the block, a read for the old key fails, never served.
+#[test]
+fn verified_remote_reads_refuse_rewritten_blocks() {
+    need_nixl!();
+    let dims = small_dims();
+    let exporter = agent(&[NixlBackend::Ucx]);
+    let host: Arc<dyn StorageTier> = Arc::new(memory(dims, MemLayout::OuterMajor));
+    let id = exporter.register_host_tier(host.clone()).expect("register");
+    let headers = exporter.register_block_headers(id).expect("headers");
+    let export = exporter.export_tier(id).expect("export");
+    let export = TierExport::from_bytes(&export.to_bytes().expect("encode")).expect("decode");
+    assert!(export.headers.is_some());
+    let importer = agent(&[NixlBackend::Ucx]);
+    let remote =
+        Arc::new(RemoteTier::connect(&importer, &export, REMOTE_MAX_IN_FLIGHT).expect("connect"));
+    assert!(remote.has_headers());
+    let bpb = dims.bytes_per_block();
+    let (k1, k2) = (0x1111_u64, 0x2222_u64);
+    let read = |block: usize, key: u64| {
+        let mut buf = vec![0u8; bpb];
+        remote
+            .read_verified(block, key, &mut [IoSliceMut::new(&mut buf)])
+            .map(|_| buf)
+    };
+    // Never published: not served.
+    write_image(host.as_ref(), 3, 1);
+    assert_eq!(read(3, k1).unwrap_err().kind(), ErrorKind::NotFound);
+    // Published: served, bytes verified.
+    headers.publish_from(host.as_ref(), 3, k1).expect("publish");
+    assert_eq!(headers.get(3).map(|h| h.0), Some(k1));
+    assert_eq!(read(3, k1).expect("verified read"), image(3, bpb, 1));
+    // Another key: refused.
+    assert_eq!(read(3, k2).unwrap_err().kind(), ErrorKind::NotFound);
+    // Rewritten in place without following the protocol (no invalidation): the checksum catches it.
+    write_image(host.as_ref(), 3, 2);
+    assert_eq!(read(3, k1).unwrap_err().kind(), ErrorKind::Corrupt);
+    // Evicted and reused for another key, per the protocol.
+    headers.invalidate(3).expect("invalidate");
+    assert_eq!(read(3, k1).unwrap_err().kind(), ErrorKind::NotFound);
+    write_image(host.as_ref(), 3, 5);
+    headers.publish_from(host.as_ref(), 3, k2).expect("publish");
+    assert_eq!(read(3, k1).unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(read(3, k2).expect("verified read"), image(3, bpb, 5));
+
+    // Through the transfer engine, as a worker's remote load would run: the stale block fails
+    // (a load error for the engine to recompute), the valid one lands, every byte checked.
+    write_image(host.as_ref(), 5, 7);
+    headers
+        .publish_from(host.as_ref(), 5, 0x5555)
+        .expect("publish");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let engine = TransferEngine::new(&TransferConfig {
+        max_concurrency: 2,
+        batch_blocks: 1,
+    })
+    .expect("engine");
+    let src: Arc<dyn StorageTier> =
+        Arc::new(VerifiedRemote::new(remote.clone(), [(3, k1), (5, 0x5555)]));
+    let dst: Arc<dyn StorageTier> = Arc::new(memory(dims, MemLayout::Contiguous));
+    let out = runtime
+        .block_on(engine.copy(src.clone(), dst.clone(), vec![(3, 0), (5, 1)]))
+        .expect("copy");
+    let failed: Vec<usize> = out.failed.iter().map(|f| f.dst_block).collect();
+    assert_eq!(failed, vec![0], "{:?}", out.failed);
+    assert_eq!(read_image(dst.as_ref(), 1), image(5, bpb, 7));
+    assert!(read_image(dst.as_ref(), 0).iter().all(|b| *b == 0));
+    // No headers in the export: verified reads are refused outright.
+    let bare = exporter
+        .register_host_tier(Arc::new(memory(dims, MemLayout::Contiguous)))
+        .expect("register");
+    let bare = RemoteTier::connect(&importer, &exporter.export_tier(bare).expect("export"), 2)
+        .expect("connect");
+    let mut buf = vec![0u8; bpb];
+    assert_eq!(
+        bare.read_verified(0, k1, &mut [IoSliceMut::new(&mut buf)])
+            .unwrap_err()
+            .kind(),
+        ErrorKind::Unsupported
+    );
 }
 
 #[test]
