@@ -63,9 +63,10 @@ use cudarc::driver::CudaContext;
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
+use crate::backends::memory::{HostBlocks, HOST_CAPABILITY};
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::{KvLayout, Layout};
-use crate::tier::{check_io, copy_segments, total_len, Capability, StorageTier, TierKind};
+use crate::tier::{check_io, total_len, Capability, StorageTier, TierKind};
 
 /// The cudarc this backend is built on, for callers that need raw driver types (events, streams).
 pub use cudarc;
@@ -1561,17 +1562,16 @@ pub fn copy_batch(
 /// the memory tier, host addressable, with a per-block reader/writer lock; device copies to and
 /// from it run at the link's full rate without the driver's staging.
 pub struct PinnedHostTier {
-    kind: TierKind,
-    layout: Layout,
-    allocations: Vec<PinnedBuffer>,
-    locks: Box<[RwLock<()>]>,
+    blocks: HostBlocks,
+    /// Declared after `blocks`, which points into them.
+    _allocations: Vec<PinnedBuffer>,
 }
 
 impl std::fmt::Debug for PinnedHostTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinnedHostTier")
-            .field("kind", &self.kind)
-            .field("layout", &self.layout)
+            .field("kind", &self.blocks.kind())
+            .field("layout", self.blocks.layout())
             .finish_non_exhaustive()
     }
 }
@@ -1583,12 +1583,13 @@ impl PinnedHostTier {
         let allocations = (0..layout.num_allocations())
             .map(|_| device.alloc_pinned(layout.allocation_bytes()))
             .collect::<Result<Vec<_>>>()?;
-        let locks = (0..layout.num_blocks()).map(|_| RwLock::new(())).collect();
+        let bases = allocations.iter().map(|a| a.as_ptr()).collect();
+        // SAFETY: each buffer is `allocation_bytes` long and owned by the tier, which drops it
+        // after `blocks`; nothing else reaches it.
+        let blocks = unsafe { HostBlocks::new(kind, layout, bases)? };
         Ok(Self {
-            kind,
-            layout,
-            allocations,
-            locks,
+            blocks,
+            _allocations: allocations,
         })
     }
 
@@ -1596,76 +1597,27 @@ impl PinnedHostTier {
     pub fn host(device: &Arc<CudaDevice>, layout: Layout) -> Result<Self> {
         Self::new(device, TierKind::Host, layout)
     }
-
-    fn runs(&self, block: usize) -> Result<Vec<(*mut u8, usize)>> {
-        self.layout
-            .regions(block)?
-            .map(|r| {
-                let a = self
-                    .allocations
-                    .get(r.allocation)
-                    .ok_or_else(|| Error::internal("region names a missing allocation"))?;
-                // SAFETY: layout invariant: offset + len <= allocation_bytes, the buffer's size.
-                Ok((unsafe { a.as_ptr().add(r.offset) }, r.len))
-            })
-            .collect()
-    }
-
-    fn lock(&self, op: &'static str, block: usize) -> Result<&RwLock<()>> {
-        self.locks.get(block).ok_or_else(|| {
-            Error::out_of_range("block", block, self.locks.len())
-                .with("tier", self.kind)
-                .with("op", op)
-        })
-    }
 }
 
 impl StorageTier for PinnedHostTier {
     fn kind(&self) -> TierKind {
-        self.kind
+        self.blocks.kind()
     }
 
     fn capability(&self) -> Capability {
-        Capability {
-            host_addressable: true,
-            direct_io_alignment: 1,
-            checksummed: false,
-            max_in_flight: 64,
-        }
+        HOST_CAPABILITY
     }
 
     fn layout(&self) -> &Layout {
-        &self.layout
+        self.blocks.layout()
     }
 
     fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
-        check_io(
-            self.kind,
-            "read_block",
-            block,
-            self.num_blocks(),
-            total_len(dst),
-            self.bytes_per_block(),
-        )?;
-        self.with_block(block, &mut |src| {
-            copy_segments(src, dst);
-            Ok(())
-        })
+        self.blocks.read_block(block, dst)
     }
 
     fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
-        check_io(
-            self.kind,
-            "write_block",
-            block,
-            self.num_blocks(),
-            total_len(src),
-            self.bytes_per_block(),
-        )?;
-        self.with_block_mut(block, &mut |dst| {
-            copy_segments(src, dst);
-            Ok(())
-        })
+        self.blocks.write_block(block, src)
     }
 
     fn with_block(
@@ -1673,15 +1625,7 @@ impl StorageTier for PinnedHostTier {
         block: usize,
         f: &mut dyn FnMut(&[IoSlice<'_>]) -> Result<()>,
     ) -> Result<()> {
-        let _guard = self.lock("with_block", block)?.read();
-        let runs = self.runs(block)?;
-        let slices: Vec<IoSlice<'_>> = runs
-            .iter()
-            // SAFETY: the run lies inside a live allocation and the shared lock keeps writers of
-            // this block out while the slices live.
-            .map(|&(p, len)| IoSlice::new(unsafe { std::slice::from_raw_parts(p, len) }))
-            .collect();
-        f(&slices)
+        self.blocks.with_block(block, f)
     }
 
     fn with_block_mut(
@@ -1689,14 +1633,6 @@ impl StorageTier for PinnedHostTier {
         block: usize,
         f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> Result<()>,
     ) -> Result<()> {
-        let _guard = self.lock("with_block_mut", block)?.write();
-        let runs = self.runs(block)?;
-        let mut slices: Vec<IoSliceMut<'_>> = runs
-            .iter()
-            // SAFETY: as in `with_block`; the exclusive lock makes these the only slices of this
-            // block, and runs of one block never overlap.
-            .map(|&(p, len)| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p, len) }))
-            .collect();
-        f(&mut slices)
+        self.blocks.with_block_mut(block, f)
     }
 }

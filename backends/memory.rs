@@ -43,6 +43,12 @@ impl AlignedAlloc {
     }
 }
 
+// SAFETY: an `AlignedAlloc` is a uniquely owned heap allocation; it is only freed by its drop and
+// only read or written through `HostBlocks` under its per-block locks.
+unsafe impl Send for AlignedAlloc {}
+// SAFETY: see above; `&AlignedAlloc` gives no access to the bytes.
+unsafe impl Sync for AlignedAlloc {}
+
 impl Drop for AlignedAlloc {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with exactly this layout, freed once.
@@ -50,47 +56,57 @@ impl Drop for AlignedAlloc {
     }
 }
 
-/// Blocks in aligned host RAM, in any layout.
-pub struct MemoryTier {
+/// Block access over host memory that its owner keeps alive: the runs of each block from the
+/// layout, a per-block reader/writer lock, and the four [`StorageTier`] block operations. The
+/// memory tier, the pinned host tier (`cuda`) and the tensor tier (`python`) are this plus their
+/// own way of owning the memory.
+///
+/// Soundness: slices of a block exist only under its lock (shared for reads, exclusive for
+/// writes); distinct blocks never overlap (layout invariant), so they need no mutual exclusion.
+pub(crate) struct HostBlocks {
     kind: TierKind,
     layout: Layout,
-    allocations: Vec<AlignedAlloc>,
+    bases: Vec<*mut u8>,
     locks: Box<[RwLock<()>]>,
 }
 
-// SAFETY: the raw allocations are only reached through `&self` methods that take the block's lock
-// first (shared for reads, exclusive for writes); blocks never overlap.
-unsafe impl Send for MemoryTier {}
+// SAFETY: the raw pointers are only dereferenced through `&self` methods that take the block's
+// lock first; blocks never overlap; `new`'s contract keeps the memory valid.
+unsafe impl Send for HostBlocks {}
 // SAFETY: see above.
-unsafe impl Sync for MemoryTier {}
+unsafe impl Sync for HostBlocks {}
 
-impl std::fmt::Debug for MemoryTier {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryTier")
-            .field("kind", &self.kind)
-            .field("layout", &self.layout)
-            .finish_non_exhaustive()
-    }
-}
-
-impl MemoryTier {
-    /// Allocates a zeroed tier of `kind` with `layout`.
-    pub fn new(kind: TierKind, layout: Layout) -> Result<Self> {
-        let allocations = (0..layout.num_allocations())
-            .map(|_| AlignedAlloc::new(layout.allocation_bytes()))
-            .collect::<Result<Vec<_>>>()?;
+impl HostBlocks {
+    /// Block access over `bases` (one per allocation of `layout`).
+    ///
+    /// # Safety
+    /// Each `bases[i]` must point to `layout.allocation_bytes()` bytes that stay valid while this
+    /// value lives and that nothing else writes meanwhile except through it.
+    pub(crate) unsafe fn new(kind: TierKind, layout: Layout, bases: Vec<*mut u8>) -> Result<Self> {
+        if bases.len() != layout.num_allocations() {
+            return Err(Error::invalid_layout(format!(
+                "{} allocations given for a layout of {}",
+                bases.len(),
+                layout.num_allocations()
+            )));
+        }
         let locks = (0..layout.num_blocks()).map(|_| RwLock::new(())).collect();
         Ok(Self {
             kind,
             layout,
-            allocations,
+            bases,
             locks,
         })
     }
 
-    /// A host (G2) tier.
-    pub fn host(layout: Layout) -> Result<Self> {
-        Self::new(TierKind::Host, layout)
+    /// The tier kind errors name.
+    pub(crate) fn kind(&self) -> TierKind {
+        self.kind
+    }
+
+    /// The layout.
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.layout
     }
 
     /// The runs of `block` as raw (pointer, len) pairs, in canonical order.
@@ -98,12 +114,12 @@ impl MemoryTier {
         let regions = self.layout.regions(block)?;
         let mut out = Vec::with_capacity(regions.len());
         for r in regions {
-            let alloc = self
-                .allocations
+            let base = *self
+                .bases
                 .get(r.allocation)
                 .ok_or_else(|| Error::internal("region names a missing allocation"))?;
-            // SAFETY: layout invariant: offset + len <= allocation_bytes, the allocation's size.
-            out.push((unsafe { alloc.ptr.as_ptr().add(r.offset) }, r.len));
+            // SAFETY: layout invariant: offset + len <= allocation_bytes, each base's size.
+            out.push((unsafe { base.add(r.offset) }, r.len));
         }
         Ok(out)
     }
@@ -115,35 +131,16 @@ impl MemoryTier {
                 .with("op", op)
         })
     }
-}
 
-impl StorageTier for MemoryTier {
-    fn kind(&self) -> TierKind {
-        self.kind
-    }
-
-    fn capability(&self) -> Capability {
-        Capability {
-            host_addressable: true,
-            direct_io_alignment: 1,
-            checksummed: false,
-            // RAM serves any number of parallel copies; the transfer engine's own bound applies.
-            max_in_flight: 64,
-        }
-    }
-
-    fn layout(&self) -> &Layout {
-        &self.layout
-    }
-
-    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
+    /// [`StorageTier::read_block`].
+    pub(crate) fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
         check_io(
             self.kind,
             "read_block",
             block,
-            self.num_blocks(),
+            self.layout.num_blocks(),
             total_len(dst),
-            self.bytes_per_block(),
+            self.layout.bytes_per_block(),
         )?;
         self.with_block(block, &mut |src| {
             copy_segments(src, dst);
@@ -151,14 +148,15 @@ impl StorageTier for MemoryTier {
         })
     }
 
-    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
+    /// [`StorageTier::write_block`].
+    pub(crate) fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
         check_io(
             self.kind,
             "write_block",
             block,
-            self.num_blocks(),
+            self.layout.num_blocks(),
             total_len(src),
-            self.bytes_per_block(),
+            self.layout.bytes_per_block(),
         )?;
         self.with_block_mut(block, &mut |dst| {
             copy_segments(src, dst);
@@ -166,7 +164,8 @@ impl StorageTier for MemoryTier {
         })
     }
 
-    fn with_block(
+    /// [`StorageTier::with_block`].
+    pub(crate) fn with_block(
         &self,
         block: usize,
         f: &mut dyn FnMut(&[IoSlice<'_>]) -> Result<()>,
@@ -175,14 +174,15 @@ impl StorageTier for MemoryTier {
         let runs = self.runs(block)?;
         let slices: Vec<IoSlice<'_>> = runs
             .iter()
-            // SAFETY: the run lies inside a live allocation (see `runs`) and the shared lock keeps
-            // writers of this block out while the slices live.
+            // SAFETY: the run lies inside live memory (`new`'s contract) and the shared lock
+            // keeps writers of this block out while the slices live.
             .map(|&(p, len)| IoSlice::new(unsafe { std::slice::from_raw_parts(p, len) }))
             .collect();
         f(&slices)
     }
 
-    fn with_block_mut(
+    /// [`StorageTier::with_block_mut`].
+    pub(crate) fn with_block_mut(
         &self,
         block: usize,
         f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> Result<()>,
@@ -196,5 +196,90 @@ impl StorageTier for MemoryTier {
             .map(|&(p, len)| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p, len) }))
             .collect();
         f(&mut slices)
+    }
+}
+
+/// Capability of a host-addressable tier (RAM serves any number of parallel copies; the transfer
+/// engine's own bound applies).
+pub(crate) const HOST_CAPABILITY: Capability = Capability {
+    host_addressable: true,
+    direct_io_alignment: 1,
+    checksummed: false,
+    max_in_flight: 64,
+};
+
+/// Blocks in aligned host RAM, in any layout.
+pub struct MemoryTier {
+    blocks: HostBlocks,
+    /// Declared after `blocks`, which points into them.
+    _allocations: Vec<AlignedAlloc>,
+}
+
+impl std::fmt::Debug for MemoryTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryTier")
+            .field("kind", &self.blocks.kind())
+            .field("layout", self.blocks.layout())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryTier {
+    /// Allocates a zeroed tier of `kind` with `layout`.
+    pub fn new(kind: TierKind, layout: Layout) -> Result<Self> {
+        let allocations = (0..layout.num_allocations())
+            .map(|_| AlignedAlloc::new(layout.allocation_bytes()))
+            .collect::<Result<Vec<_>>>()?;
+        let bases = allocations.iter().map(|a| a.ptr.as_ptr()).collect();
+        // SAFETY: each allocation is `allocation_bytes` long and is owned by the tier, which
+        // drops it after `blocks`; nothing else reaches it.
+        let blocks = unsafe { HostBlocks::new(kind, layout, bases)? };
+        Ok(Self {
+            blocks,
+            _allocations: allocations,
+        })
+    }
+
+    /// A host (G2) tier.
+    pub fn host(layout: Layout) -> Result<Self> {
+        Self::new(TierKind::Host, layout)
+    }
+}
+
+impl StorageTier for MemoryTier {
+    fn kind(&self) -> TierKind {
+        self.blocks.kind()
+    }
+
+    fn capability(&self) -> Capability {
+        HOST_CAPABILITY
+    }
+
+    fn layout(&self) -> &Layout {
+        self.blocks.layout()
+    }
+
+    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
+        self.blocks.read_block(block, dst)
+    }
+
+    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
+        self.blocks.write_block(block, src)
+    }
+
+    fn with_block(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&[IoSlice<'_>]) -> Result<()>,
+    ) -> Result<()> {
+        self.blocks.with_block(block, f)
+    }
+
+    fn with_block_mut(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> Result<()>,
+    ) -> Result<()> {
+        self.blocks.with_block_mut(block, f)
     }
 }

@@ -14,14 +14,14 @@
 use std::io::{IoSlice, IoSliceMut};
 use std::str::FromStr;
 
-use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::error::{bad_value, to_py_err};
+use crate::backends::memory::{HostBlocks, HOST_CAPABILITY};
 use crate::error::{Error, Result};
 use crate::layout::{detect_trtllm, detect_vllm, KvLayout, Layout, LayoutKind};
-use crate::tier::{check_io, copy_segments, total_len, Capability, StorageTier, TierKind};
+use crate::tier::{Capability, StorageTier, TierKind};
 
 /// What the connector reads from one cache tensor.
 #[derive(Debug)]
@@ -248,26 +248,17 @@ fn c_strides(shape: &[usize], itemsize: usize) -> Vec<isize> {
 /// invariant, and [`TensorTier::from_tensors`] refuses overlapping tensors). The engine writing
 /// its own blocks while the connector reads others is the sharing every engine connector has.
 pub(crate) struct TensorTier {
-    layout: Layout,
-    allocations: Vec<(*mut u8, usize)>,
-    locks: Box<[RwLock<()>]>,
+    blocks: HostBlocks,
     /// The tensor objects: keep the memory alive (dropped without the GIL, pyo3 defers the
-    /// reference decrement to the next time it holds it).
+    /// reference decrement to the next time it holds it). Declared after `blocks`.
     _owners: Vec<Py<PyAny>>,
 }
-
-// SAFETY: the raw pointers are only dereferenced through `&self` methods that take the block's
-// lock first (shared for reads, exclusive for writes); blocks never overlap. `Py<PyAny>` is
-// Send + Sync.
-unsafe impl Send for TensorTier {}
-// SAFETY: see above.
-unsafe impl Sync for TensorTier {}
 
 impl std::fmt::Debug for TensorTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TensorTier")
-            .field("layout", &self.layout)
-            .field("tensors", &self.allocations.len())
+            .field("layout", self.blocks.layout())
+            .field("tensors", &self._owners.len())
             .finish_non_exhaustive()
     }
 }
@@ -315,90 +306,36 @@ impl TensorTier {
                 )));
             }
         }
-        let locks = (0..layout.num_blocks()).map(|_| RwLock::new(())).collect();
-        let allocations = tensors
-            .iter()
-            .map(|t| (t.ptr as *mut u8, t.nbytes))
-            .collect();
+        let bases = tensors.iter().map(|t| t.ptr as *mut u8).collect();
+        // SAFETY: this function's contract: each tensor's memory is valid while its owner lives,
+        // and the owners are kept (dropped after `blocks`); sizes were checked above.
+        let blocks = unsafe { HostBlocks::new(TierKind::Device, layout, bases)? };
         Ok(Self {
-            layout,
-            allocations,
-            locks,
+            blocks,
             _owners: tensors.into_iter().map(|t| t.owner).collect(),
-        })
-    }
-
-    fn runs(&self, block: usize) -> Result<Vec<(*mut u8, usize)>> {
-        let mut out = Vec::with_capacity(self.layout.dims().regions_per_block());
-        for r in self.layout.regions(block)? {
-            let (base, len) = *self
-                .allocations
-                .get(r.allocation)
-                .ok_or_else(|| Error::internal("region names a missing allocation"))?;
-            if r.offset + r.len > len {
-                return Err(Error::internal("region outside its tensor"));
-            }
-            // SAFETY: offset + len <= the tensor's size (checked above and a layout invariant).
-            out.push((unsafe { base.add(r.offset) }, r.len));
-        }
-        Ok(out)
-    }
-
-    fn lock(&self, op: &'static str, block: usize) -> Result<&RwLock<()>> {
-        self.locks.get(block).ok_or_else(|| {
-            Error::out_of_range("block", block, self.locks.len())
-                .with("tier", TierKind::Device)
-                .with("op", op)
         })
     }
 }
 
 impl StorageTier for TensorTier {
     fn kind(&self) -> TierKind {
-        TierKind::Device
+        self.blocks.kind()
     }
 
     fn capability(&self) -> Capability {
-        Capability {
-            host_addressable: true,
-            direct_io_alignment: 1,
-            checksummed: false,
-            max_in_flight: 64,
-        }
+        HOST_CAPABILITY
     }
 
     fn layout(&self) -> &Layout {
-        &self.layout
+        self.blocks.layout()
     }
 
     fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
-        check_io(
-            TierKind::Device,
-            "read_block",
-            block,
-            self.num_blocks(),
-            total_len(dst),
-            self.bytes_per_block(),
-        )?;
-        self.with_block(block, &mut |src| {
-            copy_segments(src, dst);
-            Ok(())
-        })
+        self.blocks.read_block(block, dst)
     }
 
     fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
-        check_io(
-            TierKind::Device,
-            "write_block",
-            block,
-            self.num_blocks(),
-            total_len(src),
-            self.bytes_per_block(),
-        )?;
-        self.with_block_mut(block, &mut |dst| {
-            copy_segments(src, dst);
-            Ok(())
-        })
+        self.blocks.write_block(block, src)
     }
 
     fn with_block(
@@ -406,15 +343,7 @@ impl StorageTier for TensorTier {
         block: usize,
         f: &mut dyn FnMut(&[IoSlice<'_>]) -> Result<()>,
     ) -> Result<()> {
-        let _guard = self.lock("with_block", block)?.read();
-        let runs = self.runs(block)?;
-        let slices: Vec<IoSlice<'_>> = runs
-            .iter()
-            // SAFETY: the run lies inside a live tensor (see `runs`, `from_tensors`) and the
-            // shared lock keeps the connector's writers of this block out while the slices live.
-            .map(|&(p, len)| IoSlice::new(unsafe { std::slice::from_raw_parts(p, len) }))
-            .collect();
-        f(&slices)
+        self.blocks.with_block(block, f)
     }
 
     fn with_block_mut(
@@ -422,15 +351,7 @@ impl StorageTier for TensorTier {
         block: usize,
         f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> Result<()>,
     ) -> Result<()> {
-        let _guard = self.lock("with_block_mut", block)?.write();
-        let runs = self.runs(block)?;
-        let mut slices: Vec<IoSliceMut<'_>> = runs
-            .iter()
-            // SAFETY: as in `with_block`; the exclusive lock makes these the connector's only
-            // slices of this block, and runs of one block never overlap each other.
-            .map(|&(p, len)| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p, len) }))
-            .collect();
-        f(&mut slices)
+        self.blocks.with_block_mut(block, f)
     }
 }
 
