@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The whole test suite (the README's test command; .ci/run runs it after fmt, clippy and docs).
+#
+# Installs what the tests need on a fresh machine, once, and caches it under $HOME/.cache/kvbm:
+# libclang-dev and the nixl-cu12 wheel (scripts/nixl-env.sh), a Python venv with maturin, pytest
+# and numpy (target/py-venv), and a venv with vLLM and torch for the conformance tests (about
+# 6.6 GB the first time). Then:
+#   1. every Rust test with every feature that needs no GPU at run time (trtllm, vllm, cli, nixl,
+#      cuda): NIXL tests run for real; CUDA's GPU tests print SKIP and why without a GPU;
+#   2. the Python package: built as a wheel, pytest against it;
+#   3. the Python package against the real vLLM on CPU.
+# With CI=true a missing NIXL fails its tests instead of skipping them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# shellcheck source=nixl-env.sh
+source scripts/nixl-env.sh
+
+echo "=== Rust tests (features trtllm, vllm, cli, nixl, cuda)"
+cargo test --features trtllm,vllm,cli,nixl,cuda
+
+echo "=== Python package: build the abi3 wheel with maturin, run pytest against it"
+# A virtual environment under target/ (cached with the build; created on a fresh machine) holds
+# maturin, pytest and numpy. The wheel is built in the dev profile, sharing compiled dependencies
+# with the steps above, and installed over any previous one; pytest then imports the installed
+# wheel, not the source tree.
+PYVENV=target/py-venv
+export PYTHONDONTWRITEBYTECODE=1  # no __pycache__ left in the source tree
+if [ ! -x "$PYVENV/bin/python" ]; then
+  python3 -m venv "$PYVENV"
+fi
+"$PYVENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+  "maturin>=1.5,<2" "pytest>=7" "numpy>=1.21"
+rm -rf target/wheels
+"$PYVENV/bin/maturin" build --quiet --interpreter "$PYVENV/bin/python" --out target/wheels
+"$PYVENV/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall \
+  --no-deps target/wheels/kvbm_connector-*.whl
+"$PYVENV/bin/python" -c 'import kvbm_connector, sys; print("testing", kvbm_connector.__file__); sys.exit("/site-packages/" not in kvbm_connector.__file__)'
+pytest_rc=0
+"$PYVENV/bin/python" -m pytest tests/python -q -p no:cacheprovider || pytest_rc=$?
+if [ "$pytest_rc" -eq 5 ]; then
+  echo "pytest collected no tests: the Python tests did not run" >&2
+  exit 1
+elif [ "$pytest_rc" -ne 0 ]; then
+  exit "$pytest_rc"
+fi
+
+echo "=== Python package against the real vLLM on CPU (venv cached in \$HOME/.cache/kvbm/vllm-venv)"
+# vLLM with --no-deps plus torch and the packages its import needs (tests/python/
+# vllm-requirements.txt): about 1.5 min and 6.6 GB the first time, rebuilt only when that file
+# changes. Then our class must subclass the real KVConnectorBase_V1, be built by vLLM's factory
+# and be driven by vLLM's own scheduler (tests/python/test_vllm_real.py).
+VLLM_VENV="$HOME/.cache/kvbm/vllm-venv"
+vllm_want="$(sha256sum tests/python/vllm-requirements.txt | cut -d' ' -f1) vllm==0.33.0"
+if [ "$(cat "$VLLM_VENV/.kvbm-stamp" 2>/dev/null)" != "$vllm_want" ]; then
+  rm -rf "$VLLM_VENV"
+  python3 -m venv "$VLLM_VENV"
+  "$VLLM_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+    -r tests/python/vllm-requirements.txt
+  "$VLLM_VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps vllm==0.33.0
+  echo "$vllm_want" > "$VLLM_VENV/.kvbm-stamp"
+fi
+"$VLLM_VENV/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall \
+  --no-deps target/wheels/kvbm_connector-*.whl
+# Fails here, not as a skip, when vLLM does not import.
+VLLM_TARGET_DEVICE=cpu "$VLLM_VENV/bin/python" -c \
+  'import vllm.distributed.kv_transfer.kv_connector.v1.base, kvbm_connector.vllm as k; assert k.HAVE_VLLM'
+pytest_rc=0
+"$VLLM_VENV/bin/python" -m pytest tests/python/test_vllm_real.py tests/python/test_vllm.py -q \
+  -p no:cacheprovider || pytest_rc=$?
+if [ "$pytest_rc" -eq 5 ]; then
+  echo "pytest collected no tests: the vLLM conformance tests did not run" >&2
+  exit 1
+elif [ "$pytest_rc" -ne 0 ]; then
+  exit "$pytest_rc"
+fi
