@@ -155,6 +155,59 @@ impl Default for TransferConfig {
     }
 }
 
+/// The remote (G4) tier: instances sharing a directory read each other's host tiers over UCX
+/// (feature `nixl`). Off unless `dir` is set.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RemoteConfig {
+    /// Shared directory where instances publish their host index and tier exports. Default:
+    /// unset (remote tier off).
+    pub dir: Option<PathBuf>,
+    /// This instance's name in that directory (unique among the instances sharing it). Default:
+    /// `<hostname>-<pid>` of the leader.
+    pub instance: Option<String>,
+    /// Iterations between two writes of this instance's index and two reads of the peers'.
+    /// Default (unset or 0): 16.
+    pub publish_every: Option<u64>,
+}
+
+impl RemoteConfig {
+    /// Iterations between index writes/reads when unset.
+    pub const DEFAULT_PUBLISH_EVERY: u64 = 16;
+
+    /// Whether the remote tier is on (`dir` set).
+    pub fn enabled(&self) -> bool {
+        self.dir.is_some()
+    }
+
+    /// True when nothing is set (the section is then left out of the TOML form).
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Iterations between index writes/reads.
+    pub fn publish_every(&self) -> u64 {
+        match self.publish_every {
+            Some(n) if n > 0 => n,
+            _ => Self::DEFAULT_PUBLISH_EVERY,
+        }
+    }
+
+    /// The instance name: `instance`, else `<hostname>-<pid>`.
+    pub fn instance_name(&self) -> String {
+        if let Some(i) = self.instance.as_ref().filter(|i| !i.trim().is_empty()) {
+            return i.clone();
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_owned())
+            .filter(|h| !h.is_empty())
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_else(|| "localhost".to_owned());
+        format!("{host}-{}", std::process::id())
+    }
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -169,6 +222,9 @@ pub struct Config {
     pub transfer: TransferConfig,
     /// One deadline for the whole leader/worker start-up barrier, in seconds. Default: 60.
     pub init_timeout_secs: f64,
+    /// The remote (G4) tier. Default: off.
+    #[serde(skip_serializing_if = "RemoteConfig::is_default")]
+    pub remote: RemoteConfig,
 }
 
 impl Default for Config {
@@ -179,6 +235,7 @@ impl Default for Config {
             disk: DiskConfig::default(),
             transfer: TransferConfig::default(),
             init_timeout_secs: 60.0,
+            remote: RemoteConfig::default(),
         }
     }
 }
@@ -237,6 +294,9 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_TRANSFER_CONCURRENCY", "transfer.max_concurrency"),
     ours("KVBM_TRANSFER_BATCH_BLOCKS", "transfer.batch_blocks"),
     ours("KVBM_INIT_TIMEOUT_SECS", "init_timeout_secs"),
+    ours("KVBM_REMOTE_DIR", "remote.dir"),
+    ours("KVBM_REMOTE_INSTANCE", "remote.instance"),
+    ours("KVBM_REMOTE_PUBLISH_EVERY", "remote.publish_every"),
 ];
 
 /// Names the configuration file when no path is given explicitly.
@@ -377,6 +437,29 @@ impl Config {
                 self.transfer.batch_blocks = parse_num(source, raw, "a count >= 1")?
             }
             "init_timeout_secs" => self.init_timeout_secs = parse_num(source, raw, "seconds > 0")?,
+            "remote.dir" => {
+                self.remote.dir = Some(raw.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(PathBuf::from)
+            }
+            "remote.instance" => {
+                let name = raw.trim();
+                if !name.is_empty()
+                    && !name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                {
+                    return Err(Error::invalid_config(
+                        source,
+                        raw,
+                        "expected letters, digits, '-', '_' or '.'",
+                    ));
+                }
+                self.remote.instance = Some(name.to_owned()).filter(|s| !s.is_empty())
+            }
+            "remote.publish_every" => {
+                self.remote.publish_every = Some(parse_num(source, raw, "a count of iterations")?)
+            }
             other => {
                 return Err(Error::internal(format!(
                     "environment table names unknown key {other}"

@@ -476,6 +476,21 @@ impl BlockPool {
         self.inner.num_blocks
     }
 
+    /// Every registered block as `(key, block id)`, ordered by block id (a snapshot; for
+    /// publishing what the tier holds).
+    pub fn registered(&self) -> Vec<(SequenceHash, usize)> {
+        let mut v: Vec<(SequenceHash, usize)> = self
+            .inner
+            .state
+            .lock()
+            .map
+            .iter()
+            .map(|(h, id)| (*h, *id as usize))
+            .collect();
+        v.sort_by_key(|(_, id)| *id);
+        v
+    }
+
     /// A snapshot of the block counts.
     pub fn stats(&self) -> PoolStats {
         self.inner.state.lock().stats()

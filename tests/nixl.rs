@@ -1138,3 +1138,250 @@ fn replay_with_nixl_disk_passes_integrity() {
             .any(|p| p.path == "disk->device" && p.blocks > 0));
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// The remote (G4) tier through the connector: two instances sharing `remote.dir`
+// ------------------------------------------------------------------------------------------------
+
+mod remote_tier {
+    use super::*;
+    use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
+    use kvbm_connector::connector::barrier::InitMode;
+    use kvbm_connector::connector::leader::{Leader, RequestInfo};
+    use kvbm_connector::connector::transport::in_process;
+    use kvbm_connector::connector::worker::Worker;
+    use kvbm_connector::connector::RequestId;
+    use kvbm_connector::Config;
+
+    const BS: usize = 4;
+    const DEVICE_BLOCKS: usize = 16;
+
+    fn dims() -> LayoutDims {
+        LayoutDims {
+            num_layers: 2,
+            outer_dim: 2,
+            page_size: BS,
+            inner_dim: 8,
+            dtype_bytes: 2,
+        }
+    }
+
+    /// The KV a model computes for block `block` of `tokens` (a function of the whole prefix).
+    fn kv(tokens: &[u32], block: usize) -> Vec<u8> {
+        let mut h: u64 = 1469598103934665603;
+        for t in &tokens[..(block + 1) * BS] {
+            h = (h ^ u64::from(*t)).wrapping_mul(1099511628211);
+        }
+        (0..dims().bytes_per_block())
+            .map(|i| (h.wrapping_add(i as u64 * 31) >> 7) as u8)
+            .collect()
+    }
+
+    struct Instance {
+        leader: Leader<ScheduledTokens>,
+        worker: Worker,
+        device: Arc<dyn StorageTier>,
+    }
+
+    fn instance(remote_dir: &Path, name: &str, host_blocks: usize) -> Instance {
+        let mut config = Config::default();
+        config.host.cache_blocks = Some(host_blocks);
+        config.init_timeout_secs = 10.0;
+        config
+            .apply_env(|k| match k {
+                "KVBM_REMOTE_DIR" => Some(remote_dir.display().to_string()),
+                "KVBM_REMOTE_INSTANCE" => Some(name.to_owned()),
+                "KVBM_REMOTE_PUBLISH_EVERY" => Some("1".to_owned()),
+                _ => None,
+            })
+            .expect("config");
+        let (lt, wts) = in_process(1);
+        let device: Arc<dyn StorageTier> = Arc::new(
+            MemoryTier::new(
+                TierKind::Device,
+                Layout::layer_separate(dims(), DEVICE_BLOCKS, BlockOrder::OuterMajor).unwrap(),
+            )
+            .unwrap(),
+        );
+        let mut worker =
+            Worker::new(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+        worker.register(device.clone()).unwrap();
+        let mut leader = Leader::new(ScheduledTokens, config, BS, lt, InitMode::Blocking).unwrap();
+        assert!(leader.is_ready());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !worker.is_ready() {
+            assert!(
+                Instant::now() < deadline,
+                "worker not ready: {:?}",
+                worker.init_error()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Instance {
+            leader,
+            worker,
+            device,
+        }
+    }
+
+    fn info<'a>(id: &'a RequestId, tokens: &'a [u32]) -> RequestInfo<'a> {
+        RequestInfo {
+            id,
+            tokens,
+            cache_salt: None,
+            lora_name: None,
+        }
+    }
+
+    impl Instance {
+        /// One iteration; returns (released, loaded).
+        fn step(
+            &mut self,
+            step: SchedulerStep,
+            writes: &[(&[u32], usize, usize)],
+            finished: &[RequestId],
+        ) -> (Vec<RequestId>, Vec<RequestId>) {
+            let bytes = self.leader.build_connector_meta(&step).unwrap();
+            self.worker.bind_metadata(&bytes).unwrap();
+            self.worker.start_load().unwrap();
+            for (tokens, block, dev) in writes {
+                self.device
+                    .write_block_from_slice(*dev, &kv(tokens, *block))
+                    .unwrap();
+            }
+            self.worker.save().unwrap();
+            self.worker.wait_idle(Duration::from_secs(10)).unwrap();
+            self.leader.process_completions();
+            self.worker.get_finished(finished, None)
+        }
+
+        /// Prefills `tokens` cold on `blocks`, finishes, drains the stores.
+        fn offload(&mut self, id: &RequestId, tokens: &[u32], blocks: &[usize]) {
+            let m = self
+                .leader
+                .get_num_new_matched_tokens(info(id, tokens), 0)
+                .unwrap();
+            assert_eq!(m.external_tokens, 0, "expected a cold request");
+            self.leader.update_state_after_alloc(id, blocks, 0).unwrap();
+            let writes: Vec<(&[u32], usize, usize)> = (0..tokens.len() / BS)
+                .map(|b| (tokens, b, blocks[b]))
+                .collect();
+            let step = SchedulerStep {
+                requests: vec![ScheduledRequest {
+                    request_id: id.clone(),
+                    num_computed_tokens: 0,
+                    num_scheduled_tokens: Some(tokens.len()),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            self.step(step, &writes, &[]);
+            self.leader.request_finished(id, None, None).unwrap();
+            for _ in 0..3 {
+                self.step(SchedulerStep::default(), &[], std::slice::from_ref(id));
+            }
+        }
+
+        /// Matches and loads `tokens` as `id` into `blocks` (filled with 0xEE first); returns the
+        /// match and the device blocks whose load failed.
+        fn onboard(
+            &mut self,
+            id: &RequestId,
+            tokens: &[u32],
+            blocks: &[usize],
+        ) -> (kvbm_connector::connector::leader::MatchResult, Vec<usize>) {
+            for &b in blocks {
+                self.device
+                    .write_block_from_slice(b, &vec![0xEE; dims().bytes_per_block()])
+                    .unwrap();
+            }
+            let m = self
+                .leader
+                .get_num_new_matched_tokens(info(id, tokens), 0)
+                .unwrap();
+            self.leader
+                .update_state_after_alloc(id, blocks, m.external_tokens)
+                .unwrap();
+            let mut loaded = Vec::new();
+            for _ in 0..3 {
+                let (_, l) = self.step(SchedulerStep::default(), &[], &[]);
+                loaded.extend(l);
+                if !loaded.is_empty() {
+                    break;
+                }
+            }
+            if m.external_tokens > 0 {
+                assert_eq!(loaded, vec![id.clone()], "load not reported");
+            }
+            let errors = self.worker.take_load_errors();
+            self.leader.request_finished(id, None, Some(0)).unwrap();
+            self.step(SchedulerStep::default(), &[], std::slice::from_ref(id));
+            (m, errors)
+        }
+    }
+
+    /// Instance B onboards a prefix instance A holds in its host tier, over UCX, every byte
+    /// checked; once A evicted and rewrote those host blocks, B's load from its stale index fails
+    /// as load errors (never served).
+    #[test]
+    fn leader_onboards_a_prefix_from_another_instances_host_tier() {
+        need_nixl!();
+        let dir = tempfile::tempdir().unwrap();
+        let mut a = instance(dir.path(), "inst-a", 4);
+        let mut b = instance(dir.path(), "inst-b", 0);
+        // 3 full blocks + 1 token: all 3 blocks are matchable.
+        let prompt: Vec<u32> = (0..13).map(|t| 1000 + t).collect();
+        a.offload(&RequestId::from("a1"), &prompt, &[0, 1, 2, 3]);
+        assert!(dir.path().join("inst-a.index.json").exists());
+        assert!(dir.path().join("inst-a.rank0.export.json").exists());
+        // B reads A's index on its next iteration.
+        b.step(SchedulerStep::default(), &[], &[]);
+        let (m, errors) = b.onboard(&RequestId::from("b1"), &prompt, &[5, 6, 7, 8]);
+        assert_eq!(m.external_tokens, 3 * BS, "{m:?}");
+        assert_eq!(m.remote_tokens, 3 * BS, "{m:?}");
+        assert_eq!((m.host_tokens, m.disk_tokens), (0, 0));
+        assert!(errors.is_empty(), "{errors:?}");
+        for (k, dev) in [5, 6, 7].into_iter().enumerate() {
+            let got = b.device.read_block_to_vec(dev).unwrap();
+            assert_eq!(got, kv(&prompt, k), "block {k}");
+            assert_eq!(got, a.device.read_block_to_vec(k).unwrap(), "block {k}");
+        }
+        let s = b.leader.metrics().snapshot();
+        assert_eq!(s.remote_hit_tokens, (3 * BS) as u64, "{s:?}");
+        assert_eq!(s.load_error_blocks, 0);
+
+        // A evicts those blocks: another prompt fills its 4 host blocks.
+        let other: Vec<u32> = (0..21).map(|t| 5000 + t).collect();
+        a.offload(&RequestId::from("a2"), &other, &[8, 9, 10, 11, 12, 13]);
+        // B still holds A's old index (it has not built metadata since): the match is remote,
+        // the load fails verification, every block is a load error and none is served.
+        let (m, mut errors) = b.onboard(&RequestId::from("b2"), &prompt, &[5, 6, 7, 8]);
+        assert_eq!(m.remote_tokens, 3 * BS, "{m:?}");
+        errors.sort();
+        assert_eq!(errors, vec![5, 6, 7]);
+        for dev in [5, 6, 7] {
+            assert!(
+                b.device
+                    .read_block_to_vec(dev)
+                    .unwrap()
+                    .iter()
+                    .all(|x| *x == 0xEE),
+                "device block {dev} was written by a failed load"
+            );
+        }
+        let s = b.leader.metrics().snapshot();
+        assert_eq!(s.remote_hit_tokens, (3 * BS) as u64, "{s:?}");
+        assert_eq!(s.load_error_blocks, 3, "{s:?}");
+        // B has refreshed meanwhile: A's index no longer lists the prompt, nothing matches.
+        let (m, _) = b.onboard(&RequestId::from("b3"), &prompt, &[5, 6, 7, 8]);
+        assert_eq!(m.external_tokens, 0, "{m:?}");
+        // The new prompt A holds now loads from A, verified.
+        b.step(SchedulerStep::default(), &[], &[]);
+        let (m, errors) = b.onboard(&RequestId::from("b4"), &other, &[0, 1, 2, 3, 4, 5]);
+        assert_eq!(m.remote_tokens, 4 * BS, "{m:?}");
+        assert!(errors.is_empty(), "{errors:?}");
+        for k in 0..4 {
+            assert_eq!(b.device.read_block_to_vec(k).unwrap(), kv(&other, k));
+        }
+    }
+}

@@ -29,8 +29,11 @@ use crate::connector::barrier::{
     initialise, leader_barrier, InitCell, InitMode, InitStatus, Readiness,
 };
 use crate::connector::lifecycle::{Lifecycle, RequestState};
-use crate::connector::metadata::{BlockTransfer, ConnectorMetadata, Load, OperationId, Store};
+use crate::connector::metadata::{
+    BlockTransfer, ConnectorMetadata, KeyedStore, Load, OperationId, RemoteLoad, Store,
+};
 use crate::connector::metrics::Metrics;
+use crate::connector::remote::{HostIndex, LeaderRemote};
 use crate::connector::transport::{Completion, LeaderTransport, WorkerMessage};
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
@@ -62,6 +65,9 @@ pub struct MatchResult {
     pub host_tokens: usize,
     /// Of `external_tokens`, those held in the disk tier.
     pub disk_tokens: usize,
+    /// Of `external_tokens`, those in another instance's host tier (the remote tier; only with
+    /// `remote.dir` set).
+    pub remote_tokens: usize,
 }
 
 impl MatchResult {
@@ -71,6 +77,7 @@ impl MatchResult {
         load_async: false,
         host_tokens: 0,
         disk_tokens: 0,
+        remote_tokens: 0,
     };
 }
 
@@ -92,11 +99,14 @@ struct Staged {
     start: usize,
     host: Vec<ImmutableBlock>,
     disk: Vec<ImmutableBlock>,
+    /// Remote blocks after the disk ones: `(key, the peer's host block)`, all of `remote_peer`.
+    remote: Vec<(SequenceHash, usize)>,
+    remote_peer: Option<Arc<str>>,
 }
 
 impl Staged {
     fn blocks(&self) -> usize {
-        self.host.len() + self.disk.len()
+        self.host.len() + self.disk.len() + self.remote.len()
     }
 }
 
@@ -123,6 +133,11 @@ enum Holds {
         /// The device block each source block goes to (same order).
         dst: Vec<usize>,
     },
+    /// A load from another instance's host tier: nothing held here (the peer owns the blocks).
+    Remote {
+        keys: Vec<SequenceHash>,
+        dst: Vec<usize>,
+    },
     Store {
         tier: TierKind,
         dst: Vec<(MutableBlock, SequenceHash)>,
@@ -135,7 +150,7 @@ impl Holds {
     /// The destination block ids of the operation.
     fn dst_blocks(&self) -> Vec<usize> {
         match self {
-            Holds::Load { dst, .. } => dst.clone(),
+            Holds::Load { dst, .. } | Holds::Remote { dst, .. } => dst.clone(),
             Holds::Store { dst, .. } => dst.iter().map(|(b, _)| b.block_id()).collect(),
         }
     }
@@ -188,6 +203,8 @@ pub struct Leader<A: SchedulerAdapter> {
     /// Ranks whose connection was lost. While any is dead the leader is degraded: it matches
     /// nothing and stores nothing, and operations count as failed on the dead ranks.
     dead: Vec<bool>,
+    /// The remote (G4) tier's discovery, when `remote.dir` is set.
+    remote: Option<LeaderRemote>,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -239,7 +256,9 @@ impl<A: SchedulerAdapter> Leader<A> {
             failure_logged: false,
             last_match: MatchResult::NONE,
             dead: Vec::new(),
+            remote: None,
         };
+        leader.remote = LeaderRemote::new(&leader.config.remote);
         if !leader.ensure_ready() && mode == InitMode::Blocking {
             if let LeaderStatus::Failed(e) = leader.status() {
                 return Err(e);
@@ -495,8 +514,29 @@ impl<A: SchedulerAdapter> Leader<A> {
                     _ => {}
                 }
             }
-            if !host.is_empty() || !disk.is_empty() {
-                staged = Some(Staged { start, host, disk });
+            // The remote tier continues where host and disk stopped, from one peer.
+            let mut remote = Vec::new();
+            let mut remote_peer: Option<Arc<str>> = None;
+            if let Some(r) = &self.remote {
+                for &hash in hashes.iter().skip(host.len() + disk.len()) {
+                    let Some((peer, block)) = r.index.get(&hash) else {
+                        break;
+                    };
+                    if remote_peer.as_ref().is_some_and(|p| p != peer) {
+                        break;
+                    }
+                    remote_peer.get_or_insert_with(|| peer.clone());
+                    remote.push((hash, *block));
+                }
+            }
+            if !host.is_empty() || !disk.is_empty() || !remote.is_empty() {
+                staged = Some(Staged {
+                    start,
+                    host,
+                    disk,
+                    remote,
+                    remote_peer,
+                });
             }
         }
         let matched_blocks = staged.as_ref().map_or(0, Staged::blocks);
@@ -507,15 +547,16 @@ impl<A: SchedulerAdapter> Leader<A> {
             return Ok(MatchResult::NONE);
         }
         slot.life.stage_onboard()?;
-        let (host_blocks, disk_blocks) = staged
+        let (host_blocks, disk_blocks, remote_blocks) = staged
             .as_ref()
-            .map_or((0, 0), |s| (s.host.len(), s.disk.len()));
+            .map_or((0, 0, 0), |s| (s.host.len(), s.disk.len(), s.remote.len()));
         slot.staged = staged;
         let m = MatchResult {
             external_tokens: matched_blocks * bs,
             load_async: true,
             host_tokens: host_blocks * bs,
             disk_tokens: disk_blocks * bs,
+            remote_tokens: remote_blocks * bs,
         };
         self.last_match = m;
         Ok(m)
@@ -596,6 +637,15 @@ impl<A: SchedulerAdapter> Leader<A> {
             .enumerate()
             .map(|(k, b)| (b.block_id(), block_ids[disk_start + k]))
             .collect();
+        let remote_start = disk_start + staged.disk.len();
+        let remote_pairs: Vec<(usize, usize)> = staged
+            .remote
+            .iter()
+            .enumerate()
+            .map(|(k, (_, b))| (*b, block_ids[remote_start + k]))
+            .collect();
+        let remote_keys: Vec<SequenceHash> = staged.remote.iter().map(|(h, _)| *h).collect();
+        let remote_peer = staged.remote_peer.clone();
         let mut loads = Vec::new();
         for (tier, pairs, src) in [
             (TierKind::Host, host_pairs, staged.host),
@@ -617,6 +667,32 @@ impl<A: SchedulerAdapter> Leader<A> {
             };
             self.outbox.operations.push(Box::new(Load(transfer)));
             self.track(op, Some(id.clone()), Holds::Load { tier, src, dst });
+            if let Some(slot) = self.slots.get_mut(id) {
+                slot.loads_in_flight += 1;
+            }
+        }
+        if let (false, Some(peer)) = (remote_pairs.is_empty(), remote_peer) {
+            let op = self.next_op_id();
+            let dst: Vec<usize> = remote_pairs.iter().map(|p| p.1).collect();
+            self.outbox.operations.push(Box::new(RemoteLoad {
+                transfer: BlockTransfer {
+                    id: op,
+                    request_id: Some(id.clone()),
+                    src: TierKind::Remote,
+                    dst: TierKind::Device,
+                    pairs: remote_pairs,
+                },
+                instance: peer.to_string(),
+                keys: remote_keys.iter().map(|h| h.0).collect(),
+            }));
+            self.track(
+                op,
+                Some(id.clone()),
+                Holds::Remote {
+                    keys: remote_keys,
+                    dst,
+                },
+            );
             if let Some(slot) = self.slots.get_mut(id) {
                 slot.loads_in_flight += 1;
             }
@@ -736,7 +812,9 @@ impl<A: SchedulerAdapter> Leader<A> {
             self.offload(&id, computed);
         }
         self.queue_disk_offloads();
+        self.remote_publish_and_refresh();
         let mut meta = ConnectorMetadata::empty(self.iteration);
+        meta.remote_instance = self.remote.as_ref().map(|r| r.instance.clone());
         let outbox = std::mem::take(&mut self.outbox);
         meta.new_slots = outbox.new_slots;
         meta.operations = outbox.operations;
@@ -933,13 +1011,22 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         slot.stores_in_flight += 1;
         let op = self.next_op_id();
-        self.outbox.operations.push(Box::new(Store(BlockTransfer {
+        let transfer = BlockTransfer {
             id: op,
             request_id: Some(id.clone()),
             src: TierKind::Device,
             dst: kind,
             pairs,
-        })));
+        };
+        if self.remote.is_some() && kind == TierKind::Host {
+            // The workers publish each block's key once written (remote readers verify it).
+            let keys = dst.iter().map(|(_, h)| h.0).collect();
+            self.outbox
+                .operations
+                .push(Box::new(KeyedStore { transfer, keys }));
+        } else {
+            self.outbox.operations.push(Box::new(Store(transfer)));
+        }
         self.track(
             op,
             Some(id.clone()),
@@ -1080,6 +1167,30 @@ impl<A: SchedulerAdapter> Leader<A> {
         let ok_all = track.failed.is_empty();
         self.metrics.record_operation_completed(ok_all);
         match track.holds {
+            Holds::Remote { keys, dst } => {
+                let total = keys.len() as u64;
+                let failed = (track.failed.len() as u64).min(total);
+                let ok = total - failed;
+                if failed > 0 {
+                    // Stale: the peer evicted or rewrote it. No later match tries it again
+                    // until the peer publishes it anew.
+                    if let Some(r) = self.remote.as_mut() {
+                        for (k, d) in keys.iter().zip(&dst) {
+                            if track.failed.contains(d) {
+                                r.index.remove(k);
+                            }
+                        }
+                    }
+                    tracing::debug!(failed, "remote blocks failed verification or transfer");
+                }
+                self.metrics.record_hit(TierKind::Remote, ok * bs);
+                self.metrics
+                    .record_transfer(TierKind::Remote, TierKind::Device, ok, ok * bpb);
+                if failed > 0 {
+                    self.metrics.record_load_error(failed);
+                }
+                self.request_op_done(track.request.as_ref(), true);
+            }
             Holds::Load { tier, src, dst } => {
                 let total = src.len() as u64;
                 let failed = (track.failed.len() as u64).min(total);
@@ -1149,6 +1260,40 @@ impl<A: SchedulerAdapter> Leader<A> {
                 self.request_op_done(track.request.as_ref(), false);
             }
         }
+    }
+
+    /// Remote tier on: every `remote.publish_every` iterations, writes this instance's host index
+    /// and re-reads the peers' (skipping those whose sharding, block size or hash differ).
+    fn remote_publish_and_refresh(&mut self) {
+        let iteration = self.iteration;
+        let (Some(remote), Some(tiers)) = (self.remote.as_mut(), self.tiers.as_ref()) else {
+            return;
+        };
+        if !remote.due(iteration) {
+            return;
+        }
+        remote.last = Some(iteration);
+        let own = HostIndex {
+            instance: remote.instance.clone(),
+            world_size: self.transport.world_size(),
+            page_size: self.page_size,
+            bytes_per_block: tiers.readiness.total_bytes_per_block(),
+            hash: self.config.hash,
+            blocks: tiers
+                .host
+                .as_ref()
+                .map(|p| p.registered().into_iter().map(|(h, b)| (h.0, b)).collect())
+                .unwrap_or_default(),
+        };
+        if let Err(e) = remote.publish(&own) {
+            tracing::warn!(error = %e, "cannot publish the host index");
+        }
+        remote.refresh(|peer| {
+            peer.world_size == own.world_size
+                && peer.page_size == own.page_size
+                && peer.bytes_per_block == own.bytes_per_block
+                && peer.hash == own.hash
+        });
     }
 
     /// Counts a sighting of a host block and queues it for disk when admitted.

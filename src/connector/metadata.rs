@@ -112,6 +112,74 @@ pub trait Operation: Debug + Send + Sync {
     fn request_id(&self) -> Option<&RequestId> {
         self.transfer().request_id.as_ref()
     }
+    /// The key (sequence hash) of each pair's block, in pair order, when the operation carries
+    /// them (remote tier only: stores into host publish them, remote loads expect them); empty
+    /// otherwise.
+    fn block_keys(&self) -> &[u64] {
+        &[]
+    }
+    /// For a load from the remote tier: the instance whose host tier holds the source blocks.
+    fn remote_instance(&self) -> Option<&str> {
+        None
+    }
+}
+
+/// A [`Store`] into the host tier that names the key of each destination block, so that a
+/// worker exporting its host tier (remote tier on) can publish the blocks' headers once written.
+/// Only built when the remote tier is on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyedStore {
+    /// The copies (`dst` is the host tier).
+    pub transfer: BlockTransfer,
+    /// The key of each pair's block, in pair order.
+    pub keys: Vec<u64>,
+}
+
+/// A [`Load`] from another instance's host tier (the remote, G4, tier): each pair's source block
+/// is read only if verified to hold the expected key (`backends::nixl::VerifiedRemote`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteLoad {
+    /// The copies (`src` is [`TierKind::Remote`], `dst` the device).
+    pub transfer: BlockTransfer,
+    /// The exporting instance.
+    pub instance: String,
+    /// The key each pair's source block must hold, in pair order.
+    pub keys: Vec<u64>,
+}
+
+#[typetag::serde(name = "keyed_store")]
+impl Operation for KeyedStore {
+    fn direction(&self) -> Direction {
+        Direction::Store
+    }
+    fn transfer(&self) -> &BlockTransfer {
+        &self.transfer
+    }
+    fn clone_op(&self) -> Box<dyn Operation> {
+        Box::new(self.clone())
+    }
+    fn block_keys(&self) -> &[u64] {
+        &self.keys
+    }
+}
+
+#[typetag::serde(name = "remote_load")]
+impl Operation for RemoteLoad {
+    fn direction(&self) -> Direction {
+        Direction::Load
+    }
+    fn transfer(&self) -> &BlockTransfer {
+        &self.transfer
+    }
+    fn clone_op(&self) -> Box<dyn Operation> {
+        Box::new(self.clone())
+    }
+    fn block_keys(&self) -> &[u64] {
+        &self.keys
+    }
+    fn remote_instance(&self) -> Option<&str> {
+        Some(&self.instance)
+    }
 }
 
 impl Clone for Box<dyn Operation> {
@@ -173,6 +241,10 @@ pub struct ConnectorMetadata {
     /// them once their operations are done, whether or not the engine tells them itself.
     #[serde(default)]
     pub finished: Vec<RequestId>,
+    /// The leader's instance name when the remote tier is on: workers export their host tier
+    /// under it. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_instance: Option<String>,
 }
 
 impl ConnectorMetadata {
@@ -185,6 +257,7 @@ impl ConnectorMetadata {
             operations: Vec::new(),
             hold: Vec::new(),
             finished: Vec::new(),
+            remote_instance: None,
         }
     }
 

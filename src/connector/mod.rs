@@ -16,6 +16,7 @@ pub mod leader;
 pub mod lifecycle;
 pub mod metadata;
 pub mod metrics;
+pub mod remote;
 pub mod tcp;
 pub mod transport;
 pub mod worker;

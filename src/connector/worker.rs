@@ -56,6 +56,9 @@ pub struct WorkerTiers {
     pub disk: Option<Arc<dyn StorageTier>>,
     /// The counts the leader chose.
     pub counts: TierCounts,
+    /// The remote (G4) tier, when `remote.dir` is set (feature `nixl`).
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) remote: Option<Arc<crate::connector::remote::WorkerRemote>>,
 }
 
 impl WorkerTiers {
@@ -219,10 +222,11 @@ impl Worker {
         let transport = self.transport.clone();
         let config = self.config.clone();
         let timeout = config.init_timeout();
+        let rank = hello.rank;
         let init = initialise(self.mode, "kvbm-worker-init", move || {
             let mut tiers = None;
             worker_barrier(transport.as_ref(), hello, timeout, |counts| {
-                tiers = Some(allocate_tiers(&config, device.clone(), counts)?);
+                tiers = Some(allocate_tiers(&config, rank, device.clone(), counts)?);
                 Ok(())
             })?;
             tiers.ok_or_else(|| Error::internal("barrier finished without tiers"))
@@ -255,6 +259,9 @@ impl Worker {
     pub fn bind_metadata(&mut self, bytes: &[u8]) -> Result<()> {
         let _span = tracing::debug_span!("kvbm.worker.bind", rank = self.rank()).entered();
         let meta = ConnectorMetadata::decode(bytes)?;
+        if let (Some(instance), Some(tiers)) = (&meta.remote_instance, self.tiers()) {
+            export_remote(tiers, instance);
+        }
         if !self.is_ready() {
             if meta.operations.is_empty() {
                 return Ok(());
@@ -425,8 +432,19 @@ impl Worker {
             complete(&shared, transport.as_ref(), done, Err(e));
             return;
         }
-        let (src, dst) = match (tiers.get(t.src), tiers.get(t.dst)) {
-            (Some(s), Some(d)) => (s.clone(), d.clone()),
+        let src = if t.src == TierKind::Remote {
+            match remote_source(tiers, op.as_ref()) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    complete(&shared, transport.as_ref(), done, Err(e.with("op", t.id)));
+                    return;
+                }
+            }
+        } else {
+            tiers.get(t.src).cloned()
+        };
+        let (src, dst) = match (src, tiers.get(t.dst)) {
+            (Some(s), Some(d)) => (s, d.clone()),
             _ => {
                 let e =
                     Error::unsupported(format!("{} → {} has no tier on this worker", t.src, t.dst))
@@ -435,6 +453,9 @@ impl Worker {
                 return;
             }
         };
+        // A host block being rewritten is first withdrawn from remote readers; once written, the
+        // blocks whose keys the leader named are published again.
+        let publish = publish_after(tiers, op.as_ref());
         let handle = {
             let _enter = self.runtime.enter();
             self.engine.submit(src, dst, t.pairs)
@@ -443,6 +464,9 @@ impl Worker {
             Ok(h) => {
                 self.runtime.spawn(async move {
                     let outcome = h.await;
+                    if let Some(publish) = publish {
+                        publish(&outcome);
+                    }
                     complete(&shared, transport.as_ref(), done, outcome);
                 });
             }
@@ -658,39 +682,148 @@ fn complete(
     }
 }
 
-/// The disk tier through NIXL's POSIX backend; the host tier is registered with the same agent
-/// (the tier keeps the agent alive).
+/// Writes this worker's host tier export under the leader's instance name (remote tier on).
 #[cfg(feature = "nixl")]
-fn nixl_disk(
-    host: Option<&Arc<dyn StorageTier>>,
-    dims: crate::layout::LayoutDims,
-    n: usize,
-    opts: DiskTierOptions,
-) -> Result<Arc<dyn StorageTier>> {
-    use crate::backends::nixl::{NixlAgent, NixlBackend, NixlDiskTier};
-    let agent = NixlAgent::new(None, &[NixlBackend::Posix])?;
-    if let Some(h) = host {
-        agent.register_host_tier(h.clone())?;
+fn export_remote(tiers: &WorkerTiers, instance: &str) {
+    if let Some(r) = &tiers.remote {
+        if let Err(e) = r.export_as(instance) {
+            tracing::warn!(error = %e, "cannot write the host tier export");
+        }
     }
-    Ok(Arc::new(NixlDiskTier::create(
-        &agent,
-        TierKind::Disk,
-        dims,
-        n,
-        opts,
-    )?))
 }
 
 #[cfg(not(feature = "nixl"))]
-fn nixl_disk(
+fn export_remote(_tiers: &WorkerTiers, _instance: &str) {}
+
+/// The source of a load from the remote tier: the peer's host tier, read verified against the
+/// keys the operation expects (a block whose check fails is a failed block, never served).
+#[cfg(feature = "nixl")]
+fn remote_source(tiers: &WorkerTiers, op: &dyn Operation) -> Result<Arc<dyn StorageTier>> {
+    let t = op.transfer();
+    let (Some(remote), Some(instance)) = (&tiers.remote, op.remote_instance()) else {
+        return Err(Error::unsupported(
+            "a load from the remote tier needs remote.dir (KVBM_REMOTE_DIR) and its instance",
+        ));
+    };
+    let keys = op.block_keys();
+    if keys.len() != t.pairs.len() {
+        return Err(Error::invalid_argument(format!(
+            "a remote load names {} keys for {} blocks",
+            keys.len(),
+            t.pairs.len()
+        )));
+    }
+    remote.source(
+        instance,
+        t.pairs.iter().map(|p| p.0).zip(keys.iter().copied()),
+    )
+}
+
+#[cfg(not(feature = "nixl"))]
+fn remote_source(_tiers: &WorkerTiers, _op: &dyn Operation) -> Result<Arc<dyn StorageTier>> {
+    Err(Error::unsupported(
+        "the remote tier needs kvbm-connector built with the `nixl` feature",
+    ))
+}
+
+type Publish = Box<dyn FnOnce(&Result<TransferOutcome>) + Send>;
+
+/// For an operation writing host blocks while the host tier is exported: invalidates their
+/// headers now and returns what publishes the keyed ones once written.
+#[cfg(feature = "nixl")]
+fn publish_after(tiers: &WorkerTiers, op: &dyn Operation) -> Option<Publish> {
+    let t = op.transfer();
+    let remote = tiers.remote.clone()?;
+    if t.dst != TierKind::Host {
+        return None;
+    }
+    remote.invalidate(t.pairs.iter().map(|p| p.1));
+    let keys = op.block_keys();
+    if keys.len() != t.pairs.len() {
+        return None; // no keys: withdrawn, never served
+    }
+    let blocks: Vec<(usize, u64)> = t
+        .pairs
+        .iter()
+        .map(|p| p.1)
+        .zip(keys.iter().copied())
+        .collect();
+    Some(Box::new(move |outcome: &Result<TransferOutcome>| {
+        let Ok(o) = outcome else { return };
+        let failed: HashSet<usize> = o.failed.iter().map(|f| f.dst_block).collect();
+        remote.publish(blocks.into_iter().filter(|(b, _)| !failed.contains(b)));
+    }))
+}
+
+#[cfg(not(feature = "nixl"))]
+fn publish_after(_tiers: &WorkerTiers, _op: &dyn Operation) -> Option<Publish> {
+    None
+}
+
+/// A NIXL disk tier, and the remote tier.
+type NixlParts = (
+    Option<Arc<dyn StorageTier>>,
+    Option<Arc<crate::connector::remote::WorkerRemote>>,
+);
+
+/// The NIXL parts of a worker: the disk tier through NIXL's POSIX backend (`disk.io = nixl`) and
+/// the remote tier (`remote.dir` set), on one agent with the host tier registered (the tiers keep
+/// the agent alive).
+#[cfg(feature = "nixl")]
+fn nixl_parts(
+    config: &Config,
+    rank: usize,
+    host: Option<&Arc<dyn StorageTier>>,
+    dims: crate::layout::LayoutDims,
+    disk: Option<(usize, DiskTierOptions)>,
+) -> Result<NixlParts> {
+    use crate::backends::nixl::{NixlAgent, NixlBackend, NixlDiskTier};
+    let mut backends = Vec::new();
+    if disk.is_some() {
+        backends.push(NixlBackend::Posix);
+    }
+    if config.remote.enabled() {
+        backends.push(NixlBackend::Ucx);
+    }
+    let agent = NixlAgent::new(None, &backends)?;
+    let host_id = match host {
+        Some(h) => Some((h.clone(), agent.register_host_tier(h.clone())?)),
+        None => None,
+    };
+    let disk = match disk {
+        Some((n, opts)) => {
+            Some(
+                Arc::new(NixlDiskTier::create(&agent, TierKind::Disk, dims, n, opts)?)
+                    as Arc<dyn StorageTier>,
+            )
+        }
+        None => None,
+    };
+    let remote = match &config.remote.dir {
+        Some(dir) => Some(Arc::new(crate::connector::remote::WorkerRemote::new(
+            dir.clone(),
+            rank,
+            agent,
+            host_id,
+        )?)),
+        None => None,
+    };
+    Ok((disk, remote))
+}
+
+#[cfg(not(feature = "nixl"))]
+fn nixl_parts(
+    config: &Config,
+    _rank: usize,
     _host: Option<&Arc<dyn StorageTier>>,
     _dims: crate::layout::LayoutDims,
-    _n: usize,
-    _opts: DiskTierOptions,
-) -> Result<Arc<dyn StorageTier>> {
-    Err(Error::unsupported(
-        "disk.io = nixl (KVBM_DISK_IO) needs kvbm-connector built with the `nixl` feature",
-    ))
+    _disk: Option<(usize, DiskTierOptions)>,
+) -> Result<NixlParts> {
+    Err(Error::unsupported(if config.remote.enabled() {
+        "remote.dir (KVBM_REMOTE_DIR) needs kvbm-connector built with the `nixl` feature"
+    } else {
+        "disk.io = nixl (KVBM_DISK_IO) needs kvbm-connector built with the `nixl` feature"
+    }))
 }
 
 /// The host (G2) tier: pinned memory on the device tier's GPU when the device tier is a CUDA
@@ -708,6 +841,7 @@ fn host_tier(device: &dyn StorageTier, layout: Layout) -> Result<Arc<dyn Storage
 
 fn allocate_tiers(
     config: &Config,
+    rank: usize,
     device: Arc<dyn StorageTier>,
     counts: TierCounts,
 ) -> Result<WorkerTiers> {
@@ -718,29 +852,66 @@ fn allocate_tiers(
     } else {
         None
     };
-    let disk: Option<Arc<dyn StorageTier>> = if counts.num_disk_blocks > 0 {
-        let opts = DiskTierOptions {
-            dir: config.disk.dir.clone(),
-            direct_io: config.disk.direct_io,
-            persist: config.disk.persist,
-            max_in_flight: config.disk.max_in_flight,
-        };
-        Some(match config.disk.io {
-            DiskIo::Builtin => Arc::new(DiskTier::create(
-                TierKind::Disk,
-                dims,
-                counts.num_disk_blocks,
-                opts,
-            )?),
-            DiskIo::Nixl => nixl_disk(host.as_ref(), dims, counts.num_disk_blocks, opts)?,
-        })
-    } else {
-        None
+    let opts = DiskTierOptions {
+        dir: config.disk.dir.clone(),
+        direct_io: config.disk.direct_io,
+        persist: config.disk.persist,
+        max_in_flight: config.disk.max_in_flight,
     };
+    let nixl_disk = counts.num_disk_blocks > 0 && config.disk.io == DiskIo::Nixl;
+    let (mut disk, remote) = if nixl_disk || config.remote.enabled() {
+        let d = nixl_disk.then(|| (counts.num_disk_blocks, opts.clone()));
+        nixl_parts(config, rank, host.as_ref(), dims, d)?
+    } else {
+        (None, None)
+    };
+    if disk.is_none() && counts.num_disk_blocks > 0 {
+        disk = Some(Arc::new(DiskTier::create(
+            TierKind::Disk,
+            dims,
+            counts.num_disk_blocks,
+            opts,
+        )?));
+    }
     Ok(WorkerTiers {
         device,
         host,
         disk,
         counts,
+        remote,
     })
+}
+
+#[cfg(all(test, not(feature = "nixl")))]
+mod tests {
+    use super::*;
+    use crate::layout::{BlockOrder, LayoutDims};
+
+    #[test]
+    fn remote_dir_without_nixl_is_unsupported_at_start() {
+        let dims = LayoutDims {
+            num_layers: 1,
+            outer_dim: 2,
+            page_size: 4,
+            inner_dim: 8,
+            dtype_bytes: 2,
+        };
+        let device: Arc<dyn StorageTier> = Arc::new(
+            MemoryTier::new(
+                TierKind::Device,
+                Layout::layer_separate(dims, 4, BlockOrder::OuterMajor).unwrap(),
+            )
+            .unwrap(),
+        );
+        let mut config = Config::default();
+        config.remote.dir = Some(std::env::temp_dir());
+        let counts = TierCounts {
+            num_host_blocks: 2,
+            num_disk_blocks: 0,
+            num_device_blocks: 4,
+        };
+        let e = allocate_tiers(&config, 0, device, counts).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.to_string().contains("KVBM_REMOTE_DIR"), "{e}");
+    }
 }
