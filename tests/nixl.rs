@@ -6,22 +6,24 @@
 //! under `CI=true`, where a missing NIXL fails them (CI installs it; a skip there would hide a
 //! broken install). The missing-library tests need no NIXL and always run.
 //!
-//! The conformance checks mirror `tests/tier_conformance.rs` one for one (same names, same
-//! invariants). They are copied, not shared: that file stamps its own backends' tests at its top
-//! level and its macro resolves the checks through `crate::*`, so it cannot be included or
-//! mounted as a module without editing it (see docs/nixl.md for the proposed split).
+//! The conformance checks are those of `tests/tier_conformance.rs` (same names, same invariants),
+//! shared through `tests/conformance/mod.rs`.
 //!
 //! Helper tests marked `#[ignore]` are the other process of a two-process test: the parent runs
 //! this binary again with `--ignored --exact <name>`.
 
 #![cfg(feature = "nixl")]
 
-use std::io::{BufRead, BufReader, IoSlice, IoSliceMut, Write};
+#[macro_use]
+mod conformance;
+
+use std::io::{BufRead, BufReader, IoSliceMut, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use conformance::*;
 use kvbm_connector::backends::disk::DiskTierOptions;
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::backends::nixl::{
@@ -31,9 +33,7 @@ use kvbm_connector::backends::nixl::{
 use kvbm_connector::config::TransferConfig;
 use kvbm_connector::layout::BlockOrder;
 use kvbm_connector::transfer::TransferEngine;
-use kvbm_connector::{
-    ErrorKind, KvLayout, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind,
-};
+use kvbm_connector::{ErrorKind, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind};
 
 // ------------------------------------------------------------------------------------------------
 // NIXL present, or skip (fail under CI)
@@ -70,35 +70,10 @@ macro_rules! need_nixl {
 // Fixtures
 // ------------------------------------------------------------------------------------------------
 
-const NUM_BLOCKS: usize = 8;
-const ALIGN: usize = 4096;
-
-/// Blocks of 384 bytes: regions not 4096-aligned, the disk bounces.
-fn small_dims() -> LayoutDims {
-    LayoutDims {
-        num_layers: 3,
-        outer_dim: 2,
-        page_size: 4,
-        inner_dim: 8,
-        dtype_bytes: 2,
-    }
-}
-
-/// Regions of 4096 bytes, blocks of 16 KiB.
-fn aligned_dims() -> LayoutDims {
-    LayoutDims {
-        num_layers: 2,
-        outer_dim: 2,
-        page_size: 16,
-        inner_dim: 128,
-        dtype_bytes: 2,
-    }
-}
-
 /// A tier plus whatever must outlive it; fields drop in order (the tier first).
 struct Fixture<T> {
     tier: T,
-    keep: Vec<Box<dyn std::any::Any>>,
+    _keep: Vec<Box<dyn std::any::Any>>,
 }
 
 fn agent(backends: &[NixlBackend]) -> NixlAgent {
@@ -119,7 +94,7 @@ fn nixl_disk(dims: LayoutDims, direct_io: bool) -> Option<Fixture<NixlDiskTier>>
     .expect("NIXL disk tier");
     Some(Fixture {
         tier,
-        keep: vec![Box::new(dir)],
+        _keep: vec![Box::new(dir)],
     })
 }
 
@@ -137,15 +112,8 @@ fn remote(dims: LayoutDims, layout: MemLayout) -> Option<Fixture<RemoteTier>> {
     let tier = RemoteTier::connect(&importer, &export, REMOTE_MAX_IN_FLIGHT).expect("connect");
     Some(Fixture {
         tier,
-        keep: vec![Box::new(importer), Box::new(exporter), Box::new(host)],
+        _keep: vec![Box::new(importer), Box::new(exporter), Box::new(host)],
     })
-}
-
-#[derive(Clone, Copy)]
-enum MemLayout {
-    Contiguous,
-    BlockMajor,
-    OuterMajor,
 }
 
 fn memory(dims: LayoutDims, which: MemLayout) -> MemoryTier {
@@ -159,348 +127,31 @@ fn memory(dims: LayoutDims, which: MemLayout) -> MemoryTier {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Helpers (as in tests/tier_conformance.rs)
+// Helpers (the rest are shared: tests/conformance/mod.rs)
 // ------------------------------------------------------------------------------------------------
 
-fn pattern(block: usize, index: usize, generation: u64) -> u8 {
-    let x = (index as u64)
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add((block as u64 + 1).wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
-        .wrapping_add(generation.wrapping_mul(0x1656_67B1_9E37_79F9));
-    (x ^ (x >> 29) ^ (x >> 47)) as u8
-}
-
+/// The image of `block` at `generation`, as a plain `Vec` (the shared helpers' `AlignedBuf::image`).
 fn image(block: usize, len: usize, generation: u64) -> Vec<u8> {
     (0..len).map(|i| pattern(block, i, generation)).collect()
 }
 
-/// A buffer whose bytes start on a 4096-byte boundary.
-struct AlignedBuf {
-    storage: Vec<u8>,
-    start: usize,
-    len: usize,
-}
-
-impl AlignedBuf {
-    fn zeroed(len: usize) -> Self {
-        let storage = vec![0u8; len + ALIGN];
-        let start = storage.as_ptr().align_offset(ALIGN);
-        Self {
-            storage,
-            start,
-            len,
-        }
-    }
-
-    fn image(block: usize, len: usize, generation: u64) -> Self {
-        let mut b = Self::zeroed(len);
-        b.as_mut().copy_from_slice(&image(block, len, generation));
-        b
-    }
-
-    fn as_ref(&self) -> &[u8] {
-        &self.storage[self.start..self.start + self.len]
-    }
-
-    fn as_mut(&mut self) -> &mut [u8] {
-        &mut self.storage[self.start..self.start + self.len]
-    }
-}
-
-fn write_image<T: StorageTier + ?Sized>(tier: &T, block: usize, generation: u64) {
-    let img = AlignedBuf::image(block, tier.bytes_per_block(), generation);
-    tier.write_block(block, &[IoSlice::new(img.as_ref())])
-        .unwrap_or_else(|e| panic!("write block {block}: {e}"));
-}
-
-fn read_image<T: StorageTier + ?Sized>(tier: &T, block: usize) -> Vec<u8> {
-    let mut buf = AlignedBuf::zeroed(tier.bytes_per_block());
-    tier.read_block(block, &mut [IoSliceMut::new(buf.as_mut())])
-        .unwrap_or_else(|e| panic!("read block {block}: {e}"));
-    buf.as_ref().to_vec()
-}
-
-fn assert_image<T: StorageTier + ?Sized>(tier: &T, block: usize, generation: u64) {
-    let got = read_image(tier, block);
-    let want = image(block, tier.bytes_per_block(), generation);
-    if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
-        panic!(
-            "block {block}: byte {i} is {:#04x}, expected {:#04x} (generation {generation})",
-            got[i], want[i]
-        );
-    }
-}
-
-fn write_all_blocks<T: StorageTier + ?Sized>(tier: &T, generation: u64) {
-    for b in 0..tier.num_blocks() {
-        write_image(tier, b, generation);
-    }
-}
-
-fn assert_all_blocks<T: StorageTier + ?Sized>(tier: &T, generation: u64) {
-    for b in 0..tier.num_blocks() {
-        assert_image(tier, b, generation);
-    }
-}
-
-fn split_mut<'a>(mut buf: &'a mut [u8], cuts: &[usize]) -> Vec<IoSliceMut<'a>> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    for &c in cuts {
-        let (head, tail) = buf.split_at_mut(c - at);
-        out.push(IoSliceMut::new(head));
-        buf = tail;
-        at = c;
-    }
-    out.push(IoSliceMut::new(buf));
-    out
-}
-
-fn split<'a>(buf: &'a [u8], cuts: &[usize]) -> Vec<IoSlice<'a>> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    for &c in cuts {
-        out.push(IoSlice::new(&buf[at..c]));
-        at = c;
-    }
-    out.push(IoSlice::new(&buf[at..]));
-    out
-}
-
 // ------------------------------------------------------------------------------------------------
-// Conformance checks (one for one with tests/tier_conformance.rs)
+// Conformance: the shared checks, one #[test] per (backend, handle, check)
 // ------------------------------------------------------------------------------------------------
 
-fn check_round_trip<T: StorageTier + ?Sized>(tier: &T) {
-    assert_eq!(tier.num_blocks(), NUM_BLOCKS);
-    assert_eq!(tier.bytes_per_block(), tier.layout().bytes_per_block());
-    write_all_blocks(tier, 1);
-    assert_all_blocks(tier, 1);
-    for b in 0..tier.num_blocks() {
-        let v = tier.read_block_to_vec(b).expect("read_block_to_vec");
-        assert_eq!(v, image(b, tier.bytes_per_block(), 1));
-    }
-}
-
-fn check_overwrite_leaves_others_intact<T: StorageTier + ?Sized>(tier: &T) {
-    write_all_blocks(tier, 1);
-    let target = tier.num_blocks() / 2;
-    write_image(tier, target, 2);
-    for b in 0..tier.num_blocks() {
-        assert_image(tier, b, if b == target { 2 } else { 1 });
-    }
-    write_image(tier, 0, 3);
-    write_image(tier, tier.num_blocks() - 1, 3);
-    for b in 0..tier.num_blocks() {
-        let g = match b {
-            _ if b == target => 2,
-            _ if b == 0 || b == tier.num_blocks() - 1 => 3,
-            _ => 1,
-        };
-        assert_image(tier, b, g);
-    }
-}
-
-fn check_odd_segments<T: StorageTier + ?Sized>(tier: &T) {
-    let bpb = tier.bytes_per_block();
-    write_all_blocks(tier, 1);
-    let block = 3;
-    let img = image(block, bpb, 7);
-    tier.write_block(block, &split(&img, &[1, bpb / 2 + 3]))
-        .expect("write with 3 segments");
-    let mut back = vec![0u8; bpb];
-    tier.read_block(block, &mut split_mut(&mut back, &[5, 5, bpb / 3, bpb - 1]))
-        .expect("read with 5 segments");
-    assert_eq!(back, img);
-    let img = image(block, bpb, 8);
-    let src: Vec<IoSlice<'_>> = img.chunks(3).map(IoSlice::new).collect();
-    tier.write_block(block, &src)
-        .expect("write with many segments");
-    let mut back = vec![0u8; bpb];
-    {
-        let mut dst: Vec<IoSliceMut<'_>> = back.chunks_mut(2).map(IoSliceMut::new).collect();
-        tier.read_block(block, &mut dst)
-            .expect("read with many segments");
-    }
-    assert_eq!(back, img);
-    for b in 0..tier.num_blocks() {
-        assert_image(tier, b, if b == block { 8 } else { 1 });
-    }
-}
-
-fn check_unaligned_buffers<T: StorageTier + ?Sized>(tier: &T) {
-    let bpb = tier.bytes_per_block();
-    let block = 1;
-    let mut src = vec![0u8; bpb + 1];
-    src[1..].copy_from_slice(&image(block, bpb, 4));
-    tier.write_block(block, &[IoSlice::new(&src[1..])])
-        .expect("write from unaligned buffer");
-    let mut dst = vec![0u8; bpb + 3];
-    tier.read_block(block, &mut [IoSliceMut::new(&mut dst[3..])])
-        .expect("read into unaligned buffer");
-    assert_eq!(&dst[3..], &src[1..]);
-    assert_image(tier, block, 4);
-}
-
-fn check_out_of_range<T: StorageTier + ?Sized>(tier: &T) {
-    write_all_blocks(tier, 1);
-    let n = tier.num_blocks();
-    let bpb = tier.bytes_per_block();
-    let img = image(0, bpb, 9);
-    for bad in [n, n + 1, usize::MAX] {
-        let err = tier
-            .write_block(bad, &[IoSlice::new(&img)])
-            .expect_err("write past the end must fail");
-        assert_eq!(err.kind(), ErrorKind::OutOfRange, "{err}");
-        let mut buf = vec![0xEEu8; bpb];
-        let err = tier
-            .read_block(bad, &mut [IoSliceMut::new(&mut buf)])
-            .expect_err("read past the end must fail");
-        assert_eq!(err.kind(), ErrorKind::OutOfRange, "{err}");
-        assert!(
-            buf.iter().all(|&x| x == 0xEE),
-            "failed read touched the buffer"
-        );
-    }
-    assert_all_blocks(tier, 1);
-}
-
-fn check_wrong_length<T: StorageTier + ?Sized>(tier: &T) {
-    write_all_blocks(tier, 1);
-    let bpb = tier.bytes_per_block();
-    let block = 2;
-    let long = image(block, bpb + 1, 9);
-    let short = &long[..bpb - 1];
-    for src in [
-        vec![IoSlice::new(short)],
-        vec![IoSlice::new(&long)],
-        vec![IoSlice::new(short), IoSlice::new(&long[..2])],
-        vec![],
-    ] {
-        let err = tier
-            .write_block(block, &src)
-            .expect_err("wrong write length must fail");
-        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
-    }
-    for len in [0, 1, bpb - 1, bpb + 1] {
-        let mut buf = vec![0xEEu8; len];
-        let err = tier
-            .read_block(block, &mut [IoSliceMut::new(&mut buf)])
-            .expect_err("wrong read length must fail");
-        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
-        assert!(
-            buf.iter().all(|&x| x == 0xEE),
-            "failed read touched the buffer"
-        );
-    }
-    assert_all_blocks(tier, 1);
-}
-
-fn check_concurrent<T: StorageTier + ?Sized>(tier: &T) {
-    const THREADS: usize = 4;
-    const ROUNDS: u64 = 6;
-    write_all_blocks(tier, 0);
-    std::thread::scope(|s| {
-        for t in 0..THREADS {
-            s.spawn(move || {
-                for round in 1..=ROUNDS {
-                    for b in (t..tier.num_blocks()).step_by(THREADS) {
-                        write_image(tier, b, round);
-                    }
-                    for b in (t..tier.num_blocks()).step_by(THREADS) {
-                        assert_image(tier, b, round);
-                    }
-                    let other = (t + 1 + round as usize) % tier.num_blocks();
-                    if other % THREADS != t {
-                        let got = read_image(tier, other);
-                        let whole = (0..=ROUNDS).any(|g| {
-                            got.iter()
-                                .enumerate()
-                                .all(|(i, &x)| x == pattern(other, i, g))
-                        });
-                        assert!(whole, "block {other} read torn by a concurrent write");
-                    }
-                }
-            });
-        }
-    });
-    assert_all_blocks(tier, ROUNDS);
-}
-
-fn check_capability<T: StorageTier + ?Sized>(tier: &T) {
-    let cap = tier.capability();
-    assert!(cap.max_in_flight >= 1, "{cap:?}");
-    assert!(cap.direct_io_alignment.is_power_of_two(), "{cap:?}");
-    assert!(!cap.host_addressable, "NIXL tiers are not host addressable");
-    write_all_blocks(tier, 1);
-    let mut called = false;
-    let err = tier
-        .with_block(5, &mut |_| {
-            called = true;
-            Ok(())
-        })
-        .expect_err("with_block on a tier that is not host addressable");
-    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
-    let err = tier
-        .with_block_mut(5, &mut |_| {
-            called = true;
-            Ok(())
-        })
-        .expect_err("with_block_mut on a tier that is not host addressable");
-    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
-    assert!(!called);
-    assert_all_blocks(tier, 1);
-}
-
-macro_rules! conformance {
-    ($($backend:ident => $make:expr;)*) => {
-        $(
-            mod $backend {
-                conformance!(@handles $make;
-                    check_round_trip => round_trip,
-                    check_overwrite_leaves_others_intact => overwrite_leaves_others_intact,
-                    check_odd_segments => odd_segments,
-                    check_unaligned_buffers => unaligned_buffers,
-                    check_out_of_range => out_of_range,
-                    check_wrong_length => wrong_length,
-                    check_concurrent => concurrent,
-                    check_capability => capability,
-                );
-            }
-        )*
-    };
-    (@handles $make:expr; $($check:ident => $name:ident,)*) => {
-        /// The backend as its concrete type.
-        mod concrete {
-            #[allow(unused_imports)]
-            use crate::*;
-            $(
-                #[test]
-                fn $name() {
-                    let Some(fixture) = $make else { return };
-                    $check(&fixture.tier);
-                }
-            )*
-        }
-        /// The backend behind `Arc<dyn StorageTier>`.
-        mod dyn_arc {
-            #[allow(unused_imports)]
-            use crate::*;
-            $(
-                #[test]
-                fn $name() {
-                    let Some(Fixture { tier, keep }) = $make else { return };
-                    let tier: Arc<dyn StorageTier> = Arc::new(tier);
-                    $check(&*tier);
-                    drop(tier);
-                    drop(keep);
-                }
-            )*
-        }
-    };
+/// The shared capability check, after checking that the tier says it is not host addressable (so
+/// the check takes its `Unsupported` branch).
+fn check_nixl_capability<T: StorageTier + ?Sized>(tier: &T) {
+    assert!(
+        !tier.capability().host_addressable,
+        "NIXL tiers are not host addressable"
+    );
+    check_capability(tier);
 }
 
 conformance! {
+    fixture: optional,
+    capability: check_nixl_capability;
     nixl_disk_direct_small => nixl_disk(small_dims(), true);
     nixl_disk_buffered_small => nixl_disk(small_dims(), false);
     nixl_disk_direct_aligned => nixl_disk(aligned_dims(), true);
