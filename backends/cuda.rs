@@ -63,7 +63,7 @@ use cudarc::driver::CudaContext;
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
-use crate::backends::memory::{HostBlocks, HOST_CAPABILITY};
+use crate::backends::memory::HostBlocks;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::{KvLayout, Layout};
 use crate::tier::{check_io, total_len, Capability, StorageTier, TierKind};
@@ -1599,40 +1599,4 @@ impl PinnedHostTier {
     }
 }
 
-impl StorageTier for PinnedHostTier {
-    fn kind(&self) -> TierKind {
-        self.blocks.kind()
-    }
-
-    fn capability(&self) -> Capability {
-        HOST_CAPABILITY
-    }
-
-    fn layout(&self) -> &Layout {
-        self.blocks.layout()
-    }
-
-    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
-        self.blocks.read_block(block, dst)
-    }
-
-    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
-        self.blocks.write_block(block, src)
-    }
-
-    fn with_block(
-        &self,
-        block: usize,
-        f: &mut dyn FnMut(&[IoSlice<'_>]) -> Result<()>,
-    ) -> Result<()> {
-        self.blocks.with_block(block, f)
-    }
-
-    fn with_block_mut(
-        &self,
-        block: usize,
-        f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> Result<()>,
-    ) -> Result<()> {
-        self.blocks.with_block_mut(block, f)
-    }
-}
+crate::backends::memory::host_blocks_tier!(PinnedHostTier);

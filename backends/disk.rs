@@ -429,13 +429,7 @@ impl StorageTier for DiskTier {
         )?;
         let guard = self.checksum_lock("read_block", block)?.read();
         let Some(expected) = *guard else {
-            return Err(Error::new(
-                ErrorKind::NotFound,
-                format!("block {block} was never written"),
-            )
-            .with("tier", self.kind)
-            .with("block", block)
-            .with("path", self.path.display()));
+            return Err(never_written(self.kind, block, &self.path));
         };
         let actual = if self.usable_directly(dst) {
             preadv_all(&self.file, dst, self.offset(block))
@@ -444,22 +438,7 @@ impl StorageTier for DiskTier {
         } else {
             self.read_bounced(block, dst, expected)?
         };
-        if actual != expected {
-            tracing::warn!(
-                tier = %self.kind,
-                block,
-                path = %self.path.display(),
-                "disk block failed its checksum"
-            );
-            return Err(Error::corrupt(format!(
-                "block {block} failed its checksum (stored {expected:016x}, read {actual:016x}); \
-                 the bytes read are not to be trusted"
-            ))
-            .with("tier", self.kind)
-            .with("block", block)
-            .with("path", self.path.display()));
-        }
-        Ok(())
+        verify_checksum(self.kind, block, &self.path, expected, actual)
     }
 
     /// Writes `block` and records its checksum. If the write fails part-way the block counts as
@@ -497,7 +476,41 @@ impl Drop for DiskTier {
 }
 
 /// xxh3-64 over the concatenation of `segments` (streaming, no copy).
-fn hash_segments<T: Deref<Target = [u8]>>(segments: &[T]) -> u64 {
+/// The error for a block that was never written (or whose last write failed part-way).
+pub(crate) fn never_written(kind: TierKind, block: usize, path: &Path) -> Error {
+    Error::new(
+        ErrorKind::NotFound,
+        format!("block {block} was never written"),
+    )
+    .with("tier", kind)
+    .with("block", block)
+    .with("path", path.display())
+}
+
+/// `Ok` when the checksum read matches the one recorded; otherwise a logged `Corrupt` error
+/// saying the bytes read are not to be trusted.
+pub(crate) fn verify_checksum(
+    kind: TierKind,
+    block: usize,
+    path: &Path,
+    expected: u64,
+    actual: u64,
+) -> Result<()> {
+    if actual == expected {
+        return Ok(());
+    }
+    tracing::warn!(tier = %kind, block, path = %path.display(), "disk block failed its checksum");
+    Err(Error::corrupt(format!(
+        "block {block} failed its checksum (stored {expected:016x}, read {actual:016x}); \
+         the bytes read are not to be trusted"
+    ))
+    .with("tier", kind)
+    .with("block", block)
+    .with("path", path.display()))
+}
+
+/// xxh3-64 over the concatenation of `segments`: the checksum recorded per block.
+pub(crate) fn hash_segments<T: Deref<Target = [u8]>>(segments: &[T]) -> u64 {
     let mut hasher = Xxh3::new();
     for s in segments {
         hasher.update(s);

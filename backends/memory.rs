@@ -16,7 +16,7 @@ use parking_lot::RwLock;
 
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, Layout};
-use crate::tier::{check_io, copy_segments, total_len, Capability, StorageTier, TierKind};
+use crate::tier::{check_io, copy_segments, total_len, Capability, TierKind};
 
 /// Alignment of every allocation: a page, so O_DIRECT disk I/O can use the memory directly.
 pub const MEMORY_ALIGNMENT: usize = 4096;
@@ -199,6 +199,60 @@ impl HostBlocks {
     }
 }
 
+/// Implements [`StorageTier`] for a type whose `blocks` field is a [`HostBlocks`]: every call goes
+/// to it, with [`HOST_CAPABILITY`].
+macro_rules! host_blocks_tier {
+    ($ty:ty) => {
+        impl $crate::tier::StorageTier for $ty {
+            fn kind(&self) -> $crate::tier::TierKind {
+                self.blocks.kind()
+            }
+
+            fn capability(&self) -> $crate::tier::Capability {
+                $crate::backends::memory::HOST_CAPABILITY
+            }
+
+            fn layout(&self) -> &$crate::layout::Layout {
+                self.blocks.layout()
+            }
+
+            fn read_block(
+                &self,
+                block: usize,
+                dst: &mut [std::io::IoSliceMut<'_>],
+            ) -> $crate::error::Result<()> {
+                self.blocks.read_block(block, dst)
+            }
+
+            fn write_block(
+                &self,
+                block: usize,
+                src: &[std::io::IoSlice<'_>],
+            ) -> $crate::error::Result<()> {
+                self.blocks.write_block(block, src)
+            }
+
+            fn with_block(
+                &self,
+                block: usize,
+                f: &mut dyn FnMut(&[std::io::IoSlice<'_>]) -> $crate::error::Result<()>,
+            ) -> $crate::error::Result<()> {
+                self.blocks.with_block(block, f)
+            }
+
+            fn with_block_mut(
+                &self,
+                block: usize,
+                f: &mut dyn FnMut(&mut [std::io::IoSliceMut<'_>]) -> $crate::error::Result<()>,
+            ) -> $crate::error::Result<()> {
+                self.blocks.with_block_mut(block, f)
+            }
+        }
+    };
+}
+#[cfg(any(feature = "cuda", feature = "python"))]
+pub(crate) use host_blocks_tier;
+
 /// Capability of a host-addressable tier (RAM serves any number of parallel copies; the transfer
 /// engine's own bound applies).
 pub(crate) const HOST_CAPABILITY: Capability = Capability {
@@ -246,40 +300,4 @@ impl MemoryTier {
     }
 }
 
-impl StorageTier for MemoryTier {
-    fn kind(&self) -> TierKind {
-        self.blocks.kind()
-    }
-
-    fn capability(&self) -> Capability {
-        HOST_CAPABILITY
-    }
-
-    fn layout(&self) -> &Layout {
-        self.blocks.layout()
-    }
-
-    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
-        self.blocks.read_block(block, dst)
-    }
-
-    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
-        self.blocks.write_block(block, src)
-    }
-
-    fn with_block(
-        &self,
-        block: usize,
-        f: &mut dyn FnMut(&[IoSlice<'_>]) -> Result<()>,
-    ) -> Result<()> {
-        self.blocks.with_block(block, f)
-    }
-
-    fn with_block_mut(
-        &self,
-        block: usize,
-        f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> Result<()>,
-    ) -> Result<()> {
-        self.blocks.with_block_mut(block, f)
-    }
-}
+host_blocks_tier!(MemoryTier);

@@ -70,7 +70,9 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::backends::disk::{DiskTier, DiskTierOptions, DISK_ALIGNMENT};
+use crate::backends::disk::{
+    hash_segments, never_written, verify_checksum, DiskTier, DiskTierOptions, DISK_ALIGNMENT,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::{KvLayout, Layout, LayoutDims};
 use crate::tier::{check_io, copy_segments, total_len, Capability, StorageTier, TierKind};
@@ -838,15 +840,6 @@ fn runs_of<T: Deref<Target = [u8]>>(segments: &[T]) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// xxh3-64 over the concatenation of `segments`: the checksum the built-in disk tier keeps.
-fn hash_segments<T: Deref<Target = [u8]>>(segments: &[T]) -> u64 {
-    let mut hasher = Xxh3::new();
-    for s in segments {
-        hasher.update(s);
-    }
-    hasher.digest()
-}
-
 // ------------------------------------------------------------------------------------------------
 // Registered bounce buffers
 // ------------------------------------------------------------------------------------------------
@@ -1174,13 +1167,7 @@ impl StorageTier for NixlDiskTier {
         )?;
         let guard = self.checksum_lock("read_block", block)?.read();
         let Some(expected) = *guard else {
-            return Err(Error::new(
-                ErrorKind::NotFound,
-                format!("block {block} was never written"),
-            )
-            .with("tier", self.kind)
-            .with("block", block)
-            .with("path", self.path().display()));
+            return Err(never_written(self.kind, block, self.path()));
         };
         let actual = if self.usable_directly(dst) {
             self.file_io(XferOp::Read, block, &runs_of(dst))?;
@@ -1196,22 +1183,7 @@ impl StorageTier for NixlDiskTier {
             }
             actual
         };
-        if actual != expected {
-            tracing::warn!(
-                tier = %self.kind,
-                block,
-                path = %self.path().display(),
-                "disk block failed its checksum"
-            );
-            return Err(Error::corrupt(format!(
-                "block {block} failed its checksum (stored {expected:016x}, read {actual:016x}); \
-                 the bytes read are not to be trusted"
-            ))
-            .with("tier", self.kind)
-            .with("block", block)
-            .with("path", self.path().display()));
-        }
-        Ok(())
+        verify_checksum(self.kind, block, self.path(), expected, actual)
     }
 
     /// Writes `block` and records its checksum; a failed write leaves it never written.

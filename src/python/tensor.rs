@@ -11,17 +11,16 @@
 //! the connector touches a device block only while the metadata says it may (stores after the
 //! forward pass wrote the block, loads into blocks the engine gave a loading request).
 
-use std::io::{IoSlice, IoSliceMut};
 use std::str::FromStr;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::error::{bad_value, to_py_err};
-use crate::backends::memory::{HostBlocks, HOST_CAPABILITY};
+use crate::backends::memory::HostBlocks;
 use crate::error::{Error, Result};
 use crate::layout::{detect_trtllm, detect_vllm, KvLayout, Layout, LayoutKind};
-use crate::tier::{Capability, StorageTier, TierKind};
+use crate::tier::TierKind;
 
 /// What the connector reads from one cache tensor.
 #[derive(Debug)]
@@ -317,43 +316,7 @@ impl TensorTier {
     }
 }
 
-impl StorageTier for TensorTier {
-    fn kind(&self) -> TierKind {
-        self.blocks.kind()
-    }
-
-    fn capability(&self) -> Capability {
-        HOST_CAPABILITY
-    }
-
-    fn layout(&self) -> &Layout {
-        self.blocks.layout()
-    }
-
-    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
-        self.blocks.read_block(block, dst)
-    }
-
-    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
-        self.blocks.write_block(block, src)
-    }
-
-    fn with_block(
-        &self,
-        block: usize,
-        f: &mut dyn FnMut(&[IoSlice<'_>]) -> Result<()>,
-    ) -> Result<()> {
-        self.blocks.with_block(block, f)
-    }
-
-    fn with_block_mut(
-        &self,
-        block: usize,
-        f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> Result<()>,
-    ) -> Result<()> {
-        self.blocks.with_block_mut(block, f)
-    }
-}
+crate::backends::memory::host_blocks_tier!(TensorTier);
 
 /// Parses a layout override name (`fully_contiguous`, `layer_separate_block_major`,
 /// `layer_separate_outer_major`).
