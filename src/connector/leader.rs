@@ -1102,14 +1102,17 @@ impl<A: SchedulerAdapter> Leader<A> {
         if !self.ensure_ready() {
             return;
         }
+        // Completions that arrived together are applied in operation order, not arrival order:
+        // the order stored blocks join the host pool's LRU then does not depend on which copy
+        // happened to finish first, and a replay is reproducible.
+        let mut batch: Vec<(usize, Completion)> = Vec::new();
         loop {
             match self.transport.try_recv() {
                 Ok(Some((rank, WorkerMessage::Completed(list)))) => {
-                    for c in list {
-                        self.on_completion(rank, c);
-                    }
+                    batch.extend(list.into_iter().map(|c| (rank, c)));
                 }
                 Ok(Some((rank, WorkerMessage::Disconnected(why)))) => {
+                    self.apply_completions(&mut batch);
                     self.on_rank_lost(rank, &why);
                 }
                 Ok(Some((rank, other))) => {
@@ -1124,6 +1127,14 @@ impl<A: SchedulerAdapter> Leader<A> {
                     break;
                 }
             }
+        }
+        self.apply_completions(&mut batch);
+    }
+
+    fn apply_completions(&mut self, batch: &mut Vec<(usize, Completion)>) {
+        batch.sort_by_key(|(rank, c)| (c.op, *rank));
+        for (rank, c) in batch.drain(..) {
+            self.on_completion(rank, c);
         }
     }
 
