@@ -182,7 +182,7 @@ impl BlockHasher {
         block_size: usize,
     ) -> Result<Vec<SequenceHash>> {
         let mut seq = TokenSequence::new(*self, block_size)?;
-        seq.extend(tokens);
+        seq.append(tokens);
         Ok(seq.into_hashes())
     }
 }
@@ -226,16 +226,29 @@ impl TokenSequence {
     }
 
     /// Appends tokens; returns the blocks that became full, each reported exactly once.
-    pub fn extend(&mut self, mut tokens: &[Token]) -> Vec<FullBlock> {
-        let new_blocks = (self.partial.len() + tokens.len()) / self.block_size;
-        let mut out = Vec::with_capacity(new_blocks);
-        self.hashes.reserve(new_blocks);
+    pub fn extend(&mut self, tokens: &[Token]) -> Vec<FullBlock> {
+        let mut out = Vec::with_capacity((self.partial.len() + tokens.len()) / self.block_size);
+        self.feed(tokens, |b| out.push(b));
+        out
+    }
+
+    /// Appends tokens and keys the blocks that became full, without listing them; returns how
+    /// many became full. The cheaper form of [`TokenSequence::extend`] when only the keys matter.
+    pub fn append(&mut self, tokens: &[Token]) -> usize {
+        let before = self.hashes.len();
+        self.feed(tokens, |_| {});
+        self.hashes.len() - before
+    }
+
+    fn feed(&mut self, mut tokens: &[Token], mut on_block: impl FnMut(FullBlock)) {
+        self.hashes
+            .reserve((self.partial.len() + tokens.len()) / self.block_size);
         self.total_tokens += tokens.len();
         while !tokens.is_empty() {
             if self.partial.is_empty() && tokens.len() >= self.block_size {
                 // Hash straight from the caller's slice: no copy for whole blocks.
                 let (block, rest) = tokens.split_at(self.block_size);
-                out.push(self.seal(block));
+                on_block(self.seal(block));
                 tokens = rest;
                 continue;
             }
@@ -244,14 +257,14 @@ impl TokenSequence {
             tokens = &tokens[take..];
             if self.partial.len() == self.block_size {
                 let block = std::mem::take(&mut self.partial);
-                out.push(self.seal(&block));
+                on_block(self.seal(&block));
                 self.partial = block;
                 self.partial.clear();
             }
         }
-        out
     }
 
+    #[inline]
     fn seal(&mut self, block: &[Token]) -> FullBlock {
         let block_hash = self.hasher.block_hash(block);
         let sequence_hash = self

@@ -453,7 +453,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             None => {
                 let salt = Salt::new(algorithm, request.cache_salt, request.lora_name);
                 let mut seq = TokenSequence::new(BlockHasher::new(algorithm, salt), bs)?;
-                seq.extend(request.tokens);
+                seq.append(request.tokens);
                 self.outbox.new_slots.push(request.id.clone());
                 self.slots.entry(request.id.clone()).or_insert(Slot {
                     life: Lifecycle::new(request.id.clone()),
@@ -489,7 +489,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         let known = slot.seq.total_tokens();
         if request.tokens.len() > known {
-            slot.seq.extend(&request.tokens[known..]);
+            slot.seq.append(&request.tokens[known..]);
         }
         slot.staged = None;
         let n = slot.seq.total_tokens();
@@ -860,7 +860,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         if let Some(tokens) = all_tokens {
             let known = slot.seq.total_tokens();
             if tokens.len() > known {
-                slot.seq.extend(&tokens[known..]);
+                slot.seq.append(&tokens[known..]);
             }
         }
         slot.staged = None;
@@ -1371,7 +1371,7 @@ fn append_tokens(slot: &mut Slot, id: &RequestId, tokens: &[Token], first: Optio
     }
     let skip = known - first;
     if let Some(rest) = tokens.get(skip..) {
-        slot.seq.extend(rest);
+        slot.seq.append(rest);
     }
 }
 
