@@ -240,6 +240,87 @@ fn raw_direct(
     Ok(())
 }
 
+/// What both disk benches share: the raw limit's descriptor and per-block addresses (the same
+/// memory our path uses), a runtime and a transfer engine with `in_flight` requests in flight.
+struct DiskRig {
+    ptrs: Vec<usize>,
+    raw: std::fs::File,
+    runtime: tokio::runtime::Runtime,
+    engine: TransferEngine,
+    pairs: Vec<(usize, usize)>,
+    in_flight: usize,
+    /// "O_DIRECT" or "buffered".
+    kind: &'static str,
+}
+
+impl DiskRig {
+    /// `mem` holds the blocks the limit moves; `path` is the tier's file, opened again for the
+    /// raw calls (with O_DIRECT when `direct`).
+    fn new(
+        mem: &dyn StorageTier,
+        path: &std::path::Path,
+        direct: bool,
+        in_flight: usize,
+    ) -> Result<Self> {
+        let blocks = mem.num_blocks();
+        let mut ptrs = Vec::with_capacity(blocks);
+        for b in 0..blocks {
+            mem.with_block(b, &mut |segs| {
+                ptrs.push(segs.first().map_or(0, |s| s.as_ptr() as usize));
+                Ok(())
+            })?;
+        }
+        let mut oo = std::fs::OpenOptions::new();
+        oo.read(true).write(true);
+        if direct {
+            oo.custom_flags(libc::O_DIRECT);
+        }
+        let raw = oo
+            .open(path)
+            .map_err(|e| Error::io("open the disk tier's file for the raw limit", e))?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .build()
+            .map_err(|e| Error::io("start a runtime", e))?;
+        let engine = TransferEngine::new(&TransferConfig {
+            max_concurrency: in_flight,
+            batch_blocks: 1,
+        })?;
+        Ok(Self {
+            ptrs,
+            raw,
+            runtime,
+            engine,
+            pairs: (0..blocks).map(|i| (i, i)).collect(),
+            in_flight,
+            kind: if direct { "O_DIRECT" } else { "buffered" },
+        })
+    }
+
+    /// Raw `pwrite`/`pread` of every block between its memory and its slot.
+    fn raw(&self, bpb: usize, slot: usize, write: bool) -> Result<()> {
+        raw_direct(
+            self.raw.as_raw_fd(),
+            &self.ptrs,
+            bpb,
+            slot,
+            self.in_flight,
+            write,
+        )
+    }
+
+    /// Our path: every block through the transfer engine.
+    fn copy(&self, src: &Arc<dyn StorageTier>, dst: &Arc<dyn StorageTier>) -> Result<()> {
+        check_outcome(
+            self.runtime.block_on(self.engine.copy(
+                src.clone(),
+                dst.clone(),
+                self.pairs.clone(),
+            ))?,
+        )
+    }
+}
+
 fn disk_paths(
     blocks: usize,
     rounds: usize,
@@ -257,44 +338,13 @@ fn disk_paths(
     let mem: Arc<dyn StorageTier> =
         Arc::new(MemoryTier::host(Layout::fully_contiguous(d, blocks)?)?);
     fill(mem.as_ref())?;
-    let mut ptrs = Vec::with_capacity(blocks);
-    for b in 0..blocks {
-        mem.with_block(b, &mut |segs| {
-            ptrs.push(segs.first().map_or(0, |s| s.as_ptr() as usize));
-            Ok(())
-        })?;
-    }
-    let mut oo = std::fs::OpenOptions::new();
-    oo.read(true).write(true);
-    if note.is_none() {
-        oo.custom_flags(libc::O_DIRECT);
-    }
-    let raw = oo
-        .open(&path)
-        .map_err(|e| Error::io("open the disk tier's file for the raw limit", e))?;
-    let fd = raw.as_raw_fd();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .build()
-        .map_err(|e| Error::io("start a runtime", e))?;
-    let engine = TransferEngine::new(&TransferConfig {
-        max_concurrency: in_flight,
-        batch_blocks: 1,
-    })?;
-    let pairs: Vec<(usize, usize)> = (0..blocks).map(|i| (i, i)).collect();
-    let copy = |src: &Arc<dyn StorageTier>, dst: &Arc<dyn StorageTier>| -> Result<()> {
-        check_outcome(runtime.block_on(engine.copy(src.clone(), dst.clone(), pairs.clone()))?)
-    };
-    let kind = if note.is_none() {
-        "O_DIRECT"
-    } else {
-        "buffered"
-    };
+    let rig = DiskRig::new(mem.as_ref(), &path, note.is_none(), in_flight)?;
+    let kind = rig.kind;
     // Each raw write is followed by ours, which restores the tier's checksums before reads.
     let (l, o) = interleaved(
         rounds,
-        || raw_direct(fd, &ptrs, bpb, slot, in_flight, true),
-        || copy(&mem, &disk),
+        || rig.raw(bpb, slot, true),
+        || rig.copy(&mem, &disk),
     )?;
     let mut out = vec![bandwidth(
         "memory->disk",
@@ -305,8 +355,8 @@ fn disk_paths(
     )];
     let (l, o) = interleaved(
         rounds,
-        || raw_direct(fd, &ptrs, bpb, slot, in_flight, false),
-        || copy(&disk, &mem),
+        || rig.raw(bpb, slot, false),
+        || rig.copy(&disk, &mem),
     )?;
     out.push(bandwidth(
         "disk->memory (checksum verified)",
@@ -512,43 +562,16 @@ mod nixl_bench {
         let nixl_disk: Arc<dyn StorageTier> = Arc::new(nixl_disk);
         let builtin: Arc<dyn StorageTier> =
             Arc::new(DiskTier::create(TierKind::Disk, d, blocks, opts)?);
-        let mut ptrs = Vec::with_capacity(blocks);
-        for b in 0..blocks {
-            mem.with_block(b, &mut |segs| {
-                ptrs.push(segs.first().map_or(0, |s| s.as_ptr() as usize));
-                Ok(())
-            })?;
-        }
-        let mut oo = std::fs::OpenOptions::new();
-        oo.read(true).write(true);
-        if direct {
-            oo.custom_flags(libc::O_DIRECT);
-        }
-        let raw = oo
-            .open(&path)
-            .map_err(|e| Error::io("open the NIXL disk tier's file for the raw limit", e))?;
-        let fd = raw.as_raw_fd();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .build()
-            .map_err(|e| Error::io("start a runtime", e))?;
-        let engine = TransferEngine::new(&TransferConfig {
-            max_concurrency: in_flight,
-            batch_blocks: 1,
-        })?;
-        let pairs: Vec<(usize, usize)> = (0..blocks).map(|i| (i, i)).collect();
-        let copy = |src: &Arc<dyn StorageTier>, dst: &Arc<dyn StorageTier>| -> Result<()> {
-            check_outcome(runtime.block_on(engine.copy(src.clone(), dst.clone(), pairs.clone()))?)
-        };
-        let kind = if direct { "O_DIRECT" } else { "buffered" };
+        let rig = DiskRig::new(mem.as_ref(), &path, direct, in_flight)?;
+        let kind = rig.kind;
         let mut out = Vec::new();
         // Writes: raw, built-in, NIXL. Reads follow NIXL's write, so its checksums hold.
         let [raw_t, builtin_t, nixl_t] = interleaved3(
             rounds,
             [
-                &mut || raw_direct(fd, &ptrs, bpb, slot, in_flight, true),
-                &mut || copy(&mem, &builtin),
-                &mut || copy(&mem, &nixl_disk),
+                &mut || rig.raw(bpb, slot, true),
+                &mut || rig.copy(&mem, &builtin),
+                &mut || rig.copy(&mem, &nixl_disk),
             ],
         )?;
         out.push(bandwidth(
@@ -568,9 +591,9 @@ mod nixl_bench {
         let [raw_t, builtin_t, nixl_t] = interleaved3(
             rounds,
             [
-                &mut || raw_direct(fd, &ptrs, bpb, slot, in_flight, false),
-                &mut || copy(&builtin, &mem),
-                &mut || copy(&nixl_disk, &mem),
+                &mut || rig.raw(bpb, slot, false),
+                &mut || rig.copy(&builtin, &mem),
+                &mut || rig.copy(&nixl_disk, &mem),
             ],
         )?;
         out.push(bandwidth(
