@@ -16,6 +16,7 @@
 
 #[macro_use]
 mod conformance;
+mod common;
 
 use std::io::{BufRead, BufReader, IoSliceMut, Write};
 use std::path::{Path, PathBuf};
@@ -795,49 +796,16 @@ fn replay_with_nixl_disk_passes_integrity() {
 // ------------------------------------------------------------------------------------------------
 
 mod remote_tier {
+    use super::common::{self, image as kv, info, Rig, BS};
     use super::*;
-    use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
-    use kvbm_connector::connector::barrier::InitMode;
-    use kvbm_connector::connector::leader::{Leader, RequestInfo};
-    use kvbm_connector::connector::transport::in_process;
-    use kvbm_connector::connector::worker::Worker;
+    use kvbm_connector::connector::adapter::SchedulerStep;
+    use kvbm_connector::connector::leader::MatchResult;
     use kvbm_connector::connector::RequestId;
-    use kvbm_connector::Config;
 
-    const BS: usize = 4;
-    const DEVICE_BLOCKS: usize = 16;
-
-    fn dims() -> LayoutDims {
-        LayoutDims {
-            num_layers: 2,
-            outer_dim: 2,
-            page_size: BS,
-            inner_dim: 8,
-            dtype_bytes: 2,
-        }
-    }
-
-    /// The KV a model computes for block `block` of `tokens` (a function of the whole prefix).
-    fn kv(tokens: &[u32], block: usize) -> Vec<u8> {
-        let mut h: u64 = 1469598103934665603;
-        for t in &tokens[..(block + 1) * BS] {
-            h = (h ^ u64::from(*t)).wrapping_mul(1099511628211);
-        }
-        (0..dims().bytes_per_block())
-            .map(|i| (h.wrapping_add(i as u64 * 31) >> 7) as u8)
-            .collect()
-    }
-
-    struct Instance {
-        leader: Leader<ScheduledTokens>,
-        worker: Worker,
-        device: Arc<dyn StorageTier>,
-    }
-
-    fn instance(remote_dir: &Path, name: &str, host_blocks: usize) -> Instance {
-        let mut config = Config::default();
-        config.host.cache_blocks = Some(host_blocks);
-        config.init_timeout_secs = 10.0;
+    /// One instance (leader + worker) publishing to and reading from `remote_dir` as `name`.
+    fn instance(remote_dir: &Path, name: &str, host_blocks: usize) -> Rig {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = common::config(dir.path(), host_blocks, 0);
         config
             .apply_env(|k| match k {
                 "KVBM_REMOTE_DIR" => Some(remote_dir.display().to_string()),
@@ -846,129 +814,44 @@ mod remote_tier {
                 _ => None,
             })
             .expect("config");
-        let (lt, wts) = in_process(1);
-        let device: Arc<dyn StorageTier> = Arc::new(
-            MemoryTier::new(
-                TierKind::Device,
-                Layout::layer_separate(dims(), DEVICE_BLOCKS, BlockOrder::OuterMajor).unwrap(),
-            )
-            .unwrap(),
-        );
-        let mut worker =
-            Worker::new(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
-        worker.register(device.clone()).unwrap();
-        let mut leader = Leader::new(ScheduledTokens, config, BS, lt, InitMode::Blocking).unwrap();
-        assert!(leader.is_ready());
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !worker.is_ready() {
-            assert!(
-                Instant::now() < deadline,
-                "worker not ready: {:?}",
-                worker.init_error()
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Instance {
-            leader,
-            worker,
-            device,
-        }
+        common::rig_with(config, dir)
     }
 
-    fn info<'a>(id: &'a RequestId, tokens: &'a [u32]) -> RequestInfo<'a> {
-        RequestInfo {
-            id,
-            tokens,
-            cache_salt: None,
-            lora_name: None,
-        }
-    }
-
-    impl Instance {
-        /// One iteration; returns (released, loaded).
-        fn step(
-            &mut self,
-            step: SchedulerStep,
-            writes: &[(&[u32], usize, usize)],
-            finished: &[RequestId],
-        ) -> (Vec<RequestId>, Vec<RequestId>) {
-            let bytes = self.leader.build_connector_meta(&step).unwrap();
-            self.worker.bind_metadata(&bytes).unwrap();
-            self.worker.start_load().unwrap();
-            for (tokens, block, dev) in writes {
-                self.device
-                    .write_block_from_slice(*dev, &kv(tokens, *block))
-                    .unwrap();
-            }
-            self.worker.save().unwrap();
-            self.worker.wait_idle(Duration::from_secs(10)).unwrap();
-            self.leader.process_completions();
-            self.worker.get_finished(finished, None)
-        }
-
-        /// Prefills `tokens` cold on `blocks`, finishes, drains the stores.
-        fn offload(&mut self, id: &RequestId, tokens: &[u32], blocks: &[usize]) {
-            let m = self
-                .leader
-                .get_num_new_matched_tokens(info(id, tokens), 0)
+    /// Matches and loads `tokens` as `id` into `blocks` (filled with 0xEE first); returns the
+    /// match and the device blocks whose load failed.
+    fn onboard(
+        r: &mut Rig,
+        id: &RequestId,
+        tokens: &[u32],
+        blocks: &[usize],
+    ) -> (MatchResult, Vec<usize>) {
+        for &b in blocks {
+            r.device
+                .write_block_from_slice(b, &vec![0xEE; common::dims().bytes_per_block()])
                 .unwrap();
-            assert_eq!(m.external_tokens, 0, "expected a cold request");
-            self.leader.update_state_after_alloc(id, blocks, 0).unwrap();
-            let writes: Vec<(&[u32], usize, usize)> = (0..tokens.len() / BS)
-                .map(|b| (tokens, b, blocks[b]))
-                .collect();
-            let step = SchedulerStep {
-                requests: vec![ScheduledRequest {
-                    request_id: id.clone(),
-                    num_computed_tokens: 0,
-                    num_scheduled_tokens: Some(tokens.len()),
-                    ..Default::default()
-                }],
-                ..Default::default()
-            };
-            self.step(step, &writes, &[]);
-            self.leader.request_finished(id, None, None).unwrap();
-            for _ in 0..3 {
-                self.step(SchedulerStep::default(), &[], std::slice::from_ref(id));
+        }
+        let m = r
+            .leader
+            .get_num_new_matched_tokens(info(id, tokens), 0)
+            .unwrap();
+        r.leader
+            .update_state_after_alloc(id, blocks, m.external_tokens)
+            .unwrap();
+        let mut loaded = Vec::new();
+        for _ in 0..3 {
+            let (_, l) = r.step(SchedulerStep::default(), &[], &[]);
+            loaded.extend(l);
+            if !loaded.is_empty() {
+                break;
             }
         }
-
-        /// Matches and loads `tokens` as `id` into `blocks` (filled with 0xEE first); returns the
-        /// match and the device blocks whose load failed.
-        fn onboard(
-            &mut self,
-            id: &RequestId,
-            tokens: &[u32],
-            blocks: &[usize],
-        ) -> (kvbm_connector::connector::leader::MatchResult, Vec<usize>) {
-            for &b in blocks {
-                self.device
-                    .write_block_from_slice(b, &vec![0xEE; dims().bytes_per_block()])
-                    .unwrap();
-            }
-            let m = self
-                .leader
-                .get_num_new_matched_tokens(info(id, tokens), 0)
-                .unwrap();
-            self.leader
-                .update_state_after_alloc(id, blocks, m.external_tokens)
-                .unwrap();
-            let mut loaded = Vec::new();
-            for _ in 0..3 {
-                let (_, l) = self.step(SchedulerStep::default(), &[], &[]);
-                loaded.extend(l);
-                if !loaded.is_empty() {
-                    break;
-                }
-            }
-            if m.external_tokens > 0 {
-                assert_eq!(loaded, vec![id.clone()], "load not reported");
-            }
-            let errors = self.worker.take_load_errors();
-            self.leader.request_finished(id, None, Some(0)).unwrap();
-            self.step(SchedulerStep::default(), &[], std::slice::from_ref(id));
-            (m, errors)
+        if m.external_tokens > 0 {
+            assert_eq!(loaded, vec![id.clone()], "load not reported");
         }
+        let errors = r.worker.take_load_errors();
+        r.leader.request_finished(id, None, Some(0)).unwrap();
+        r.step(SchedulerStep::default(), &[], std::slice::from_ref(id));
+        (m, errors)
     }
 
     /// Instance B onboards a prefix instance A holds in its host tier, over UCX, every byte
@@ -987,7 +870,7 @@ mod remote_tier {
         assert!(dir.path().join("inst-a.rank0.export.json").exists());
         // B reads A's index on its next iteration.
         b.step(SchedulerStep::default(), &[], &[]);
-        let (m, errors) = b.onboard(&RequestId::from("b1"), &prompt, &[5, 6, 7, 8]);
+        let (m, errors) = onboard(&mut b, &RequestId::from("b1"), &prompt, &[5, 6, 7, 8]);
         assert_eq!(m.external_tokens, 3 * BS, "{m:?}");
         assert_eq!(m.remote_tokens, 3 * BS, "{m:?}");
         assert_eq!((m.host_tokens, m.disk_tokens), (0, 0));
@@ -1006,7 +889,7 @@ mod remote_tier {
         a.offload(&RequestId::from("a2"), &other, &[8, 9, 10, 11, 12, 13]);
         // B still holds A's old index (it has not built metadata since): the match is remote,
         // the load fails verification, every block is a load error and none is served.
-        let (m, mut errors) = b.onboard(&RequestId::from("b2"), &prompt, &[5, 6, 7, 8]);
+        let (m, mut errors) = onboard(&mut b, &RequestId::from("b2"), &prompt, &[5, 6, 7, 8]);
         assert_eq!(m.remote_tokens, 3 * BS, "{m:?}");
         errors.sort();
         assert_eq!(errors, vec![5, 6, 7]);
@@ -1024,11 +907,11 @@ mod remote_tier {
         assert_eq!(s.remote_hit_tokens, (3 * BS) as u64, "{s:?}");
         assert_eq!(s.load_error_blocks, 3, "{s:?}");
         // B has refreshed meanwhile: A's index no longer lists the prompt, nothing matches.
-        let (m, _) = b.onboard(&RequestId::from("b3"), &prompt, &[5, 6, 7, 8]);
+        let (m, _) = onboard(&mut b, &RequestId::from("b3"), &prompt, &[5, 6, 7, 8]);
         assert_eq!(m.external_tokens, 0, "{m:?}");
         // The new prompt A holds now loads from A, verified.
         b.step(SchedulerStep::default(), &[], &[]);
-        let (m, errors) = b.onboard(&RequestId::from("b4"), &other, &[0, 1, 2, 3, 4, 5]);
+        let (m, errors) = onboard(&mut b, &RequestId::from("b4"), &other, &[0, 1, 2, 3, 4, 5]);
         assert_eq!(m.remote_tokens, 4 * BS, "{m:?}");
         assert!(errors.is_empty(), "{errors:?}");
         for k in 0..4 {

@@ -77,6 +77,11 @@ pub struct Rig {
 pub fn rig(host: usize, disk: usize) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let config = config(dir.path(), host, disk);
+    rig_with(config, dir)
+}
+
+/// A rig over `config`; `dir` (the disk tier's directory) lives as long as the rig.
+pub fn rig_with(config: Config, dir: tempfile::TempDir) -> Rig {
     let (lt, wts) = in_process(1);
     let device = device();
     let mut worker = Worker::new(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
