@@ -586,6 +586,17 @@ impl Engine {
             .into_iter()
             .next()
             .ok_or_else(|| Error::internal("no worker transport"))?;
+        let executor = |wt| {
+            RankExecutor::new(
+                opts.framework,
+                opts.device,
+                opts.config.clone(),
+                shard,
+                n,
+                1,
+                wt,
+            )
+        };
         let (sched, rank) = match opts.framework {
             Framework::Trtllm => {
                 // TensorRT-LLM: the scheduler starts non-blocking, the worker registers blocking.
@@ -594,28 +605,11 @@ impl Engine {
                     opts.block_size,
                     lt,
                 )?));
-                let exec = RankExecutor::new(
-                    opts.framework,
-                    opts.device,
-                    opts.config.clone(),
-                    shard,
-                    n,
-                    1,
-                    wt,
-                )?;
-                (sched, exec)
+                (sched, executor(wt)?)
             }
             Framework::Vllm => {
                 // vLLM: the worker registers non-blocking, then the scheduler starts blocking.
-                let exec = RankExecutor::new(
-                    opts.framework,
-                    opts.device,
-                    opts.config.clone(),
-                    shard,
-                    n,
-                    1,
-                    wt,
-                )?;
+                let exec = executor(wt)?;
                 let sched = Sched::Vllm(Box::new(vllm::VllmScheduler::new(
                     opts.config.clone(),
                     opts.block_size,
