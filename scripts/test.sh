@@ -2,8 +2,8 @@
 # The whole test suite (the README's test command; .ci/run runs it after fmt, clippy and docs).
 #
 # Installs what the tests need on a fresh machine, once, and caches it under $HOME/.cache/kvbm:
-# libclang-dev and the nixl-cu12 wheel (scripts/nixl-env.sh), a Python venv with maturin, pytest
-# and numpy (target/py-venv), and a venv with vLLM and torch for the conformance tests (about
+# libclang-dev and the nixl-cu12 wheel (scripts/nixl-env.sh), a Python venv with maturin, pytest,
+# numpy and xxhash (target/py-venv), and a venv with vLLM and torch for the conformance tests (about
 # 6.6 GB the first time). Then:
 #   1. every Rust test with every feature that needs no GPU at run time (trtllm, vllm, cli, nixl,
 #      cuda): NIXL tests run for real; CUDA's GPU tests print SKIP and why without a GPU;
@@ -21,7 +21,7 @@ cargo test --features trtllm,vllm,cli,nixl,cuda
 
 echo "=== Python package: build the abi3 wheel with maturin, run pytest against it"
 # A virtual environment under target/ (cached with the build; created on a fresh machine) holds
-# maturin, pytest and numpy. The wheel is built in the dev profile, sharing compiled dependencies
+# maturin, pytest, numpy and xxhash (the hash vectors' independent cross-check). The wheel is built in the dev profile, sharing compiled dependencies
 # with the steps above, and installed over any previous one; pytest then imports the installed
 # wheel, not the source tree.
 PYVENV=target/py-venv
@@ -30,9 +30,12 @@ if [ ! -x "$PYVENV/bin/python" ]; then
   python3 -m venv "$PYVENV"
 fi
 "$PYVENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-  "maturin>=1.5,<2" "pytest>=7" "numpy>=1.21"
+  "maturin>=1.5,<2" "pytest>=7" "numpy>=1.21" "xxhash>=3"
 rm -rf target/wheels
-"$PYVENV/bin/maturin" build --quiet --interpreter "$PYVENV/bin/python" --out target/wheels
+# The test hooks (`_kvbm._raise`, `_kvbm._PanicProbe`, feature python-test-hooks) are built into
+# this test wheel only; the shipped wheel (pyproject.toml's features) has none.
+"$PYVENV/bin/maturin" build --quiet --interpreter "$PYVENV/bin/python" --out target/wheels \
+  --features python-test-hooks
 "$PYVENV/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall \
   --no-deps target/wheels/kvbm_connector-*.whl
 "$PYVENV/bin/python" -c 'import kvbm_connector, sys; print("testing", kvbm_connector.__file__); sys.exit("/site-packages/" not in kvbm_connector.__file__)'

@@ -1,8 +1,10 @@
 //! Fixed inputs -> fixed keys, so the key definition cannot drift.
 //!
-//! The expected values were cross-checked with an independent implementation (Python's `xxhash`
-//! and `hashlib` following the definition in `src/identity.rs`). Changing any of them breaks every
-//! stored key and every peer that shares keys with us: do it only deliberately.
+//! The expected values are cross-checked on every test run by an independent implementation of
+//! the definition in `src/identity.rs` on Python's `xxhash` and `hashlib`
+//! (`tests/python/test_hash_vectors.py`, run by `scripts/test.sh`), which reads them out of this
+//! file. Changing any of them breaks every stored key and every peer that shares keys with us: do
+//! it only deliberately.
 
 use kvbm_connector::identity::{BlockHash, FullBlock, TokenSequence};
 use kvbm_connector::{BlockHasher, HashAlgorithm, Salt, SequenceHash};

@@ -2,7 +2,8 @@
 //! between two processes, and a missing or broken installation as an error, never an abort.
 //!
 //! Run with the library on the loader's path: `source scripts/nixl-env.sh && cargo test
-//! --features nixl --test nixl`. Without NIXL the tests that need it print why and skip, except
+//! --features nixl --test nixl`. Without NIXL the tests that need it print `SKIP <test>: <reason>` to
+//! stderr (past the test harness's capture) and return, except
 //! under `CI=true`, where a missing NIXL fails them (CI installs it; a skip there would hide a
 //! broken install). The missing-library tests need no NIXL and always run.
 //!
@@ -53,7 +54,10 @@ fn nixl() -> Option<NixlInfo> {
             panic!("CI=true and NIXL is not usable (CI installs it via scripts/nixl-env.sh): {e}")
         }
         Err(e) => {
-            println!("skipped: NIXL is not usable here: {e}");
+            eprintln!(
+                "SKIP {}: NIXL is not usable here: {e}",
+                std::thread::current().name().unwrap_or("nixl test")
+            );
             None
         }
     }
@@ -660,7 +664,9 @@ fn missing_library_is_an_error_naming_what_was_searched() {
         (PLUGIN_DIR_ENV, empty.path()),
     ]);
     if out.contains("PROBE_OK") {
-        println!("skipped: a system-wide NIXL is on the loader's default path: {out}");
+        eprintln!(
+            "SKIP missing_library_is_an_error_naming_what_was_searched: a system-wide NIXL is on the loader's default path: {out}"
+        );
         return;
     }
     assert!(out.contains("PROBE_ERR kind=Unsupported"), "{out}");
@@ -693,7 +699,9 @@ fn a_library_that_is_not_nixl_is_an_error() {
     .iter()
     .map(Path::new)
     .find(|p| p.exists()) else {
-        println!("skipped: no libm.so.6 found to stand in for a wrong library");
+        eprintln!(
+            "SKIP a_library_that_is_not_nixl_is_an_error: no libm.so.6 found to stand in for a wrong library"
+        );
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");

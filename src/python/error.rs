@@ -42,7 +42,8 @@ pub(crate) fn kind_names() -> Vec<&'static str> {
     ALL_KINDS.iter().map(|k| k.into()).collect()
 }
 
-/// The kind whose name is `name`.
+/// The kind whose name is `name` (the `_raise` test hook).
+#[cfg(feature = "python-test-hooks")]
 pub(crate) fn kind_from_name(name: &str) -> Option<ErrorKind> {
     ALL_KINDS.iter().copied().find(|k| {
         let n: &'static str = k.into();

@@ -179,7 +179,8 @@ fn env_vars() -> Vec<(&'static str, &'static str, bool)> {
 }
 
 /// Raises a `KvbmError` of the given kind (tests of the error mapping) or panics inside a
-/// guarded call (tests of the panic boundary).
+/// guarded call (tests of the panic boundary). Test builds only (feature `python-test-hooks`).
+#[cfg(feature = "python-test-hooks")]
 #[pyfunction]
 #[pyo3(signature = (kind, message, panic=false))]
 fn _raise(py: Python<'_>, kind: &str, message: String, panic: bool) -> PyResult<()> {
@@ -198,12 +199,15 @@ fn _raise(py: Python<'_>, kind: &str, message: String, panic: bool) -> PyResult<
 }
 
 /// A guarded object for tests of the panic boundary: `panic()` panics inside a guarded call,
-/// after which every call (`ok()` included) raises.
+/// after which every call (`ok()` included) raises. Test builds only (feature
+/// `python-test-hooks`).
+#[cfg(feature = "python-test-hooks")]
 #[pyclass(module = "kvbm_connector._kvbm", name = "_PanicProbe", frozen)]
 struct PanicProbe {
     inner: Guarded<u32>,
 }
 
+#[cfg(feature = "python-test-hooks")]
 #[pymethods]
 impl PanicProbe {
     #[new]
@@ -237,8 +241,11 @@ fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ERROR_KINDS", error::kind_names())?;
     m.add_class::<PyConfig>()?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
-    m.add_function(wrap_pyfunction!(_raise, m)?)?;
-    m.add_class::<PanicProbe>()?;
+    #[cfg(feature = "python-test-hooks")]
+    {
+        m.add_function(wrap_pyfunction!(_raise, m)?)?;
+        m.add_class::<PanicProbe>()?;
+    }
     transport::register(m)?;
     tensor::register(m)?;
     trtllm::register(m)?;
