@@ -9,6 +9,8 @@
 //!
 //! A third engine needs no change here: see `docs/adapters.md` and `examples/toy_engine.rs`.
 
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
+mod detect;
 #[cfg(feature = "trtllm")]
 pub mod trtllm;
 #[cfg(feature = "vllm")]
