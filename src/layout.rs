@@ -628,12 +628,15 @@ mod tests {
         }
     }
 
+    /// The runs of a block.
+    type RunsOf = fn(usize) -> Vec<Region>;
+
     /// A layout that lists whatever runs it is given for every block (one allocation).
     #[derive(Debug)]
     struct Listed {
         dims: LayoutDims,
         allocation_bytes: usize,
-        runs: fn(usize) -> Vec<Region>,
+        runs: RunsOf,
     }
 
     impl KvLayout for Listed {
@@ -664,13 +667,15 @@ mod tests {
             inner_dim: 8,
             dtype_bytes: 1,
         };
-        let run = |allocation, offset, len, canonical_offset| Region {
-            allocation,
-            offset,
-            len,
-            canonical_offset,
-        };
-        let listed = |runs: fn(usize) -> Vec<Region>| Listed {
+        fn run(allocation: usize, offset: usize, len: usize, canonical_offset: usize) -> Region {
+            Region {
+                allocation,
+                offset,
+                len,
+                canonical_offset,
+            }
+        }
+        let listed = |runs: RunsOf| Listed {
             dims: d,
             allocation_bytes: 16,
             runs,
@@ -680,7 +685,7 @@ mod tests {
             vec![run(0, b * 8 + 4, 4, 0), run(0, b * 8, 4, 4)]
         }))
         .unwrap();
-        let broken: [(fn(usize) -> Vec<Region>, &str); 5] = [
+        let broken: [(RunsOf, &str); 5] = [
             (|b| vec![run(0, b * 4, 8, 0)], "overlap"),
             (|b| vec![run(0, b * 8, 4, 0)], "cover"),
             (
