@@ -12,7 +12,9 @@
 use std::io::{IoSlice, IoSliceMut};
 
 use kvbm_connector::backends::memory::MemoryTier;
-use kvbm_connector::layout::{check_block, check_layout, BlockOrder, Region, Regions};
+use kvbm_connector::layout::{
+    check_block, check_layout, BlockOrder, LayerSeparate, Region, Regions,
+};
 use kvbm_connector::transfer::TransferEngine;
 use kvbm_connector::{
     ErrorKind, KvLayout, Layout, LayoutDims, Result, StorageTier, StorageTierExt, TierKind,
@@ -28,12 +30,14 @@ const ELEM: usize = 2;
 
 /// vLLM's CPU cache: per layer `[num_blocks, num_kv_heads, block_size, 2 * head_size]`.
 ///
-/// The canonical image of a block is `[layer][K/V][token][head][head_size]` (the order of the
-/// standard layouts' runs), so every (layer, K/V, token, head) is one run of `head_size` elements.
+/// Each layer's tensor gives a block the same span as block-major layer-separate
+/// (`[num_blocks][2][block_size × num_kv_heads × head_size]`), so this layout takes its sizes from
+/// one and differs only in the order inside a block. The canonical image of a block is
+/// `[layer][K/V][token][head][head_size]` (the order of the standard layouts' runs), so every
+/// (layer, K/V, token, head) is one run of `head_size` elements.
 #[derive(Debug)]
 struct VllmCpuLayout {
-    dims: LayoutDims,
-    num_blocks: usize,
+    spans: LayerSeparate,
     num_kv_heads: usize,
     head_size: usize,
 }
@@ -54,10 +58,8 @@ impl VllmCpuLayout {
             inner_dim: num_kv_heads * head_size,
             dtype_bytes,
         };
-        dims.validate_cache(num_blocks)?;
         Ok(Self {
-            dims,
-            num_blocks,
+            spans: LayerSeparate::new(dims, num_blocks, BlockOrder::BlockMajor)?,
             num_kv_heads,
             head_size,
         })
@@ -66,24 +68,24 @@ impl VllmCpuLayout {
 
 impl KvLayout for VllmCpuLayout {
     fn dims(&self) -> &LayoutDims {
-        &self.dims
+        self.spans.dims()
     }
 
     fn num_blocks(&self) -> usize {
-        self.num_blocks
+        self.spans.num_blocks()
     }
 
     fn num_allocations(&self) -> usize {
-        self.dims.num_layers
+        self.spans.num_allocations()
     }
 
     fn allocation_bytes(&self) -> usize {
-        self.num_blocks * self.dims.outer_dim * self.dims.region_bytes()
+        self.spans.allocation_bytes()
     }
 
     fn regions(&self, block: usize) -> Result<Regions> {
-        check_block(block, self.num_blocks)?;
-        let d = &self.dims;
+        check_block(block, self.num_blocks())?;
+        let d = self.dims();
         let run = self.head_size * d.dtype_bytes;
         let mut runs = Vec::with_capacity(d.regions_per_block() * d.page_size * self.num_kv_heads);
         for layer in 0..d.num_layers {

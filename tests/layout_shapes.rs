@@ -15,6 +15,7 @@ use kvbm_connector::layout::{check_alignment, BlockOrder, LayerSeparate};
 use kvbm_connector::LayoutKind;
 use kvbm_connector::{ErrorKind, KvLayout, Layout, LayoutDims};
 
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
 const BLOCKS: usize = 1000;
 const RUN: usize = 16 * 8 * 128 * 2;
 
