@@ -8,6 +8,9 @@
 //! by handing its runs to `write_block`. Both tiers must then hold the same canonical images, and
 //! loading the standard cache's images back into an empty CPU cache (the tier scattering straight
 //! into its runs) must rebuild the CPU cache byte for byte.
+//!
+//! The CPU cache is test-owned memory, not a tier: tiers hold the built-in `Layout`
+//! (`StorageTier::layout`), so a layout of one's own moves blocks through a tier's segment lists.
 
 use std::io::{IoSlice, IoSliceMut};
 
