@@ -7,8 +7,14 @@
 //! * `vllm` (feature `vllm`) — vLLM's `KVConnectorBase_V1`: string request ids, offload by
 //!   scheduled tokens, per-layer cache tensors, leader blocking / worker non-blocking.
 //!
+//! Each adapter also owns its engine's cache shapes: `trtllm::detect_trtllm` and
+//! `vllm::detect_vllm` read a [`crate::layout::Layout`] from the tensors the engine registers
+//! (shared shape reading in `detect`), and registration refuses storage whose layout differs.
+//!
 //! A third engine needs no change here: see `docs/adapters.md` and `examples/toy_engine.rs`.
 
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
+mod detect;
 #[cfg(feature = "trtllm")]
 pub mod trtllm;
 #[cfg(feature = "vllm")]

@@ -28,8 +28,10 @@ use crate::connector::worker::Worker;
 use crate::connector::RequestId;
 use crate::error::{Error, Result};
 use crate::identity::Token;
-use crate::layout::{detect_trtllm, KvLayout, LayoutKind};
+use crate::layout::{KvLayout, Layout, LayoutDims, LayoutKind};
 use crate::tier::StorageTier;
+
+use super::detect::{fmt_shape, inner_from_tail};
 
 /// The parts of TensorRT-LLM's `LlmRequest` the connector reads.
 #[derive(Debug, Clone, Copy)]
@@ -371,4 +373,46 @@ impl TrtllmWorker {
         }
         Ok(())
     }
+}
+
+/// Layout of TensorRT-LLM's single registered cache tensor
+/// `[num_blocks, num_layers, outer_dim, ...]` (trailing dims hold `page_size × inner_dim` elements).
+///
+/// `override_kind`, when given, must be [`LayoutKind::FullyContiguous`]: a single tensor cannot be
+/// read as layer separate.
+pub fn detect_trtllm(
+    shape: &[usize],
+    dtype_bytes: usize,
+    page_size: usize,
+    override_kind: Option<LayoutKind>,
+) -> Result<Layout> {
+    if shape.len() < 4 {
+        return Err(Error::invalid_layout(format!(
+            "TensorRT-LLM cache tensor must be [num_blocks, num_layers, outer_dim, ...], got {}",
+            fmt_shape(shape)
+        )));
+    }
+    if let Some(k) = override_kind {
+        if k != LayoutKind::FullyContiguous {
+            return Err(Error::invalid_layout(format!(
+                "layout override {k} contradicts the single tensor of shape {}, which is fully_contiguous",
+                fmt_shape(shape)
+            )));
+        }
+    }
+    let dims = LayoutDims {
+        num_layers: shape[1],
+        outer_dim: shape[2],
+        page_size,
+        inner_dim: inner_from_tail(&shape[3..], page_size, shape)?,
+        dtype_bytes,
+    };
+    if !matches!(dims.outer_dim, 1 | 2) {
+        return Err(Error::invalid_layout(format!(
+            "outer_dim (dim 2 of {}) must be 1 or 2, got {}",
+            fmt_shape(shape),
+            dims.outer_dim
+        )));
+    }
+    Layout::fully_contiguous(dims, shape[0])
 }

@@ -31,8 +31,10 @@ use crate::connector::worker::Worker;
 use crate::connector::RequestId;
 use crate::error::{Error, Result};
 use crate::identity::Token;
-use crate::layout::{detect_vllm, LayoutKind};
+use crate::layout::{BlockOrder, Layout, LayoutDims, LayoutKind};
 use crate::tier::StorageTier;
+
+use super::detect::{fmt_shape, inner_from_tail};
 
 /// The parts of vLLM's `Request` the connector reads.
 #[derive(Debug, Clone, Copy)]
@@ -433,4 +435,134 @@ impl VllmWorker {
             Error::invalid_argument(format!("unknown layer {name:?}")).with("layer", name)
         })
     }
+}
+
+/// Layout of vLLM's per-layer cache tensors, all of which must share one shape.
+///
+/// Accepted per-layer shapes (page dims after the block/outer dims hold `page_size × inner_dim`
+/// elements):
+/// * `[outer_dim, num_blocks, ...]` → outer-major (FlashAttention: `[2, N, page, heads, dim]`);
+/// * `[num_blocks, outer_dim, ...]` → block-major (FlashInfer: `[N, 2, page, heads, dim]`);
+/// * `[num_blocks, page_size, ...]` → block-major with `outer_dim = 1` (MLA latent).
+///
+/// The reading is taken from the dimension equal to `num_blocks` when it is given; without it,
+/// from which leading dimension can be an outer dim (1 or 2). When both readings fit the shape the
+/// caller must say which (`override_kind`); an override that contradicts the shape is refused,
+/// because both readings have the same byte size and a wrong one silently swaps K and V.
+pub fn detect_vllm(
+    layer_shapes: &[Vec<usize>],
+    dtype_bytes: usize,
+    page_size: usize,
+    num_blocks: Option<usize>,
+    override_kind: Option<LayoutKind>,
+) -> Result<Layout> {
+    let Some(first) = layer_shapes.first() else {
+        return Err(Error::invalid_layout(
+            "no per-layer cache tensors registered",
+        ));
+    };
+    for (i, s) in layer_shapes.iter().enumerate() {
+        if s != first {
+            return Err(Error::invalid_layout(format!(
+                "layer {i} has shape {} but layer 0 has {}",
+                fmt_shape(s),
+                fmt_shape(first)
+            ))
+            .with("layer", i));
+        }
+    }
+    let shape = first.as_slice();
+    if shape.len() < 3 {
+        return Err(Error::invalid_layout(format!(
+            "per-layer cache tensor must have at least 3 dims, got {}",
+            fmt_shape(shape)
+        )));
+    }
+    let num_layers = layer_shapes.len();
+
+    // Every reading that fits the shape: (kind, num_blocks, outer_dim, tail start).
+    let mut candidates: Vec<(LayoutKind, usize, usize, usize)> = Vec::with_capacity(3);
+    let fits_blocks = |n: usize| num_blocks.is_none_or(|want| want == n);
+    // Outer-major: [outer, N, ...]
+    if matches!(shape[0], 1 | 2) && fits_blocks(shape[1]) {
+        candidates.push((LayoutKind::LayerSeparateOuterMajor, shape[1], shape[0], 2));
+    }
+    // Block-major with explicit outer dim: [N, outer, ...]
+    if matches!(shape[1], 1 | 2) && fits_blocks(shape[0]) && shape[1] != page_size {
+        candidates.push((LayoutKind::LayerSeparateBlockMajor, shape[0], shape[1], 2));
+    }
+    // MLA: [N, page_size, ...] with outer_dim 1.
+    if shape[1] == page_size && fits_blocks(shape[0]) {
+        candidates.push((LayoutKind::LayerSeparateBlockMajor, shape[0], 1, 1));
+    }
+    // Outer-major with outer 1 is the same bytes as block-major with outer 1; keep one reading.
+    candidates.retain(|c| {
+        !(c.0 == LayoutKind::LayerSeparateOuterMajor && c.2 == 1 && shape[1] == page_size)
+    });
+
+    let chosen = match override_kind {
+        Some(LayoutKind::FullyContiguous) => {
+            return Err(Error::invalid_layout(format!(
+                "layout override fully_contiguous contradicts {num_layers} per-layer tensors of shape {}",
+                fmt_shape(shape)
+            )))
+        }
+        Some(k) => {
+            let fitting: Vec<_> = candidates.iter().filter(|c| c.0 == k).collect();
+            match fitting.as_slice() {
+                [one] => **one,
+                [] => {
+                    return Err(Error::invalid_layout(format!(
+                        "layout override {k} contradicts per-layer shape {}{}",
+                        fmt_shape(shape),
+                        num_blocks.map_or(String::new(), |n| format!(" with num_blocks {n}"))
+                    )))
+                }
+                _ => {
+                    return Err(Error::invalid_layout(format!(
+                        "per-layer shape {} is ambiguous even with override {k}",
+                        fmt_shape(shape)
+                    )))
+                }
+            }
+        }
+        None => match candidates.as_slice() {
+            [one] => *one,
+            [] => {
+                return Err(Error::invalid_layout(format!(
+                    "cannot read per-layer shape {} as [outer, blocks, ...], [blocks, outer, ...] or [blocks, page_size, ...]{}",
+                    fmt_shape(shape),
+                    num_blocks.map_or(String::new(), |n| format!(" with num_blocks {n} and page_size {page_size}"))
+                )))
+            }
+            _ => {
+                return Err(Error::invalid_layout(format!(
+                    "per-layer shape {} is ambiguous (block-major or outer-major); pass num_blocks or a layout override",
+                    fmt_shape(shape)
+                )))
+            }
+        },
+    };
+    let (kind, n, outer_dim, tail) = chosen;
+    // vLLM keeps the page (block_size) as its own dimension right after the block/outer dims.
+    if shape.get(tail) != Some(&page_size) {
+        return Err(Error::invalid_layout(format!(
+            "per-layer shape {} has {} tokens per block where page_size {page_size} was expected (dim {tail})",
+            fmt_shape(shape),
+            shape.get(tail).copied().unwrap_or(0)
+        )));
+    }
+    let dims = LayoutDims {
+        num_layers,
+        outer_dim,
+        page_size,
+        inner_dim: inner_from_tail(&shape[tail..], page_size, shape)?,
+        dtype_bytes,
+    };
+    let order = if kind == LayoutKind::LayerSeparateOuterMajor {
+        BlockOrder::OuterMajor
+    } else {
+        BlockOrder::BlockMajor
+    };
+    Layout::layer_separate(dims, n, order)
 }

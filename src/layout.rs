@@ -1,22 +1,28 @@
-//! How one KV block sits in memory: the [`KvLayout`] trait and its two shapes.
+//! How one KV block sits in memory: the [`KvLayout`] trait, its two built-in shapes, and the
+//! invariants any layout keeps.
 //!
 //! Dimensions ([`LayoutDims`]): `num_layers`, `outer_dim` (2 = K and V, 1 = an MLA latent),
-//! `page_size` (tokens per block), `inner_dim` (heads × head_dim) and `dtype_bytes`.
-//! `bytes_per_block = num_layers × outer_dim × page_size × inner_dim × dtype_bytes`.
+//! `page_size` (tokens per block), `inner_dim` (elements per token per layer per outer index) and
+//! `dtype_bytes`. `bytes_per_block = num_layers × outer_dim × page_size × inner_dim × dtype_bytes`.
 //!
-//! * [`FullyContiguous`] (TensorRT-LLM, and our host/disk tiers): one allocation
-//!   `[num_blocks][num_layers][outer_dim][page_size × inner_dim]`; a block is one run of bytes.
-//! * [`LayerSeparate`] (vLLM): one allocation per layer, either block-major
-//!   `[num_blocks][outer_dim][...]` or outer-major `[outer_dim][num_blocks][...]`; a block is
-//!   `num_layers × outer_dim` separate runs.
+//! * [`FullyContiguous`]: one allocation `[num_blocks][num_layers][outer_dim][page_size × inner_dim]`;
+//!   a block is one run of bytes (our host and disk tiers use it).
+//! * [`LayerSeparate`]: one allocation per layer, either block-major `[num_blocks][outer_dim][...]`
+//!   or outer-major `[outer_dim][num_blocks][...]`; a block is `num_layers × outer_dim` separate
+//!   runs.
+//! * Any other arrangement: implement [`KvLayout`] and list each block's runs with
+//!   [`Regions::from_runs`]; [`check_layout`] verifies the invariants below.
 //!
-//! Every layout numbers a block's runs in *canonical order* — run `r = layer × outer_dim + outer`
-//! sits at byte `r × region_bytes` of the block's fully contiguous image — so a copy between any two
-//! layouts is a gather or scatter of runs with matching canonical offsets.
+//! Every layout numbers a block's bytes in *canonical order*: the block's fully contiguous image is
+//! `[num_layers][outer_dim][page_size × inner_dim]`, and each run ([`Region`]) names where in that
+//! image its bytes belong (`canonical_offset`). A copy between any two layouts is then a gather or
+//! scatter of runs with matching canonical offsets. Which engine registers which shape, and how its
+//! tensors are read, is the adapters' business (`frameworks/`).
 //!
 //! Invariants: a constructed layout has no zero dimension, and every byte offset it can produce
 //! (`num_blocks × bytes_per_block` included) fits in `usize`; so region math after construction
-//! never overflows.
+//! never overflows. The runs of one block tile its canonical image exactly once and lie inside
+//! their allocations; runs of different blocks never overlap.
 
 use serde::{Deserialize, Serialize};
 
@@ -91,13 +97,29 @@ impl LayoutDims {
     pub fn regions_per_block(&self) -> usize {
         self.num_layers * self.outer_dim
     }
+
+    /// Checks [`validate`](Self::validate), a non-zero `num_blocks`, and that
+    /// `num_blocks × bytes_per_block` fits in `usize`: what every layout's constructor checks, so
+    /// that its region math cannot overflow afterwards.
+    pub fn validate_cache(&self, num_blocks: usize) -> Result<()> {
+        self.validate()?;
+        if num_blocks == 0 {
+            return Err(
+                Error::invalid_layout("num_blocks must be non-zero").with("dim", "num_blocks")
+            );
+        }
+        self.bytes_per_block()
+            .checked_mul(num_blocks)
+            .ok_or_else(|| overflow("num_blocks × bytes_per_block"))?;
+        Ok(())
+    }
 }
 
 fn overflow(what: &str) -> Error {
     Error::invalid_layout(format!("{what} overflows usize"))
 }
 
-/// Which of the two shapes a layout has.
+/// Which of the built-in shapes a layout has ([`Layout::kind`]).
 #[derive(
     Debug,
     Clone,
@@ -122,13 +144,17 @@ pub enum LayoutKind {
 }
 
 /// One run of a block's bytes inside one allocation.
+///
+/// A layout's runs keep the invariants listed on [`KvLayout::regions`]; [`check_layout`] verifies
+/// them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Region {
-    /// Which allocation (0 for fully contiguous; the layer for layer separate).
+    /// Which allocation, `< num_allocations()` (0 for fully contiguous; the layer for layer
+    /// separate).
     pub allocation: usize,
-    /// Byte offset inside that allocation.
+    /// Byte offset inside that allocation; `offset + len <= allocation_bytes()`.
     pub offset: usize,
-    /// Length in bytes.
+    /// Length in bytes, non-zero.
     pub len: usize,
     /// Byte offset of this run inside the block's canonical (fully contiguous) image.
     pub canonical_offset: usize,
@@ -136,20 +162,38 @@ pub struct Region {
 
 /// Where the bytes of each block of a cache live.
 ///
-/// Object safe; implemented by [`FullyContiguous`], [`LayerSeparate`] and the serialisable [`Layout`].
+/// Object safe; implemented by [`FullyContiguous`], [`LayerSeparate`] and the serialisable
+/// [`Layout`], and open to layouts defined elsewhere (an engine's own cache shape): such a layout
+/// lists its runs with [`Regions::from_runs`] and keeps the invariants below, which
+/// [`check_layout`] verifies. The transfer path reads and writes blocks as canonical images, so a
+/// layout only has to say where each piece of the image lives.
+///
+/// Invariants of an implementation:
+/// * `dims()` passes [`LayoutDims::validate_cache`] with `num_blocks()`;
+/// * `num_allocations() >= 1`, every allocation is `allocation_bytes()` long, and
+///   [`total_bytes`](Self::total_bytes) fits in `usize`;
+/// * the defaults of [`bytes_per_block`](Self::bytes_per_block) and
+///   [`total_bytes`](Self::total_bytes) are kept;
+/// * the runs of [`regions`](Self::regions) keep the invariants listed there.
 pub trait KvLayout: Send + Sync + std::fmt::Debug {
     /// The block dimensions.
     fn dims(&self) -> &LayoutDims;
     /// Blocks in the cache.
     fn num_blocks(&self) -> usize;
-    /// Which shape this is.
-    fn kind(&self) -> LayoutKind;
-    /// Separate allocations backing the cache (1, or `num_layers`).
+    /// Separate allocations backing the cache (1 for fully contiguous, `num_layers` for layer
+    /// separate).
     fn num_allocations(&self) -> usize;
     /// Bytes of each allocation.
     fn allocation_bytes(&self) -> usize;
 
     /// The runs of `block`, in canonical order; merged into one run when the block is contiguous.
+    ///
+    /// For `block < num_blocks()`: each run is non-empty and lies inside its allocation
+    /// (`allocation < num_allocations()`, `offset + len <= allocation_bytes()`); the first run's
+    /// `canonical_offset` is 0 and each next one starts where the one before ended, so together
+    /// they tile `[0, bytes_per_block)` exactly once; no two runs of this or any other block
+    /// overlap. A `block` out of range is an [`crate::ErrorKind::OutOfRange`] error
+    /// ([`check_block`]).
     fn regions(&self, block: usize) -> Result<Regions>;
 
     /// Bytes of one block.
@@ -162,31 +206,76 @@ pub trait KvLayout: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Iterator over the runs of one block (no allocation).
+/// Iterator over the runs of one block, as [`KvLayout::regions`] returns them.
+///
+/// The built-in layouts compute their runs on the fly (no allocation); a layout defined elsewhere
+/// hands its list to [`Regions::from_runs`].
 #[derive(Debug, Clone)]
-pub struct Regions {
-    kind: LayoutKind,
-    dims: LayoutDims,
-    num_blocks: usize,
-    block: usize,
-    next: usize,
-    end: usize,
+pub struct Regions(Runs);
+
+#[derive(Debug, Clone)]
+enum Runs {
+    /// Run `next..end` of `block` of a built-in layout.
+    Computed {
+        kind: LayoutKind,
+        dims: LayoutDims,
+        num_blocks: usize,
+        block: usize,
+        next: usize,
+        end: usize,
+    },
+    /// Runs listed by the layout.
+    Listed(std::vec::IntoIter<Region>),
+}
+
+impl Regions {
+    /// The runs of one block, in canonical order, as a layout defined outside this crate lists
+    /// them. They must keep the invariants of [`KvLayout::regions`].
+    pub fn from_runs(runs: Vec<Region>) -> Self {
+        Self(Runs::Listed(runs.into_iter()))
+    }
+
+    fn computed(kind: LayoutKind, dims: LayoutDims, num_blocks: usize, block: usize) -> Self {
+        let end = match kind {
+            LayoutKind::FullyContiguous => 1,
+            _ => dims.regions_per_block(),
+        };
+        Self(Runs::Computed {
+            kind,
+            dims,
+            num_blocks,
+            block,
+            next: 0,
+            end,
+        })
+    }
 }
 
 impl Iterator for Regions {
     type Item = Region;
 
     fn next(&mut self) -> Option<Region> {
-        if self.next >= self.end {
-            return None;
-        }
-        let r = self.next;
-        self.next += 1;
-        let d = &self.dims;
-        Some(match self.kind {
+        let (kind, d, num_blocks, block, r) = match &mut self.0 {
+            Runs::Listed(runs) => return runs.next(),
+            Runs::Computed {
+                kind,
+                dims,
+                num_blocks,
+                block,
+                next,
+                end,
+            } => {
+                if *next >= *end {
+                    return None;
+                }
+                *next += 1;
+                (*kind, &*dims, *num_blocks, *block, *next - 1)
+            }
+        };
+        Some(match kind {
             LayoutKind::FullyContiguous => Region {
                 allocation: 0,
-                offset: self.block * d.bytes_per_block(),
+                offset: block * d.bytes_per_block(),
                 len: d.bytes_per_block(),
                 canonical_offset: 0,
             },
@@ -195,7 +284,7 @@ impl Iterator for Regions {
                 let rb = d.region_bytes();
                 Region {
                     allocation: layer,
-                    offset: (self.block * d.outer_dim + outer) * rb,
+                    offset: (block * d.outer_dim + outer) * rb,
                     len: rb,
                     canonical_offset: r * rb,
                 }
@@ -205,7 +294,7 @@ impl Iterator for Regions {
                 let rb = d.region_bytes();
                 Region {
                     allocation: layer,
-                    offset: (outer * self.num_blocks + self.block) * rb,
+                    offset: (outer * num_blocks + block) * rb,
                     len: rb,
                     canonical_offset: r * rb,
                 }
@@ -214,29 +303,97 @@ impl Iterator for Regions {
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let n = self.end - self.next;
-        (n, Some(n))
+        match &self.0 {
+            Runs::Listed(runs) => runs.size_hint(),
+            Runs::Computed { next, end, .. } => {
+                let n = end - next;
+                (n, Some(n))
+            }
+        }
     }
 }
 
 impl ExactSizeIterator for Regions {}
 
-fn check_block(block: usize, num_blocks: usize) -> Result<()> {
+/// The error every layout returns for a `block` outside `0..num_blocks`
+/// ([`crate::ErrorKind::OutOfRange`]).
+pub fn check_block(block: usize, num_blocks: usize) -> Result<()> {
     if block >= num_blocks {
         return Err(Error::out_of_range("block", block, num_blocks));
     }
     Ok(())
 }
 
-fn check_total(dims: &LayoutDims, num_blocks: usize) -> Result<()> {
-    dims.validate()?;
-    if num_blocks == 0 {
-        return Err(Error::invalid_layout("num_blocks must be non-zero").with("dim", "num_blocks"));
+/// Checks the invariants of [`KvLayout`] on `layout`, over every block: its dimensions, each
+/// block's runs (non-empty, inside their allocations, tiling the canonical image in order), that no
+/// two runs overlap, and that the block past the end is refused. Takes time and memory in
+/// proportion to the runs of the whole cache: for an implementation's tests, or to vet a layout
+/// once before trusting it.
+pub fn check_layout(layout: &dyn KvLayout) -> Result<()> {
+    let dims = layout.dims();
+    dims.validate_cache(layout.num_blocks())?;
+    let bytes_per_block = layout.bytes_per_block();
+    let (allocations, allocation_bytes) = (layout.num_allocations(), layout.allocation_bytes());
+    if bytes_per_block != dims.bytes_per_block() || allocations == 0 {
+        return Err(Error::invalid_layout(format!(
+            "{bytes_per_block}-byte blocks over {allocations} allocations do not match dimensions {dims:?}"
+        )));
     }
-    dims.bytes_per_block()
-        .checked_mul(num_blocks)
-        .ok_or_else(|| overflow("num_blocks × bytes_per_block"))?;
-    Ok(())
+    allocations
+        .checked_mul(allocation_bytes)
+        .ok_or_else(|| overflow("num_allocations × allocation_bytes"))?;
+    let bad = |block: usize, r: &Region, why: &str| {
+        Error::invalid_layout(format!("run {r:?} of block {block} {why}")).with("block", block)
+    };
+    // (allocation, offset, end, block) of every run, for the overlap check.
+    let mut spans = Vec::new();
+    for block in 0..layout.num_blocks() {
+        let mut canonical = 0usize;
+        for r in layout.regions(block)? {
+            if r.len == 0 || r.canonical_offset != canonical {
+                return Err(bad(
+                    block,
+                    &r,
+                    &format!("is empty or does not start at canonical byte {canonical}"),
+                ));
+            }
+            let end = r
+                .offset
+                .checked_add(r.len)
+                .filter(|&e| e <= allocation_bytes);
+            let Some(end) = end.filter(|_| r.allocation < allocations) else {
+                return Err(bad(block, &r, "lies outside its allocation"));
+            };
+            canonical = canonical
+                .checked_add(r.len)
+                .filter(|&c| c <= bytes_per_block)
+                .ok_or_else(|| bad(block, &r, "runs past the end of the canonical image"))?;
+            spans.push((r.allocation, r.offset, end, block));
+        }
+        if canonical != bytes_per_block {
+            return Err(Error::invalid_layout(format!(
+                "the runs of block {block} cover {canonical} canonical bytes, not {bytes_per_block}"
+            ))
+            .with("block", block));
+        }
+    }
+    spans.sort_unstable();
+    if let Some(w) = spans
+        .windows(2)
+        .find(|w| w[0].0 == w[1].0 && w[0].2 > w[1].1)
+    {
+        return Err(Error::invalid_layout(format!(
+            "runs of blocks {} and {} overlap in allocation {}",
+            w[0].3, w[1].3, w[0].0
+        )));
+    }
+    match layout.regions(layout.num_blocks()) {
+        Err(e) if e.kind() == crate::ErrorKind::OutOfRange => Ok(()),
+        _ => Err(Error::invalid_layout(format!(
+            "block {} is past the end but not refused as out of range",
+            layout.num_blocks()
+        ))),
+    }
 }
 
 /// One allocation `[num_blocks][num_layers][outer_dim][page_size × inner_dim]`.
@@ -249,8 +406,13 @@ pub struct FullyContiguous {
 impl FullyContiguous {
     /// Validates and builds the layout.
     pub fn new(dims: LayoutDims, num_blocks: usize) -> Result<Self> {
-        check_total(&dims, num_blocks)?;
+        dims.validate_cache(num_blocks)?;
         Ok(Self { dims, num_blocks })
+    }
+
+    /// Always [`LayoutKind::FullyContiguous`].
+    pub fn kind(&self) -> LayoutKind {
+        LayoutKind::FullyContiguous
     }
 }
 
@@ -261,9 +423,6 @@ impl KvLayout for FullyContiguous {
     fn num_blocks(&self) -> usize {
         self.num_blocks
     }
-    fn kind(&self) -> LayoutKind {
-        LayoutKind::FullyContiguous
-    }
     fn num_allocations(&self) -> usize {
         1
     }
@@ -272,14 +431,12 @@ impl KvLayout for FullyContiguous {
     }
     fn regions(&self, block: usize) -> Result<Regions> {
         check_block(block, self.num_blocks)?;
-        Ok(Regions {
-            kind: LayoutKind::FullyContiguous,
-            dims: self.dims,
-            num_blocks: self.num_blocks,
+        Ok(Regions::computed(
+            self.kind(),
+            self.dims,
+            self.num_blocks,
             block,
-            next: 0,
-            end: 1,
-        })
+        ))
     }
 }
 
@@ -299,9 +456,9 @@ impl KvLayout for FullyContiguous {
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum BlockOrder {
-    /// `[num_blocks][outer_dim][...]` (e.g. vLLM's FlashInfer backend, MLA).
+    /// `[num_blocks][outer_dim][...]`.
     BlockMajor,
-    /// `[outer_dim][num_blocks][...]` (e.g. vLLM's FlashAttention backend).
+    /// `[outer_dim][num_blocks][...]`.
     OuterMajor,
 }
 
@@ -316,7 +473,7 @@ pub struct LayerSeparate {
 impl LayerSeparate {
     /// Validates and builds the layout.
     pub fn new(dims: LayoutDims, num_blocks: usize, order: BlockOrder) -> Result<Self> {
-        check_total(&dims, num_blocks)?;
+        dims.validate_cache(num_blocks)?;
         Ok(Self {
             dims,
             num_blocks,
@@ -328,6 +485,14 @@ impl LayerSeparate {
     pub fn order(&self) -> BlockOrder {
         self.order
     }
+
+    /// [`LayoutKind::LayerSeparateBlockMajor`] or [`LayoutKind::LayerSeparateOuterMajor`].
+    pub fn kind(&self) -> LayoutKind {
+        match self.order {
+            BlockOrder::BlockMajor => LayoutKind::LayerSeparateBlockMajor,
+            BlockOrder::OuterMajor => LayoutKind::LayerSeparateOuterMajor,
+        }
+    }
 }
 
 impl KvLayout for LayerSeparate {
@@ -337,12 +502,6 @@ impl KvLayout for LayerSeparate {
     fn num_blocks(&self) -> usize {
         self.num_blocks
     }
-    fn kind(&self) -> LayoutKind {
-        match self.order {
-            BlockOrder::BlockMajor => LayoutKind::LayerSeparateBlockMajor,
-            BlockOrder::OuterMajor => LayoutKind::LayerSeparateOuterMajor,
-        }
-    }
     fn num_allocations(&self) -> usize {
         self.dims.num_layers
     }
@@ -351,18 +510,16 @@ impl KvLayout for LayerSeparate {
     }
     fn regions(&self, block: usize) -> Result<Regions> {
         check_block(block, self.num_blocks)?;
-        Ok(Regions {
-            kind: self.kind(),
-            dims: self.dims,
-            num_blocks: self.num_blocks,
+        Ok(Regions::computed(
+            self.kind(),
+            self.dims,
+            self.num_blocks,
             block,
-            next: 0,
-            end: self.dims.regions_per_block(),
-        })
+        ))
     }
 }
 
-/// Either layout, as a value: what tiers hold and configs and wire messages carry.
+/// Either built-in layout, as a value: what tiers hold and configs and wire messages carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Layout {
@@ -388,6 +545,14 @@ impl Layout {
         Self::fully_contiguous(*self.dims(), num_blocks)
     }
 
+    /// Which built-in shape this is.
+    pub fn kind(&self) -> LayoutKind {
+        match self {
+            Layout::FullyContiguous(l) => l.kind(),
+            Layout::LayerSeparate(l) => l.kind(),
+        }
+    }
+
     fn inner(&self) -> &dyn KvLayout {
         match self {
             Layout::FullyContiguous(l) => l,
@@ -403,9 +568,6 @@ impl KvLayout for Layout {
     fn num_blocks(&self) -> usize {
         self.inner().num_blocks()
     }
-    fn kind(&self) -> LayoutKind {
-        self.inner().kind()
-    }
     fn num_allocations(&self) -> usize {
         self.inner().num_allocations()
     }
@@ -415,209 +577,6 @@ impl KvLayout for Layout {
     fn regions(&self, block: usize) -> Result<Regions> {
         self.inner().regions(block)
     }
-}
-
-// ------------------------------------------------------------------------------------------------
-// Detection from registered tensor shapes
-// ------------------------------------------------------------------------------------------------
-
-fn product(shape: &[usize], what: &str) -> Result<usize> {
-    shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| overflow(what))
-}
-
-fn fmt_shape(shape: &[usize]) -> String {
-    format!("{shape:?}")
-}
-
-/// Elements after the block/outer dims → (inner_dim) given page_size.
-fn inner_from_tail(tail: &[usize], page_size: usize, shape: &[usize]) -> Result<usize> {
-    if page_size == 0 {
-        return Err(Error::invalid_layout("page_size must be non-zero").with("dim", "page_size"));
-    }
-    let elems = product(tail, "tensor element count")?;
-    if elems == 0 || elems % page_size != 0 {
-        return Err(Error::invalid_layout(format!(
-            "trailing dims {} of shape {} hold {elems} elements, not a non-zero multiple of page_size {page_size}",
-            fmt_shape(tail),
-            fmt_shape(shape)
-        )));
-    }
-    Ok(elems / page_size)
-}
-
-/// Layout of TensorRT-LLM's single registered cache tensor
-/// `[num_blocks, num_layers, outer_dim, ...]` (trailing dims hold `page_size × inner_dim` elements).
-///
-/// `override_kind`, when given, must be [`LayoutKind::FullyContiguous`]: a single tensor cannot be
-/// read as layer separate.
-pub fn detect_trtllm(
-    shape: &[usize],
-    dtype_bytes: usize,
-    page_size: usize,
-    override_kind: Option<LayoutKind>,
-) -> Result<Layout> {
-    if shape.len() < 4 {
-        return Err(Error::invalid_layout(format!(
-            "TensorRT-LLM cache tensor must be [num_blocks, num_layers, outer_dim, ...], got {}",
-            fmt_shape(shape)
-        )));
-    }
-    if let Some(k) = override_kind {
-        if k != LayoutKind::FullyContiguous {
-            return Err(Error::invalid_layout(format!(
-                "layout override {k} contradicts the single tensor of shape {}, which is fully_contiguous",
-                fmt_shape(shape)
-            )));
-        }
-    }
-    let dims = LayoutDims {
-        num_layers: shape[1],
-        outer_dim: shape[2],
-        page_size,
-        inner_dim: inner_from_tail(&shape[3..], page_size, shape)?,
-        dtype_bytes,
-    };
-    if !matches!(dims.outer_dim, 1 | 2) {
-        return Err(Error::invalid_layout(format!(
-            "outer_dim (dim 2 of {}) must be 1 or 2, got {}",
-            fmt_shape(shape),
-            dims.outer_dim
-        )));
-    }
-    Layout::fully_contiguous(dims, shape[0])
-}
-
-/// Layout of vLLM's per-layer cache tensors, all of which must share one shape.
-///
-/// Accepted per-layer shapes (page dims after the block/outer dims hold `page_size × inner_dim`
-/// elements):
-/// * `[outer_dim, num_blocks, ...]` → outer-major (FlashAttention: `[2, N, page, heads, dim]`);
-/// * `[num_blocks, outer_dim, ...]` → block-major (FlashInfer: `[N, 2, page, heads, dim]`);
-/// * `[num_blocks, page_size, ...]` → block-major with `outer_dim = 1` (MLA latent).
-///
-/// The reading is taken from the dimension equal to `num_blocks` when it is given; without it,
-/// from which leading dimension can be an outer dim (1 or 2). When both readings fit the shape the
-/// caller must say which (`override_kind`); an override that contradicts the shape is refused,
-/// because both readings have the same byte size and a wrong one silently swaps K and V.
-pub fn detect_vllm(
-    layer_shapes: &[Vec<usize>],
-    dtype_bytes: usize,
-    page_size: usize,
-    num_blocks: Option<usize>,
-    override_kind: Option<LayoutKind>,
-) -> Result<Layout> {
-    let Some(first) = layer_shapes.first() else {
-        return Err(Error::invalid_layout(
-            "no per-layer cache tensors registered",
-        ));
-    };
-    for (i, s) in layer_shapes.iter().enumerate() {
-        if s != first {
-            return Err(Error::invalid_layout(format!(
-                "layer {i} has shape {} but layer 0 has {}",
-                fmt_shape(s),
-                fmt_shape(first)
-            ))
-            .with("layer", i));
-        }
-    }
-    let shape = first.as_slice();
-    if shape.len() < 3 {
-        return Err(Error::invalid_layout(format!(
-            "per-layer cache tensor must have at least 3 dims, got {}",
-            fmt_shape(shape)
-        )));
-    }
-    let num_layers = layer_shapes.len();
-
-    // Every reading that fits the shape: (kind, num_blocks, outer_dim, tail start).
-    let mut candidates: Vec<(LayoutKind, usize, usize, usize)> = Vec::with_capacity(3);
-    let fits_blocks = |n: usize| num_blocks.is_none_or(|want| want == n);
-    // Outer-major: [outer, N, ...]
-    if matches!(shape[0], 1 | 2) && fits_blocks(shape[1]) {
-        candidates.push((LayoutKind::LayerSeparateOuterMajor, shape[1], shape[0], 2));
-    }
-    // Block-major with explicit outer dim: [N, outer, ...]
-    if matches!(shape[1], 1 | 2) && fits_blocks(shape[0]) && shape[1] != page_size {
-        candidates.push((LayoutKind::LayerSeparateBlockMajor, shape[0], shape[1], 2));
-    }
-    // MLA: [N, page_size, ...] with outer_dim 1.
-    if shape[1] == page_size && fits_blocks(shape[0]) {
-        candidates.push((LayoutKind::LayerSeparateBlockMajor, shape[0], 1, 1));
-    }
-    // Outer-major with outer 1 is the same bytes as block-major with outer 1; keep one reading.
-    candidates.retain(|c| {
-        !(c.0 == LayoutKind::LayerSeparateOuterMajor && c.2 == 1 && shape[1] == page_size)
-    });
-
-    let chosen = match override_kind {
-        Some(LayoutKind::FullyContiguous) => {
-            return Err(Error::invalid_layout(format!(
-                "layout override fully_contiguous contradicts {num_layers} per-layer tensors of shape {}",
-                fmt_shape(shape)
-            )))
-        }
-        Some(k) => {
-            let fitting: Vec<_> = candidates.iter().filter(|c| c.0 == k).collect();
-            match fitting.as_slice() {
-                [one] => **one,
-                [] => {
-                    return Err(Error::invalid_layout(format!(
-                        "layout override {k} contradicts per-layer shape {}{}",
-                        fmt_shape(shape),
-                        num_blocks.map_or(String::new(), |n| format!(" with num_blocks {n}"))
-                    )))
-                }
-                _ => {
-                    return Err(Error::invalid_layout(format!(
-                        "per-layer shape {} is ambiguous even with override {k}",
-                        fmt_shape(shape)
-                    )))
-                }
-            }
-        }
-        None => match candidates.as_slice() {
-            [one] => *one,
-            [] => {
-                return Err(Error::invalid_layout(format!(
-                    "cannot read per-layer shape {} as [outer, blocks, ...], [blocks, outer, ...] or [blocks, page_size, ...]{}",
-                    fmt_shape(shape),
-                    num_blocks.map_or(String::new(), |n| format!(" with num_blocks {n} and page_size {page_size}"))
-                )))
-            }
-            _ => {
-                return Err(Error::invalid_layout(format!(
-                    "per-layer shape {} is ambiguous (block-major or outer-major); pass num_blocks or a layout override",
-                    fmt_shape(shape)
-                )))
-            }
-        },
-    };
-    let (kind, n, outer_dim, tail) = chosen;
-    // vLLM keeps the page (block_size) as its own dimension right after the block/outer dims.
-    if shape.get(tail) != Some(&page_size) {
-        return Err(Error::invalid_layout(format!(
-            "per-layer shape {} has {} tokens per block where page_size {page_size} was expected (dim {tail})",
-            fmt_shape(shape),
-            shape.get(tail).copied().unwrap_or(0)
-        )));
-    }
-    let dims = LayoutDims {
-        num_layers,
-        outer_dim,
-        page_size,
-        inner_dim: inner_from_tail(&shape[tail..], page_size, shape)?,
-        dtype_bytes,
-    };
-    let order = if kind == LayoutKind::LayerSeparateOuterMajor {
-        BlockOrder::OuterMajor
-    } else {
-        BlockOrder::BlockMajor
-    };
-    Layout::layer_separate(dims, n, order)
 }
 
 /// Checks that a registered base address is aligned to `align` bytes (a power of two).
@@ -665,6 +624,81 @@ mod tests {
                 assert!(r.offset + r.len <= layout.allocation_bytes());
             }
             assert_eq!(covered, bpb);
+            check_layout(&layout).unwrap();
+        }
+    }
+
+    /// The runs of a block.
+    type RunsOf = fn(usize) -> Vec<Region>;
+
+    /// A layout that lists whatever runs it is given for every block (one allocation).
+    #[derive(Debug)]
+    struct Listed {
+        dims: LayoutDims,
+        allocation_bytes: usize,
+        runs: RunsOf,
+    }
+
+    impl KvLayout for Listed {
+        fn dims(&self) -> &LayoutDims {
+            &self.dims
+        }
+        fn num_blocks(&self) -> usize {
+            2
+        }
+        fn num_allocations(&self) -> usize {
+            1
+        }
+        fn allocation_bytes(&self) -> usize {
+            self.allocation_bytes
+        }
+        fn regions(&self, block: usize) -> Result<Regions> {
+            check_block(block, 2)?;
+            Ok(Regions::from_runs((self.runs)(block)))
+        }
+    }
+
+    #[test]
+    fn check_layout_refuses_broken_runs() {
+        let d = LayoutDims {
+            num_layers: 1,
+            outer_dim: 1,
+            page_size: 1,
+            inner_dim: 8,
+            dtype_bytes: 1,
+        };
+        fn run(allocation: usize, offset: usize, len: usize, canonical_offset: usize) -> Region {
+            Region {
+                allocation,
+                offset,
+                len,
+                canonical_offset,
+            }
+        }
+        let listed = |runs: RunsOf| Listed {
+            dims: d,
+            allocation_bytes: 16,
+            runs,
+        };
+        // Two 4-byte runs per block, the halves swapped: fine.
+        check_layout(&listed(|b| {
+            vec![run(0, b * 8 + 4, 4, 0), run(0, b * 8, 4, 4)]
+        }))
+        .unwrap();
+        let broken: [(RunsOf, &str); 5] = [
+            (|b| vec![run(0, b * 4, 8, 0)], "overlap"),
+            (|b| vec![run(0, b * 8, 4, 0)], "cover"),
+            (
+                |b| vec![run(0, b * 8, 4, 4), run(0, b * 8 + 4, 4, 0)],
+                "canonical byte",
+            ),
+            (|b| vec![run(1, b * 8, 8, 0)], "outside"),
+            (|b| vec![run(0, b * 8 + 4, 8, 0)], "outside"),
+        ];
+        for (runs, why) in broken {
+            let e = check_layout(&listed(runs)).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidLayout);
+            assert!(e.to_string().contains(why), "{why}: {e}");
         }
     }
 }

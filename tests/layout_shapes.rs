@@ -1,13 +1,21 @@
-//! Layout math and detection on the real shapes the frameworks register.
+//! Layout math, and the adapters' layout detection (`frameworks::{trtllm, vllm}`, features `trtllm`
+//! and `vllm`), on the real shapes the frameworks register.
 //!
 //! Model: 32 layers, 8 KV heads, head dim 128, bf16 (2 bytes), 16-token pages. One block holds
 //! 32 × 2 × 16 × 8 × 128 × 2 = 2 MiB; one (layer, K/V) run is 32 KiB.
 
-use kvbm_connector::layout::{
-    check_alignment, detect_trtllm, detect_vllm, BlockOrder, LayerSeparate, Region,
-};
-use kvbm_connector::{ErrorKind, KvLayout, Layout, LayoutDims, LayoutKind};
+#[cfg(feature = "trtllm")]
+use kvbm_connector::frameworks::trtllm::detect_trtllm;
+#[cfg(feature = "vllm")]
+use kvbm_connector::frameworks::vllm::detect_vllm;
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
+use kvbm_connector::layout::Region;
+use kvbm_connector::layout::{check_alignment, BlockOrder, LayerSeparate};
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
+use kvbm_connector::LayoutKind;
+use kvbm_connector::{ErrorKind, KvLayout, Layout, LayoutDims};
 
+#[cfg(any(feature = "trtllm", feature = "vllm"))]
 const BLOCKS: usize = 1000;
 const RUN: usize = 16 * 8 * 128 * 2;
 
@@ -29,6 +37,7 @@ fn bytes_per_block_of_a_32_layer_model() {
     assert_eq!(d.bytes_per_block(), 2 * 1024 * 1024);
 }
 
+#[cfg(feature = "trtllm")]
 #[test]
 fn trtllm_single_tensor() {
     // TensorRT-LLM: [num_blocks, num_layers, kv_factor, tokens_per_block × heads × head_dim].
@@ -58,6 +67,7 @@ fn trtllm_single_tensor() {
     assert_eq!(l2, l);
 }
 
+#[cfg(feature = "trtllm")]
 #[test]
 fn trtllm_refuses_contradicting_override_and_bad_shapes() {
     let e = detect_trtllm(
@@ -102,10 +112,12 @@ fn trtllm_refuses_contradicting_override_and_bad_shapes() {
     );
 }
 
+#[cfg(feature = "vllm")]
 fn layers(shape: &[usize]) -> Vec<Vec<usize>> {
     vec![shape.to_vec(); 32]
 }
 
+#[cfg(feature = "vllm")]
 #[test]
 fn vllm_flash_attention_is_outer_major() {
     // FlashAttention: per layer [2, num_blocks, block_size, num_kv_heads, head_size].
@@ -133,6 +145,7 @@ fn vllm_flash_attention_is_outer_major() {
     );
 }
 
+#[cfg(feature = "vllm")]
 #[test]
 fn vllm_flashinfer_is_block_major() {
     // FlashInfer: per layer [num_blocks, 2, block_size, num_kv_heads, head_size].
@@ -151,6 +164,7 @@ fn vllm_flashinfer_is_block_major() {
     );
 }
 
+#[cfg(feature = "vllm")]
 #[test]
 fn vllm_mla_latent_has_one_outer() {
     // MLA (e.g. DeepSeek): per layer [num_blocks, block_size, kv_lora_rank + rope_dim].
@@ -161,6 +175,7 @@ fn vllm_mla_latent_has_one_outer() {
     assert_eq!(l.bytes_per_block(), 61 * 16 * 576 * 2);
 }
 
+#[cfg(feature = "vllm")]
 #[test]
 fn vllm_override_contradicting_the_shape_is_refused() {
     let shape = [2, BLOCKS, 16, 8, 128];
@@ -195,6 +210,7 @@ fn vllm_override_contradicting_the_shape_is_refused() {
     assert_eq!(l.kind(), LayoutKind::LayerSeparateOuterMajor);
 }
 
+#[cfg(feature = "vllm")]
 #[test]
 fn vllm_ambiguous_shape_needs_num_blocks_or_override() {
     // Two blocks: [2, 2, ...] reads both ways with the same byte size.
@@ -212,6 +228,7 @@ fn vllm_ambiguous_shape_needs_num_blocks_or_override() {
     assert_eq!(l.kind(), LayoutKind::LayerSeparateBlockMajor);
 }
 
+#[cfg(feature = "vllm")]
 #[test]
 fn vllm_mismatched_layers_and_bad_block_count() {
     let mut shapes = layers(&[2, BLOCKS, 16, 8, 128]);
@@ -259,6 +276,7 @@ fn zero_and_overflowing_dimensions_are_errors() {
             .kind(),
         ErrorKind::InvalidLayout
     );
+    #[cfg(feature = "trtllm")]
     assert_eq!(
         detect_trtllm(&[BLOCKS, 32, 2, usize::MAX / 2, 4], 2, 16, None)
             .unwrap_err()

@@ -19,7 +19,9 @@ use pyo3::types::PyDict;
 use super::error::{bad_value, to_py_err};
 use crate::backends::memory::HostBlocks;
 use crate::error::{Error, Result};
-use crate::layout::{detect_trtllm, detect_vllm, KvLayout, Layout, LayoutKind};
+use crate::frameworks::trtllm::detect_trtllm;
+use crate::frameworks::vllm::detect_vllm;
+use crate::layout::{KvLayout, Layout, LayoutKind};
 use crate::tier::TierKind;
 
 /// What the connector reads from one cache tensor.

@@ -10,10 +10,11 @@ use super::tensor::{read_tensor, TensorTier};
 use super::transport::{PyLeaderTransport, PyWorkerTransport};
 use super::{common, detached, to_py_err, Guarded, PyConfig};
 use crate::connector::barrier::InitMode;
+use crate::frameworks::trtllm::detect_trtllm;
 use crate::frameworks::trtllm::{
     LlmRequest, RequestData, SchedulerOutput, TrtllmScheduler, TrtllmWorker,
 };
-use crate::layout::{detect_trtllm, LayoutKind};
+use crate::layout::LayoutKind;
 
 fn mode(blocking: bool) -> InitMode {
     if blocking {
