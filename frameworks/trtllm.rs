@@ -264,7 +264,13 @@ impl TrtllmWorker {
             ));
         }
         Ok(Self {
-            worker: Worker::new(config, world_size, transport, mode)?,
+            worker: Worker::new(
+                config,
+                world_size,
+                transport,
+                mode,
+                crate::backends::StandardTiers::shared(),
+            )?,
             tokens_per_block,
             num_layers: 0,
             saved_this_iteration: false,

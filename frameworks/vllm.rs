@@ -305,7 +305,13 @@ impl VllmWorker {
             return Err(Error::invalid_argument("block_size must be at least 1"));
         }
         Ok(Self {
-            worker: Worker::new(config, world_size, transport, mode)?,
+            worker: Worker::new(
+                config,
+                world_size,
+                transport,
+                mode,
+                crate::backends::StandardTiers::shared(),
+            )?,
             block_size,
             layers: HashMap::new(),
             saved_this_iteration: false,

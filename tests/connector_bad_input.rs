@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::SchedulerStep;
 use kvbm_connector::connector::metadata::{BlockTransfer, ConnectorMetadata, Load, OperationId};
 use kvbm_connector::connector::RequestId;
@@ -250,7 +251,14 @@ fn a_failing_metadata_hook_loses_no_operation() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 16, 0);
     let (lt, wts) = in_process(1);
-    let mut worker = Worker::new(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut worker = Worker::new(
+        cfg.clone(),
+        1,
+        wts[0].clone(),
+        InitMode::NonBlocking,
+        StandardTiers::shared(),
+    )
+    .unwrap();
     worker.register(device()).unwrap();
     let mut leader = Leader::new(
         FlakyHook { fail_next: false },

@@ -25,6 +25,7 @@ use kvbm_connector::backends::cuda::{
 };
 use kvbm_connector::backends::disk::{DiskTier, DiskTierOptions};
 use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::layout::BlockOrder;
 use kvbm_connector::transfer::TransferEngine;
 use kvbm_connector::{
@@ -890,7 +891,14 @@ fn gpu_connector_offloads_and_onboards_through_the_gpu_tier() {
     let config = common::config(dir.path(), 16, 64);
     let (lt, wts) = in_process(1);
     let device: Arc<dyn StorageTier> = tier.clone();
-    let mut worker = Worker::new(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut worker = Worker::new(
+        config.clone(),
+        1,
+        wts[0].clone(),
+        InitMode::NonBlocking,
+        StandardTiers::shared(),
+    )
+    .unwrap();
     worker.register(device.clone()).unwrap();
     let leader = Leader::new(ScheduledTokens, config, common::BS, lt, InitMode::Blocking).unwrap();
     common::wait_until("worker ready", || worker.is_ready());

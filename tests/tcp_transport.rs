@@ -14,6 +14,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::*;
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::ScheduledTokens;
 use kvbm_connector::connector::barrier::{leader_barrier, worker_barrier, InitMode};
 use kvbm_connector::connector::leader::Leader;
@@ -557,7 +558,14 @@ fn real_leader_and_worker_offload_and_onboard_over_tcp() {
     let lt = TcpLeader::bind(any_port(), 1, Some("tok".into())).unwrap();
     let wt = TcpWorker::connect(lt.local_addr(), 0, 1, Some("tok".into()), LONG).unwrap();
     let device = device();
-    let mut worker = Worker::new(cfg.clone(), 1, wt, InitMode::NonBlocking).unwrap();
+    let mut worker = Worker::new(
+        cfg.clone(),
+        1,
+        wt,
+        InitMode::NonBlocking,
+        StandardTiers::shared(),
+    )
+    .unwrap();
     worker.register(device.clone()).unwrap();
     let leader = Leader::new(ScheduledTokens, cfg, BS, lt.clone(), InitMode::Blocking).unwrap();
     wait_until("worker ready", || worker.is_ready());

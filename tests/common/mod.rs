@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
 use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
@@ -84,7 +85,14 @@ pub fn rig(host: usize, disk: usize) -> Rig {
 pub fn rig_with(config: Config, dir: tempfile::TempDir) -> Rig {
     let (lt, wts) = in_process(1);
     let device = device();
-    let mut worker = Worker::new(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut worker = Worker::new(
+        config.clone(),
+        1,
+        wts[0].clone(),
+        InitMode::NonBlocking,
+        StandardTiers::shared(),
+    )
+    .unwrap();
     worker.register(device.clone()).unwrap();
     let mut leader = Leader::new(ScheduledTokens, config, BS, lt, InitMode::Blocking).unwrap();
     assert!(leader.is_ready());
