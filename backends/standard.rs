@@ -96,8 +96,9 @@ fn host_tier(device: &dyn StorageTier, layout: Layout) -> Result<Arc<dyn Storage
 /// A NIXL disk tier, and the remote tier's hooks.
 type NixlParts = (Option<Arc<dyn StorageTier>>, Option<Arc<dyn WorkerRemote>>);
 
-/// The NIXL parts of a worker: see [`nixl::worker_parts`](super::nixl::worker_parts).
-#[cfg(feature = "nixl")]
+/// The NIXL parts of a worker (see `nixl::worker_parts`); without the `nixl` feature, an
+/// [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported) error naming the setting that asked
+/// for NIXL.
 fn nixl_parts(
     config: &Config,
     rank: usize,
@@ -105,25 +106,19 @@ fn nixl_parts(
     dims: LayoutDims,
     disk: Option<(usize, DiskTierOptions)>,
 ) -> Result<NixlParts> {
-    super::nixl::worker_parts(config, rank, host, dims, disk)
-}
-
-/// Without the `nixl` feature: the setting that asked for NIXL is unsupported.
-#[cfg(not(feature = "nixl"))]
-fn nixl_parts(
-    config: &Config,
-    _rank: usize,
-    _host: Option<&Arc<dyn StorageTier>>,
-    _dims: LayoutDims,
-    _disk: Option<(usize, DiskTierOptions)>,
-) -> Result<NixlParts> {
-    Err(crate::error::Error::unsupported(
-        if config.remote.enabled() {
-            "remote.dir (KVBM_REMOTE_DIR) needs kvbm-connector built with the `nixl` feature"
-        } else {
-            "disk.io = nixl (KVBM_DISK_IO) needs kvbm-connector built with the `nixl` feature"
-        },
-    ))
+    #[cfg(feature = "nixl")]
+    return super::nixl::worker_parts(config, rank, host, dims, disk);
+    #[cfg(not(feature = "nixl"))]
+    {
+        let _ = (rank, host, dims, disk);
+        Err(crate::error::Error::unsupported(
+            if config.remote.enabled() {
+                "remote.dir (KVBM_REMOTE_DIR) needs kvbm-connector built with the `nixl` feature"
+            } else {
+                "disk.io = nixl (KVBM_DISK_IO) needs kvbm-connector built with the `nixl` feature"
+            },
+        ))
+    }
 }
 
 #[cfg(all(test, not(feature = "nixl")))]

@@ -7,13 +7,11 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvbm_connector::backends::memory::MemoryTier;
-use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::{ScheduledTokens, SchedulerStep};
 use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, LeaderStatus};
 use kvbm_connector::connector::metadata::{BlockTransfer, ConnectorMetadata, Load, OperationId};
 use kvbm_connector::connector::transport::in_process;
-use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::{ErrorKind, Layout, LayoutDims, StorageTier, TierKind};
 
@@ -23,14 +21,7 @@ fn leader_deadline_names_the_missing_rank() {
     let mut cfg = config(dir.path(), 8, 0);
     cfg.init_timeout_secs = 0.3;
     let (lt, wts) = in_process(2);
-    let mut w0 = Worker::new(
-        cfg.clone(),
-        2,
-        wts[0].clone(),
-        InitMode::NonBlocking,
-        StandardTiers::shared(),
-    )
-    .unwrap();
+    let mut w0 = new_worker(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
     w0.register(device()).unwrap();
     let started = Instant::now();
     let e = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap_err();
@@ -46,14 +37,7 @@ fn worker_deadline_without_a_leader() {
     let mut cfg = config(dir.path(), 8, 0);
     cfg.init_timeout_secs = 0.2;
     let (_lt, wts) = in_process(1);
-    let mut w = Worker::new(
-        cfg,
-        1,
-        wts[0].clone(),
-        InitMode::Blocking,
-        StandardTiers::shared(),
-    )
-    .unwrap();
+    let mut w = new_worker(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
     let e = w.register(device()).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Timeout);
     assert_eq!(e.context_value("rank"), Some("0"));
@@ -86,14 +70,7 @@ fn non_blocking_leader_answers_not_ready_until_the_worker_registers() {
     assert!(meta.is_empty());
     assert!(!leader.request_finished(&id, None, None).unwrap());
     // TensorRT-LLM order: the worker registers blocking while the leader waits in the background.
-    let mut worker = Worker::new(
-        cfg,
-        1,
-        wts[0].clone(),
-        InitMode::Blocking,
-        StandardTiers::shared(),
-    )
-    .unwrap();
+    let mut worker = new_worker(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
     worker.register(device()).unwrap();
     assert!(worker.is_ready());
     wait_until("leader ready", || leader.is_ready());
@@ -112,14 +89,7 @@ fn worker_refuses_operations_before_it_is_ready() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 8, 0);
     let (_lt, wts) = in_process(1);
-    let mut w = Worker::new(
-        cfg,
-        1,
-        wts[0].clone(),
-        InitMode::NonBlocking,
-        StandardTiers::shared(),
-    )
-    .unwrap();
+    let mut w = new_worker(cfg, 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
     w.register(device()).unwrap();
     assert!(!w.is_ready());
     w.bind_metadata(&ConnectorMetadata::empty(1).encode().unwrap())
@@ -155,14 +125,7 @@ fn tensor_parallel_counts_use_the_sum_of_bytes_and_the_minimum_device_blocks() {
             )
             .unwrap(),
         );
-        let mut w = Worker::new(
-            cfg.clone(),
-            2,
-            wts[rank].clone(),
-            InitMode::NonBlocking,
-            StandardTiers::shared(),
-        )
-        .unwrap();
+        let mut w = new_worker(cfg.clone(), 2, wts[rank].clone(), InitMode::NonBlocking).unwrap();
         w.register(dev).unwrap();
         workers.push(w);
     }
@@ -189,23 +152,9 @@ fn ranks_with_disagreeing_layouts_are_refused() {
         num_layers: 3,
         ..dims()
     };
-    let mut w0 = Worker::new(
-        cfg.clone(),
-        2,
-        wts[0].clone(),
-        InitMode::NonBlocking,
-        StandardTiers::shared(),
-    )
-    .unwrap();
+    let mut w0 = new_worker(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
     w0.register(device()).unwrap();
-    let mut w1 = Worker::new(
-        cfg.clone(),
-        2,
-        wts[1].clone(),
-        InitMode::NonBlocking,
-        StandardTiers::shared(),
-    )
-    .unwrap();
+    let mut w1 = new_worker(cfg.clone(), 2, wts[1].clone(), InitMode::NonBlocking).unwrap();
     w1.register(Arc::new(
         MemoryTier::new(
             TierKind::Device,
@@ -241,14 +190,7 @@ fn a_leader_whose_page_size_differs_from_the_workers_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 8, 0);
     let (lt, wts) = in_process(1);
-    let mut w = Worker::new(
-        cfg.clone(),
-        1,
-        wts[0].clone(),
-        InitMode::NonBlocking,
-        StandardTiers::shared(),
-    )
-    .unwrap();
+    let mut w = new_worker(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
     w.register(device()).unwrap();
     let e = Leader::new(ScheduledTokens, cfg, BS * 2, lt, InitMode::Blocking).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidLayout, "{e}");

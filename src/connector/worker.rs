@@ -1,10 +1,11 @@
 //! The worker: the GPU-process half of the connector.
 //!
 //! One worker per engine process (per tensor-parallel rank). It registers the engine's device
-//! cache as a [`StorageTier`], takes part in the start-up barrier, then allocates its own host
-//! and disk tiers with the block counts the leader chose. Each iteration it receives the leader's
-//! metadata, runs the operations on its tiers through the [`TransferEngine`], and reports every
-//! operation's completion to the leader.
+//! cache as a [`StorageTier`], takes part in the start-up barrier, then has its [`TierFactory`]
+//! build its own host, disk and remote tiers with the block counts the leader chose (the core
+//! builds no tier: the factory comes from whoever creates the worker). Each iteration it receives
+//! the leader's metadata, runs the operations on its tiers through the [`TransferEngine`], and
+//! reports every operation's completion to the leader.
 //!
 //! Towards the engine it answers:
 //! * which requests finished *loading* (all their loads done on this worker);
@@ -59,7 +60,7 @@ pub struct WorkerTiers {
     pub remote: Option<Arc<dyn WorkerRemote>>,
 }
 
-/// Builds a worker's own tiers once the start-up barrier chose their sizes: the storage backends
+/// Builds a worker's own tiers once the start-up barrier chose their sizes: storage providers
 /// implement it (the core builds no tier itself), and the worker holds one as
 /// `Arc<dyn TierFactory>`.
 ///
