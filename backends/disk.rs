@@ -21,9 +21,9 @@
 //!
 //! Invariants:
 //! * every block written carries an xxh3-64 checksum of its canonical image, kept in memory (not in
-//!   the file); every read verifies it and answers [`ErrorKind::Corrupt`] on a mismatch;
+//!   the file); every read verifies it and answers [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) on a mismatch;
 //! * a block that was never written (or whose last write failed part-way) is
-//!   [`ErrorKind::NotFound`], never a block of zeros;
+//!   [`ErrorKind::NotFound`](crate::ErrorKind::NotFound), never a block of zeros;
 //! * the per-block lock guarding the checksum serialises writers of a block against its readers;
 //!   different blocks never share bytes of the file, so they need no mutual exclusion;
 //! * a bad block id or segment length is refused before any I/O: nothing on disk changes.

@@ -291,9 +291,9 @@ impl NixlAgent {
     }
 
     /// Registers (with the UCX backend) a block header array for host tier `id`: one
-    /// [`BLOCK_HEADER_BYTES`] entry per block, naming the key the block holds and the xxh3-64
+    /// [`BLOCK_HEADER_BYTES`](super::BLOCK_HEADER_BYTES) entry per block, naming the key the block holds and the xxh3-64
     /// checksum of its image. Exported with the tier ([`TierExport::headers`]), it lets an
-    /// importer verify a block it reads ([`RemoteTier::read_verified`]). Registering again
+    /// importer verify a block it reads ([`RemoteTier::read_verified`](super::RemoteTier::read_verified)). Registering again
     /// returns the same array.
     ///
     /// The owner keeps it true: [`BlockHeaders::invalidate`] a block **before** its bytes are

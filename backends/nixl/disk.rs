@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::layout::{Layout, LayoutDims};
 use crate::tier::{Capability, StorageTier, TierKind};
 
-/// A disk (G3) tier whose I/O goes through NIXL's POSIX backend; see the [module docs](self).
+/// A disk (G3) tier whose I/O goes through NIXL's POSIX backend; see the [backend docs](super).
 ///
 /// Same file, slot layout (`bytes_per_block` rounded up to 4096 per block), O_DIRECT choice and
 /// checksums as [`DiskTier`](crate::backends::disk::DiskTier). Buffers inside a host tier

@@ -46,7 +46,7 @@ pub fn decode_header(bytes: &[u8]) -> Option<(u64, u64)> {
 
 /// One header entry per block of an exported host tier, in memory registered with UCX, so that
 /// importers can check what a block holds before they trust its bytes. See
-/// [`NixlAgent::register_block_headers`] and [`RemoteTier::read_verified`].
+/// [`NixlAgent::register_block_headers`] and [`RemoteTier::read_verified`](super::RemoteTier::read_verified).
 pub struct BlockHeaders {
     /// Deregistered (dropped) before `words` is freed (fields drop in order).
     _handle: RegistrationHandle,

@@ -82,7 +82,7 @@ impl NixlInfo {
         self.plugins.iter().any(|p| p == plugin)
     }
 
-    /// `Ok` when `backend`'s plugin is available; otherwise an [`ErrorKind::Unsupported`] error
+    /// `Ok` when `backend`'s plugin is available; otherwise an [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported) error
     /// naming the plugin file that was expected and where.
     pub fn require(&self, backend: NixlBackend) -> Result<()> {
         if self.has_plugin(backend.plugin()) {
@@ -133,9 +133,9 @@ impl std::fmt::Display for NixlBackend {
     }
 }
 
-/// Loads NIXL (once per process) and reports what is there; see the [module docs](self).
+/// Loads NIXL (once per process) and reports what is there; see the [backend docs](super).
 ///
-/// Errors ([`ErrorKind::Unsupported`], never an abort): the library cannot be loaded (the message
+/// Errors ([`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported), never an abort): the library cannot be loaded (the message
 /// carries the loader's reason; the context names the library, [`LIB_DIR_ENV`] or
 /// `LD_LIBRARY_PATH`), it lacks a C API symbol nixl-sys needs, or the plugin folder does not
 /// exist or holds no plugin NIXL could load. The outcome is cached: the loader and NIXL read

@@ -39,7 +39,7 @@ pub struct TierExport {
     pub allocations: Vec<u64>,
     /// NIXL metadata of the exporting agent.
     pub metadata: Vec<u8>,
-    /// Address of the tier's block header array ([`BlockHeaders`]) in the exporter's address
+    /// Address of the tier's block header array ([`BlockHeaders`](super::BlockHeaders)) in the exporter's address
     /// space, when it registered one; needed by [`RemoteTier::read_verified`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub headers: Option<u64>,
