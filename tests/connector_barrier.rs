@@ -7,13 +7,15 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::{ScheduledTokens, SchedulerStep};
 use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, LeaderStatus};
 use kvbm_connector::connector::metadata::{BlockTransfer, ConnectorMetadata, Load, OperationId};
-use kvbm_connector::connector::transport::in_process;
+use kvbm_connector::connector::transport::{in_process, TierCounts};
+use kvbm_connector::connector::worker::{TierFactory, WorkerTiers};
 use kvbm_connector::connector::RequestId;
-use kvbm_connector::{ErrorKind, Layout, LayoutDims, StorageTier, TierKind};
+use kvbm_connector::{Config, ErrorKind, Layout, LayoutDims, StorageTier, TierKind};
 
 #[test]
 fn leader_deadline_names_the_missing_rank() {
@@ -196,4 +198,42 @@ fn a_leader_whose_page_size_differs_from_the_workers_is_refused() {
     assert_eq!(e.kind(), ErrorKind::InvalidLayout, "{e}");
     assert!(e.to_string().contains("4-token blocks"), "{e}");
     wait_until("worker refused", || w.init_error().is_some());
+}
+
+/// A tier factory that records the counts it was asked for and defers to the standard one.
+#[derive(Debug, Default)]
+struct Recording(std::sync::Mutex<Vec<TierCounts>>);
+
+impl TierFactory for Recording {
+    fn build(
+        &self,
+        config: &Config,
+        rank: usize,
+        device: Arc<dyn StorageTier>,
+        counts: TierCounts,
+    ) -> kvbm_connector::Result<WorkerTiers> {
+        self.0.lock().unwrap().push(counts);
+        StandardTiers.build(config, rank, device, counts)
+    }
+}
+
+#[test]
+fn the_worker_builds_its_tiers_with_the_factory_it_was_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8, 4);
+    let (lt, wts) = in_process(1);
+    let factory = Arc::new(Recording::default());
+    let mut w = new_worker(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    w.set_tier_factory(factory.clone()).unwrap();
+    w.register(device()).unwrap();
+    let e = w.set_tier_factory(StandardTiers::shared()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists, "{e}");
+    let _leader = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap();
+    wait_until("worker ready", || w.is_ready());
+    let built = factory.0.lock().unwrap().clone();
+    assert_eq!(built.len(), 1);
+    assert_eq!((built[0].num_host_blocks, built[0].num_disk_blocks), (8, 4));
+    let tiers = w.tiers().unwrap();
+    assert_eq!(tiers.host.as_ref().map(|t| t.num_blocks()), Some(8));
+    assert_eq!(tiers.disk.as_ref().map(|t| t.num_blocks()), Some(4));
 }

@@ -69,7 +69,7 @@ pub struct WorkerTiers {
 /// every tier the counts and the configuration ask for (a host tier when `num_host_blocks > 0`, a
 /// disk tier when `num_disk_blocks > 0`, the remote hooks when `remote.dir` is set), or an error,
 /// which fails the worker's start-up (for instance [`ErrorKind::Unsupported`] for a setting this
-/// build cannot serve).
+/// build cannot serve). The returned [`WorkerTiers`] carry `device` and `counts` as given.
 pub trait TierFactory: Send + Sync + std::fmt::Debug {
     /// The tiers of worker `rank`; see the [trait docs](TierFactory).
     fn build(
