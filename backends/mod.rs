@@ -2,7 +2,12 @@
 //!
 //! * [`memory`] — page-aligned host RAM (always built);
 //! * [`disk`] — one preallocated file per tier, O_DIRECT where possible (always built);
-//! * `nixl` — disk I/O through NIXL's POSIX plugin and remote host tiers over UCX (feature `nixl`).
+//! * `nixl` — disk I/O through NIXL's POSIX plugin and remote host tiers over UCX (feature `nixl`);
+//! * [`standard`] — the [`TierFactory`](crate::connector::worker::TierFactory) that builds a
+//!   worker's tiers from the configuration with the backends above ([`StandardTiers`]).
+//!
+//! The core (`src/`) names none of these: it defines the traits ([`StorageTier`](crate::StorageTier),
+//! the tier factory, the remote-tier hooks) and the backends implement them.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -10,3 +15,7 @@ pub mod disk;
 pub mod memory;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+mod slot_file;
+pub mod standard;
+
+pub use standard::StandardTiers;

@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::{ScheduledRequest, SchedulerAdapter, SchedulerStep};
 use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
@@ -673,7 +674,13 @@ fn run(dir: &Path) -> Res<()> {
     // Both sides start non-blocking; the toy holds admission until both are ready.
     let (leader_end, worker_ends) = in_process(1);
     let worker_end = worker_ends.first().ok_or("no worker transport")?.clone();
-    let mut worker = Worker::new(config.clone(), 1, worker_end, InitMode::NonBlocking)?;
+    let mut worker = Worker::new(
+        config.clone(),
+        1,
+        worker_end,
+        InitMode::NonBlocking,
+        StandardTiers::shared(),
+    )?;
     worker.register(device.clone())?;
     let mut leader = Leader::new(
         FinalDeltas::default(),

@@ -19,6 +19,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::backends::StandardTiers;
 use crate::config::Config;
 use crate::connector::adapter::{ComputedPosition, ScheduledRequest, SchedulerStep};
 use crate::connector::barrier::InitMode;
@@ -266,7 +267,7 @@ impl TrtllmWorker {
             ));
         }
         Ok(Self {
-            worker: Worker::new(config, world_size, transport, mode)?,
+            worker: Worker::new(config, world_size, transport, mode, StandardTiers::shared())?,
             tokens_per_block,
             num_layers: 0,
             saved_this_iteration: false,
@@ -278,7 +279,8 @@ impl TrtllmWorker {
         &self.worker
     }
 
-    /// Mutable access to the core worker.
+    /// Mutable access to the core worker; its tiers are built by the backends' [`StandardTiers`]
+    /// unless [`Worker::set_tier_factory`] names another factory before the caches are registered.
     pub fn worker_mut(&mut self) -> &mut Worker {
         &mut self.worker
     }

@@ -22,6 +22,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use crate::backends::StandardTiers;
 use crate::config::Config;
 use crate::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
 use crate::connector::barrier::InitMode;
@@ -307,7 +308,7 @@ impl VllmWorker {
             return Err(Error::invalid_argument("block_size must be at least 1"));
         }
         Ok(Self {
-            worker: Worker::new(config, world_size, transport, mode)?,
+            worker: Worker::new(config, world_size, transport, mode, StandardTiers::shared())?,
             block_size,
             layers: HashMap::new(),
             saved_this_iteration: false,
@@ -319,7 +320,8 @@ impl VllmWorker {
         &self.worker
     }
 
-    /// Mutable access to the core worker.
+    /// Mutable access to the core worker; its tiers are built by the backends' [`StandardTiers`]
+    /// unless [`Worker::set_tier_factory`] names another factory before the caches are registered.
     pub fn worker_mut(&mut self) -> &mut Worker {
         &mut self.worker
     }

@@ -91,10 +91,10 @@ impl TierSize {
 #[serde(rename_all = "lowercase")]
 #[strum(serialize_all = "lowercase", ascii_case_insensitive)]
 pub enum DiskIo {
-    /// Positional vectored I/O of our own (`backends::disk`).
+    /// The crate's own disk tier: positional vectored I/O (`preadv`/`pwritev`) on one file.
     #[default]
     Builtin,
-    /// NIXL's POSIX backend (`backends::nixl`, feature `nixl`).
+    /// Through NIXL's POSIX plugin (needs the `nixl` feature).
     Nixl,
 }
 

@@ -246,11 +246,10 @@ fn a_failing_metadata_hook_loses_no_operation() {
     use kvbm_connector::connector::barrier::InitMode;
     use kvbm_connector::connector::leader::Leader;
     use kvbm_connector::connector::transport::in_process;
-    use kvbm_connector::connector::worker::Worker;
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 16, 0);
     let (lt, wts) = in_process(1);
-    let mut worker = Worker::new(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut worker = new_worker(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
     worker.register(device()).unwrap();
     let mut leader = Leader::new(
         FlakyHook { fail_next: false },

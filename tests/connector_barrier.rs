@@ -7,14 +7,15 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::{ScheduledTokens, SchedulerStep};
 use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, LeaderStatus};
 use kvbm_connector::connector::metadata::{BlockTransfer, ConnectorMetadata, Load, OperationId};
-use kvbm_connector::connector::transport::in_process;
-use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::connector::transport::{in_process, TierCounts};
+use kvbm_connector::connector::worker::{TierFactory, WorkerTiers};
 use kvbm_connector::connector::RequestId;
-use kvbm_connector::{ErrorKind, Layout, LayoutDims, StorageTier, TierKind};
+use kvbm_connector::{Config, ErrorKind, Layout, LayoutDims, StorageTier, TierKind};
 
 #[test]
 fn leader_deadline_names_the_missing_rank() {
@@ -22,7 +23,7 @@ fn leader_deadline_names_the_missing_rank() {
     let mut cfg = config(dir.path(), 8, 0);
     cfg.init_timeout_secs = 0.3;
     let (lt, wts) = in_process(2);
-    let mut w0 = Worker::new(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut w0 = new_worker(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
     w0.register(device()).unwrap();
     let started = Instant::now();
     let e = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap_err();
@@ -38,7 +39,7 @@ fn worker_deadline_without_a_leader() {
     let mut cfg = config(dir.path(), 8, 0);
     cfg.init_timeout_secs = 0.2;
     let (_lt, wts) = in_process(1);
-    let mut w = Worker::new(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
+    let mut w = new_worker(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
     let e = w.register(device()).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Timeout);
     assert_eq!(e.context_value("rank"), Some("0"));
@@ -71,7 +72,7 @@ fn non_blocking_leader_answers_not_ready_until_the_worker_registers() {
     assert!(meta.is_empty());
     assert!(!leader.request_finished(&id, None, None).unwrap());
     // TensorRT-LLM order: the worker registers blocking while the leader waits in the background.
-    let mut worker = Worker::new(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
+    let mut worker = new_worker(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
     worker.register(device()).unwrap();
     assert!(worker.is_ready());
     wait_until("leader ready", || leader.is_ready());
@@ -90,7 +91,7 @@ fn worker_refuses_operations_before_it_is_ready() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 8, 0);
     let (_lt, wts) = in_process(1);
-    let mut w = Worker::new(cfg, 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut w = new_worker(cfg, 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
     w.register(device()).unwrap();
     assert!(!w.is_ready());
     w.bind_metadata(&ConnectorMetadata::empty(1).encode().unwrap())
@@ -126,7 +127,7 @@ fn tensor_parallel_counts_use_the_sum_of_bytes_and_the_minimum_device_blocks() {
             )
             .unwrap(),
         );
-        let mut w = Worker::new(cfg.clone(), 2, wts[rank].clone(), InitMode::NonBlocking).unwrap();
+        let mut w = new_worker(cfg.clone(), 2, wts[rank].clone(), InitMode::NonBlocking).unwrap();
         w.register(dev).unwrap();
         workers.push(w);
     }
@@ -153,9 +154,9 @@ fn ranks_with_disagreeing_layouts_are_refused() {
         num_layers: 3,
         ..dims()
     };
-    let mut w0 = Worker::new(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut w0 = new_worker(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
     w0.register(device()).unwrap();
-    let mut w1 = Worker::new(cfg.clone(), 2, wts[1].clone(), InitMode::NonBlocking).unwrap();
+    let mut w1 = new_worker(cfg.clone(), 2, wts[1].clone(), InitMode::NonBlocking).unwrap();
     w1.register(Arc::new(
         MemoryTier::new(
             TierKind::Device,
@@ -191,10 +192,48 @@ fn a_leader_whose_page_size_differs_from_the_workers_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 8, 0);
     let (lt, wts) = in_process(1);
-    let mut w = Worker::new(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut w = new_worker(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
     w.register(device()).unwrap();
     let e = Leader::new(ScheduledTokens, cfg, BS * 2, lt, InitMode::Blocking).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidLayout, "{e}");
     assert!(e.to_string().contains("4-token blocks"), "{e}");
     wait_until("worker refused", || w.init_error().is_some());
+}
+
+/// A tier factory that records the counts it was asked for and defers to the standard one.
+#[derive(Debug, Default)]
+struct Recording(std::sync::Mutex<Vec<TierCounts>>);
+
+impl TierFactory for Recording {
+    fn build(
+        &self,
+        config: &Config,
+        rank: usize,
+        device: Arc<dyn StorageTier>,
+        counts: TierCounts,
+    ) -> kvbm_connector::Result<WorkerTiers> {
+        self.0.lock().unwrap().push(counts);
+        StandardTiers.build(config, rank, device, counts)
+    }
+}
+
+#[test]
+fn the_worker_builds_its_tiers_with_the_factory_it_was_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8, 4);
+    let (lt, wts) = in_process(1);
+    let factory = Arc::new(Recording::default());
+    let mut w = new_worker(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    w.set_tier_factory(factory.clone()).unwrap();
+    w.register(device()).unwrap();
+    let e = w.set_tier_factory(StandardTiers::shared()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists, "{e}");
+    let _leader = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap();
+    wait_until("worker ready", || w.is_ready());
+    let built = factory.0.lock().unwrap().clone();
+    assert_eq!(built.len(), 1);
+    assert_eq!((built[0].num_host_blocks, built[0].num_disk_blocks), (8, 4));
+    let tiers = w.tiers().unwrap();
+    assert_eq!(tiers.host.as_ref().map(|t| t.num_blocks()), Some(8));
+    assert_eq!(tiers.disk.as_ref().map(|t| t.num_blocks()), Some(4));
 }

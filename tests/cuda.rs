@@ -870,11 +870,11 @@ fn gpu_connector_offloads_and_onboards_through_the_gpu_tier() {
     let Some(dev) = gpu("gpu_connector_offloads_and_onboards_through_the_gpu_tier") else {
         return;
     };
+    use common::new_worker;
     use kvbm_connector::connector::adapter::ScheduledTokens;
     use kvbm_connector::connector::barrier::InitMode;
     use kvbm_connector::connector::leader::Leader;
     use kvbm_connector::connector::transport::in_process;
-    use kvbm_connector::connector::worker::Worker;
     use kvbm_connector::connector::RequestId;
 
     let layout = Layout::layer_separate(
@@ -890,7 +890,7 @@ fn gpu_connector_offloads_and_onboards_through_the_gpu_tier() {
     let config = common::config(dir.path(), 16, 64);
     let (lt, wts) = in_process(1);
     let device: Arc<dyn StorageTier> = tier.clone();
-    let mut worker = Worker::new(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut worker = new_worker(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
     worker.register(device.clone()).unwrap();
     let leader = Leader::new(ScheduledTokens, config, common::BS, lt, InitMode::Blocking).unwrap();
     common::wait_until("worker ready", || worker.is_ready());

@@ -25,7 +25,6 @@ use kvbm_connector::connector::transport::{
     in_process, Completion, LeaderMessage, LeaderTransport, TierCounts, WorkerHello, WorkerMessage,
     WorkerTransport,
 };
-use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::{Config, ErrorKind, Result};
 
@@ -557,7 +556,7 @@ fn real_leader_and_worker_offload_and_onboard_over_tcp() {
     let lt = TcpLeader::bind(any_port(), 1, Some("tok".into())).unwrap();
     let wt = TcpWorker::connect(lt.local_addr(), 0, 1, Some("tok".into()), LONG).unwrap();
     let device = device();
-    let mut worker = Worker::new(cfg.clone(), 1, wt, InitMode::NonBlocking).unwrap();
+    let mut worker = new_worker(cfg.clone(), 1, wt, InitMode::NonBlocking).unwrap();
     worker.register(device.clone()).unwrap();
     let leader = Leader::new(ScheduledTokens, cfg, BS, lt.clone(), InitMode::Blocking).unwrap();
     wait_until("worker ready", || worker.is_ready());

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use crate::backends::disk::{DiskTier, DiskTierOptions};
 use crate::backends::memory::MemoryTier;
+use crate::backends::StandardTiers;
 use crate::config::{Config, TransferConfig};
 use crate::connector::adapter::ScheduledTokens;
 use crate::connector::barrier::InitMode;
@@ -393,7 +394,13 @@ fn leader_path(rounds: usize) -> Result<PathResult> {
         TierKind::Device,
         Layout::fully_contiguous(d, 64)?,
     )?);
-    let mut worker = Worker::new(config.clone(), 1, wt, InitMode::NonBlocking)?;
+    let mut worker = Worker::new(
+        config.clone(),
+        1,
+        wt,
+        InitMode::NonBlocking,
+        StandardTiers::shared(),
+    )?;
     worker.register(device)?;
     let mut leader = Leader::new(ScheduledTokens, config, 16, lt, InitMode::Blocking)?;
     let prompt: Vec<u32> = (0..8 * 16 + 1).collect();

@@ -136,8 +136,8 @@ pub struct KeyedStore {
 }
 
 /// A [`Load`] from another instance's host tier (the remote, G4, tier): each pair's source block
-/// is read only if verified to hold the expected key (by the worker's remote tier, which checks the
-/// exporter's sealed block header).
+/// is read only if verified to hold the expected key
+/// ([`WorkerRemote::source`](super::remote::WorkerRemote::source)).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteLoad {
     /// The copies (`src` is [`TierKind::Remote`], `dst` the device).

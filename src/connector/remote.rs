@@ -4,13 +4,13 @@
 //! Files in the directory (each written to a temporary name, then renamed):
 //! * `<instance>.index.json` ([`HostIndex`]), by the leader every `remote.publish_every`
 //!   iterations: the keys of its registered host blocks and where they are;
-//! * `<instance>.rank<r>.export.json`, by each worker: its host tier's
-//!   `TierExport` (`backends::nixl`, feature `nixl`: NIXL agent metadata, addresses, block
-//!   headers).
+//! * `<instance>.rank<r>.export.json`, by each worker: its host tier's export, as the storage
+//!   backend that provides the [`WorkerRemote`] hooks writes it (how to reach the tier, its
+//!   addresses, its block headers).
 //!
 //! The index may be stale at any time; correctness never depends on it: every remote block is
-//! read verified (`backends::nixl::VerifiedRemote`: the exporter's header must name the expected
-//! key and the bytes must hash to its checksum), so a stale entry costs a load error (the engine
+//! read verified ([`WorkerRemote::source`]: the exporter's header must name the expected key and
+//! the bytes must hash to its checksum), so a stale entry costs a load error (the engine
 //! recomputes), never wrong bytes. See docs/nixl.md.
 
 use std::collections::HashMap;
@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::RemoteConfig;
 use crate::error::{Error, Result};
 use crate::identity::{HashAlgorithm, SequenceHash};
+use crate::tier::StorageTier;
 
 /// What an instance's host tier holds, as its leader last published it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,179 +159,24 @@ impl LeaderRemote {
     }
 }
 
-#[cfg(feature = "nixl")]
-pub use with_nixl::WorkerRemote;
-#[cfg(not(feature = "nixl"))]
-pub use without_nixl::WorkerRemote;
+/// The worker's side of the remote (G4) tier, as a storage backend provides it: its host tier
+/// exported to the peers sharing the directory, and the peers' host tiers it loads from. The
+/// worker calls these hooks; a [`TierFactory`](super::worker::TierFactory) builds them (when
+/// `remote.dir` is set) with the worker's other tiers.
+pub trait WorkerRemote: Send + Sync + std::fmt::Debug {
+    /// Writes this worker's host-tier export under the leader's instance name `instance` (once
+    /// per name; nothing when the worker has no host tier).
+    fn export_as(&self, instance: &str) -> Result<()>;
 
-#[cfg(not(feature = "nixl"))]
-mod without_nixl {
-    /// The worker's remote tier: needs the `nixl` feature (never constructed without it).
-    #[derive(Debug)]
-    pub enum WorkerRemote {}
-}
+    /// The source tier of one load from `instance`'s host tier: `keys` are `(peer host block,
+    /// expected key)`, and a block is read only if verified to hold its key (a block whose check
+    /// fails is a failed block, never served).
+    fn source(&self, instance: &str, keys: &[(usize, u64)]) -> Result<Arc<dyn StorageTier>>;
 
-#[cfg(feature = "nixl")]
-mod with_nixl {
-    use super::*;
-    use crate::backends::nixl::{
-        BlockHeaders, NixlAgent, RemoteTier, TierExport, VerifiedRemote, REMOTE_MAX_IN_FLIGHT,
-    };
-    use crate::error::ErrorKind;
-    use crate::tier::StorageTier;
-    use parking_lot::Mutex;
+    /// Marks host blocks as holding nothing verifiable: called before they are written.
+    fn invalidate(&self, blocks: &[usize]);
 
-    /// A host tier, its block headers and its export (JSON).
-    type ExportedHost = (Arc<dyn StorageTier>, Arc<BlockHeaders>, Vec<u8>);
-
-    struct Peer {
-        stamp: Option<(std::time::SystemTime, u64)>,
-        bytes: Vec<u8>,
-        tier: Arc<RemoteTier>,
-    }
-
-    /// The worker's side of the remote tier: its host tier exported with block headers, and the
-    /// peers' host tiers it connected to.
-    pub struct WorkerRemote {
-        dir: PathBuf,
-        rank: usize,
-        agent: NixlAgent,
-        /// This worker's host tier, its headers and its export (when it has a host tier).
-        host: Option<ExportedHost>,
-        exported_as: Mutex<Option<String>>,
-        peers: Mutex<HashMap<String, Peer>>,
-    }
-
-    impl std::fmt::Debug for WorkerRemote {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.debug_struct("WorkerRemote")
-                .field("dir", &self.dir)
-                .field("rank", &self.rank)
-                .field("agent", &self.agent.name())
-                .finish_non_exhaustive()
-        }
-    }
-
-    impl WorkerRemote {
-        /// `agent` (with UCX) has `host` registered as tier `host_id`; registers its headers.
-        pub fn new(
-            dir: PathBuf,
-            rank: usize,
-            agent: NixlAgent,
-            host: Option<(Arc<dyn StorageTier>, usize)>,
-        ) -> Result<Self> {
-            let host = match host {
-                Some((tier, id)) => {
-                    let headers = agent.register_block_headers(id)?;
-                    let export = agent.export_tier(id)?.to_bytes()?;
-                    Some((tier, headers, export))
-                }
-                None => None,
-            };
-            Ok(Self {
-                dir,
-                rank,
-                agent,
-                host,
-                exported_as: Mutex::new(None),
-                peers: Mutex::new(HashMap::new()),
-            })
-        }
-
-        /// Writes this worker's export under `instance` (once per name).
-        pub fn export_as(&self, instance: &str) -> Result<()> {
-            let Some((_, _, export)) = &self.host else {
-                return Ok(());
-            };
-            let mut done = self.exported_as.lock();
-            if done.as_deref() == Some(instance) {
-                return Ok(());
-            }
-            write_atomic(&export_path(&self.dir, instance, self.rank), export)?;
-            *done = Some(instance.to_owned());
-            Ok(())
-        }
-
-        /// Marks host blocks as holding nothing verifiable: call before writing them.
-        pub fn invalidate(&self, blocks: impl IntoIterator<Item = usize>) {
-            if let Some((_, headers, _)) = &self.host {
-                for b in blocks {
-                    if let Err(e) = headers.invalidate(b) {
-                        tracing::warn!(block = b, error = %e, "cannot invalidate a block header");
-                    }
-                }
-            }
-        }
-
-        /// Publishes that host block `b` now holds `key` (after its write completed).
-        pub fn publish(&self, blocks: impl IntoIterator<Item = (usize, u64)>) {
-            if let Some((tier, headers, _)) = &self.host {
-                for (b, key) in blocks {
-                    if let Err(e) = headers.publish_from(tier.as_ref(), b, key) {
-                        tracing::debug!(block = b, error = %e, "block header not published");
-                    }
-                }
-            }
-        }
-
-        /// The source tier of one remote load from `instance`: its host tier, each block read
-        /// only if it holds the expected key.
-        pub fn source(
-            &self,
-            instance: &str,
-            keys: impl IntoIterator<Item = (usize, u64)>,
-        ) -> Result<Arc<dyn StorageTier>> {
-            let tier = self.peer(instance)?;
-            Ok(Arc::new(VerifiedRemote::new(tier, keys)))
-        }
-
-        fn peer(&self, instance: &str) -> Result<Arc<RemoteTier>> {
-            let path = export_path(&self.dir, instance, self.rank);
-            let stamp = std::fs::metadata(&path)
-                .ok()
-                .and_then(|m| Some((m.modified().ok()?, m.len())));
-            let mut peers = self.peers.lock();
-            if let Some(p) = peers.get(instance) {
-                if stamp.is_some() && p.stamp == stamp {
-                    return Ok(p.tier.clone());
-                }
-            }
-            let bytes = std::fs::read(&path).map_err(|e| {
-                Error::new(
-                    ErrorKind::NotFound,
-                    format!(
-                        "no tier export of instance {instance} for rank {}: {e}",
-                        self.rank
-                    ),
-                )
-                .with("path", path.display())
-            })?;
-            if let Some(p) = peers.get_mut(instance) {
-                if p.bytes == bytes {
-                    p.stamp = stamp;
-                    return Ok(p.tier.clone());
-                }
-            }
-            let export = TierExport::from_bytes(&bytes)?;
-            let tier = Arc::new(RemoteTier::connect(
-                &self.agent,
-                &export,
-                REMOTE_MAX_IN_FLIGHT,
-            )?);
-            if !tier.has_headers() {
-                return Err(Error::unsupported(format!(
-                    "instance {instance} exports its host tier without block headers"
-                )));
-            }
-            peers.insert(
-                instance.to_owned(),
-                Peer {
-                    stamp,
-                    bytes,
-                    tier: tier.clone(),
-                },
-            );
-            Ok(tier)
-        }
-    }
+    /// Publishes that host block `b` now holds `key`, for each `(b, key)`: called once their
+    /// writes completed.
+    fn publish(&self, blocks: &[(usize, u64)]);
 }

@@ -1,10 +1,11 @@
 //! The worker: the GPU-process half of the connector.
 //!
 //! One worker per engine process (per tensor-parallel rank). It registers the engine's device
-//! cache as a [`StorageTier`], takes part in the start-up barrier, then allocates its own host
-//! and disk tiers with the block counts the leader chose. Each iteration it receives the leader's
-//! metadata, runs the operations on its tiers through the [`TransferEngine`], and reports every
-//! operation's completion to the leader.
+//! cache as a [`StorageTier`], takes part in the start-up barrier, then has its [`TierFactory`]
+//! build its own host, disk and remote tiers with the block counts the leader chose (the core
+//! builds no tier: the factory comes from whoever creates the worker). Each iteration it receives
+//! the leader's metadata, runs the operations on its tiers through the [`TransferEngine`], and
+//! reports every operation's completion to the leader.
 //!
 //! Towards the engine it answers:
 //! * which requests finished *loading* (all their loads done on this worker);
@@ -23,17 +24,16 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::backends::disk::{DiskTier, DiskTierOptions};
-use crate::backends::memory::MemoryTier;
-use crate::config::{Config, DiskIo};
+use crate::config::Config;
 use crate::connector::barrier::{initialise, worker_barrier, InitCell, InitMode, InitStatus};
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
+use crate::connector::remote::WorkerRemote;
 use crate::connector::transport::{
     Completion, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
 };
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
-use crate::layout::{KvLayout, Layout};
+use crate::layout::KvLayout;
 use crate::tier::{StorageTier, TierKind};
 use crate::transfer::{TransferEngine, TransferOutcome};
 
@@ -56,9 +56,29 @@ pub struct WorkerTiers {
     pub disk: Option<Arc<dyn StorageTier>>,
     /// The counts the leader chose.
     pub counts: TierCounts,
-    /// The remote (G4) tier, when `remote.dir` is set (feature `nixl`).
-    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-    pub(crate) remote: Option<Arc<crate::connector::remote::WorkerRemote>>,
+    /// The remote (G4) tier's hooks, when `remote.dir` is set.
+    pub remote: Option<Arc<dyn WorkerRemote>>,
+}
+
+/// Builds a worker's own tiers once the start-up barrier chose their sizes: storage providers
+/// implement it (the core builds no tier itself), and the worker holds one as
+/// `Arc<dyn TierFactory>`.
+///
+/// `build` runs once per worker, on the thread running the barrier, with the worker's
+/// configuration, its rank, the engine's device tier and the counts the leader chose. It returns
+/// every tier the counts and the configuration ask for (a host tier when `num_host_blocks > 0`, a
+/// disk tier when `num_disk_blocks > 0`, the remote hooks when `remote.dir` is set), or an error,
+/// which fails the worker's start-up (for instance [`ErrorKind::Unsupported`] for a setting this
+/// build cannot serve). The returned [`WorkerTiers`] carry `device` and `counts` as given.
+pub trait TierFactory: Send + Sync + std::fmt::Debug {
+    /// The tiers of worker `rank`; see the [trait docs](TierFactory).
+    fn build(
+        &self,
+        config: &Config,
+        rank: usize,
+        device: Arc<dyn StorageTier>,
+        counts: TierCounts,
+    ) -> Result<WorkerTiers>;
 }
 
 impl WorkerTiers {
@@ -137,6 +157,7 @@ pub struct Worker {
     world_size: usize,
     mode: InitMode,
     transport: Arc<dyn WorkerTransport>,
+    factory: Arc<dyn TierFactory>,
     runtime: tokio::runtime::Runtime,
     engine: TransferEngine,
     init: Option<Arc<InitCell<WorkerTiers>>>,
@@ -159,13 +180,15 @@ impl std::fmt::Debug for Worker {
 }
 
 impl Worker {
-    /// A worker of `world_size` ranks talking to its leader over `transport`. Nothing runs until
+    /// A worker of `world_size` ranks talking to its leader over `transport`, whose host, disk
+    /// and remote tiers `factory` builds once the barrier chose their sizes. Nothing runs until
     /// [`Worker::register`].
     pub fn new(
         config: Config,
         world_size: usize,
         transport: Arc<dyn WorkerTransport>,
         mode: InitMode,
+        factory: Arc<dyn TierFactory>,
     ) -> Result<Self> {
         config.validate()?;
         if world_size == 0 || transport.rank() >= world_size {
@@ -186,6 +209,7 @@ impl Worker {
             world_size,
             mode,
             transport,
+            factory,
             runtime,
             engine,
             init: None,
@@ -195,6 +219,19 @@ impl Worker {
             stores_submitted: false,
             orphans: HashSet::new(),
         })
+    }
+
+    /// Replaces the factory that builds this worker's tiers (before [`Worker::register`]; an
+    /// [`ErrorKind::AlreadyExists`] error after it).
+    pub fn set_tier_factory(&mut self, factory: Arc<dyn TierFactory>) -> Result<()> {
+        if self.init.is_some() {
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                "the worker's tiers are already being built: set the tier factory before register",
+            ));
+        }
+        self.factory = factory;
+        Ok(())
     }
 
     /// This worker's rank.
@@ -220,13 +257,14 @@ impl Worker {
             dims,
         };
         let transport = self.transport.clone();
+        let factory = self.factory.clone();
         let config = self.config.clone();
         let timeout = config.init_timeout();
         let rank = hello.rank;
         let init = initialise(self.mode, "kvbm-worker-init", move || {
             let mut tiers = None;
             worker_barrier(transport.as_ref(), hello, timeout, |counts| {
-                tiers = Some(allocate_tiers(&config, rank, device.clone(), counts)?);
+                tiers = Some(factory.build(&config, rank, device.clone(), counts)?);
                 Ok(())
             })?;
             tiers.ok_or_else(|| Error::internal("barrier finished without tiers"))
@@ -683,7 +721,6 @@ fn complete(
 }
 
 /// Writes this worker's host tier export under the leader's instance name (remote tier on).
-#[cfg(feature = "nixl")]
 fn export_remote(tiers: &WorkerTiers, instance: &str) {
     if let Some(r) = &tiers.remote {
         if let Err(e) = r.export_as(instance) {
@@ -692,12 +729,8 @@ fn export_remote(tiers: &WorkerTiers, instance: &str) {
     }
 }
 
-#[cfg(not(feature = "nixl"))]
-fn export_remote(_tiers: &WorkerTiers, _instance: &str) {}
-
 /// The source of a load from the remote tier: the peer's host tier, read verified against the
 /// keys the operation expects (a block whose check fails is a failed block, never served).
-#[cfg(feature = "nixl")]
 fn remote_source(tiers: &WorkerTiers, op: &dyn Operation) -> Result<Arc<dyn StorageTier>> {
     let t = op.transfer();
     let (Some(remote), Some(instance)) = (&tiers.remote, op.remote_instance()) else {
@@ -713,205 +746,39 @@ fn remote_source(tiers: &WorkerTiers, op: &dyn Operation) -> Result<Arc<dyn Stor
             t.pairs.len()
         )));
     }
-    remote.source(
-        instance,
-        t.pairs.iter().map(|p| p.0).zip(keys.iter().copied()),
-    )
-}
-
-#[cfg(not(feature = "nixl"))]
-fn remote_source(_tiers: &WorkerTiers, _op: &dyn Operation) -> Result<Arc<dyn StorageTier>> {
-    Err(Error::unsupported(
-        "the remote tier needs kvbm-connector built with the `nixl` feature",
-    ))
+    let keys: Vec<(usize, u64)> = t
+        .pairs
+        .iter()
+        .map(|p| p.0)
+        .zip(keys.iter().copied())
+        .collect();
+    remote.source(instance, &keys)
 }
 
 type Publish = Box<dyn FnOnce(&Result<TransferOutcome>) + Send>;
 
 /// For an operation writing host blocks while the host tier is exported: invalidates their
 /// headers now and returns what publishes the keyed ones once written.
-#[cfg(feature = "nixl")]
 fn publish_after(tiers: &WorkerTiers, op: &dyn Operation) -> Option<Publish> {
     let t = op.transfer();
     let remote = tiers.remote.clone()?;
     if t.dst != TierKind::Host {
         return None;
     }
-    remote.invalidate(t.pairs.iter().map(|p| p.1));
+    let dst: Vec<usize> = t.pairs.iter().map(|p| p.1).collect();
+    remote.invalidate(&dst);
     let keys = op.block_keys();
     if keys.len() != t.pairs.len() {
         return None; // no keys: withdrawn, never served
     }
-    let blocks: Vec<(usize, u64)> = t
-        .pairs
-        .iter()
-        .map(|p| p.1)
-        .zip(keys.iter().copied())
-        .collect();
+    let blocks: Vec<(usize, u64)> = dst.into_iter().zip(keys.iter().copied()).collect();
     Some(Box::new(move |outcome: &Result<TransferOutcome>| {
         let Ok(o) = outcome else { return };
         let failed: HashSet<usize> = o.failed.iter().map(|f| f.dst_block).collect();
-        remote.publish(blocks.into_iter().filter(|(b, _)| !failed.contains(b)));
+        let written: Vec<(usize, u64)> = blocks
+            .into_iter()
+            .filter(|(b, _)| !failed.contains(b))
+            .collect();
+        remote.publish(&written);
     }))
-}
-
-#[cfg(not(feature = "nixl"))]
-fn publish_after(_tiers: &WorkerTiers, _op: &dyn Operation) -> Option<Publish> {
-    None
-}
-
-/// A NIXL disk tier, and the remote tier.
-type NixlParts = (
-    Option<Arc<dyn StorageTier>>,
-    Option<Arc<crate::connector::remote::WorkerRemote>>,
-);
-
-/// The NIXL parts of a worker: the disk tier through NIXL's POSIX backend (`disk.io = nixl`) and
-/// the remote tier (`remote.dir` set), on one agent with the host tier registered (the tiers keep
-/// the agent alive).
-#[cfg(feature = "nixl")]
-fn nixl_parts(
-    config: &Config,
-    rank: usize,
-    host: Option<&Arc<dyn StorageTier>>,
-    dims: crate::layout::LayoutDims,
-    disk: Option<(usize, DiskTierOptions)>,
-) -> Result<NixlParts> {
-    use crate::backends::nixl::{NixlAgent, NixlBackend, NixlDiskTier};
-    let mut backends = Vec::new();
-    if disk.is_some() {
-        backends.push(NixlBackend::Posix);
-    }
-    if config.remote.enabled() {
-        backends.push(NixlBackend::Ucx);
-    }
-    let agent = NixlAgent::new(None, &backends)?;
-    let host_id = match host {
-        Some(h) => Some((h.clone(), agent.register_host_tier(h.clone())?)),
-        None => None,
-    };
-    let disk = match disk {
-        Some((n, opts)) => {
-            Some(
-                Arc::new(NixlDiskTier::create(&agent, TierKind::Disk, dims, n, opts)?)
-                    as Arc<dyn StorageTier>,
-            )
-        }
-        None => None,
-    };
-    let remote = match &config.remote.dir {
-        Some(dir) => Some(Arc::new(crate::connector::remote::WorkerRemote::new(
-            dir.clone(),
-            rank,
-            agent,
-            host_id,
-        )?)),
-        None => None,
-    };
-    Ok((disk, remote))
-}
-
-#[cfg(not(feature = "nixl"))]
-fn nixl_parts(
-    config: &Config,
-    _rank: usize,
-    _host: Option<&Arc<dyn StorageTier>>,
-    _dims: crate::layout::LayoutDims,
-    _disk: Option<(usize, DiskTierOptions)>,
-) -> Result<NixlParts> {
-    Err(Error::unsupported(if config.remote.enabled() {
-        "remote.dir (KVBM_REMOTE_DIR) needs kvbm-connector built with the `nixl` feature"
-    } else {
-        "disk.io = nixl (KVBM_DISK_IO) needs kvbm-connector built with the `nixl` feature"
-    }))
-}
-
-/// The host (G2) tier: pinned memory on the device tier's GPU when the device tier is a CUDA
-/// tier (so device ↔ host copies are DMA), plain aligned memory otherwise.
-fn host_tier(device: &dyn StorageTier, layout: Layout) -> Result<Arc<dyn StorageTier>> {
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = crate::backends::cuda::device_of(device) {
-        return Ok(Arc::new(crate::backends::cuda::PinnedHostTier::host(
-            &gpu, layout,
-        )?));
-    }
-    let _ = device;
-    Ok(Arc::new(MemoryTier::host(layout)?))
-}
-
-fn allocate_tiers(
-    config: &Config,
-    rank: usize,
-    device: Arc<dyn StorageTier>,
-    counts: TierCounts,
-) -> Result<WorkerTiers> {
-    let dims = *device.layout().dims();
-    let host: Option<Arc<dyn StorageTier>> = if counts.num_host_blocks > 0 {
-        let layout = Layout::fully_contiguous(dims, counts.num_host_blocks)?;
-        Some(host_tier(device.as_ref(), layout)?)
-    } else {
-        None
-    };
-    let opts = DiskTierOptions {
-        dir: config.disk.dir.clone(),
-        direct_io: config.disk.direct_io,
-        persist: config.disk.persist,
-        max_in_flight: config.disk.max_in_flight,
-    };
-    let nixl_disk = counts.num_disk_blocks > 0 && config.disk.io == DiskIo::Nixl;
-    let (mut disk, remote) = if nixl_disk || config.remote.enabled() {
-        let d = nixl_disk.then(|| (counts.num_disk_blocks, opts.clone()));
-        nixl_parts(config, rank, host.as_ref(), dims, d)?
-    } else {
-        (None, None)
-    };
-    if disk.is_none() && counts.num_disk_blocks > 0 {
-        disk = Some(Arc::new(DiskTier::create(
-            TierKind::Disk,
-            dims,
-            counts.num_disk_blocks,
-            opts,
-        )?));
-    }
-    Ok(WorkerTiers {
-        device,
-        host,
-        disk,
-        counts,
-        remote,
-    })
-}
-
-#[cfg(all(test, not(feature = "nixl")))]
-mod tests {
-    use super::*;
-    use crate::layout::{BlockOrder, LayoutDims};
-
-    #[test]
-    fn remote_dir_without_nixl_is_unsupported_at_start() {
-        let dims = LayoutDims {
-            num_layers: 1,
-            outer_dim: 2,
-            page_size: 4,
-            inner_dim: 8,
-            dtype_bytes: 2,
-        };
-        let device: Arc<dyn StorageTier> = Arc::new(
-            MemoryTier::new(
-                TierKind::Device,
-                Layout::layer_separate(dims, 4, BlockOrder::OuterMajor).unwrap(),
-            )
-            .unwrap(),
-        );
-        let mut config = Config::default();
-        config.remote.dir = Some(std::env::temp_dir());
-        let counts = TierCounts {
-            num_host_blocks: 2,
-            num_disk_blocks: 0,
-            num_device_blocks: 4,
-        };
-        let e = allocate_tiers(&config, 0, device, counts).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Unsupported);
-        assert!(e.to_string().contains("KVBM_REMOTE_DIR"), "{e}");
-    }
 }

@@ -6,14 +6,25 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
 use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
-use kvbm_connector::connector::transport::in_process;
+use kvbm_connector::connector::transport::{in_process, WorkerTransport};
 use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::layout::BlockOrder;
-use kvbm_connector::{Config, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind};
+use kvbm_connector::{Config, Layout, LayoutDims, Result, StorageTier, StorageTierExt, TierKind};
+
+/// A core worker whose tiers the backends' standard factory builds.
+pub fn new_worker(
+    config: Config,
+    world_size: usize,
+    transport: Arc<dyn WorkerTransport>,
+    mode: InitMode,
+) -> Result<Worker> {
+    Worker::new(config, world_size, transport, mode, StandardTiers::shared())
+}
 
 pub const BS: usize = 4;
 pub const DEVICE_BLOCKS: usize = 32;
@@ -84,7 +95,7 @@ pub fn rig(host: usize, disk: usize) -> Rig {
 pub fn rig_with(config: Config, dir: tempfile::TempDir) -> Rig {
     let (lt, wts) = in_process(1);
     let device = device();
-    let mut worker = Worker::new(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut worker = new_worker(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
     worker.register(device.clone()).unwrap();
     let mut leader = Leader::new(ScheduledTokens, config, BS, lt, InitMode::Blocking).unwrap();
     assert!(leader.is_ready());

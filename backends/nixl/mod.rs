@@ -1,0 +1,80 @@
+//! The `nixl` backend (feature `nixl`): block I/O through NVIDIA's NIXL transfer library.
+//!
+//! NIXL moves bytes between registered memory and storage through plugins. This module uses two:
+//!
+//! * **POSIX** for the disk tier: [`NixlDiskTier`] stores blocks in the same checksummed slot
+//!   file as the built-in [`DiskTier`] (one shared implementation of the file's creation,
+//!   preallocation, O_DIRECT probe, removal, slots and checksums), but its reads and writes are
+//!   NIXL transfers between registered host memory and the registered file;
+//! * **UCX** between processes: a worker exports a host tier ([`NixlAgent::export_tier`] →
+//!   [`TierExport`]: the agent's metadata, the tier's layout and allocation addresses), another
+//!   worker imports it as a [`RemoteTier`] (G4, [`TierKind::Remote`]) whose reads and writes are
+//!   one-sided UCX transfers into and out of the exporter's memory.
+//!
+//! Each worker holds one [`NixlAgent`], with its host tiers registered
+//! ([`NixlAgent::register_host_tier`]): buffers inside registered memory go to NIXL as they are;
+//! any other buffer goes through a small pool of registered bounce buffers.
+//!
+//! # Loading
+//!
+//! nixl-sys is built with its `stub-api` feature: it has no link-time dependency on NIXL and
+//! `dlopen`s `libnixl_capi.so` at its first call, **aborting the process** when that fails. So
+//! nothing here calls nixl-sys before [`probe`] has loaded the library itself, checked that it has
+//! the C API symbols nixl-sys calls, and found the plugin folder; a missing or broken installation
+//! is an [`ErrorKind::Unsupported`] error naming the library, the folders searched and the
+//! variables read, never an abort. Where NIXL is looked for:
+//!
+//! * the library: `$KVBM_NIXL_LIB_DIR/libnixl_capi.so` when [`LIB_DIR_ENV`] is set, otherwise
+//!   `libnixl_capi.so` by name through the dynamic loader (`LD_LIBRARY_PATH`, then the system's
+//!   cache);
+//! * the plugins: `$NIXL_PLUGIN_DIR` when set (NIXL reads it), otherwise `plugins/` beside the
+//!   library (NIXL's own default).
+//!
+//! `scripts/nixl-env.sh` fetches the PyPI wheel `nixl-cu12`, which ships both, and sets the
+//! variables; see `docs/nixl.md`.
+//!
+//! # Invariants
+//!
+//! * registered memory outlives its registration: the agent keeps every registered tier alive
+//!   and deregisters before releasing it; a tier's bounce buffers are deregistered before they
+//!   are freed;
+//! * a call returns only when NIXL reports its transfer complete or failed, so no transfer
+//!   touches a caller's buffer after the call returned (there is no time-out for that reason: a
+//!   slow transfer is logged every [`SLOW_TRANSFER_LOG`], and UCX's peer error handling fails a
+//!   transfer whose peer died);
+//! * [`NixlDiskTier`] keeps the built-in disk tier's guarantees: a block never written is
+//!   [`ErrorKind::NotFound`], a checksum mismatch is [`ErrorKind::Corrupt`], writers of a block
+//!   are serialised against its readers;
+//! * [`RemoteTier`] serialises its own readers and writers of a block; it cannot see what the
+//!   exporting process does to that block meanwhile, so the exporter must not reuse a block
+//!   while another worker may read it (the leader's job; see `docs/nixl.md`).
+//!
+//! # Files
+//!
+//! * `probe.rs` — finding and loading the library and its plugins ([`probe`], [`NixlInfo`]);
+//! * `agent.rs` — [`NixlAgent`]: backends, registrations, transfers, registered bounce buffers;
+//! * `disk.rs` — [`NixlDiskTier`] (POSIX);
+//! * `remote.rs` — [`TierExport`], [`RemoteTier`] and [`VerifiedRemote`] (UCX);
+//! * `headers.rs` — [`BlockHeaders`]: what makes a remote block verifiable;
+//! * `worker.rs` — what a worker builds on NIXL ([`worker_parts`]) and its remote-tier hooks
+//!   ([`NixlWorkerRemote`]).
+//!
+//! [`DiskTier`]: crate::backends::disk::DiskTier
+//! [`TierKind::Remote`]: crate::TierKind::Remote
+//! [`ErrorKind::Unsupported`]: crate::ErrorKind::Unsupported
+//! [`ErrorKind::NotFound`]: crate::ErrorKind::NotFound
+//! [`ErrorKind::Corrupt`]: crate::ErrorKind::Corrupt
+
+mod agent;
+mod disk;
+mod headers;
+mod probe;
+mod remote;
+mod worker;
+
+pub use agent::{NixlAgent, SLOW_TRANSFER_LOG};
+pub use disk::NixlDiskTier;
+pub use headers::{decode_header, BlockHeaders, BLOCK_HEADER_BYTES};
+pub use probe::{probe, NixlBackend, NixlInfo, CAPI_LIBRARY, LIB_DIR_ENV, PLUGIN_DIR_ENV};
+pub use remote::{RemoteTier, TierExport, VerifiedRemote, REMOTE_MAX_IN_FLIGHT};
+pub use worker::{worker_parts, NixlWorkerRemote, WorkerParts};

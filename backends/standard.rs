@@ -1,0 +1,157 @@
+//! The standard [`TierFactory`]: how a worker's host, disk and remote tiers are built from the
+//! configuration when nothing else is asked for (what the engine adapters, the tool and the
+//! bindings hand to the worker).
+//!
+//! * host (G2): pinned memory on the device tier's GPU when the device tier is a CUDA tier
+//!   (feature `cuda`; device ↔ host copies are then DMA), page-aligned [`MemoryTier`] otherwise;
+//! * disk (G3): the built-in [`DiskTier`] (`disk.io = builtin`) or the NIXL disk tier
+//!   (`disk.io = nixl`, feature `nixl`);
+//! * remote (G4): the NIXL remote-tier hooks when `remote.dir` is set (feature `nixl`), on the
+//!   same NIXL agent as the NIXL disk tier, with the host tier registered.
+//!
+//! A setting this build cannot serve (`disk.io = nixl` or `remote.dir` without the `nixl`
+//! feature) is an [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported) error at start-up
+//! naming the variable that set it.
+
+use std::sync::Arc;
+
+use super::disk::{DiskTier, DiskTierOptions};
+use super::memory::MemoryTier;
+use crate::config::{Config, DiskIo};
+use crate::connector::remote::WorkerRemote;
+use crate::connector::transport::TierCounts;
+use crate::connector::worker::{TierFactory, WorkerTiers};
+use crate::error::Result;
+use crate::layout::{KvLayout, Layout, LayoutDims};
+use crate::tier::{StorageTier, TierKind};
+
+/// The standard [`TierFactory`]; see the [module docs](self).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StandardTiers;
+
+impl StandardTiers {
+    /// The standard factory, as the worker takes it.
+    pub fn shared() -> Arc<dyn TierFactory> {
+        Arc::new(Self)
+    }
+}
+
+impl TierFactory for StandardTiers {
+    fn build(
+        &self,
+        config: &Config,
+        rank: usize,
+        device: Arc<dyn StorageTier>,
+        counts: TierCounts,
+    ) -> Result<WorkerTiers> {
+        let dims = *device.layout().dims();
+        let host: Option<Arc<dyn StorageTier>> = if counts.num_host_blocks > 0 {
+            let layout = Layout::fully_contiguous(dims, counts.num_host_blocks)?;
+            Some(host_tier(device.as_ref(), layout)?)
+        } else {
+            None
+        };
+        let opts = DiskTierOptions {
+            dir: config.disk.dir.clone(),
+            direct_io: config.disk.direct_io,
+            persist: config.disk.persist,
+            max_in_flight: config.disk.max_in_flight,
+        };
+        let nixl_disk = counts.num_disk_blocks > 0 && config.disk.io == DiskIo::Nixl;
+        let (mut disk, remote) = if nixl_disk || config.remote.enabled() {
+            let d = nixl_disk.then(|| (counts.num_disk_blocks, opts.clone()));
+            nixl_parts(config, rank, host.as_ref(), dims, d)?
+        } else {
+            (None, None)
+        };
+        if disk.is_none() && counts.num_disk_blocks > 0 {
+            disk = Some(Arc::new(DiskTier::create(
+                TierKind::Disk,
+                dims,
+                counts.num_disk_blocks,
+                opts,
+            )?));
+        }
+        Ok(WorkerTiers {
+            device,
+            host,
+            disk,
+            counts,
+            remote,
+        })
+    }
+}
+
+/// The host (G2) tier: pinned memory on the device tier's GPU when the device tier is a CUDA
+/// tier (so device ↔ host copies are DMA), plain aligned memory otherwise.
+fn host_tier(device: &dyn StorageTier, layout: Layout) -> Result<Arc<dyn StorageTier>> {
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = super::cuda::device_of(device) {
+        return Ok(Arc::new(super::cuda::PinnedHostTier::host(&gpu, layout)?));
+    }
+    let _ = device;
+    Ok(Arc::new(MemoryTier::host(layout)?))
+}
+
+/// A NIXL disk tier, and the remote tier's hooks.
+type NixlParts = (Option<Arc<dyn StorageTier>>, Option<Arc<dyn WorkerRemote>>);
+
+/// The NIXL parts of a worker (see `nixl::worker_parts`); without the `nixl` feature, an
+/// [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported) error naming the setting that asked
+/// for NIXL.
+fn nixl_parts(
+    config: &Config,
+    rank: usize,
+    host: Option<&Arc<dyn StorageTier>>,
+    dims: LayoutDims,
+    disk: Option<(usize, DiskTierOptions)>,
+) -> Result<NixlParts> {
+    #[cfg(feature = "nixl")]
+    return super::nixl::worker_parts(config, rank, host, dims, disk);
+    #[cfg(not(feature = "nixl"))]
+    {
+        let _ = (rank, host, dims, disk);
+        Err(crate::error::Error::unsupported(
+            if config.remote.enabled() {
+                "remote.dir (KVBM_REMOTE_DIR) needs kvbm-connector built with the `nixl` feature"
+            } else {
+                "disk.io = nixl (KVBM_DISK_IO) needs kvbm-connector built with the `nixl` feature"
+            },
+        ))
+    }
+}
+
+#[cfg(all(test, not(feature = "nixl")))]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+    use crate::layout::BlockOrder;
+
+    #[test]
+    fn remote_dir_without_nixl_is_unsupported_at_start() {
+        let dims = LayoutDims {
+            num_layers: 1,
+            outer_dim: 2,
+            page_size: 4,
+            inner_dim: 8,
+            dtype_bytes: 2,
+        };
+        let device: Arc<dyn StorageTier> = Arc::new(
+            MemoryTier::new(
+                TierKind::Device,
+                Layout::layer_separate(dims, 4, BlockOrder::OuterMajor).unwrap(),
+            )
+            .unwrap(),
+        );
+        let mut config = Config::default();
+        config.remote.dir = Some(std::env::temp_dir());
+        let counts = TierCounts {
+            num_host_blocks: 2,
+            num_disk_blocks: 0,
+            num_device_blocks: 4,
+        };
+        let e = StandardTiers.build(&config, 0, device, counts).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.to_string().contains("KVBM_REMOTE_DIR"), "{e}");
+    }
+}
