@@ -33,11 +33,11 @@ use cudarc::driver::sys;
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
+use super::cuda_err;
 use super::gpu::{
     enqueue, host_is_pinned, pointer_attribute, CudaDevice, EventPool, PinnedBuffer, Stream,
 };
 use super::plan::{block_pieces, plan_copies, CopyOp, Direction};
-use super::probe::cuda_err;
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, Layout};
 use crate::tier::{check_io, total_len, BatchCopy, Capability, StorageTier, TierKind};

@@ -4,7 +4,7 @@
 //!
 //! Invariants: every owned driver object is released exactly once, on drop, in its device's
 //! context; every driver call answers a [`Result`] (through [`cuda_err`]); a device is reached
-//! only after [`probe`](super::probe) found the driver.
+//! only after [`probe()`](super::probe()) found the driver.
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -15,8 +15,9 @@ use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
 use parking_lot::Mutex;
 
+use super::cuda_err;
 use super::plan::{CopyOp, Direction};
-use super::probe::{cuda_err, probe, GpuInfo};
+use super::probe::{probe, GpuInfo};
 use crate::error::{Error, Result};
 
 /// One GPU: its primary context (shared with the engine, as PyTorch and TensorRT-LLM use it).

@@ -2,7 +2,7 @@
 //! the host tier (G2), and the copies between them on dedicated CUDA streams.
 //!
 //! Built on cudarc's driver API with `dynamic-loading`: nothing CUDA is needed to build, and
-//! `libcuda.so.1` is opened at run time. [`probe`] is the one door: it checks the library can be
+//! `libcuda.so.1` is opened at run time. [`probe()`] is the one door: it checks the library can be
 //! opened (`dlopen`) before cudarc touches it, guards cudarc's first calls with `catch_unwind`
 //! (cudarc panics when a library or symbol is missing), and answers an [`Error`](crate::Error)
 //! that names the library or the driver call that failed. Every constructor here goes through it,
@@ -36,7 +36,7 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `probe.rs` | finding the driver and its GPUs ([`probe`]); driver errors as [`Error`](crate::Error)s |
+//! | `probe.rs` | finding the driver and its GPUs ([`probe()`]); driver errors as [`Error`](crate::Error)s |
 //! | `gpu.rs` | [`CudaDevice`], [`DeviceBuffer`], [`PinnedBuffer`]; streams, events, enqueueing one copy |
 //! | `plan.rs` | copy planning, pure: [`block_pieces`], [`plan_copies`] |
 //! | `device.rs` | [`CudaDeviceTier`]: registration, locks, streams, store gating, `StorageTier` |
@@ -62,5 +62,6 @@ pub use device::{device_of, CopyStats, CudaDeviceTier, DeviceRun};
 pub use gpu::{CudaDevice, DeviceBuffer, PinnedBuffer};
 pub use pinned::PinnedHostTier;
 pub use plan::{block_pieces, plan_copies, CopyOp, Direction, Piece};
+/// A failed driver call as an [`Error`](crate::Error) (for the tool's bench, and every file here).
 pub(crate) use probe::cuda_err;
 pub use probe::{probe, CudaInfo, GpuInfo, DRIVER_LIBRARIES};
