@@ -14,6 +14,17 @@
 //! * bytes read back are exactly the bytes last written to that block;
 //! * a bad block id or segment length is an error and changes nothing;
 //! * concurrent calls on different blocks do not interfere; calls on the same block are serialised.
+//!
+//! ## Capabilities
+//!
+//! What a tier can do is declared, never discovered by failing. [`StorageTier::capability`] answers
+//! a [`Capability`] record (host addressable, direct-I/O alignment, checksums, how many calls in
+//! parallel), which the transfer engine reads to pick each block's path. One capability is a
+//! behaviour rather than a flag: a tier with a faster way to move a whole batch than block by block
+//! (a GPU tier's planned stream copies with one completion wait) lends it as a [`BatchCopy`] from
+//! [`StorageTier::batch_copy`]. The engine asks the destination, then the source, and copies block
+//! by block when neither takes the batch; tiers without one (the default) need do nothing. The
+//! core only knows the trait: which backend lends a hook, and how it copies, stays in the backend.
 
 use std::fmt::Debug;
 use std::io::{IoSlice, IoSliceMut};
@@ -137,6 +148,32 @@ pub trait StorageTier: Send + Sync + Debug {
             self.kind()
         )))
     }
+
+    /// The tier's own batch copy, if it has one (see [`BatchCopy`]); `None` (the default): the
+    /// transfer engine copies to and from this tier block by block.
+    fn batch_copy(&self) -> Option<&dyn BatchCopy> {
+        None
+    }
+}
+
+/// A tier's fast path for a whole batch of blocks between itself and another tier (the optional
+/// capability behind [`StorageTier::batch_copy`]). Object safe.
+///
+/// The transfer engine offers each batch of a transfer to the destination's hook
+/// ([`BatchCopy::copy_from`]), then to the source's ([`BatchCopy::copy_to`]), and copies block by
+/// block when both decline. A hook that takes a batch answers `Some` with exactly one result per
+/// pair, in the pairs' order; a failed pair's destination bytes must not be used, as on the
+/// per-block path. It declines (`None`) before touching any block, for any reason of its own
+/// (typically: the other side is a tier it has no fast path for). Pairs reach the hook already
+/// validated by the engine (same block dimensions, ids in range, no destination twice), but a
+/// hook must not rely on that for soundness: a bad pair is an error in its result, never a panic.
+pub trait BatchCopy: Send + Sync {
+    /// Copies `(own block, dst block)` pairs from the tier that lent this hook into `dst`.
+    fn copy_to(&self, dst: &dyn StorageTier, pairs: &[(usize, usize)]) -> Option<Vec<Result<()>>>;
+
+    /// Copies `(src block, own block)` pairs from `src` into the tier that lent this hook.
+    fn copy_from(&self, src: &dyn StorageTier, pairs: &[(usize, usize)])
+        -> Option<Vec<Result<()>>>;
 }
 
 /// Conveniences on every tier (blanket impl), kept out of the object-safe core.

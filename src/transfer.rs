@@ -5,7 +5,10 @@
 //! pool) but must have the same block dimensions; every copy moves a block's canonical image (see
 //! [`crate::layout`]), so gather/scatter between layouts falls out of the segment lists.
 //!
-//! Path per pair, cheapest first:
+//! Path per batch: a tier that lends a [`BatchCopy`](crate::tier::BatchCopy) hook (see
+//! [`StorageTier::batch_copy`]) is offered the whole batch, the destination's hook first, then the
+//! source's; the first that takes it answers one result per pair. Otherwise, path per pair,
+//! cheapest first:
 //! * destination host addressable: the source reads straight into the destination's runs
 //!   (memory → memory is a gather/scatter memcpy; disk → memory is one vectored read);
 //! * source host addressable: the destination writes straight from the source's runs;
@@ -314,39 +317,50 @@ fn copy_batch(
         copied: 0,
         failed: Vec::new(),
     };
-    // A GPU device tier on one side: the whole batch as planned stream copies, one event wait.
-    #[cfg(feature = "cuda")]
-    if let Some(done) = crate::backends::cuda::copy_batch(src, dst, pairs) {
-        for (&(s, d), r) in pairs.iter().zip(done) {
-            match r {
-                Ok(()) => result.copied += 1,
-                Err(error) => {
-                    tracing::warn!(src_tier = %src.kind(), dst_tier = %dst.kind(), src_block = s, dst_block = d, %error, "block copy failed");
-                    result.failed.push(BlockFailure {
-                        src_block: s,
-                        dst_block: d,
-                        error: error.with("src_block", s).with("dst_block", d),
-                    })
-                }
-            }
+    let mut record = |s: usize, d: usize, r: Result<()>| match r {
+        Ok(()) => result.copied += 1,
+        Err(error) => {
+            tracing::warn!(src_tier = %src.kind(), dst_tier = %dst.kind(), src_block = s, dst_block = d, %error, "block copy failed");
+            result.failed.push(BlockFailure {
+                src_block: s,
+                dst_block: d,
+                error: error.with("src_block", s).with("dst_block", d),
+            })
+        }
+    };
+    if let Some(done) = hooked_batch(src, dst, pairs) {
+        // A hook answers one result per pair; a pair it left out failed rather than vanished.
+        let answered = done.len();
+        let mut done = done.into_iter();
+        for &(s, d) in pairs {
+            let r = done.next().unwrap_or_else(|| {
+                Err(Error::internal(format!(
+                    "batch copy answered {answered} results for {} pairs",
+                    pairs.len()
+                )))
+            });
+            record(s, d, r);
         }
         return result;
     }
     let mut bounce: Option<Vec<u8>> = None;
     for &(s, d) in pairs {
-        match copy_block(src, dst, s, d, &mut bounce) {
-            Ok(()) => result.copied += 1,
-            Err(error) => {
-                tracing::warn!(src_tier = %src.kind(), dst_tier = %dst.kind(), src_block = s, dst_block = d, %error, "block copy failed");
-                result.failed.push(BlockFailure {
-                    src_block: s,
-                    dst_block: d,
-                    error: error.with("src_block", s).with("dst_block", d),
-                })
-            }
-        }
+        let r = copy_block(src, dst, s, d, &mut bounce);
+        record(s, d, r);
     }
     result
+}
+
+/// The whole batch through a tier's own [`BatchCopy`](crate::tier::BatchCopy): the destination's
+/// first, then the source's; `None` when neither has one or both decline.
+fn hooked_batch(
+    src: &dyn StorageTier,
+    dst: &dyn StorageTier,
+    pairs: &[(usize, usize)],
+) -> Option<Vec<Result<()>>> {
+    dst.batch_copy()
+        .and_then(|hook| hook.copy_from(src, pairs))
+        .or_else(|| src.batch_copy().and_then(|hook| hook.copy_to(dst, pairs)))
 }
 
 fn copy_block(

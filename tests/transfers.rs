@@ -1,14 +1,17 @@
 //! Transfers between tiers across layouts, verified byte for byte, and corruption detection.
 
-use std::io::{Read, Seek, SeekFrom, Write};
-use std::sync::Arc;
+use std::io::{IoSlice, IoSliceMut, Read, Seek, SeekFrom, Write};
+use std::sync::{Arc, Mutex};
 
 use kvbm_connector::backends::disk::{DiskTier, DiskTierOptions};
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::config::TransferConfig;
 use kvbm_connector::layout::BlockOrder;
+use kvbm_connector::tier::BatchCopy;
 use kvbm_connector::transfer::TransferEngine;
-use kvbm_connector::{ErrorKind, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind};
+use kvbm_connector::{
+    Capability, ErrorKind, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind,
+};
 
 /// Small model: 4 layers, K/V, 16 tokens, 2 heads × 64 dims, bf16 → 4 KiB runs, 32 KiB blocks.
 fn dims() -> LayoutDims {
@@ -310,4 +313,170 @@ fn many_concurrent_transfers_complete_with_handles() {
     for b in 0..n {
         assert_eq!(dst.read_block_to_vec(n - 1 - b).unwrap(), image(&d, b));
     }
+}
+
+/// A memory tier that lends a [`BatchCopy`] hook: records which of its sides the engine asked,
+/// and takes the batch (copying block by block itself, optionally answering one result short) or
+/// declines it.
+#[derive(Debug)]
+struct Hooked {
+    inner: MemoryTier,
+    take: bool,
+    short: bool,
+    asked: Mutex<Vec<&'static str>>,
+}
+
+impl Hooked {
+    fn new(d: LayoutDims, n: usize, take: bool, short: bool) -> Self {
+        Self {
+            inner: MemoryTier::host(Layout::fully_contiguous(d, n).unwrap()).unwrap(),
+            take,
+            short,
+            asked: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Records `side`, then declines or answers `copy` for each pair (one short if asked to).
+    fn answer(
+        &self,
+        side: &'static str,
+        pairs: &[(usize, usize)],
+        copy: impl Fn(usize, usize) -> kvbm_connector::Result<()>,
+    ) -> Option<Vec<kvbm_connector::Result<()>>> {
+        self.asked.lock().unwrap().push(side);
+        if !self.take {
+            return None;
+        }
+        let mut results: Vec<_> = pairs.iter().map(|&(s, d)| copy(s, d)).collect();
+        if self.short {
+            results.pop();
+        }
+        Some(results)
+    }
+
+    fn asked(&self) -> Vec<&'static str> {
+        self.asked.lock().unwrap().clone()
+    }
+}
+
+impl StorageTier for Hooked {
+    fn kind(&self) -> TierKind {
+        self.inner.kind()
+    }
+    fn capability(&self) -> Capability {
+        self.inner.capability()
+    }
+    fn layout(&self) -> &Layout {
+        self.inner.layout()
+    }
+    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> kvbm_connector::Result<()> {
+        self.inner.read_block(block, dst)
+    }
+    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> kvbm_connector::Result<()> {
+        self.inner.write_block(block, src)
+    }
+    fn with_block(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&[IoSlice<'_>]) -> kvbm_connector::Result<()>,
+    ) -> kvbm_connector::Result<()> {
+        self.inner.with_block(block, f)
+    }
+    fn with_block_mut(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> kvbm_connector::Result<()>,
+    ) -> kvbm_connector::Result<()> {
+        self.inner.with_block_mut(block, f)
+    }
+    fn batch_copy(&self) -> Option<&dyn BatchCopy> {
+        Some(self)
+    }
+}
+
+impl BatchCopy for Hooked {
+    fn copy_to(
+        &self,
+        dst: &dyn StorageTier,
+        pairs: &[(usize, usize)],
+    ) -> Option<Vec<kvbm_connector::Result<()>>> {
+        self.answer("to", pairs, |s, d| {
+            self.inner.with_block(s, &mut |seg| dst.write_block(d, seg))
+        })
+    }
+
+    fn copy_from(
+        &self,
+        src: &dyn StorageTier,
+        pairs: &[(usize, usize)],
+    ) -> Option<Vec<kvbm_connector::Result<()>>> {
+        self.answer("from", pairs, |s, d| {
+            self.inner
+                .with_block_mut(d, &mut |seg| src.read_block(s, seg))
+        })
+    }
+}
+
+/// The engine offers a batch to the destination's hook, then the source's, and copies block by
+/// block when both decline; a hook that answers short fails the pairs it left out.
+#[test]
+fn batch_copy_hooks_are_asked_destination_first() {
+    let d = dims();
+    let n = 4;
+    let pairs = [(0, 3), (1, 2), (2, 1)];
+    let plain =
+        MemoryTier::host(Layout::layer_separate(d, n, BlockOrder::OuterMajor).unwrap()).unwrap();
+    let seed = |tier: &dyn StorageTier| {
+        for b in 0..n {
+            tier.write_block_from_slice(b, &image(&d, b)).unwrap();
+        }
+    };
+    let check = |dst: &dyn StorageTier| {
+        for &(s, t) in &pairs {
+            assert_eq!(dst.read_block_to_vec(t).unwrap(), image(&d, s));
+        }
+    };
+    seed(&plain);
+
+    // The destination takes it: the source is never asked.
+    let (src, dst) = (
+        Hooked::new(d, n, true, false),
+        Hooked::new(d, n, true, false),
+    );
+    seed(&src);
+    let out = TransferEngine::copy_blocking(&src, &dst, &pairs).unwrap();
+    assert!(out.is_ok() && out.blocks == 3, "{out:?}");
+    assert_eq!((src.asked(), dst.asked()), (vec![], vec!["from"]));
+    check(&dst);
+
+    // The destination has none: the source's is asked.
+    let src = Hooked::new(d, n, true, false);
+    seed(&src);
+    let dst = MemoryTier::host(Layout::fully_contiguous(d, n).unwrap()).unwrap();
+    let out = TransferEngine::copy_blocking(&src, &dst, &pairs).unwrap();
+    assert!(out.is_ok() && out.blocks == 3, "{out:?}");
+    assert_eq!(src.asked(), vec!["to"]);
+    check(&dst);
+
+    // Both decline: block by block.
+    let (src, dst) = (
+        Hooked::new(d, n, false, false),
+        Hooked::new(d, n, false, false),
+    );
+    seed(&src);
+    let out = TransferEngine::copy_blocking(&src, &dst, &pairs).unwrap();
+    assert!(out.is_ok() && out.blocks == 3, "{out:?}");
+    assert_eq!((src.asked(), dst.asked()), (vec!["to"], vec!["from"]));
+    check(&dst);
+
+    // A short answer: the pair left out is a failure, not a silent success.
+    let dst = Hooked::new(d, n, true, true);
+    let out = TransferEngine::copy_blocking(&plain, &dst, &pairs).unwrap();
+    assert_eq!(out.blocks, 2, "{out:?}");
+    assert_eq!(out.failed.len(), 1, "{out:?}");
+    let f = &out.failed[0];
+    assert_eq!(
+        (f.src_block, f.dst_block, f.error.kind()),
+        (2, 1, ErrorKind::Internal)
+    );
 }
