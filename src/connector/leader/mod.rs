@@ -30,7 +30,7 @@
 //!   (or failed, or orphaned by a lost rank) operation changes.
 //!
 //! This file holds the state they share and the start-up. Invariants of the state: every
-//! operation in `ops` holds the pool blocks it reads or writes until it is finished; a key is in
+//! operation in `ops` holds the local pool blocks it reads or writes until it is finished; a key is in
 //! `pending_keys` exactly while a store of it to that tier is in flight; a slot leaves `slots`
 //! only once it is finishing with nothing in flight (or was never ready).
 

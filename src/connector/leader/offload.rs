@@ -6,8 +6,8 @@
 //! Invariants: a block is considered for offload once (a slot's `offloaded` only grows); a key is
 //! stored to a tier at most once at a time (`pending_keys`), never when the tier already holds it;
 //! nothing is stored while a request's loads are in flight or while a rank is lost; a step that
-//! fails its checks, or whose metadata the adapter or encoder refuses, leaves the leader's queued
-//! work as it was.
+//! fails its checks changes nothing, and metadata the adapter or the encoder refuses goes back to
+//! the front of the queue (no operation is lost).
 
 use std::collections::HashSet;
 

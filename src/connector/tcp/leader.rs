@@ -21,14 +21,15 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::config::AUTH_TOKEN_ENV;
+use crate::connector::transport::{LeaderMessage, LeaderTransport, Rank, WorkerMessage};
+use crate::error::{Error, Result};
+
 use super::cancelled;
 use super::frame::{
     encode_json, read_frame_async, FrameKind, HandshakeHello, Refusal, Welcome, MAX_HELLO_PAYLOAD,
     MAX_PAYLOAD, READ_BUFFER,
 };
-use crate::config::AUTH_TOKEN_ENV;
-use crate::connector::transport::{LeaderMessage, LeaderTransport, Rank, WorkerMessage};
-use crate::error::{Error, Result};
 
 /// How long the leader waits for a HELLO after accepting a connection (by default).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);

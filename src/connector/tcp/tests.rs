@@ -13,8 +13,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::frame::{encode_frame, FrameKind, HEADER_LEN, MAGIC};
-use super::{TcpLeader, TcpWorker};
 use crate::config::Config;
 use crate::connector::barrier::{leader_barrier, worker_barrier};
 use crate::connector::metadata::OperationId;
@@ -24,6 +22,9 @@ use crate::connector::transport::{
 };
 use crate::error::{ErrorKind, Result};
 use crate::layout::LayoutDims;
+
+use super::frame::{encode_frame, FrameKind, HEADER_LEN, MAGIC};
+use super::{TcpLeader, TcpWorker};
 
 /// Tokens per block.
 const BS: usize = 4;
@@ -51,12 +52,12 @@ fn free_port() -> SocketAddr {
     panic!("no free port below the ephemeral range");
 }
 
-/// One rank's block shape.
+/// One rank's block shape: `BS` tokens, 2 layers of K and V, 8 values of 2 bytes each.
 fn dims() -> LayoutDims {
     LayoutDims {
+        page_size: BS,
         num_layers: 2,
         outer_dim: 2,
-        page_size: BS,
         inner_dim: 8,
         dtype_bytes: 2,
     }

@@ -14,13 +14,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::connector::transport::{LeaderMessage, Rank, WorkerMessage, WorkerTransport};
+use crate::error::{Error, ErrorKind, Result};
+
 use super::cancelled;
 use super::frame::{
     encode_json, read_frame_sync, FrameError, FrameKind, HandshakeHello, Refusal, Welcome,
     MAX_HELLO_PAYLOAD, MAX_PAYLOAD, READ_BUFFER,
 };
-use crate::connector::transport::{LeaderMessage, Rank, WorkerMessage, WorkerTransport};
-use crate::error::{Error, ErrorKind, Result};
 
 /// Worker socket write timeout: a leader that stops reading for this long counts as gone.
 const WORKER_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
