@@ -1,7 +1,7 @@
 //! Leader cost per call, with 1,000 active requests tracked by the leader.
 //!
 //! `Leader<ScheduledTokens>` over `in_process(1)`; the worker is a stand-in: the barrier is
-//! answered by `worker_barrier` on a thread, and after every `build_connector_meta` the stand-in
+//! answered through the transport on a thread (`common::answer_barrier`), and after every `build_connector_meta` the stand-in
 //! decodes the metadata and acknowledges every operation at once (`WorkerMessage::Completed`), so
 //! stored blocks are registered at the leader's next call and no pool ever fills with blocks in
 //! flight. Only leader calls are timed (`iter_custom`); building the `SchedulerStep`, the
@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
-use kvbm_connector::connector::barrier::{worker_barrier, InitMode};
+use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
 use kvbm_connector::connector::metadata::ConnectorMetadata;
 use kvbm_connector::connector::transport::{
@@ -114,10 +114,10 @@ impl Rig {
             dims: dims(),
         };
         let stand_in = std::thread::spawn(move || {
-            worker_barrier(w.as_ref(), hello, Duration::from_secs(30), |_| Ok(()))
+            common::answer_barrier(w.as_ref(), hello, Duration::from_secs(30))
         });
         let leader = Leader::new(ScheduledTokens, config, BS, lt, InitMode::Blocking).unwrap();
-        stand_in.join().unwrap().unwrap();
+        stand_in.join().unwrap();
         let mut rig = Rig {
             leader,
             worker,

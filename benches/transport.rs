@@ -13,8 +13,8 @@
 //! Timed: from handing the operation ids to the two ranks (a `std::sync::mpsc` channel per rank,
 //! standing in for the engine's metadata broadcast, the same in both set-ups) until the leader
 //! has nothing in flight. Not timed: building the iteration (match, allocation, metadata) and
-//! finishing its requests. The ranks are stand-ins (threads that answer the barrier with
-//! `worker_barrier` and send completions), not real `Worker`s: a real worker's copies would cost
+//! finishing its requests. The ranks are stand-ins (threads that answer the barrier as a worker
+//! does, through the transport, and send completions), not real `Worker`s: a real worker's copies would cost
 //! the same on both transports and only blur the difference.
 //!
 //! Over TCP: `TcpLeader` bound on 127.0.0.1 port 0 (its own runtime thread), two `TcpWorker`s
@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
-use kvbm_connector::connector::barrier::{worker_barrier, InitMode};
+use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
 use kvbm_connector::connector::metadata::{ConnectorMetadata, OperationId};
 use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
@@ -105,7 +105,7 @@ fn stand_in(transport: Arc<dyn WorkerTransport>, rank: usize) -> (Sender<Handoff
                 num_device_blocks: DEVICE_BLOCKS,
                 dims: dims(),
             };
-            worker_barrier(transport.as_ref(), hello, LIMIT, |_| Ok(())).unwrap();
+            common::answer_barrier(transport.as_ref(), hello, LIMIT);
             for (ops, batched) in rx {
                 if batched {
                     let list = ops.into_iter().map(done).collect();

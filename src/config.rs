@@ -22,8 +22,13 @@
 //! [transfer]
 //! max_concurrency = 4
 //! batch_blocks = 16
+//!
+//! [tcp]                    # the network transport (connector::tcp)
+//! leader_addr = "10.0.0.1:5557"
+//! auth_token = "s3cret"    # never written back out (to_toml, Debug)
 //! ```
 
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -208,6 +213,114 @@ impl RemoteConfig {
     }
 }
 
+/// The environment variable naming the leader's address ([`TcpConfig::leader_addr`]).
+pub const LEADER_ADDR_ENV: &str = "KVBM_LEADER_ADDR";
+/// The environment variable holding the shared secret workers present ([`TcpConfig::auth_token`]).
+pub const AUTH_TOKEN_ENV: &str = "KVBM_AUTH_TOKEN";
+/// The leader's address when none is set (loopback).
+pub const DEFAULT_LEADER_ADDR: &str = "127.0.0.1:5557";
+
+/// The network transport between the leader and its workers (`connector::tcp`).
+#[derive(Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TcpConfig {
+    /// Where the leader listens and its workers connect: `ip:port`, `[ipv6]:port` or
+    /// `host:port` (resolved when used; the first address wins). Default: unset, meaning
+    /// [`DEFAULT_LEADER_ADDR`] (loopback only).
+    pub leader_addr: Option<String>,
+    /// The shared secret every worker presents to the leader; unset or empty means none. Never
+    /// written back out: [`Config::to_toml`], the JSON form and `Debug` leave it out. Default:
+    /// unset.
+    #[serde(skip_serializing)]
+    pub auth_token: Option<String>,
+}
+
+impl std::fmt::Debug for TcpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpConfig")
+            .field("leader_addr", &self.leader_addr)
+            .field(
+                "auth_token",
+                &self.auth_token.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
+}
+
+impl TcpConfig {
+    /// The leader's address: `leader_addr` resolved, else [`DEFAULT_LEADER_ADDR`]. An address
+    /// that does not resolve is an [`ErrorKind::InvalidConfig`] error naming [`LEADER_ADDR_ENV`]
+    /// and the value.
+    pub fn leader_addr(&self) -> Result<SocketAddr> {
+        leader_addr_from(self.leader_addr.as_deref())
+    }
+
+    /// The shared secret, if any (an empty one counts as none).
+    pub fn auth_token(&self) -> Option<String> {
+        self.auth_token.clone().filter(|t| !t.is_empty())
+    }
+
+    /// True when nothing written out is set (the section is then left out of the TOML form).
+    fn nothing_to_write(&self) -> bool {
+        self.leader_addr.is_none()
+    }
+
+    /// Checks the address's form (resolving it waits until it is used).
+    fn validate(&self) -> Result<()> {
+        let Some(text) = self.leader_addr.as_deref() else {
+            return Ok(());
+        };
+        if text.parse::<SocketAddr>().is_ok() {
+            return Ok(());
+        }
+        match text.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() => {
+                port.parse::<u16>().map(|_| ()).map_err(|e| {
+                    Error::invalid_config(
+                        "tcp.leader_addr",
+                        text,
+                        format!("expected ip:port or host:port (bad port: {e})"),
+                    )
+                })
+            }
+            _ => Err(Error::invalid_config(
+                "tcp.leader_addr",
+                text,
+                "expected ip:port or host:port",
+            )),
+        }
+    }
+}
+
+/// The leader's address from [`LEADER_ADDR_ENV`], or [`DEFAULT_LEADER_ADDR`] when it is unset or
+/// empty. An invalid value is an [`ErrorKind::InvalidConfig`] error naming the variable and value.
+pub fn leader_addr_from_env() -> Result<SocketAddr> {
+    leader_addr_from(std::env::var(LEADER_ADDR_ENV).ok().as_deref())
+}
+
+/// Parses a leader address as [`leader_addr_from_env`] does: `None` or empty gives
+/// [`DEFAULT_LEADER_ADDR`]; otherwise `ip:port`, `[ipv6]:port` or `host:port` (resolved; the
+/// first address wins).
+pub fn leader_addr_from(value: Option<&str>) -> Result<SocketAddr> {
+    let v = value.map(str::trim).filter(|v| !v.is_empty());
+    let text = v.unwrap_or(DEFAULT_LEADER_ADDR);
+    if let Ok(a) = text.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let invalid = |why: String| Error::invalid_config(LEADER_ADDR_ENV, text, why);
+    match text.to_socket_addrs() {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| invalid("the host name resolves to no address".to_string())),
+        Err(e) => Err(invalid(format!("expected ip:port or host:port ({e})"))),
+    }
+}
+
+/// The shared secret from [`AUTH_TOKEN_ENV`]; unset or empty means none.
+pub fn auth_token_from_env() -> Option<String> {
+    std::env::var(AUTH_TOKEN_ENV).ok().filter(|t| !t.is_empty())
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -225,6 +338,9 @@ pub struct Config {
     /// The remote (G4) tier. Default: off.
     #[serde(skip_serializing_if = "RemoteConfig::is_default")]
     pub remote: RemoteConfig,
+    /// The network transport. Default: loopback, no token.
+    #[serde(skip_serializing_if = "TcpConfig::nothing_to_write")]
+    pub tcp: TcpConfig,
 }
 
 impl Default for Config {
@@ -236,6 +352,7 @@ impl Default for Config {
             transfer: TransferConfig::default(),
             init_timeout_secs: 60.0,
             remote: RemoteConfig::default(),
+            tcp: TcpConfig::default(),
         }
     }
 }
@@ -249,6 +366,19 @@ pub struct EnvVar {
     pub key: &'static str,
     /// True for Dynamo's names, accepted for compatibility (ours win when both are set).
     pub dynamo_alias: bool,
+    /// True for a secret, whose value is never shown ([`EnvVar::shown`]).
+    pub secret: bool,
+}
+
+impl EnvVar {
+    /// The value as it may be shown: quoted, or `<redacted>` for a secret.
+    pub fn shown(&self, raw: &str) -> String {
+        if self.secret {
+            "<redacted>".to_string()
+        } else {
+            format!("{raw:?}")
+        }
+    }
 }
 
 const fn ours(name: &'static str, key: &'static str) -> EnvVar {
@@ -256,6 +386,7 @@ const fn ours(name: &'static str, key: &'static str) -> EnvVar {
         name,
         key,
         dynamo_alias: false,
+        secret: false,
     }
 }
 
@@ -264,6 +395,16 @@ const fn dynamo(name: &'static str, key: &'static str) -> EnvVar {
         name,
         key,
         dynamo_alias: true,
+        secret: false,
+    }
+}
+
+const fn secret(name: &'static str, key: &'static str) -> EnvVar {
+    EnvVar {
+        name,
+        key,
+        dynamo_alias: false,
+        secret: true,
     }
 }
 
@@ -297,6 +438,8 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_REMOTE_DIR", "remote.dir"),
     ours("KVBM_REMOTE_INSTANCE", "remote.instance"),
     ours("KVBM_REMOTE_PUBLISH_EVERY", "remote.publish_every"),
+    ours(LEADER_ADDR_ENV, "tcp.leader_addr"),
+    secret(AUTH_TOKEN_ENV, "tcp.auth_token"),
 ];
 
 /// Names the configuration file when no path is given explicitly.
@@ -460,6 +603,14 @@ impl Config {
             "remote.publish_every" => {
                 self.remote.publish_every = Some(parse_num(source, raw, "a count of iterations")?)
             }
+            "tcp.leader_addr" => {
+                self.tcp.leader_addr = Some(raw.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+            }
+            "tcp.auth_token" => {
+                self.tcp.auth_token = Some(raw).filter(|t| !t.is_empty()).map(str::to_owned)
+            }
             other => {
                 return Err(Error::internal(format!(
                     "environment table names unknown key {other}"
@@ -475,6 +626,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         self.host.validate("host")?;
         self.disk_size().validate("disk")?;
+        self.tcp.validate()?;
         if !(self.init_timeout_secs.is_finite()
             && self.init_timeout_secs > 0.0
             && self.init_timeout_secs <= 1e9)
@@ -597,5 +749,75 @@ mod tests {
         let e = Config::from_toml_str("[host]\ncache_gib = 4\n").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidConfig);
         assert!(e.to_string().contains("cache_gib"), "{e}");
+    }
+
+    #[test]
+    fn leader_address_parsing() {
+        assert_eq!(
+            leader_addr_from(None).unwrap(),
+            "127.0.0.1:5557".parse().unwrap()
+        );
+        assert_eq!(
+            leader_addr_from(Some("  ")).unwrap(),
+            "127.0.0.1:5557".parse().unwrap()
+        );
+        assert_eq!(
+            leader_addr_from(Some("10.0.0.7:6000")).unwrap(),
+            "10.0.0.7:6000".parse().unwrap()
+        );
+        assert_eq!(
+            leader_addr_from(Some("[::1]:6000")).unwrap(),
+            "[::1]:6000".parse().unwrap()
+        );
+        for bad in ["not-an-address", "127.0.0.1", "127.0.0.1:99999"] {
+            let e = leader_addr_from(Some(bad)).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{bad}: {e}");
+            assert!(e.to_string().contains(LEADER_ADDR_ENV), "{e}");
+            assert!(e.to_string().contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn tcp_settings_from_env_and_toml() {
+        let mut c = Config::default();
+        assert_eq!(
+            c.tcp.leader_addr().unwrap(),
+            "127.0.0.1:5557".parse().unwrap()
+        );
+        assert_eq!(c.tcp.auth_token(), None);
+        c.apply_env(env(&[
+            (LEADER_ADDR_ENV, " 10.0.0.7:6000 "),
+            (AUTH_TOKEN_ENV, "s3cret"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            c.tcp.leader_addr().unwrap(),
+            "10.0.0.7:6000".parse().unwrap()
+        );
+        assert_eq!(c.tcp.auth_token().as_deref(), Some("s3cret"));
+        // The secret is never written back out.
+        let toml = c.to_toml().unwrap();
+        assert!(toml.contains("leader_addr = \"10.0.0.7:6000\""), "{toml}");
+        assert!(!toml.contains("s3cret"), "{toml}");
+        assert!(!format!("{c:?}").contains("s3cret"));
+        assert!(!serde_json::to_string(&c).unwrap().contains("s3cret"));
+        let token = ENV_VARS.iter().find(|v| v.name == AUTH_TOKEN_ENV).unwrap();
+        assert_eq!(token.shown("s3cret"), "<redacted>");
+        // Empty values mean "unset", as before.
+        c.apply_env(env(&[(LEADER_ADDR_ENV, ""), (AUTH_TOKEN_ENV, "")]))
+            .unwrap();
+        assert_eq!(c.tcp, TcpConfig::default());
+        let e = c
+            .apply_env(env(&[(LEADER_ADDR_ENV, "127.0.0.1:99999")]))
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert!(e.to_string().contains(LEADER_ADDR_ENV), "{e}");
+        assert!(e.to_string().contains("127.0.0.1:99999"), "{e}");
+        let c = Config::from_toml_str("[tcp]\nleader_addr = \"[::1]:6000\"\nauth_token = \"t\"\n")
+            .unwrap();
+        assert_eq!(c.tcp.leader_addr().unwrap(), "[::1]:6000".parse().unwrap());
+        assert_eq!(c.tcp.auth_token().as_deref(), Some("t"));
+        let e = Config::from_toml_str("[tcp]\nleader_addr = \"nowhere\"\n").unwrap_err();
+        assert!(e.to_string().contains("tcp.leader_addr"), "{e}");
     }
 }

@@ -7,6 +7,10 @@
 
 use std::time::{Duration, Instant};
 
+use kvbm_connector::connector::transport::{
+    LeaderMessage, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
+};
+
 /// Median of `rounds` timings of `limit` and `ours`, run alternately.
 pub fn interleaved(
     rounds: usize,
@@ -54,4 +58,23 @@ pub fn report_bandwidth(name: &str, bytes: u64, limit: Duration, ours: Duration,
 /// True when criterion runs in test mode (`cargo test --benches`): keep work tiny then.
 pub fn quick() -> bool {
     !std::env::args().any(|a| a == "--bench")
+}
+
+/// A stand-in rank's side of the start-up barrier, through the public transport: reports
+/// `hello`, takes the block counts the leader answers, confirms without allocating anything.
+/// Panics when the leader refuses the rank or sends no counts within `limit`.
+pub fn answer_barrier(t: &dyn WorkerTransport, hello: WorkerHello, limit: Duration) -> TierCounts {
+    t.send(WorkerMessage::Hello(hello)).expect("send HELLO");
+    let end = Instant::now() + limit;
+    let counts = loop {
+        assert!(Instant::now() < end, "no block counts within {limit:?}");
+        let left = end.saturating_duration_since(Instant::now());
+        match t.recv_timeout(left).expect("receive the block counts") {
+            Some(LeaderMessage::Allocate(counts)) => break counts,
+            Some(LeaderMessage::Refused(why)) => panic!("the leader refused the stand-in: {why}"),
+            None => {}
+        }
+    };
+    t.send(WorkerMessage::Ready).expect("confirm");
+    counts
 }

@@ -277,7 +277,7 @@ fn replay(a: &ReplayArgs) -> Result<ExitCode> {
         let leader_addr = match a.leader_addr {
             Some(addr) => addr,
             None => match std::env::var("KVBM_LEADER_ADDR") {
-                Ok(_) => crate::connector::tcp::leader_addr_from_env()?,
+                Ok(_) => crate::config::leader_addr_from_env()?,
                 Err(_) => std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
             },
         };
@@ -413,7 +413,7 @@ fn config_cmd(a: &ConfigArgs) -> Result<ExitCode> {
         if let Ok(val) = std::env::var(v.name) {
             any = true;
             let alias = if v.dynamo_alias { " (Dynamo name)" } else { "" };
-            println!("#   {}={val:?} -> {}{alias}", v.name, v.key);
+            println!("#   {}={} -> {}{alias}", v.name, v.shown(&val), v.key);
         }
     }
     if !any {

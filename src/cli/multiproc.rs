@@ -16,8 +16,8 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::Config;
-use crate::connector::tcp::{auth_token_from_env, TcpLeader, TcpWorker};
+use crate::config::{auth_token_from_env, Config};
+use crate::connector::tcp::{TcpLeader, TcpWorker};
 use crate::error::{Error, ErrorKind, Result};
 use crate::frameworks::{trtllm, vllm};
 

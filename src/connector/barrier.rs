@@ -14,6 +14,11 @@
 //! it is done) or on a background thread ([`InitMode::NonBlocking`]: calls made before it is done
 //! see "not ready"). vLLM registers caches before it builds the scheduler side, so its worker is
 //! non-blocking and its leader blocking; TensorRT-LLM builds both at once, so the reverse.
+//!
+//! Public here: [`InitMode`] and [`Readiness`] (what the leader reports once ready). The barrier
+//! functions (`leader_barrier`, `worker_barrier`) and the cell a background start-up fills
+//! (`initialise`, `InitCell`) are crate-private: an integrator runs the barrier by building a
+//! `Leader` and a `Worker`, never by hand.
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -69,7 +74,7 @@ impl Readiness {
 
 /// Where a non-blocking initialisation stands.
 #[derive(Debug)]
-pub enum InitStatus<'a, T> {
+pub(crate) enum InitStatus<'a, T> {
     /// Still running.
     Pending,
     /// Done.
@@ -80,7 +85,7 @@ pub enum InitStatus<'a, T> {
 
 /// The result of an initialisation that may run in the background.
 #[derive(Debug)]
-pub struct InitCell<T> {
+pub(crate) struct InitCell<T> {
     cell: OnceLock<std::result::Result<T, Error>>,
 }
 
@@ -94,12 +99,12 @@ impl<T> Default for InitCell<T> {
 
 impl<T> InitCell<T> {
     /// Records the outcome (the first one wins).
-    pub fn set(&self, outcome: Result<T>) {
+    pub(crate) fn set(&self, outcome: Result<T>) {
         let _ = self.cell.set(outcome);
     }
 
     /// The status now (one atomic load when set).
-    pub fn status(&self) -> InitStatus<'_, T> {
+    pub(crate) fn status(&self) -> InitStatus<'_, T> {
         match self.cell.get() {
             None => InitStatus::Pending,
             Some(Ok(v)) => InitStatus::Ready(v),
@@ -108,7 +113,7 @@ impl<T> InitCell<T> {
     }
 
     /// The value when ready.
-    pub fn get(&self) -> Option<&T> {
+    pub(crate) fn get(&self) -> Option<&T> {
         match self.cell.get() {
             Some(Ok(v)) => Some(v),
             _ => None,
@@ -118,7 +123,7 @@ impl<T> InitCell<T> {
 
 /// Runs `f` inline or on a named background thread, recording its outcome in the returned cell.
 /// Blocking mode returns `f`'s error directly.
-pub fn initialise<T: Send + Sync + 'static>(
+pub(crate) fn initialise<T: Send + Sync + 'static>(
     mode: InitMode,
     name: &str,
     f: impl FnOnce() -> Result<T> + Send + 'static,
@@ -171,7 +176,7 @@ fn timed_out(step: &str, timeout: Duration, ranks: &[Rank]) -> Error {
 ///
 /// `page_size`, when given, is the leader's tokens per block: a rank whose blocks hold another
 /// number is refused (its keys would name different token spans).
-pub fn leader_barrier(
+pub(crate) fn leader_barrier(
     transport: &dyn LeaderTransport,
     config: &Config,
     page_size: Option<usize>,
@@ -348,7 +353,7 @@ fn check_hello(
 }
 
 /// A worker's side of the barrier: report, receive counts, `allocate`, confirm.
-pub fn worker_barrier(
+pub(crate) fn worker_barrier(
     transport: &dyn WorkerTransport,
     hello: WorkerHello,
     timeout: Duration,

@@ -9,9 +9,8 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 
 use super::{detached, to_py_err};
-use crate::connector::tcp::{
-    auth_token_from_env, leader_addr_from, leader_addr_from_env, TcpLeader, TcpWorker,
-};
+use crate::config::{auth_token_from_env, leader_addr_from, leader_addr_from_env};
+use crate::connector::tcp::{TcpLeader, TcpWorker};
 use crate::connector::transport::{
     in_process, LeaderMessage, LeaderTransport, Rank, WorkerMessage, WorkerTransport,
 };

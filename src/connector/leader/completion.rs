@@ -1,0 +1,317 @@
+//! Completion: operations in flight until every rank reported them, and what finishing one
+//! changes — a stored block registered (matchable), a loaded block counted as a hit, a failed
+//! block withdrawn or dropped, a request whose work drained closed.
+//!
+//! Invariants: an operation acts only when all ranks reported it (a lost rank counts as having
+//! reported it with every block failed); a block that failed on any rank is never registered and
+//! never counted as a hit; completions that arrive together are applied in operation order, so
+//! a replay is reproducible.
+
+use std::collections::HashSet;
+
+use crate::connector::adapter::SchedulerAdapter;
+use crate::connector::metadata::OperationId;
+use crate::connector::transport::{Completion, WorkerMessage};
+use crate::connector::RequestId;
+use crate::identity::SequenceHash;
+use crate::pool::{ImmutableBlock, MutableBlock};
+use crate::tier::TierKind;
+
+use super::Leader;
+
+/// What an operation holds until every rank has completed it.
+#[derive(Debug)]
+pub(super) enum Holds {
+    Load {
+        tier: TierKind,
+        src: Vec<ImmutableBlock>,
+        /// The device block each source block goes to (same order).
+        dst: Vec<usize>,
+    },
+    /// A load from another instance's host tier: nothing held here (the peer owns the blocks).
+    Remote {
+        keys: Vec<SequenceHash>,
+        dst: Vec<usize>,
+    },
+    Store {
+        tier: TierKind,
+        dst: Vec<(MutableBlock, SequenceHash)>,
+        /// Host blocks being copied down (host → disk); released on completion.
+        src: Vec<ImmutableBlock>,
+    },
+}
+
+impl Holds {
+    /// The destination block ids of the operation.
+    fn dst_blocks(&self) -> Vec<usize> {
+        match self {
+            Holds::Load { dst, .. } | Holds::Remote { dst, .. } => dst.clone(),
+            Holds::Store { dst, .. } => dst.iter().map(|(b, _)| b.block_id()).collect(),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct OpTrack {
+    request: Option<RequestId>,
+    acked: Vec<bool>,
+    failed: HashSet<usize>,
+    holds: Holds,
+}
+
+impl<A: SchedulerAdapter> Leader<A> {
+    pub(super) fn track(&mut self, op: OperationId, request: Option<RequestId>, holds: Holds) {
+        let world = self.transport.world_size();
+        let mut track = OpTrack {
+            request,
+            acked: vec![false; world],
+            failed: HashSet::new(),
+            holds,
+        };
+        // A dead rank will never do it: count it as done there, every block failed.
+        for (r, dead) in self.dead.iter().enumerate() {
+            if *dead {
+                if let Some(a) = track.acked.get_mut(r) {
+                    *a = true;
+                }
+                track.failed.extend(track.holds.dst_blocks());
+            }
+        }
+        self.ops.insert(op, track);
+        self.metrics.record_operation_submitted();
+    }
+
+    /// A rank's connection was lost: every operation it had not completed counts as failed there
+    /// (loads are load errors, stores are not registered), and the leader degrades.
+    fn on_rank_lost(&mut self, rank: usize, why: &str) {
+        tracing::error!(rank, reason = %why, "kvbm leader lost a worker; matching and storing stop");
+        if self.dead.len() <= rank {
+            self.dead.resize(rank + 1, false);
+        }
+        if self.dead[rank] {
+            return;
+        }
+        self.dead[rank] = true;
+        let ids: Vec<OperationId> = self.ops.keys().copied().collect();
+        for id in ids {
+            let done = match self.ops.get_mut(&id) {
+                Some(t) => match t.acked.get_mut(rank) {
+                    Some(a) if !*a => {
+                        *a = true;
+                        let blocks = t.holds.dst_blocks();
+                        t.failed.extend(blocks);
+                        t.acked.iter().all(|a| *a)
+                    }
+                    _ => false,
+                },
+                None => false,
+            };
+            if done {
+                if let Some(t) = self.ops.remove(&id) {
+                    self.finish_op(t);
+                }
+            }
+        }
+    }
+
+    /// Applies the completions workers reported since the last call (every leader call does this
+    /// first; an idle engine may call it to let stored blocks become matchable sooner).
+    pub fn process_completions(&mut self) {
+        self.poll_completions();
+    }
+
+    /// Drains worker messages and completes operations every rank has reported. Before the
+    /// barrier completed the barrier owns the transport: nothing is drained here.
+    pub(super) fn poll_completions(&mut self) {
+        if !self.ensure_ready() {
+            return;
+        }
+        // Completions that arrived together are applied in operation order, not arrival order:
+        // the order stored blocks join the host pool's LRU then does not depend on which copy
+        // happened to finish first, and a replay is reproducible.
+        let mut batch: Vec<(usize, Completion)> = Vec::new();
+        loop {
+            match self.transport.try_recv() {
+                Ok(Some((rank, WorkerMessage::Completed(list)))) => {
+                    batch.extend(list.into_iter().map(|c| (rank, c)));
+                }
+                Ok(Some((rank, WorkerMessage::Disconnected(why)))) => {
+                    self.apply_completions(&mut batch);
+                    self.on_rank_lost(rank, &why);
+                }
+                Ok(Some((rank, other))) => {
+                    tracing::warn!(rank, ?other, "unexpected worker message after start-up");
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    if !self.failure_logged {
+                        tracing::error!(error = %e, "kvbm leader transport failed");
+                        self.failure_logged = true;
+                    }
+                    break;
+                }
+            }
+        }
+        self.apply_completions(&mut batch);
+    }
+
+    fn apply_completions(&mut self, batch: &mut Vec<(usize, Completion)>) {
+        batch.sort_by_key(|(rank, c)| (c.op, *rank));
+        for (rank, c) in batch.drain(..) {
+            self.on_completion(rank, c);
+        }
+    }
+
+    fn on_completion(&mut self, rank: usize, c: Completion) {
+        if c.op.is_custom() {
+            if let Err(e) = self.adapter.on_custom_completion(rank, &c) {
+                tracing::warn!(rank, op = %c.op, error = %e, "adapter refused a completion");
+            }
+            return;
+        }
+        let Some(track) = self.ops.get_mut(&c.op) else {
+            tracing::warn!(rank, op = %c.op, "completion for an unknown operation");
+            return;
+        };
+        let Some(seen) = track.acked.get_mut(rank) else {
+            tracing::warn!(rank, op = %c.op, "completion from an unknown rank");
+            return;
+        };
+        if *seen {
+            tracing::warn!(rank, op = %c.op, "duplicate completion");
+            return;
+        }
+        *seen = true;
+        if let Some(e) = &c.error {
+            tracing::warn!(rank, op = %c.op, error = %e, "operation failed on a worker");
+        }
+        track.failed.extend(c.failed_dst_blocks);
+        if track.acked.iter().all(|a| *a) {
+            if let Some(track) = self.ops.remove(&c.op) {
+                self.finish_op(track);
+            }
+        }
+    }
+
+    fn finish_op(&mut self, track: OpTrack) {
+        let bs = self.page_size as u64;
+        let bpb = self
+            .tiers
+            .as_ref()
+            .map_or(0, |t| t.readiness.total_bytes_per_block()) as u64;
+        let ok_all = track.failed.is_empty();
+        self.metrics.record_operation_completed(ok_all);
+        match track.holds {
+            Holds::Remote { keys, dst } => {
+                let total = keys.len() as u64;
+                let failed = (track.failed.len() as u64).min(total);
+                let ok = total - failed;
+                if failed > 0 {
+                    // Stale: the peer evicted or rewrote it. No later match tries it again
+                    // until the peer publishes it anew.
+                    if let Some(r) = self.remote.as_mut() {
+                        for (k, d) in keys.iter().zip(&dst) {
+                            if track.failed.contains(d) {
+                                r.index.remove(k);
+                            }
+                        }
+                    }
+                    tracing::debug!(failed, "remote blocks failed verification or transfer");
+                }
+                self.metrics.record_hit(TierKind::Remote, ok * bs);
+                self.metrics
+                    .record_transfer(TierKind::Remote, TierKind::Device, ok, ok * bpb);
+                if failed > 0 {
+                    self.metrics.record_load_error(failed);
+                }
+                self.request_op_done(track.request.as_ref(), true);
+            }
+            Holds::Load { tier, src, dst } => {
+                let total = src.len() as u64;
+                let failed = (track.failed.len() as u64).min(total);
+                let ok = total - failed;
+                // A block that failed to load (e.g. its checksum) is withdrawn: no later match
+                // may serve it, and a recomputed copy can be stored under its key again.
+                if failed > 0 {
+                    let pool = self.tiers.as_ref().and_then(|t| match tier {
+                        TierKind::Host => t.host.clone(),
+                        TierKind::Disk => t.disk.clone(),
+                        _ => None,
+                    });
+                    for (b, d) in src.iter().zip(&dst) {
+                        if track.failed.contains(d) {
+                            if let Some(p) = &pool {
+                                p.unregister(b);
+                            }
+                            tracing::warn!(tier = %tier, block = b.block_id(), key = %b.sequence_hash(), "withdrew a block whose load failed");
+                        }
+                    }
+                }
+                self.metrics.record_hit(tier, ok * bs);
+                self.metrics
+                    .record_transfer(tier, TierKind::Device, ok, ok * bpb);
+                if failed > 0 {
+                    self.metrics.record_load_error(failed);
+                }
+                // A block read from host was just reused: count the sighting for disk admission.
+                if tier == TierKind::Host && failed == 0 {
+                    for b in src {
+                        self.consider_for_disk(b);
+                    }
+                }
+                self.request_op_done(track.request.as_ref(), true);
+            }
+            Holds::Store { tier, dst, src } => {
+                let src_tier = if src.is_empty() {
+                    TierKind::Device
+                } else {
+                    TierKind::Host
+                };
+                let mut stored = 0u64;
+                for (block, hash) in dst {
+                    self.pending_keys.remove(&(tier, hash));
+                    if track.failed.contains(&block.block_id()) {
+                        continue; // dropped: back to the free list, never matchable
+                    }
+                    let pool = self.tiers.as_ref().and_then(|t| match tier {
+                        TierKind::Host => t.host.clone(),
+                        TierKind::Disk => t.disk.clone(),
+                        _ => None,
+                    });
+                    let Some(pool) = pool else { continue };
+                    match pool.register(block, hash) {
+                        Ok(registered) => {
+                            stored += 1;
+                            if tier == TierKind::Host {
+                                self.consider_for_disk(registered);
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "cannot register a stored block"),
+                    }
+                }
+                self.metrics
+                    .record_transfer(src_tier, tier, stored, stored * bpb);
+                drop(src);
+                self.request_op_done(track.request.as_ref(), false);
+            }
+        }
+    }
+
+    fn request_op_done(&mut self, request: Option<&RequestId>, load: bool) {
+        let Some(id) = request else { return };
+        let Some(slot) = self.slots.get_mut(id) else {
+            return;
+        };
+        if load {
+            slot.loads_in_flight = slot.loads_in_flight.saturating_sub(1);
+        } else {
+            slot.stores_in_flight = slot.stores_in_flight.saturating_sub(1);
+        }
+        if slot.life.is_finishing() && slot.loads_in_flight == 0 && slot.stores_in_flight == 0 {
+            if let Err(e) = slot.life.drained() {
+                tracing::warn!(error = %e, "cannot close a drained request");
+            }
+            self.slots.remove(id);
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! Matching: how many tokens of a request the host, disk and remote tiers can supply beyond the
+//! device's own prefix, and, once the engine allocated device blocks, the loads that bring them in.
+//!
+//! Invariants: matched blocks are held (staged) from the match until the allocation maps them or
+//! drops them, so they cannot be evicted in between; the block holding a request's last token is
+//! never matched (the engine must compute at least one token); nothing is matched while a rank is
+//! lost; remote blocks continue a match where host and disk stopped, all from one peer.
+
+use std::sync::Arc;
+
+use crate::connector::adapter::SchedulerAdapter;
+use crate::connector::lifecycle::{Lifecycle, RequestState};
+use crate::connector::metadata::{BlockTransfer, Load, RemoteLoad};
+use crate::connector::RequestId;
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::{BlockHasher, Salt, SequenceHash, TokenSequence};
+use crate::pool::{match_across, BlockPool, ImmutableBlock};
+use crate::tier::TierKind;
+
+use super::completion::Holds;
+use super::{unknown_request, Leader, MatchResult, RequestInfo, Slot};
+
+/// Matched blocks held for a request until the engine allocates device blocks for them.
+#[derive(Debug)]
+pub(super) struct Staged {
+    /// Index of the first matched block in the request.
+    start: usize,
+    host: Vec<ImmutableBlock>,
+    disk: Vec<ImmutableBlock>,
+    /// Remote blocks after the disk ones: `(key, the peer's host block)`, all of `remote_peer`.
+    remote: Vec<(SequenceHash, usize)>,
+    remote_peer: Option<Arc<str>>,
+}
+
+impl Staged {
+    fn blocks(&self) -> usize {
+        self.host.len() + self.disk.len() + self.remote.len()
+    }
+}
+
+impl<A: SchedulerAdapter> Leader<A> {
+    /// How many tokens beyond `num_computed_tokens` (what the device already has) can be loaded
+    /// from host and disk. The matched blocks are held until [`Leader::update_state_after_alloc`]
+    /// or a later call replaces them. Not ready, nothing matched, or an unaligned
+    /// `num_computed_tokens`: [`MatchResult::NONE`].
+    ///
+    /// A request seen again while prefilling or decoding was preempted and is being re-admitted.
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        request: RequestInfo<'_>,
+        num_computed_tokens: usize,
+    ) -> Result<MatchResult> {
+        let _span = tracing::debug_span!("kvbm.leader.match", request = %request.id).entered();
+        self.last_match = MatchResult::NONE;
+        self.poll_completions();
+        if !self.ensure_ready() {
+            return Ok(MatchResult::NONE);
+        }
+        let bs = self.page_size;
+        let algorithm = self.config.hash;
+        let slot = match self.slots.get_mut(request.id) {
+            Some(s) => s,
+            None => {
+                let salt = Salt::new(algorithm, request.cache_salt, request.lora_name);
+                let mut seq = TokenSequence::new(BlockHasher::new(algorithm, salt), bs)?;
+                seq.append(request.tokens);
+                self.outbox.new_slots.push(request.id.clone());
+                self.slots.entry(request.id.clone()).or_insert(Slot {
+                    life: Lifecycle::new(request.id.clone()),
+                    seq,
+                    prompt_len: request.tokens.len(),
+                    device_blocks: Vec::new(),
+                    computed: 0,
+                    offloaded: 0,
+                    staged: None,
+                    loads_in_flight: 0,
+                    stores_in_flight: 0,
+                })
+            }
+        };
+        if slot.life.state() == RequestState::Onboarding && slot.loads_in_flight > 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!(
+                    "request {}: matched again while its loads are in flight",
+                    request.id
+                ),
+            )
+            .with("request", request.id)
+            .with("state", RequestState::Onboarding));
+        }
+        if matches!(
+            slot.life.state(),
+            RequestState::Prefilling | RequestState::Decoding
+        ) {
+            // Re-admitted: the engine preempted it and freed its device blocks.
+            slot.life.preempt()?;
+            slot.device_blocks.clear();
+        }
+        let known = slot.seq.total_tokens();
+        if request.tokens.len() > known {
+            slot.seq.append(&request.tokens[known..]);
+        }
+        slot.staged = None;
+        let n = slot.seq.total_tokens();
+        let aligned = num_computed_tokens % bs == 0;
+        let start = num_computed_tokens / bs;
+        // The engine must compute at least one token: never match the block holding the last one.
+        let limit = n.saturating_sub(1) / bs;
+        let Some(tiers) = self.tiers.as_ref() else {
+            return Ok(MatchResult::NONE);
+        };
+        let mut staged = None;
+        if aligned && start < limit && !self.dead.iter().any(|d| *d) {
+            let hashes = &slot.seq.hashes()[start..limit.min(slot.seq.num_full_blocks())];
+            let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
+            let m = match_across(&pools, hashes);
+            let mut host = Vec::new();
+            let mut disk = Vec::new();
+            for (kind, blocks) in m.per_tier {
+                match kind {
+                    TierKind::Host => host = blocks,
+                    TierKind::Disk => disk = blocks,
+                    _ => {}
+                }
+            }
+            // The remote tier continues where host and disk stopped, from one peer.
+            let mut remote = Vec::new();
+            let mut remote_peer: Option<Arc<str>> = None;
+            if let Some(r) = &self.remote {
+                for &hash in hashes.iter().skip(host.len() + disk.len()) {
+                    let Some((peer, block)) = r.index.get(&hash) else {
+                        break;
+                    };
+                    if remote_peer.as_ref().is_some_and(|p| p != peer) {
+                        break;
+                    }
+                    remote_peer.get_or_insert_with(|| peer.clone());
+                    remote.push((hash, *block));
+                }
+            }
+            if !host.is_empty() || !disk.is_empty() || !remote.is_empty() {
+                staged = Some(Staged {
+                    start,
+                    host,
+                    disk,
+                    remote,
+                    remote_peer,
+                });
+            }
+        }
+        let matched_blocks = staged.as_ref().map_or(0, Staged::blocks);
+        self.metrics
+            .record_lookup(n as u64, (matched_blocks * bs) as u64);
+        if matched_blocks == 0 {
+            slot.life.unstage()?;
+            return Ok(MatchResult::NONE);
+        }
+        slot.life.stage_onboard()?;
+        let (host_blocks, disk_blocks, remote_blocks) = staged
+            .as_ref()
+            .map_or((0, 0, 0), |s| (s.host.len(), s.disk.len(), s.remote.len()));
+        slot.staged = staged;
+        let m = MatchResult {
+            external_tokens: matched_blocks * bs,
+            load_async: true,
+            host_tokens: host_blocks * bs,
+            disk_tokens: disk_blocks * bs,
+            remote_tokens: remote_blocks * bs,
+        };
+        self.last_match = m;
+        Ok(m)
+    }
+
+    /// The engine allocated `block_ids` (the request's whole device block list) and will load
+    /// `num_external_tokens` tokens. With a non-zero count the staged blocks are mapped onto the
+    /// device blocks and the loads are scheduled in the next metadata; with zero the staging is
+    /// dropped (the engine chose not to load, or it is the second call after a finished load).
+    pub fn update_state_after_alloc(
+        &mut self,
+        id: &RequestId,
+        block_ids: &[usize],
+        num_external_tokens: usize,
+    ) -> Result<()> {
+        let _span = tracing::debug_span!("kvbm.leader.alloc", request = %id).entered();
+        if !self.ensure_ready() {
+            return Ok(());
+        }
+        let bs = self.page_size;
+        let num_device = self
+            .tiers
+            .as_ref()
+            .map_or(0, |t| t.readiness.counts.num_device_blocks);
+        let Some(slot) = self.slots.get_mut(id) else {
+            return Err(unknown_request("update_state_after_alloc", id));
+        };
+        if let Some(&bad) = block_ids.iter().find(|&&b| b >= num_device) {
+            return Err(Error::out_of_range("device block", bad, num_device)
+                .with("request", id)
+                .with("op", "update_state_after_alloc"));
+        }
+        if !slot.life.is_finishing() {
+            slot.device_blocks.clear();
+            slot.device_blocks.extend_from_slice(block_ids);
+        }
+        if num_external_tokens == 0 {
+            if slot.staged.take().is_some() {
+                slot.life.unstage()?;
+            }
+            return Ok(());
+        }
+        let Some(staged) = slot.staged.as_ref() else {
+            return Err(Error::invalid_argument(format!(
+                "request {id}: the engine asks to load {num_external_tokens} tokens but none are staged"
+            ))
+            .with("request", id));
+        };
+        if num_external_tokens != staged.blocks() * bs {
+            return Err(Error::invalid_argument(format!(
+                "request {id}: the engine asks to load {num_external_tokens} tokens but {} were matched",
+                staged.blocks() * bs
+            ))
+            .with("request", id));
+        }
+        let needed = staged.start + staged.blocks();
+        if block_ids.len() < needed {
+            return Err(Error::invalid_argument(format!(
+                "request {id}: {} device blocks allocated but the load needs {needed}",
+                block_ids.len()
+            ))
+            .with("request", id));
+        }
+        slot.life.start_onboard()?;
+        let Some(staged) = slot.staged.take() else {
+            return Err(Error::internal("staging vanished"));
+        };
+        let host_pairs: Vec<(usize, usize)> = staged
+            .host
+            .iter()
+            .enumerate()
+            .map(|(k, b)| (b.block_id(), block_ids[staged.start + k]))
+            .collect();
+        let disk_start = staged.start + staged.host.len();
+        let disk_pairs: Vec<(usize, usize)> = staged
+            .disk
+            .iter()
+            .enumerate()
+            .map(|(k, b)| (b.block_id(), block_ids[disk_start + k]))
+            .collect();
+        let remote_start = disk_start + staged.disk.len();
+        let remote_pairs: Vec<(usize, usize)> = staged
+            .remote
+            .iter()
+            .enumerate()
+            .map(|(k, (_, b))| (*b, block_ids[remote_start + k]))
+            .collect();
+        let remote_keys: Vec<SequenceHash> = staged.remote.iter().map(|(h, _)| *h).collect();
+        let remote_peer = staged.remote_peer.clone();
+        let mut loads = Vec::new();
+        for (tier, pairs, src) in [
+            (TierKind::Host, host_pairs, staged.host),
+            (TierKind::Disk, disk_pairs, staged.disk),
+        ] {
+            if !pairs.is_empty() {
+                loads.push((tier, pairs, src));
+            }
+        }
+        for (tier, pairs, src) in loads {
+            let op = self.next_op_id();
+            let dst: Vec<usize> = pairs.iter().map(|p| p.1).collect();
+            let transfer = BlockTransfer {
+                id: op,
+                request_id: Some(id.clone()),
+                src: tier,
+                dst: TierKind::Device,
+                pairs,
+            };
+            self.outbox.operations.push(Box::new(Load(transfer)));
+            self.track(op, Some(id.clone()), Holds::Load { tier, src, dst });
+            if let Some(slot) = self.slots.get_mut(id) {
+                slot.loads_in_flight += 1;
+            }
+        }
+        if let (false, Some(peer)) = (remote_pairs.is_empty(), remote_peer) {
+            let op = self.next_op_id();
+            let dst: Vec<usize> = remote_pairs.iter().map(|p| p.1).collect();
+            self.outbox.operations.push(Box::new(RemoteLoad {
+                transfer: BlockTransfer {
+                    id: op,
+                    request_id: Some(id.clone()),
+                    src: TierKind::Remote,
+                    dst: TierKind::Device,
+                    pairs: remote_pairs,
+                },
+                instance: peer.to_string(),
+                keys: remote_keys.iter().map(|h| h.0).collect(),
+            }));
+            self.track(
+                op,
+                Some(id.clone()),
+                Holds::Remote {
+                    keys: remote_keys,
+                    dst,
+                },
+            );
+            if let Some(slot) = self.slots.get_mut(id) {
+                slot.loads_in_flight += 1;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,411 @@
+//! The leader: the scheduler-side half of the connector.
+//!
+//! The leader lives beside the engine's scheduler. It keeps one slot per request (its tokens and
+//! their block keys, its device blocks, its lifecycle state), owns the block *accounting* of the
+//! host and disk tiers (a [`BlockPool`] each; the bytes live on the workers), and decides:
+//!
+//! * **matches** — how many tokens beyond the device's own prefix can be loaded from host, then
+//!   disk ([`Leader::get_num_new_matched_tokens`]); the matched blocks are held so they cannot be
+//!   evicted before they are loaded;
+//! * **loads** — once the engine allocated device blocks, which host/disk block goes into which
+//!   device block ([`Leader::update_state_after_alloc`]);
+//! * **stores** — every block that is full and computed is copied device → host exactly once
+//!   (deduplicated by key), and host → disk when the admission filter lets it through
+//!   ([`Leader::build_connector_meta`], [`Leader::request_finished`]).
+//!
+//! Workers report every operation's completion over the transport; the leader acts on an
+//! operation only when *all* ranks reported it. A stored block becomes matchable only after its
+//! store completed on every rank; a load that failed on any rank is never counted as a hit.
+//!
+//! Before the start-up barrier completes the leader answers "not ready": no match, nothing
+//! scheduled, nothing held. It never blocks the scheduler and never panics on engine input.
+//!
+//! The work is split by what it decides; each part is an `impl` block of [`Leader`] over the
+//! same state:
+//!
+//! * `matching` — matches and the loads that follow an allocation;
+//! * `offload` — the iteration's metadata, device → host stores, host → disk copies, the disk
+//!   admission filter, finished requests and the remote tier's index;
+//! * `completion` — operations in flight until every rank reported them, and what a completed
+//!   (or failed, or orphaned by a lost rank) operation changes.
+//!
+//! This file holds the state they share and the start-up. Invariants of the state: every
+//! operation in `ops` holds the local pool blocks it reads or writes until it is finished; a key is in
+//! `pending_keys` exactly while a store of it to that tier is in flight; a slot leaves `slots`
+//! only once it is finishing with nothing in flight (or was never ready).
+
+mod completion;
+mod matching;
+mod offload;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::connector::adapter::SchedulerAdapter;
+use crate::connector::barrier::{
+    initialise, leader_barrier, InitCell, InitMode, InitStatus, Readiness,
+};
+use crate::connector::lifecycle::{Lifecycle, RequestState};
+use crate::connector::metadata::OperationId;
+use crate::connector::metrics::Metrics;
+use crate::connector::remote::LeaderRemote;
+use crate::connector::transport::LeaderTransport;
+use crate::connector::RequestId;
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::{SequenceHash, Token, TokenSequence};
+use crate::pool::{BlockPool, FrequencyFilter, ImmutableBlock};
+use crate::tier::TierKind;
+
+use completion::OpTrack;
+use matching::Staged;
+
+/// A request as the leader needs to see it when matching.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestInfo<'a> {
+    /// The request.
+    pub id: &'a RequestId,
+    /// All its tokens so far (the prompt; after a preemption, prompt and generated tokens).
+    pub tokens: &'a [Token],
+    /// Its cache salt (tenant isolation), if any.
+    pub cache_salt: Option<&'a str>,
+    /// Its LoRA adapter's name, if any.
+    pub lora_name: Option<&'a str>,
+}
+
+/// The answer to a match.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MatchResult {
+    /// Tokens beyond the device's prefix that can be loaded.
+    pub external_tokens: usize,
+    /// Whether they load asynchronously (always, when there are any).
+    pub load_async: bool,
+    /// Of `external_tokens`, those held in the host tier.
+    pub host_tokens: usize,
+    /// Of `external_tokens`, those held in the disk tier.
+    pub disk_tokens: usize,
+    /// Of `external_tokens`, those in another instance's host tier (the remote tier; only with
+    /// `remote.dir` set).
+    pub remote_tokens: usize,
+}
+
+impl MatchResult {
+    /// Nothing to load.
+    pub const NONE: MatchResult = MatchResult {
+        external_tokens: 0,
+        load_async: false,
+        host_tokens: 0,
+        disk_tokens: 0,
+        remote_tokens: 0,
+    };
+}
+
+/// Where the leader's start-up stands.
+#[derive(Debug, Clone)]
+pub enum LeaderStatus {
+    /// The barrier is still running: calls answer "not ready".
+    NotReady,
+    /// Ready, with what the barrier agreed.
+    Ready(Readiness),
+    /// The barrier failed; calls answer "not ready" and this is why.
+    Failed(Error),
+}
+
+/// One request the leader tracks, from its first match until its work drained.
+#[derive(Debug)]
+struct Slot {
+    life: Lifecycle,
+    seq: TokenSequence,
+    prompt_len: usize,
+    device_blocks: Vec<usize>,
+    computed: usize,
+    /// Blocks below this index have been considered for offload.
+    offloaded: usize,
+    staged: Option<Staged>,
+    loads_in_flight: usize,
+    stores_in_flight: usize,
+}
+
+/// The host and disk block accounting, built once the barrier agreed on the counts.
+struct Tiers {
+    readiness: Readiness,
+    host: Option<BlockPool>,
+    disk: Option<BlockPool>,
+    filter: FrequencyFilter,
+}
+
+/// Work queued for the next metadata.
+#[derive(Debug, Default)]
+struct Outbox {
+    new_slots: Vec<RequestId>,
+    operations: Vec<Box<dyn crate::connector::metadata::Operation>>,
+    hold: Vec<RequestId>,
+    finished: Vec<RequestId>,
+}
+
+/// The scheduler-side connector, generic over how the engine describes an iteration.
+pub struct Leader<A: SchedulerAdapter> {
+    adapter: A,
+    config: Config,
+    page_size: usize,
+    transport: Arc<dyn LeaderTransport>,
+    init: Arc<InitCell<Readiness>>,
+    tiers: Option<Tiers>,
+    slots: HashMap<RequestId, Slot>,
+    ops: HashMap<OperationId, OpTrack>,
+    outbox: Outbox,
+    /// Host blocks waiting to be copied down to disk.
+    disk_queue: Vec<(ImmutableBlock, SequenceHash)>,
+    /// Keys with a store in flight, per destination tier (no second copy of the same block).
+    pending_keys: HashSet<(TierKind, SequenceHash)>,
+    iteration: u64,
+    next_op: u64,
+    metrics: Arc<Metrics>,
+    failure_logged: bool,
+    last_match: MatchResult,
+    /// Ranks whose connection was lost. While any is dead the leader is degraded: it matches
+    /// nothing and stores nothing, and operations count as failed on the dead ranks.
+    dead: Vec<bool>,
+    /// The remote (G4) tier's discovery, when `remote.dir` is set.
+    remote: Option<LeaderRemote>,
+}
+
+impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leader")
+            .field("adapter", &self.adapter.name())
+            .field("page_size", &self.page_size)
+            .field("slots", &self.slots.len())
+            .field("ops_in_flight", &self.ops.len())
+            .field("iteration", &self.iteration)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<A: SchedulerAdapter> Leader<A> {
+    /// Creates the leader and starts the barrier (inline for [`InitMode::Blocking`], which then
+    /// fails if the barrier fails; on a background thread for [`InitMode::NonBlocking`]).
+    pub fn new(
+        adapter: A,
+        config: Config,
+        page_size: usize,
+        transport: Arc<dyn LeaderTransport>,
+        mode: InitMode,
+    ) -> Result<Self> {
+        if page_size == 0 {
+            return Err(Error::invalid_argument("page_size must be at least 1"));
+        }
+        config.validate()?;
+        let (t, c) = (transport.clone(), config.clone());
+        let timeout = config.init_timeout();
+        let init = initialise(mode, "kvbm-leader-init", move || {
+            leader_barrier(t.as_ref(), &c, Some(page_size), timeout)
+        })?;
+        let mut leader = Self {
+            adapter,
+            config,
+            page_size,
+            transport,
+            init,
+            tiers: None,
+            slots: HashMap::new(),
+            ops: HashMap::new(),
+            outbox: Outbox::default(),
+            disk_queue: Vec::new(),
+            pending_keys: HashSet::new(),
+            iteration: 0,
+            next_op: 0,
+            metrics: Arc::new(Metrics::new()),
+            failure_logged: false,
+            last_match: MatchResult::NONE,
+            dead: Vec::new(),
+            remote: None,
+        };
+        leader.remote = LeaderRemote::new(&leader.config.remote);
+        if !leader.ensure_ready() && mode == InitMode::Blocking {
+            if let LeaderStatus::Failed(e) = leader.status() {
+                return Err(e);
+            }
+        }
+        Ok(leader)
+    }
+
+    /// The adapter.
+    pub fn adapter(&self) -> &A {
+        &self.adapter
+    }
+
+    /// The adapter, mutably (for adapters that keep state of their own).
+    pub fn adapter_mut(&mut self) -> &mut A {
+        &mut self.adapter
+    }
+
+    /// Tokens per block.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// The answer of the most recent successful match (with its host/disk split); adapters whose
+    /// engine API returns only a count use this for reporting.
+    pub fn last_match(&self) -> MatchResult {
+        self.last_match
+    }
+
+    /// The counters (share the `Arc` with an exporter).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Where start-up stands.
+    pub fn status(&self) -> LeaderStatus {
+        match self.init.status() {
+            InitStatus::Pending => LeaderStatus::NotReady,
+            InitStatus::Ready(r) => LeaderStatus::Ready(r.clone()),
+            InitStatus::Failed(e) => LeaderStatus::Failed(e.clone()),
+        }
+    }
+
+    /// True once the barrier completed.
+    pub fn is_ready(&mut self) -> bool {
+        self.ensure_ready()
+    }
+
+    /// Requests the leader is tracking.
+    pub fn num_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Operations sent (or queued) and not yet completed by every rank.
+    pub fn num_operations_in_flight(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// True while anything is still to do: operations in flight, host blocks waiting to be
+    /// copied to disk, or work queued for the next metadata. An idle engine keeps building
+    /// (empty) iterations until this is false.
+    pub fn has_pending_work(&self) -> bool {
+        !self.ops.is_empty()
+            || !self.disk_queue.is_empty()
+            || !self.outbox.operations.is_empty()
+            || !self.outbox.hold.is_empty()
+    }
+
+    /// Ranks whose connection was lost (the leader is degraded while any is listed).
+    pub fn dead_ranks(&self) -> Vec<usize> {
+        self.dead
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| **d)
+            .map(|(r, _)| r)
+            .collect()
+    }
+
+    fn degraded(&self) -> bool {
+        self.dead.iter().any(|d| *d)
+    }
+
+    /// The lifecycle state of a request, if tracked.
+    pub fn request_state(&self, id: &RequestId) -> Option<RequestState> {
+        self.slots.get(id).map(|s| s.life.state())
+    }
+
+    /// Host and disk pool statistics, once ready.
+    pub fn pool_stats(
+        &self,
+    ) -> Option<(
+        Option<crate::pool::PoolStats>,
+        Option<crate::pool::PoolStats>,
+    )> {
+        self.tiers.as_ref().map(|t| {
+            (
+                t.host.as_ref().map(BlockPool::stats),
+                t.disk.as_ref().map(BlockPool::stats),
+            )
+        })
+    }
+
+    fn ensure_ready(&mut self) -> bool {
+        if self.tiers.is_some() {
+            return true;
+        }
+        match self.init.status() {
+            InitStatus::Pending => false,
+            InitStatus::Failed(e) => {
+                if !self.failure_logged {
+                    tracing::error!(error = %e, "kvbm leader start-up failed; answering not ready");
+                    self.failure_logged = true;
+                }
+                false
+            }
+            InitStatus::Ready(r) => {
+                let r = r.clone();
+                match self.build_tiers(r) {
+                    Ok(t) => {
+                        self.tiers = Some(t);
+                        true
+                    }
+                    Err(e) => {
+                        if !self.failure_logged {
+                            tracing::error!(error = %e, "kvbm leader cannot build its pools");
+                            self.failure_logged = true;
+                        }
+                        false
+                    }
+                }
+            }
+        }
+    }
+
+    fn build_tiers(&self, readiness: Readiness) -> Result<Tiers> {
+        if readiness.dims.page_size != self.page_size {
+            return Err(Error::invalid_layout(format!(
+                "the leader keys blocks of {} tokens but the workers' blocks hold {}",
+                self.page_size, readiness.dims.page_size
+            )));
+        }
+        let pool = |kind, n: usize| -> Result<Option<BlockPool>> {
+            if n == 0 {
+                Ok(None)
+            } else {
+                BlockPool::new(kind, n).map(Some)
+            }
+        };
+        let host = pool(TierKind::Host, readiness.counts.num_host_blocks)?;
+        let disk = pool(TierKind::Disk, readiness.counts.num_disk_blocks)?;
+        // The filter remembers a few times more keys than the disk holds, at least 1024.
+        let capacity = readiness.counts.num_disk_blocks.saturating_mul(4).max(1024);
+        let filter = FrequencyFilter::new(self.config.disk.min_frequency, capacity)?;
+        Ok(Tiers {
+            readiness,
+            host,
+            disk,
+            filter,
+        })
+    }
+
+    fn next_op_id(&mut self) -> OperationId {
+        self.next_op += 1;
+        OperationId(self.next_op)
+    }
+
+    /// Total bytes of one block over all ranks, once ready.
+    pub fn bytes_per_block(&self) -> Option<usize> {
+        self.tiers
+            .as_ref()
+            .map(|t| t.readiness.total_bytes_per_block())
+    }
+
+    /// Whether an error is the "not ready" kind.
+    pub fn is_not_ready(e: &Error) -> bool {
+        e.kind() == ErrorKind::NotReady
+    }
+}
+
+fn unknown_request(op: &'static str, id: &RequestId) -> Error {
+    Error::new(
+        ErrorKind::NotFound,
+        format!("{op}: unknown request id {id}"),
+    )
+    .with("op", op)
+    .with("request", id)
+}

@@ -1,0 +1,430 @@
+//! Offload: the metadata of each engine iteration, and the stores it carries — device → host (or
+//! device → disk without a host tier) for every full, computed block, host → disk for blocks the
+//! admission filter lets through — plus finishing requests and publishing the host index for the
+//! remote tier.
+//!
+//! Invariants: a block is considered for offload once (a slot's `offloaded` only grows); a key is
+//! stored to a tier at most once at a time (`pending_keys`), never when the tier already holds it;
+//! nothing is stored while a request's loads are in flight or while a rank is lost; a step that
+//! fails its checks changes nothing, and metadata the adapter or the encoder refuses goes back to
+//! the front of the queue (no operation is lost).
+
+use std::collections::HashSet;
+
+use crate::connector::adapter::{SchedulerAdapter, SchedulerStep};
+use crate::connector::lifecycle::RequestState;
+use crate::connector::metadata::{BlockTransfer, ConnectorMetadata, KeyedStore, Store};
+use crate::connector::remote::HostIndex;
+use crate::connector::RequestId;
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::{SequenceHash, Token};
+use crate::pool::ImmutableBlock;
+use crate::tier::TierKind;
+
+use super::completion::Holds;
+use super::{unknown_request, Leader, Outbox, Slot};
+
+impl<A: SchedulerAdapter> Leader<A> {
+    /// Builds the metadata of one engine iteration: loads and stores decided since the last one,
+    /// stores of every block that is full and computed after this iteration, host → disk copies,
+    /// and the requests held for the engine. Not ready: empty metadata.
+    ///
+    /// The whole step is checked before anything changes: an unknown request id or a device block
+    /// out of range is an error and the leader's state is as before.
+    pub fn build_connector_meta(&mut self, step: &SchedulerStep) -> Result<Vec<u8>> {
+        let meta = self.build_metadata(step)?;
+        match meta.encode() {
+            Ok(bytes) => Ok(bytes),
+            Err(e) => {
+                self.restore_outbox(meta);
+                Err(e)
+            }
+        }
+    }
+
+    /// Puts this leader's own work from an undelivered metadata back in front of the queue, so
+    /// a failing hook or encoder loses nothing (operations of other kinds are dropped).
+    fn restore_outbox(&mut self, meta: ConnectorMetadata) {
+        let mut outbox = Outbox {
+            new_slots: meta.new_slots,
+            operations: meta
+                .operations
+                .into_iter()
+                .filter(|op| self.ops.contains_key(&op.id()))
+                .collect(),
+            hold: meta.hold,
+            finished: meta.finished,
+        };
+        let later = std::mem::take(&mut self.outbox);
+        outbox.new_slots.extend(later.new_slots);
+        outbox.operations.extend(later.operations);
+        outbox.hold.extend(later.hold);
+        outbox.finished.extend(later.finished);
+        self.outbox = outbox;
+    }
+
+    /// As [`Leader::build_connector_meta`], returning the metadata unencoded.
+    pub fn build_metadata(&mut self, step: &SchedulerStep) -> Result<ConnectorMetadata> {
+        let _span = tracing::debug_span!("kvbm.leader.build_meta", requests = step.requests.len())
+            .entered();
+        self.poll_completions();
+        if !self.ensure_ready() {
+            self.iteration += 1;
+            let mut meta = ConnectorMetadata::empty(self.iteration);
+            self.adapter.extend_metadata(&mut meta)?;
+            return Ok(meta);
+        }
+        let num_device = self
+            .tiers
+            .as_ref()
+            .map_or(0, |t| t.readiness.counts.num_device_blocks);
+        // Check everything first.
+        let mut computed_after = Vec::with_capacity(step.requests.len());
+        let mut seen: HashSet<&RequestId> = HashSet::with_capacity(step.requests.len());
+        for r in &step.requests {
+            if !seen.insert(&r.request_id) {
+                return Err(Error::invalid_argument(format!(
+                    "request {} is scheduled twice in one iteration",
+                    r.request_id
+                ))
+                .with("request", &r.request_id)
+                .with("op", "build_connector_meta"));
+            }
+            if !self.slots.contains_key(&r.request_id) {
+                return Err(unknown_request("build_connector_meta", &r.request_id));
+            }
+            if let Some(&bad) = r.new_block_ids.iter().find(|&&b| b >= num_device) {
+                return Err(Error::out_of_range("device block", bad, num_device)
+                    .with("request", &r.request_id)
+                    .with("op", "build_connector_meta"));
+            }
+            computed_after.push(self.adapter.computed_after(r)?);
+        }
+        for p in &step.preempted {
+            match self.slots.get(p) {
+                None => return Err(unknown_request("build_connector_meta (preempted)", p)),
+                Some(s) if s.loads_in_flight > 0 => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidState,
+                        format!("request {p}: preempted while its loads are in flight"),
+                    )
+                    .with("request", p))
+                }
+                Some(_) => {}
+            }
+        }
+        self.iteration += 1;
+        for p in &step.preempted {
+            if let Some(slot) = self.slots.get_mut(p) {
+                slot.life.preempt()?;
+                slot.device_blocks.clear();
+                slot.staged = None;
+            }
+        }
+        for (r, after) in step.requests.iter().zip(computed_after) {
+            let Some(slot) = self.slots.get_mut(&r.request_id) else {
+                continue;
+            };
+            append_tokens(slot, &r.request_id, &r.new_tokens, r.first_token_index);
+            if r.replace_block_ids {
+                slot.device_blocks.clear();
+            }
+            slot.device_blocks.extend_from_slice(&r.new_block_ids);
+            let computed = after.min(slot.seq.total_tokens());
+            slot.life.schedule(computed >= slot.prompt_len)?;
+            slot.computed = slot.computed.max(computed);
+            let id = r.request_id.clone();
+            self.offload(&id, computed);
+        }
+        self.queue_disk_offloads();
+        self.remote_publish_and_refresh();
+        let mut meta = ConnectorMetadata::empty(self.iteration);
+        meta.remote_instance = self.remote.as_ref().map(|r| r.instance.clone());
+        let outbox = std::mem::take(&mut self.outbox);
+        meta.new_slots = outbox.new_slots;
+        meta.operations = outbox.operations;
+        meta.hold = outbox.hold;
+        meta.finished = outbox.finished;
+        let backup = meta.clone();
+        if let Err(e) = self.adapter.extend_metadata(&mut meta) {
+            self.restore_outbox(backup);
+            return Err(e);
+        }
+        Ok(meta)
+    }
+
+    /// The engine finished (or aborted) a request. `all_tokens` (when the engine has them) lets
+    /// the leader key tokens it has not seen; `computed_tokens` says how many have KV on the device
+    /// (default: what the last iteration said). Full computed blocks not yet stored are stored now.
+    ///
+    /// Returns true when operations on the request's device blocks are still in flight: the engine
+    /// must keep those blocks until a worker reports the request finished. An unknown request (one
+    /// the leader never matched) holds nothing: false.
+    pub fn request_finished(
+        &mut self,
+        id: &RequestId,
+        all_tokens: Option<&[Token]>,
+        computed_tokens: Option<usize>,
+    ) -> Result<bool> {
+        let _span = tracing::debug_span!("kvbm.leader.finished", request = %id).entered();
+        self.poll_completions();
+        let ready = self.ensure_ready();
+        let Some(slot) = self.slots.get_mut(id) else {
+            tracing::debug!(request = %id, "request_finished for a request the leader does not track");
+            return Ok(false);
+        };
+        if slot.life.is_finishing() {
+            // Surface the duplicate as the state machine's error (names request and state).
+            slot.life.finish(false, false)?;
+        }
+        if !ready {
+            self.slots.remove(id);
+            self.outbox.finished.push(id.clone());
+            return Ok(false);
+        }
+        if let Some(tokens) = all_tokens {
+            let known = slot.seq.total_tokens();
+            if tokens.len() > known {
+                slot.seq.append(&tokens[known..]);
+            }
+        }
+        slot.staged = None;
+        let computed = computed_tokens
+            .unwrap_or(slot.computed)
+            .min(slot.seq.total_tokens());
+        let preempted = slot.life.state() == RequestState::Preempted;
+        if !preempted {
+            self.offload(id, computed);
+        }
+        let Some(slot) = self.slots.get_mut(id) else {
+            return Ok(false);
+        };
+        let (loads, stores) = (slot.loads_in_flight > 0, slot.stores_in_flight > 0);
+        slot.life.finish(loads, stores)?;
+        if loads || stores {
+            self.outbox.hold.push(id.clone());
+            Ok(true)
+        } else {
+            self.slots.remove(id);
+            self.outbox.finished.push(id.clone());
+            Ok(false)
+        }
+    }
+
+    /// Schedules device → host (or device → disk without a host tier) stores for every full block
+    /// of `id` below `computed` tokens not considered before.
+    fn offload(&mut self, id: &RequestId, computed: usize) {
+        let bs = self.page_size;
+        let Some(tiers) = self.tiers.as_ref() else {
+            return;
+        };
+        let Some(slot) = self.slots.get_mut(id) else {
+            return;
+        };
+        if slot.loads_in_flight > 0 {
+            // Loads are still writing this request's device blocks: nothing there is final.
+            return;
+        }
+        if self.dead.iter().any(|d| *d) {
+            // A rank is gone: its shard of any block stored now would be missing.
+            slot.offloaded = slot.offloaded.max(computed / bs);
+            return;
+        }
+        let full = (computed.min(slot.seq.total_tokens()) / bs).min(slot.seq.num_full_blocks());
+        if full <= slot.offloaded {
+            return;
+        }
+        let Some(pool) = tiers.host.as_ref().or(tiers.disk.as_ref()) else {
+            slot.offloaded = full;
+            return;
+        };
+        let kind = pool.kind();
+        let mut wanted: Vec<(usize, SequenceHash)> = Vec::new();
+        let mut upto = slot.offloaded;
+        for i in slot.offloaded..full {
+            let Some(&device) = slot.device_blocks.get(i) else {
+                break;
+            };
+            upto = i + 1;
+            let Some(&hash) = slot.seq.hashes().get(i) else {
+                break;
+            };
+            if pool.contains(hash) || self.pending_keys.contains(&(kind, hash)) {
+                continue;
+            }
+            wanted.push((device, hash));
+        }
+        slot.offloaded = upto;
+        if wanted.is_empty() {
+            return;
+        }
+        // Take as many destination blocks as can be had; the rest are simply not stored.
+        let mut dst = Vec::with_capacity(wanted.len());
+        let mut pairs = Vec::with_capacity(wanted.len());
+        for (device, hash) in wanted {
+            match pool.allocate(1) {
+                Ok(mut v) => {
+                    if let Some(b) = v.pop() {
+                        pairs.push((device, b.block_id()));
+                        dst.push((b, hash));
+                        self.pending_keys.insert((kind, hash));
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        if pairs.is_empty() {
+            return;
+        }
+        slot.stores_in_flight += 1;
+        let op = self.next_op_id();
+        let transfer = BlockTransfer {
+            id: op,
+            request_id: Some(id.clone()),
+            src: TierKind::Device,
+            dst: kind,
+            pairs,
+        };
+        if self.remote.is_some() && kind == TierKind::Host {
+            // The workers publish each block's key once written (remote readers verify it).
+            let keys = dst.iter().map(|(_, h)| h.0).collect();
+            self.outbox
+                .operations
+                .push(Box::new(KeyedStore { transfer, keys }));
+        } else {
+            self.outbox.operations.push(Box::new(Store(transfer)));
+        }
+        self.track(
+            op,
+            Some(id.clone()),
+            Holds::Store {
+                tier: kind,
+                dst,
+                src: Vec::new(),
+            },
+        );
+    }
+
+    /// Turns queued host blocks into one host → disk store.
+    fn queue_disk_offloads(&mut self) {
+        if self.disk_queue.is_empty() {
+            return;
+        }
+        if self.degraded() {
+            self.disk_queue.clear();
+            return;
+        }
+        let Some(disk) = self.tiers.as_ref().and_then(|t| t.disk.clone()) else {
+            self.disk_queue.clear();
+            return;
+        };
+        let mut queue = std::mem::take(&mut self.disk_queue);
+        // Completions arrive in any order; a fixed order keeps metadata reproducible.
+        queue.sort_by_key(|(b, _)| b.block_id());
+        let mut pairs = Vec::new();
+        let mut dst = Vec::new();
+        let mut src = Vec::new();
+        for (host_block, hash) in queue {
+            if disk.contains(hash) || self.pending_keys.contains(&(TierKind::Disk, hash)) {
+                continue;
+            }
+            let Ok(mut v) = disk.allocate(1) else { break };
+            let Some(b) = v.pop() else { break };
+            pairs.push((host_block.block_id(), b.block_id()));
+            dst.push((b, hash));
+            src.push(host_block);
+            self.pending_keys.insert((TierKind::Disk, hash));
+        }
+        if pairs.is_empty() {
+            return;
+        }
+        let op = self.next_op_id();
+        self.outbox.operations.push(Box::new(Store(BlockTransfer {
+            id: op,
+            request_id: None,
+            src: TierKind::Host,
+            dst: TierKind::Disk,
+            pairs,
+        })));
+        self.track(
+            op,
+            None,
+            Holds::Store {
+                tier: TierKind::Disk,
+                dst,
+                src,
+            },
+        );
+    }
+
+    /// Remote tier on: every `remote.publish_every` iterations, writes this instance's host index
+    /// and re-reads the peers' (skipping those whose sharding, block size or hash differ).
+    fn remote_publish_and_refresh(&mut self) {
+        let iteration = self.iteration;
+        let (Some(remote), Some(tiers)) = (self.remote.as_mut(), self.tiers.as_ref()) else {
+            return;
+        };
+        if !remote.due(iteration) {
+            return;
+        }
+        remote.last = Some(iteration);
+        let own = HostIndex {
+            instance: remote.instance.clone(),
+            world_size: self.transport.world_size(),
+            page_size: self.page_size,
+            bytes_per_block: tiers.readiness.total_bytes_per_block(),
+            hash: self.config.hash,
+            blocks: tiers
+                .host
+                .as_ref()
+                .map(|p| p.registered().into_iter().map(|(h, b)| (h.0, b)).collect())
+                .unwrap_or_default(),
+        };
+        if let Err(e) = remote.publish(&own) {
+            tracing::warn!(error = %e, "cannot publish the host index");
+        }
+        remote.refresh(|peer| {
+            peer.world_size == own.world_size
+                && peer.page_size == own.page_size
+                && peer.bytes_per_block == own.bytes_per_block
+                && peer.hash == own.hash
+        });
+    }
+
+    /// Counts a sighting of a host block and queues it for disk when admitted.
+    pub(super) fn consider_for_disk(&mut self, block: ImmutableBlock) {
+        let Some(tiers) = self.tiers.as_mut() else {
+            return;
+        };
+        let Some(disk) = tiers.disk.as_ref() else {
+            return;
+        };
+        let hash = block.sequence_hash();
+        tiers.filter.record(hash);
+        if tiers.filter.admit(hash)
+            && !disk.contains(hash)
+            && !self.pending_keys.contains(&(TierKind::Disk, hash))
+            && !self.disk_queue.iter().any(|(_, h)| *h == hash)
+        {
+            self.disk_queue.push((block, hash));
+        }
+    }
+}
+
+/// Appends the part of `tokens` (starting at request index `first`) the slot does not know yet.
+fn append_tokens(slot: &mut Slot, id: &RequestId, tokens: &[Token], first: Option<usize>) {
+    if tokens.is_empty() {
+        return;
+    }
+    let known = slot.seq.total_tokens();
+    let first = first.unwrap_or(known);
+    if first > known {
+        // Tokens in between were never reported: keying these would shift every later key.
+        tracing::warn!(request = %id, known, first, "gap in reported tokens; later blocks are not offloaded");
+        return;
+    }
+    let skip = known - first;
+    if let Some(rest) = tokens.get(skip..) {
+        slot.seq.append(rest);
+    }
+}

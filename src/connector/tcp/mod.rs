@@ -1,0 +1,148 @@
+//! The network transport: leader and workers in separate processes, one TCP connection per worker.
+//!
+//! * `frame` — the [wire protocol](self#wire-protocol-version-1)'s header and payloads, reading
+//!   and writing frames (crate-private);
+//! * `leader` — [`TcpLeader`]: admission, the connection table, the accept/reader/writer tasks;
+//! * `worker` — [`TcpWorker`]: connecting with retries, the reader thread.
+//!
+//! Their settings (the leader's address, the auth token) are [`TcpConfig`], part of [`Config`].
+//!
+//! [`TcpLeader`] implements [`LeaderTransport`] and [`TcpWorker`] implements [`WorkerTransport`],
+//! so the start-up barrier ([`barrier`](crate::connector::barrier)) and the leader's completion
+//! handling run over the network unchanged.
+//!
+//! # Wire protocol (version 1)
+//!
+//! Every message in either direction is one *frame*: a 12-byte header followed by a JSON payload.
+//!
+//! | offset | size | field    | value |
+//! |--------|------|----------|-------|
+//! | 0      | 4    | magic    | the ASCII bytes `KVBM` (`4B 56 42 4D`) |
+//! | 4      | 2    | version  | protocol version, `u16` big-endian; currently 1 |
+//! | 6      | 1    | kind     | `1` HELLO, `2` WELCOME, `3` REFUSED, `4` MSG |
+//! | 7      | 1    | reserved | senders write `0`; receivers ignore it |
+//! | 8      | 4    | length   | payload length in bytes, `u32` big-endian |
+//! | 12     | n    | payload  | UTF-8 JSON, exactly `length` bytes |
+//!
+//! Payloads by kind:
+//!
+//! * **HELLO** (worker → leader, first frame only):
+//!   `{"rank":0,"world_size":2,"token":"secret"}` (`token` is `null` when the worker has none).
+//!   At most 64 KiB.
+//! * **WELCOME** (leader → worker, answers HELLO): `{"rank":0,"world_size":2}`.
+//! * **REFUSED** (leader → worker, answers HELLO, then the leader closes):
+//!   `{"reason":"authentication token mismatch"}`.
+//! * **MSG** (both directions, after WELCOME): from a worker a
+//!   [`WorkerMessage`], from the leader a [`LeaderMessage`], in serde's externally tagged JSON form:
+//!   `"Ready"`, `{"Failed":"why"}`,
+//!   `{"Hello":{"rank":0,"world_size":2,"bytes_per_block":4096,"num_device_blocks":32,"dims":{...}}}`,
+//!   `{"Completed":[{"op":7,"failed_dst_blocks":[],"error":null}]}`,
+//!   `{"Allocate":{"num_host_blocks":8,"num_disk_blocks":0,"num_device_blocks":32}}`,
+//!   `{"Refused":"why"}`. At most 16 MiB.
+//!   [`WorkerMessage::Disconnected`] is generated locally and never sent; a leader that receives
+//!   it from a peer closes that connection.
+//!
+//! Unknown JSON fields are ignored (a later version may add fields without a version bump).
+//!
+//! # Handshake
+//!
+//! ```text
+//!  worker                                   leader
+//!    |-- connect (retried until deadline) --->|
+//!    |-- HELLO {rank, world_size, token} ---->|   within HANDSHAKE_TIMEOUT (5 s) of connecting
+//!    |<------------ WELCOME {rank, world} ----|   admitted: MSG frames both ways from now on
+//!    |<------------ REFUSED {reason} ---------|   or refused: the leader closes the connection
+//! ```
+//!
+//! The leader refuses a HELLO (answers REFUSED with the reason, logs it with the peer address and
+//! rank, and closes that connection) when, checked in this order:
+//!
+//! 1. it has an auth token (`KVBM_AUTH_TOKEN`, [`TcpConfig::auth_token`]) and the HELLO carries none or another one (the
+//!    comparison is in constant time, over SHA-256 digests of both tokens);
+//! 2. `rank >= world_size`, or `world_size` differs from the leader's;
+//! 3. the session has started (see below): "rank N already joined this session; restart the
+//!    leader to rejoin" (or, for a rank that never joined, "the session already started without
+//!    rank N; restart the leader to add it");
+//! 4. that rank is connected already: "rank N is already connected (from ADDR)".
+//!
+//! It also refuses, with a REFUSED frame, a client that speaks the protocol (right magic) but
+//! sends another protocol version, another frame kind than HELLO first, an oversized or
+//! undecodable HELLO, and a client that sends no complete HELLO within the handshake timeout.
+//! Bytes that do not start with the magic (an HTTP request, random data) get no answer: the
+//! connection is just closed. At most 64 handshakes are pending at once; more connections are
+//! closed at once.
+//!
+//! # After the handshake
+//!
+//! A frame with a wrong magic or version, an unknown kind, a kind other than MSG, a length above
+//! 16 MiB, or JSON that does not decode closes *that* connection with a logged reason
+//! (`tracing::warn!` with the peer address and rank); other connections are not affected. When an
+//! admitted worker's connection ends for any reason (end of stream, I/O error, a frame as above),
+//! the leader logs it with the rank and delivers [`WorkerMessage::Disconnected`] for that rank
+//! through [`LeaderTransport::recv_timeout`] / [`LeaderTransport::try_recv`], after every message
+//! that connection delivered. [`LeaderTransport::send`] to a rank that is not connected is an
+//! [`ErrorKind::Cancelled`] error naming the rank. On the worker side, once the leader connection
+//! is gone, [`WorkerTransport::recv_timeout`] (after the messages already received) and
+//! [`WorkerTransport::send`] are [`ErrorKind::Cancelled`] errors saying why.
+//!
+//! # Rejoining: refused once the session started
+//!
+//! The session starts when every rank has confirmed its allocation ([`WorkerMessage::Ready`] from
+//! all `world_size` ranks over their current connections, i.e. when the barrier completes), or
+//! when the leader calls [`TcpLeader::mark_session_started`], whichever comes first. Before that, a
+//! rank whose connection dropped may connect again; its old connection's
+//! [`WorkerMessage::Disconnected`] is queued before anything the new connection sends, so the
+//! barrier can forget the old report and take the new one. After it, a returning rank is refused with "rank N already joined this session;
+//! restart the leader to rejoin": a restarted worker lost the contents of its host and disk
+//! tiers, while the leader's block pools still record those blocks as stored on every rank, so
+//! serving a prefix hit from them would load garbage on that rank's shard. Restarting the leader
+//! restarts the accounting from empty.
+//!
+//! # Deployment and threads
+//!
+//! The leader binds [`TcpConfig::leader_addr`] (`KVBM_LEADER_ADDR` or `tcp.leader_addr`, default
+//! `127.0.0.1:5557`, loopback only); a multi-node deployment sets it to an address the workers can reach, and
+//! should set `KVBM_AUTH_TOKEN` on leader and workers (without it anyone who reaches the port can
+//! join as a worker; the leader warns when it binds a non-loopback address without a token). The
+//! token is an authenticator only: traffic is not encrypted.
+//!
+//! [`TcpLeader`] owns a tokio runtime with one worker thread (`kvbm-tcp-leader`): an accept loop,
+//! and per connection a reader task (feeding one `std::sync::mpsc` channel read by
+//! `recv_timeout`/`try_recv`) and a writer task (fed by a per-rank channel; `send` never blocks).
+//! Dropping it gives the writers up to one second to send what is queued (so a refusal's reason
+//! reaches the worker), then stops the runtime and closes every connection; workers then see
+//! [`ErrorKind::Cancelled`]. Dropping it inside another tokio runtime skips the flush. [`TcpWorker`] uses blocking
+//! sockets: `send` writes the frame on the caller's thread, and one reader thread
+//! (`kvbm-tcp-worker-N`) feeds `recv_timeout`.
+//!
+//! [`Config`]: crate::config::Config
+//! [`TcpConfig`]: crate::config::TcpConfig
+//! [`TcpConfig::leader_addr`]: crate::config::TcpConfig::leader_addr
+//! [`TcpConfig::auth_token`]: crate::config::TcpConfig::auth_token
+//! [`LeaderMessage`]: crate::connector::transport::LeaderMessage
+//! [`WorkerMessage`]: crate::connector::transport::WorkerMessage
+//! [`WorkerMessage::Disconnected`]: crate::connector::transport::WorkerMessage::Disconnected
+//! [`WorkerMessage::Ready`]: crate::connector::transport::WorkerMessage::Ready
+//! [`LeaderTransport`]: crate::connector::transport::LeaderTransport
+//! [`LeaderTransport::recv_timeout`]: crate::connector::transport::LeaderTransport::recv_timeout
+//! [`LeaderTransport::try_recv`]: crate::connector::transport::LeaderTransport::try_recv
+//! [`LeaderTransport::send`]: crate::connector::transport::LeaderTransport::send
+//! [`WorkerTransport`]: crate::connector::transport::WorkerTransport
+//! [`WorkerTransport::recv_timeout`]: crate::connector::transport::WorkerTransport::recv_timeout
+//! [`WorkerTransport::send`]: crate::connector::transport::WorkerTransport::send
+
+mod frame;
+mod leader;
+#[cfg(test)]
+mod tests;
+mod worker;
+
+use crate::error::{Error, ErrorKind};
+
+pub use leader::{TcpLeader, HANDSHAKE_TIMEOUT};
+pub use worker::TcpWorker;
+
+/// The error of an operation on a connection that is gone.
+fn cancelled(message: String) -> Error {
+    Error::new(ErrorKind::Cancelled, message)
+}

@@ -1,0 +1,362 @@
+//! The worker's end: one blocking socket to the leader, connected with retries until a
+//! deadline, and one reader thread.
+//!
+//! Owns connecting, the worker's half of the handshake and the connection's closed state.
+//! Invariants: the first reason the connection closed is the one every later call reports; a
+//! failed write closes the connection (a partial frame may be on the wire);
+//! [`WorkerMessage::Disconnected`] is never sent.
+
+use std::io::Write;
+use std::net::{Shutdown, SocketAddr, TcpStream as StdTcpStream};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::connector::transport::{LeaderMessage, Rank, WorkerMessage, WorkerTransport};
+use crate::error::{Error, ErrorKind, Result};
+
+use super::cancelled;
+use super::frame::{
+    encode_json, read_frame_sync, FrameError, FrameKind, HandshakeHello, Refusal, Welcome,
+    MAX_HELLO_PAYLOAD, MAX_PAYLOAD, READ_BUFFER,
+};
+
+/// Worker socket write timeout: a leader that stops reading for this long counts as gone.
+const WORKER_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest pause between two connection attempts of a worker.
+const MAX_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Why a worker's connection is closed, once it is.
+#[derive(Debug, Default)]
+struct Closed {
+    reason: Mutex<Option<String>>,
+}
+
+impl Closed {
+    /// Records the first reason; returns whether this call closed it.
+    fn close(&self, reason: String) -> bool {
+        let mut r = self.reason.lock();
+        if r.is_some() {
+            return false;
+        }
+        *r = Some(reason);
+        true
+    }
+
+    fn reason(&self) -> Option<String> {
+        self.reason.lock().clone()
+    }
+}
+
+/// Worker end of the network transport. See the [module documentation](super) for the protocol.
+#[derive(Debug)]
+pub struct TcpWorker {
+    rank: Rank,
+    world_size: usize,
+    leader: SocketAddr,
+    stream: Mutex<StdTcpStream>,
+    /// Another handle on the socket, to shut it down while a send holds `stream`.
+    control: StdTcpStream,
+    rx: Mutex<Receiver<LeaderMessage>>,
+    closed: Arc<Closed>,
+}
+
+enum Attempt {
+    /// Worth another try (the leader is not up yet, or restarting).
+    Retry(String),
+    /// Final (refused, or not a kvbm leader).
+    Fail(Error),
+}
+
+impl TcpWorker {
+    /// Connects to the leader at `addr` as `rank` of `world_size`, presenting `auth_token`.
+    ///
+    /// Connection attempts are retried with a short backoff until `deadline` has passed, so a
+    /// worker may start before its leader; missing it is an [`ErrorKind::Timeout`] error. A
+    /// REFUSED answer is an [`ErrorKind::NotReady`] error carrying the leader's reason, at once
+    /// (no retry); a peer that does not speak the protocol is an [`ErrorKind::Decode`] error.
+    pub fn connect(
+        addr: SocketAddr,
+        rank: Rank,
+        world_size: usize,
+        auth_token: Option<String>,
+        deadline: Duration,
+    ) -> Result<Arc<TcpWorker>> {
+        if rank >= world_size {
+            return Err(Error::out_of_range("rank", rank, world_size));
+        }
+        let hello = HandshakeHello {
+            rank,
+            world_size,
+            token: auth_token.filter(|t| !t.is_empty()),
+        };
+        let hello_frame = encode_json(FrameKind::Hello, &hello)?;
+        let started = Instant::now();
+        let end = started + deadline;
+        let mut backoff = Duration::from_millis(10);
+        let mut attempts = 0u32;
+        let mut last: Option<String> = None;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            // Keep the previous failure when no attempt fits before the deadline.
+            if !left.is_zero() {
+                last = {
+                    attempts += 1;
+                    match StdTcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))) {
+                        Ok(stream) => match Self::handshake(stream, addr, rank, &hello_frame, left)
+                        {
+                            Ok(w) => {
+                                tracing::info!(leader = %addr, rank, attempts, "kvbm worker connected");
+                                return Ok(Arc::new(w));
+                            }
+                            Err(Attempt::Fail(e)) => return Err(e),
+                            Err(Attempt::Retry(why)) => Some(why),
+                        },
+                        Err(e) => Some(format!("connect: {e}")),
+                    }
+                };
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "rank {rank} could not reach the kvbm leader at {addr} within {:.1}s ({attempts} attempts; last: {})",
+                        deadline.as_secs_f64(),
+                        last.as_deref().unwrap_or("no attempt made")
+                    ),
+                )
+                .with("rank", rank)
+                .with("leader", addr));
+            }
+            if let Some(why) = &last {
+                tracing::debug!(leader = %addr, rank, error = %why, "kvbm leader not reachable yet; retrying");
+            }
+            std::thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    fn handshake(
+        mut stream: StdTcpStream,
+        addr: SocketAddr,
+        rank: Rank,
+        hello_frame: &[u8],
+        left: Duration,
+    ) -> std::result::Result<TcpWorker, Attempt> {
+        let io = |what: &str, e: std::io::Error| Attempt::Retry(format!("{what}: {e}"));
+        stream.set_nodelay(true).map_err(|e| io("set_nodelay", e))?;
+        stream
+            .set_read_timeout(Some(left.max(Duration::from_secs(1))))
+            .map_err(|e| io("set_read_timeout", e))?;
+        stream
+            .set_write_timeout(Some(WORKER_WRITE_TIMEOUT))
+            .map_err(|e| io("set_write_timeout", e))?;
+        stream
+            .write_all(hello_frame)
+            .map_err(|e| io("send HELLO", e))?;
+        let protocol = |why: String| {
+            Attempt::Fail(
+                Error::new(
+                    ErrorKind::Decode,
+                    format!("the peer at {addr} is not a compatible kvbm leader: {why}"),
+                )
+                .with("rank", rank)
+                .with("leader", addr),
+            )
+        };
+        let (kind, payload) = match read_frame_sync(&mut stream, MAX_HELLO_PAYLOAD) {
+            Ok(f) => f,
+            Err(FrameError::Closed) => {
+                return Err(Attempt::Retry(
+                    "the leader closed the connection during the handshake".to_string(),
+                ))
+            }
+            Err(FrameError::Io(e)) => return Err(io("read the handshake answer", e)),
+            Err(e) => return Err(protocol(e.to_string())),
+        };
+        match kind {
+            FrameKind::Welcome => {
+                let w: Welcome = serde_json::from_slice(&payload)
+                    .map_err(|e| protocol(format!("undecodable WELCOME: {e}")))?;
+                if w.rank != rank {
+                    return Err(protocol(format!(
+                        "WELCOME names rank {} but this worker is rank {rank}",
+                        w.rank
+                    )));
+                }
+                let world_size = w.world_size;
+                Self::start(stream, addr, rank, world_size).map_err(Attempt::Fail)
+            }
+            FrameKind::Refused => {
+                let reason = serde_json::from_slice::<Refusal>(&payload)
+                    .map(|r| r.reason)
+                    .unwrap_or_else(|e| format!("(undecodable REFUSED payload: {e})"));
+                tracing::warn!(leader = %addr, rank, reason = %reason, "kvbm leader refused this worker");
+                Err(Attempt::Fail(
+                    Error::new(
+                        ErrorKind::NotReady,
+                        format!("the kvbm leader at {addr} refused rank {rank}: {reason}"),
+                    )
+                    .with("rank", rank)
+                    .with("leader", addr)
+                    .with("reason", reason),
+                ))
+            }
+            other => Err(protocol(format!(
+                "expected WELCOME or REFUSED, got {other}"
+            ))),
+        }
+    }
+
+    fn start(
+        stream: StdTcpStream,
+        addr: SocketAddr,
+        rank: Rank,
+        world_size: usize,
+    ) -> Result<TcpWorker> {
+        let err =
+            |what: &'static str, e| Error::io(what, e).with("rank", rank).with("leader", addr);
+        stream
+            .set_read_timeout(None)
+            .map_err(|e| err("configure the leader connection", e))?;
+        let reader = stream
+            .try_clone()
+            .map_err(|e| err("clone the leader connection", e))?;
+        let control = stream
+            .try_clone()
+            .map_err(|e| err("clone the leader connection", e))?;
+        let (tx, rx) = channel();
+        let closed = Arc::new(Closed::default());
+        let c = closed.clone();
+        std::thread::Builder::new()
+            .name(format!("kvbm-tcp-worker-{rank}"))
+            .spawn(move || worker_reader(reader, addr, rank, tx, c))
+            .map_err(|e| err("spawn the worker reader thread", e))?;
+        Ok(TcpWorker {
+            rank,
+            world_size,
+            leader: addr,
+            stream: Mutex::new(stream),
+            control,
+            rx: Mutex::new(rx),
+            closed,
+        })
+    }
+
+    /// The leader's address.
+    pub fn leader_addr(&self) -> SocketAddr {
+        self.leader
+    }
+
+    /// The world size the leader confirmed.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Whether the leader connection is still open.
+    pub fn is_connected(&self) -> bool {
+        self.closed.reason().is_none()
+    }
+
+    /// Closes the connection to the leader (dropping the worker does the same); the leader sees
+    /// [`WorkerMessage::Disconnected`] for this rank.
+    pub fn close(&self) {
+        self.closed
+            .close("this worker closed its connection".to_string());
+        let _ = self.control.shutdown(Shutdown::Both);
+    }
+
+    fn gone(&self, op: &str) -> Error {
+        let why = self
+            .closed
+            .reason()
+            .unwrap_or_else(|| "connection closed".to_string());
+        cancelled(format!(
+            "rank {} {op}: the connection to the kvbm leader at {} is closed: {why}",
+            self.rank, self.leader
+        ))
+        .with("rank", self.rank)
+        .with("leader", self.leader)
+    }
+}
+
+fn worker_reader(
+    stream: StdTcpStream,
+    addr: SocketAddr,
+    rank: Rank,
+    tx: Sender<LeaderMessage>,
+    closed: Arc<Closed>,
+) {
+    let mut rd = std::io::BufReader::with_capacity(READ_BUFFER, &stream);
+    let reason = loop {
+        match read_frame_sync(&mut rd, MAX_PAYLOAD) {
+            Ok((FrameKind::Msg, payload)) => {
+                match serde_json::from_slice::<LeaderMessage>(&payload) {
+                    Ok(m) => {
+                        if tx.send(m).is_err() {
+                            break "this worker closed its connection".to_string();
+                        }
+                    }
+                    Err(e) => break format!("undecodable message from the leader: {e}"),
+                }
+            }
+            Ok((FrameKind::Refused, payload)) => {
+                let why = serde_json::from_slice::<Refusal>(&payload)
+                    .map(|r| r.reason)
+                    .unwrap_or_else(|e| format!("(undecodable REFUSED payload: {e})"));
+                break format!("the leader refused this worker: {why}");
+            }
+            Ok((kind, _)) => break format!("unexpected {kind} frame from the leader"),
+            Err(e) => break e.to_string(),
+        }
+    };
+    if closed.close(reason.clone()) {
+        tracing::warn!(leader = %addr, rank, reason = %reason, "kvbm leader connection lost");
+    }
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+impl Drop for TcpWorker {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl WorkerTransport for TcpWorker {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn send(&self, msg: WorkerMessage) -> Result<()> {
+        if matches!(msg, WorkerMessage::Disconnected(_)) {
+            return Err(Error::invalid_argument(
+                "WorkerMessage::Disconnected is generated by the leader's transport and is never sent",
+            )
+            .with("rank", self.rank));
+        }
+        let frame = encode_json(FrameKind::Msg, &msg)?;
+        if !self.is_connected() {
+            return Err(self.gone("send"));
+        }
+        let mut stream = self.stream.lock();
+        if let Err(e) = stream.write_all(&frame) {
+            // A partial frame may be on the wire: the stream is unusable from here on.
+            self.closed.close(format!("write failed: {e}"));
+            let _ = stream.shutdown(Shutdown::Both);
+            drop(stream);
+            return Err(self.gone("send").with_source(e));
+        }
+        Ok(())
+    }
+
+    fn recv_timeout(&self, timeout: Duration) -> Result<Option<LeaderMessage>> {
+        match self.rx.lock().recv_timeout(timeout) {
+            Ok(m) => Ok(Some(m)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(self.gone("receive")),
+        }
+    }
+}
