@@ -2,11 +2,16 @@
 //! load and store; workers in the GPU processes execute those decisions on their tiers.
 //!
 //! * [`adapter`] — what the leader needs from a scheduler; vLLM's and TensorRT-LLM's flavours;
-//! * [`barrier`] — [`InitMode`](barrier::InitMode) and the two-step start-up barrier;
-//! * [`leader`] — the scheduler side;
+//! * [`barrier`] — [`InitMode`](barrier::InitMode) and the two-step start-up barrier (run by
+//!   the leader's and the worker's constructors; its functions are crate-private);
+//! * [`leader`] — the scheduler side (matching, offload, completion handling);
 //! * [`lifecycle`] — the request state machine;
 //! * [`metadata`] — the per-iteration metadata and its operations;
 //! * [`metrics`] — counters exposed in Prometheus text format;
+//! * [`remote`] — the remote (G4) tier's discovery: instances publish and read each other's host
+//!   block indexes;
+//! * [`tcp`] — the network transport: leader and workers in separate processes (its frames are
+//!   crate-private; its settings are [`TcpConfig`](crate::config::TcpConfig));
 //! * [`transport`] — leader/worker messages and the in-process transport;
 //! * [`worker`] — the GPU-process side.
 

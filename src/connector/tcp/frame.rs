@@ -38,7 +38,8 @@ pub(super) enum FrameKind {
     Welcome = 2,
     /// Leader → worker: refused ([`Refusal`]); the leader closes the connection.
     Refused = 3,
-    /// A [`WorkerMessage`] or [`LeaderMessage`], after the handshake.
+    /// A [`WorkerMessage`](crate::connector::transport::WorkerMessage) or
+    /// [`LeaderMessage`](crate::connector::transport::LeaderMessage), after the handshake.
     Msg = 4,
 }
 
@@ -209,6 +210,7 @@ fn payload_buffer(len: u32) -> Result<Vec<u8>, FrameError> {
     Ok(vec![0u8; n])
 }
 
+/// Reads one frame whose payload is at most `max` bytes (async: the leader's tasks).
 pub(super) async fn read_frame_async<R: AsyncRead + Unpin>(
     r: &mut R,
     max: u32,
@@ -223,6 +225,7 @@ pub(super) async fn read_frame_async<R: AsyncRead + Unpin>(
     Ok((kind, payload))
 }
 
+/// Reads one frame whose payload is at most `max` bytes (blocking: the worker's socket).
 pub(super) fn read_frame_sync(
     r: &mut impl Read,
     max: u32,
