@@ -3,7 +3,7 @@
 //! * `kvbm replay` — replays a workload through a simulated engine driving the real leader and
 //!   workers; verifies every onboarded byte; prints a table and optionally a JSON report
 //!   ([`replay`]).
-//! * `kvbm bench` — measures each data path against a limit measured in the same run ([`bench`]).
+//! * `kvbm bench` — measures each data path against a limit measured in the same run ([`bench`](mod@bench)).
 //! * `kvbm config` — prints the effective configuration and the derived block counts
 //!   ([`config_cmd`]).
 //! * `kvbm worker` — one tensor-parallel rank of a multi-process replay

@@ -1,7 +1,7 @@
 //! `kvbm replay`: a workload replayed through a simulated engine over the real connector.
 //!
 //! * [`engines`] — what differs between the simulated engines (TensorRT-LLM, vLLM), behind one
-//!   trait per process side; [`Framework`] names them;
+//!   trait per process side; [`framework`] names them;
 //! * [`simulator`] — the engine stand-in's scheduler process: admission, scheduling, the step
 //!   loop through the connector, the report;
 //! * [`rank`] — one rank's GPU process: the engine's worker calls, the model's KV writes,
@@ -11,11 +11,14 @@
 //!   requests, the model's KV bytes, the run's options and its report;
 //! * [`workload`], [`trace`] — built-in workloads and JSONL traces.
 //!
-//! Dependencies point one way: [`engines`] knows requests and reports; [`rank`] and
-//! [`simulator`] know [`engines`]; [`multiproc`] and this command sit on top.
+//! Dependencies point one way (no cycle): [`framework`] and [`messages`] know nothing of the tool;
+//! [`engines`] knows them, [`request`] and [`report`]; [`rank`] knows [`engines`]; [`channel`]
+//! knows [`rank`]; [`simulator`] knows [`engines`] and [`rank`]; [`multiproc`] and this command
+//! sit on top.
 
 pub mod channel;
 pub mod engines;
+pub mod framework;
 pub mod messages;
 pub mod model;
 pub mod multiproc;
@@ -37,7 +40,7 @@ use kvbm_connector::config::Config;
 use kvbm_connector::error::{Error, ErrorKind, Result};
 
 use crate::{ModelArgs, OnOff};
-use engines::Framework;
+use framework::Framework;
 use options::SimOptions;
 use report::render_table;
 use trace::read_trace;

@@ -21,7 +21,8 @@ use kvbm_connector::connector::tcp::{auth_token_from_env, TcpLeader, TcpWorker};
 use kvbm_connector::error::{Error, ErrorKind, Result};
 
 use super::channel::{read_frame, serve, write_frame, RemoteRank};
-use super::engines::Framework;
+use super::engines::engine_of;
+use super::framework::Framework;
 use super::messages::RankDriver;
 use super::model::Shard;
 use super::options::SimOptions;
@@ -239,7 +240,7 @@ fn connect(
     let tp = opts.tp;
     let timeout = opts.config.init_timeout();
     // TensorRT-LLM: the scheduler starts non-blocking; vLLM: blocking (workers registered).
-    let sched = match opts.framework.engine().scheduler(
+    let sched = match engine_of(opts.framework).scheduler(
         opts.config.clone(),
         opts.block_size,
         leader_transport.clone(),

@@ -6,7 +6,7 @@ use kvbm_connector::config::Config;
 use kvbm_connector::error::{Error, ErrorKind, Result};
 use kvbm_connector::layout::LayoutDims;
 
-use super::engines::Framework;
+use super::framework::Framework;
 use super::rank::DeviceKind;
 
 /// Shape of the simulated model's KV cache.
@@ -20,17 +20,6 @@ pub struct ModelShape {
     pub head_dim: usize,
     /// Bytes per element.
     pub dtype_bytes: usize,
-}
-
-impl Default for ModelShape {
-    fn default() -> Self {
-        Self {
-            layers: 4,
-            kv_heads: 2,
-            head_dim: 32,
-            dtype_bytes: 2,
-        }
-    }
 }
 
 /// Everything a replay needs besides the workload.

@@ -1,16 +1,16 @@
 //! The GPU-process side of the simulated engine: one [`RankExecutor`] per tensor-parallel rank.
 //!
 //! The engine stand-in (scheduler process) sends each rank one
-//! [`StepCommand`](super::messages::StepCommand) per iteration — the connector metadata, the
+//! [`StepCommand`] per iteration — the connector metadata, the
 //! freed blocks to clobber, and the KV the model computes this step — and the rank runs the
 //! engine's worker calls in order (bind, start loads, per layer: wait for the layer, write its KV,
 //! save it; wait for save; get_finished) through the engine's
-//! [`WorkerSide`](super::engines::WorkerSide). It answers with the requests done on this rank and
+//! [`WorkerSide`]. It answers with the requests done on this rank and
 //! the device blocks whose loads failed, and compares onboarded device blocks with what the model
 //! computes for this rank's shard.
 //!
 //! A rank runs in the engine's process ([`LocalRank`]) or in a child process (`kvbm worker`,
-//! reached over [the engine channel](super::channel)).
+//! reached over the engine channel, `channel.rs`).
 
 use std::io::IoSliceMut;
 use std::sync::Arc;
@@ -25,7 +25,8 @@ use kvbm_connector::error::{Error, Result};
 use kvbm_connector::layout::Layout;
 use kvbm_connector::tier::{StorageTier, TierKind};
 
-use super::engines::{Framework, WorkerSide};
+use super::engines::{engine_of, WorkerSide};
+use super::framework::Framework;
 use super::messages::{BlockWrite, RankDriver, RankStats, StepCommand, StepReply, Verify};
 use super::model::Shard;
 
@@ -126,7 +127,7 @@ impl RankExecutor {
         world_size: usize,
         transport: Arc<dyn WorkerTransport>,
     ) -> Result<Self> {
-        let engine = framework.engine();
+        let engine = engine_of(framework);
         let d = shard.dims;
         let (device, gpu) = device_tier(device_kind, engine.cache_layout(d, num_blocks)?)?;
         let worker = engine.worker(config, d, num_blocks, world_size, transport, device.clone())?;

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::engines::Framework;
+use super::framework::Framework;
 
 /// Per-request outcome.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

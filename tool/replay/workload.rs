@@ -5,7 +5,7 @@
 //! after that step), a prompt and a number of output tokens. Generators are deterministic for a
 //! seed. Generated tokens are a pure function of the token prefix ([`sample_token`]), so a
 //! multi-turn generator can put the engine's own earlier answers into the next turn's prompt, as a
-//! chat frontend does. JSONL traces are read by [`super::trace`].
+//! chat frontend does. JSONL traces are read by the `trace` module.
 //!
 //! `tests/cli.rs` compiles this file too (the tool is not a library), to compare the binary's
 //! reports with the generators and the model; so this file uses nothing of the tool, and its tests

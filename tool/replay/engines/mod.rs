@@ -1,7 +1,7 @@
 //! What differs between the simulated engines, behind one trait per process side.
 //!
 //! [`Framework`] names an engine (the `--framework` flag, the report's `framework`); the one
-//! `match` on it is [`Framework::engine`], which hands out the engine's [`SimEngine`]. Everything
+//! `match` on it is [`engine_of`], which hands out the engine's [`SimEngine`]. Everything
 //! else the replay does is the same code for both engines, asking the engine's
 //! [`SchedulerSide`] (in the scheduler process) or [`WorkerSide`] (in each rank) where they differ:
 //!
@@ -15,8 +15,8 @@
 //! | worker's `get_finished` | finished-saving and started-loading ids, once each | last step's finished ids |
 //! | device cache layout | fully contiguous | layer-separate (K, V outer) |
 //!
-//! This module depends on the request and report types only; the simulator and the ranks depend
-//! on it, never the other way round.
+//! This module depends on the request, report and message types only; the simulator and the
+//! ranks depend on it, never the other way round.
 
 pub mod trtllm;
 pub mod vllm;
@@ -34,28 +34,16 @@ use kvbm_connector::error::{Error, Result};
 use kvbm_connector::layout::{Layout, LayoutDims};
 use kvbm_connector::tier::StorageTier;
 
+use super::framework::Framework;
 use super::messages::StepReply;
 use super::report::Timings;
 use super::request::Req;
 
-/// Which engine to imitate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::Display, clap::ValueEnum, serde::Serialize)]
-#[strum(serialize_all = "lowercase")]
-#[serde(rename_all = "lowercase")]
-pub enum Framework {
-    /// TensorRT-LLM.
-    Trtllm,
-    /// vLLM.
-    Vllm,
-}
-
-impl Framework {
-    /// The engine's behaviour.
-    pub fn engine(self) -> &'static dyn SimEngine {
-        match self {
-            Framework::Trtllm => &trtllm::TensorRtLlm,
-            Framework::Vllm => &vllm::Vllm,
-        }
+/// The behaviour of the engine `framework` names.
+pub fn engine_of(framework: Framework) -> &'static dyn SimEngine {
+    match framework {
+        Framework::Trtllm => &trtllm::TensorRtLlm,
+        Framework::Vllm => &vllm::Vllm,
     }
 }
 

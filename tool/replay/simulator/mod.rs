@@ -32,7 +32,7 @@ use kvbm_connector::error::{Error, ErrorKind, Result};
 use kvbm_connector::identity::{BlockHasher, HashAlgorithm, Salt};
 use kvbm_connector::tier::TierKind;
 
-use super::engines::SchedulerSide;
+use super::engines::{engine_of, SchedulerSide};
 use super::messages::RankDriver;
 use super::model::Shard;
 use super::options::SimOptions;
@@ -83,7 +83,7 @@ impl Simulator {
             rank: 0,
             dims: opts.shard_dims()?,
         };
-        let engine = opts.framework.engine();
+        let engine = engine_of(opts.framework);
         let (lt, wts) = in_process(1);
         let wt = wts
             .into_iter()

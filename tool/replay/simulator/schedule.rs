@@ -2,11 +2,14 @@
 //! device blocks.
 //!
 //! Admission follows arrival order: the device prefix cache first, then the connector's match,
-//! then the engine's blocks (as many as [`SchedulerSide::blocks_at_admission`](crate::replay::engines::SchedulerSide::blocks_at_admission) says). A request
-//! whose match needs a load waits for it (`Loading`) and rejoins without a new match. Each step
-//! the running requests get their tokens in admission order within the chunked-prefill budget
-//! (decodes take one token each, outside the budget); out of device blocks, an engine that
-//! [preempts](crate::replay::engines::SchedulerSide::preempts) gives up its newest running request.
+//! then the engine's blocks (as many as its [`blocks_at_admission`] says). A request whose match
+//! needs a load waits for it (`Loading`) and rejoins without a new match. Each step the running
+//! requests get their tokens in admission order within the chunked-prefill budget (decodes take
+//! one token each, outside the budget); out of device blocks, an engine that [`preempts`] gives up
+//! its newest running request.
+//!
+//! [`blocks_at_admission`]: crate::replay::engines::SchedulerSide::blocks_at_admission
+//! [`preempts`]: crate::replay::engines::SchedulerSide::preempts
 
 use std::collections::VecDeque;
 
