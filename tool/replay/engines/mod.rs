@@ -15,8 +15,8 @@
 //! | worker's `get_finished` | finished-saving and started-loading ids, once each | last step's finished ids |
 //! | device cache layout | fully contiguous | layer-separate (K, V outer) |
 //!
-//! This module depends on the request, report and message types only; the simulator and the
-//! ranks depend on it, never the other way round.
+//! This module depends on the engine names and the request, report and message types only; the
+//! simulator and the ranks depend on it, never the other way round.
 
 pub mod trtllm;
 pub mod vllm;
