@@ -29,7 +29,7 @@
 //! | `cuda`   | GPU device and pinned-host tiers | cudarc (loaded at run time) |
 //! | `nixl`   | NIXL transfer backend (POSIX disk, UCX remote) | nixl-sys (loaded at run time) |
 //! | `python` | the Python extension module (`kvbm_connector`) | pyo3 |
-//! | `cli` (default) | the `kvbm` binary and [`cli`] (enables `trtllm`, `vllm`) | clap |
+//! | `cli` (default) | the `kvbm` binary (`tool/`, built on this public API; enables `trtllm`, `vllm`) | clap |
 //!
 //! ```toml
 //! [dependencies]
@@ -53,9 +53,6 @@ pub mod layout;
 pub mod pool;
 pub mod tier;
 pub mod transfer;
-
-#[cfg(feature = "cli")]
-pub mod cli;
 
 #[path = "../backends/mod.rs"]
 pub mod backends;

@@ -14,9 +14,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
-use kvbm_connector::cli::workload::{generate, generate_workload, WorkloadKind, WorkloadSize};
 use kvbm_connector::config::{CONFIG_FILE_VAR, ENV_VARS};
 use serde_json::{json, Value};
+use workload::{generate, generate_workload, WorkloadKind, WorkloadSize};
+
+/// The tool's workload generators and model stand-in, compiled from the tool's own source (the
+/// tool is a binary, not a library): the reports of the binary are compared with them. Their
+/// unit tests are here, at the end of this file.
+#[path = "../tool/replay/workload.rs"]
+mod workload;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
 const FRAMEWORKS: [&str; 2] = ["trtllm", "vllm"];
@@ -993,4 +999,52 @@ fn help_and_unknown_flags() {
     assert_clean_failure(&out, "bad framework", &["sglang", "trtllm", "vllm"]);
     let out = kvbm(dir.path()).output().expect("run");
     assert_clean_failure(&out, "no subcommand", &["Usage"]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// The workload generators (tool/replay/workload.rs, compiled into this test)
+// ------------------------------------------------------------------------------------------------
+
+mod generators {
+    use super::workload::*;
+
+    #[test]
+    fn generators_are_deterministic_and_valid() {
+        for kind in [
+            WorkloadKind::MultiTurn,
+            WorkloadKind::SharedPrefix,
+            WorkloadKind::Random,
+        ] {
+            let size = WorkloadSize {
+                requests: 10,
+                arrival_gap: 3,
+            };
+            let a = generate_workload(kind, 7, size);
+            assert_eq!(a, generate_workload(kind, 7, size));
+            assert_ne!(a, generate_workload(kind, 8, size));
+            assert_eq!(a.len(), 10);
+            assert!(a.iter().all(|r| !r.prompt.is_empty() && r.max_tokens > 0));
+        }
+    }
+
+    #[test]
+    fn multi_turn_prompts_extend_with_the_models_answers() {
+        let w = generate_workload(
+            WorkloadKind::MultiTurn,
+            1,
+            WorkloadSize {
+                requests: 4,
+                arrival_gap: 1,
+            },
+        );
+        let (t0, t1) = (&w[0], &w[1]);
+        assert_eq!(t0.id, "c0-t0");
+        assert_eq!(t1.id, "c0-t1");
+        let answer = generate(&t0.prompt, t0.max_tokens);
+        assert_eq!(&t1.prompt[..t0.prompt.len()], &t0.prompt[..]);
+        assert_eq!(
+            &t1.prompt[t0.prompt.len()..t0.prompt.len() + answer.len()],
+            &answer[..]
+        );
+    }
 }

@@ -750,52 +750,92 @@ fn public_types_are_send_sync() {
     is_send_sync::<NixlInfo>();
 }
 
-/// A whole replay with the disk tier's I/O through NIXL: every onboarded block verified.
+/// A whole replay with the disk tier's I/O through NIXL: every onboarded block verified. It runs
+/// the `kvbm` binary (the tool is not part of the library's API), with a clean configuration
+/// environment and the configuration in a file.
+#[cfg(feature = "cli")]
 #[test]
 fn replay_with_nixl_disk_passes_integrity() {
     if nixl().is_none() {
         return;
     }
-    use kvbm_connector::cli::sim::{replay, Framework, ModelShape, SimOptions};
-    use kvbm_connector::cli::workload::{generate_workload, WorkloadKind, WorkloadSize};
+    use kvbm_connector::config::{DiskIo, CONFIG_FILE_VAR, ENV_VARS};
     let dir = tempfile::tempdir().unwrap();
-    for framework in [Framework::Trtllm, Framework::Vllm] {
+    for framework in ["trtllm", "vllm"] {
         let mut config = kvbm_connector::Config::default();
         config.host.cache_blocks = Some(32);
         config.disk.cache_blocks = Some(512);
         config.disk.dir = dir.path().to_path_buf();
-        config.disk.io = kvbm_connector::config::DiskIo::Nixl;
-        let workload = generate_workload(
-            WorkloadKind::MultiTurn,
-            3,
-            WorkloadSize {
-                requests: 40,
-                arrival_gap: 4,
-            },
+        config.disk.io = DiskIo::Nixl;
+        let config_file = dir.path().join("kvbm.toml");
+        std::fs::write(&config_file, config.to_toml().unwrap()).unwrap();
+        let report_file = dir.path().join(format!("{framework}.json"));
+        let mut kvbm = Command::new(env!("CARGO_BIN_EXE_kvbm"));
+        for v in ENV_VARS {
+            kvbm.env_remove(v.name);
+        }
+        let out = kvbm
+            .env_remove(CONFIG_FILE_VAR)
+            .args(["replay", "--quiet", "--framework", framework])
+            .args([
+                "--workload",
+                "multi-turn",
+                "--seed",
+                "3",
+                "--requests",
+                "40",
+            ])
+            .args([
+                "--arrival-gap",
+                "4",
+                "--block-size",
+                "16",
+                "--device-blocks",
+                "160",
+            ])
+            .args([
+                "--max-batch",
+                "4",
+                "--chunk-tokens",
+                "128",
+                "--device-prefix-cache",
+                "off",
+            ])
+            .args(["--prefill-us-per-token", "50", "--tp", "1"])
+            .args([
+                "--layers",
+                "4",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "32",
+                "--dtype-bytes",
+                "2",
+            ])
+            .arg("--config")
+            .arg(&config_file)
+            .arg("--report")
+            .arg(&report_file)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{framework}: {}",
+            String::from_utf8_lossy(&out.stderr)
         );
-        let opts = SimOptions {
-            framework,
-            block_size: 16,
-            device_blocks: 160,
-            max_batch: 4,
-            chunk_tokens: 128,
-            device_prefix_cache: false,
-            prefill_us_per_token: 50.0,
-            model: ModelShape::default(),
-            config,
-            progress: false,
-            tp: 1,
-            kill: None,
-            device: Default::default(),
-        };
-        let report = replay(opts, &workload).unwrap();
-        let s = &report.summary;
-        assert_eq!(s.integrity_errors, 0, "{framework}");
-        assert!(s.matched_from.disk > 0, "{framework}: no disk hits: {s:?}");
-        assert!(s
-            .onboarded
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&report_file).unwrap()).unwrap();
+        let s = &report["summary"];
+        assert_eq!(s["integrity_errors"], 0, "{framework}");
+        assert!(
+            s["matched_from"]["disk"].as_u64().unwrap() > 0,
+            "{framework}: no disk hits: {s}"
+        );
+        assert!(s["onboarded"]
+            .as_array()
+            .unwrap()
             .iter()
-            .any(|p| p.path == "disk->device" && p.blocks > 0));
+            .any(|p| p["path"] == "disk->device" && p["blocks"].as_u64().unwrap() > 0));
     }
 }
 

@@ -2,8 +2,8 @@
 //! process per tensor-parallel rank.
 //!
 //! Two channels connect them, both on loopback by default:
-//! * the connector's own transport ([`crate::connector::tcp`]): barrier and completions;
-//! * the simulated engine's channel ([`super::rank`]): per-iteration commands, as a real engine
+//! * the connector's own transport ([`kvbm_connector::connector::tcp`]): barrier and completions;
+//! * the simulated engine's channel ([`super::channel`]): per-iteration commands, as a real engine
 //!   drives its GPU processes.
 //!
 //! With `--external-workers` the replay does not start the workers: they are started by hand
@@ -16,17 +16,23 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{auth_token_from_env, Config};
-use crate::connector::tcp::{TcpLeader, TcpWorker};
-use crate::error::{Error, ErrorKind, Result};
-use crate::frameworks::{trtllm, vllm};
+use kvbm_connector::config::auth_token_from_env;
+use kvbm_connector::config::Config;
+use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
+use kvbm_connector::error::{Error, ErrorKind, Result};
 
-use super::rank::{
-    read_frame, serve, write_frame, DeviceKind, RankDriver, RankExecutor, RemoteRank, Shard,
-};
-use super::sim::{Engine, Framework, Report, SimOptions};
+use super::channel::{read_frame, serve, write_frame, RemoteRank};
+use super::engines::engine_of;
+use super::framework::Framework;
+use super::messages::RankDriver;
+use super::model::Shard;
+use super::options::SimOptions;
+use super::rank::{DeviceKind, RankExecutor};
+use super::report::Report;
+use super::simulator::Simulator;
+use super::wait_for;
 use super::workload::TraceRequest;
-use super::ModelArgs;
+use crate::ModelArgs;
 
 /// `kvbm worker` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -83,7 +89,7 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
             a.world_size
         )));
     }
-    let dims = crate::layout::LayoutDims {
+    let dims = kvbm_connector::layout::LayoutDims {
         num_layers: a.model.layers,
         outer_dim: 2,
         page_size: a.model.block_size,
@@ -108,7 +114,7 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
         a.world_size,
         transport,
     )?;
-    super::sim::wait_for(&format!("rank {}", a.rank), deadline, || {
+    wait_for(&format!("rank {}", a.rank), deadline, || {
         match exec.init_error() {
             Some(e) => Err(e),
             None => Ok(exec.is_ready()),
@@ -158,7 +164,7 @@ fn kill_all(children: &mut [Child]) {
 
 /// Runs a replay with one worker process per rank.
 pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> Result<Report> {
-    Engine::model_dims(&opts)?;
+    opts.model_dims()?;
     let tp = opts.tp;
     let token = auth_token_from_env();
     let leader_transport = TcpLeader::bind(topo.leader_addr, tp, token)?;
@@ -231,28 +237,19 @@ fn connect(
     leader_transport: Arc<TcpLeader>,
     listener: &TcpListener,
     mut children: Vec<Child>,
-) -> Result<Engine> {
+) -> Result<Simulator> {
     let tp = opts.tp;
     let timeout = opts.config.init_timeout();
-    let sched = match opts.framework {
-        // TensorRT-LLM: the scheduler starts non-blocking; vLLM: blocking (workers registered).
-        Framework::Trtllm => super::sim::Sched::Trt(Box::new(trtllm::TrtllmScheduler::new(
-            opts.config.clone(),
-            opts.block_size,
-            leader_transport.clone(),
-        )?)),
-        Framework::Vllm => {
-            match vllm::VllmScheduler::new(
-                opts.config.clone(),
-                opts.block_size,
-                leader_transport.clone(),
-            ) {
-                Ok(s) => super::sim::Sched::Vllm(Box::new(s)),
-                Err(e) => {
-                    kill_all(&mut children);
-                    return Err(e);
-                }
-            }
+    // TensorRT-LLM: the scheduler starts non-blocking; vLLM: blocking (workers registered).
+    let sched = match engine_of(opts.framework).scheduler(
+        opts.config.clone(),
+        opts.block_size,
+        leader_transport.clone(),
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            kill_all(&mut children);
+            return Err(e);
         }
     };
     // Each worker connects to the engine channel once its barrier finished. A little longer than
@@ -283,7 +280,7 @@ fn connect(
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 // The barrier's own error (naming the ranks it misses) beats ours.
-                if let Some(e) = sched.init_error() {
+                if let Some(e) = sched.leader().init_error() {
                     kill_all(&mut children);
                     return Err(e);
                 }
@@ -318,5 +315,5 @@ fn connect(
         .flatten()
         .map(|r| Box::new(r) as Box<dyn RankDriver>)
         .collect();
-    Engine::assemble(opts, workload, sched, drivers, children)
+    Simulator::assemble(opts, workload, sched, drivers, children)
 }

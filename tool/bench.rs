@@ -27,20 +27,20 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backends::disk::{DiskTier, DiskTierOptions};
-use crate::backends::memory::MemoryTier;
-use crate::backends::StandardTiers;
-use crate::config::{Config, TransferConfig};
-use crate::connector::adapter::ScheduledTokens;
-use crate::connector::barrier::InitMode;
-use crate::connector::leader::{Leader, RequestInfo};
-use crate::connector::transport::in_process;
-use crate::connector::worker::Worker;
-use crate::connector::RequestId;
-use crate::error::{Error, ErrorKind, Result};
-use crate::layout::{BlockOrder, Layout, LayoutDims};
-use crate::tier::{StorageTier, TierKind};
-use crate::transfer::TransferEngine;
+use kvbm_connector::backends::disk::{DiskTier, DiskTierOptions};
+use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::backends::StandardTiers;
+use kvbm_connector::config::{Config, TransferConfig};
+use kvbm_connector::connector::adapter::ScheduledTokens;
+use kvbm_connector::connector::barrier::InitMode;
+use kvbm_connector::connector::leader::{Leader, RequestInfo};
+use kvbm_connector::connector::transport::in_process;
+use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::connector::RequestId;
+use kvbm_connector::error::{Error, ErrorKind, Result};
+use kvbm_connector::layout::{BlockOrder, Layout, LayoutDims};
+use kvbm_connector::tier::{StorageTier, TierKind};
+use kvbm_connector::transfer::TransferEngine;
 
 /// `kvbm bench` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -159,7 +159,7 @@ fn fill(tier: &dyn StorageTier) -> Result<()> {
     Ok(())
 }
 
-fn check_outcome(o: crate::transfer::TransferOutcome) -> Result<()> {
+fn check_outcome(o: kvbm_connector::transfer::TransferOutcome) -> Result<()> {
     match o.failed.first() {
         None => Ok(()),
         Some(f) => Err(f.error.clone()),
@@ -513,7 +513,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
 #[cfg(feature = "nixl")]
 mod nixl_bench {
     use super::*;
-    use crate::backends::nixl::{
+    use kvbm_connector::backends::nixl::{
         NixlAgent, NixlBackend, NixlDiskTier, RemoteTier, REMOTE_MAX_IN_FLIGHT,
     };
 
@@ -676,11 +676,11 @@ mod cuda_bench {
     use std::ffi::c_void;
 
     use super::*;
-    use crate::backends::cuda::cudarc::driver::sys;
-    use crate::backends::cuda::{
-        self, cuda_err, CudaDevice, CudaDeviceTier, DeviceBuffer, PinnedHostTier,
+    use kvbm_connector::backends::cuda::cudarc::driver::sys;
+    use kvbm_connector::backends::cuda::{
+        self, CudaDevice, CudaDeviceTier, DeviceBuffer, PinnedHostTier,
     };
-    use crate::layout::KvLayout;
+    use kvbm_connector::layout::KvLayout;
 
     #[derive(Clone, Copy)]
     enum Dir {
@@ -775,7 +775,11 @@ mod cuda_bench {
                     Dir::H2D => sys::cuMemcpyHtoD_v2(dptr, host_ptr as *const c_void, bytes),
                 }
             };
-            r.result().map_err(|e| cuda_err("cuMemcpy", e))
+            // The backend's own driver-error wording is not public; the call and the code are.
+            r.result().map_err(|e| {
+                Error::new(ErrorKind::Io, format!("cuMemcpy failed: {e}"))
+                    .with("cuda_call", "cuMemcpy")
+            })
         };
         let seq: Vec<(usize, usize)> = (0..blocks).map(|i| (i, i)).collect();
         let scattered: Vec<(usize, usize)> = shuffled(blocks).into_iter().zip(0..blocks).collect();

@@ -1,0 +1,200 @@
+//! What differs between the simulated engines, behind one trait per process side.
+//!
+//! [`Framework`] names an engine (the `--framework` flag, the report's `framework`); the one
+//! `match` on it is [`engine_of`], which hands out the engine's [`SimEngine`]. Everything
+//! else the replay does is the same code for both engines, asking the engine's
+//! [`SchedulerSide`] (in the scheduler process) or [`WorkerSide`] (in each rank) where they differ:
+//!
+//! | | TensorRT-LLM ([`trtllm`]) | vLLM ([`vllm`]) |
+//! |---|---|---|
+//! | device blocks at admission | prompt and output, reserved (never evicted) | the tokens so far; more on demand |
+//! | out of device blocks | cannot happen (an error) | preempts the newest running request |
+//! | start-up order | scheduler (non-blocking), then workers (blocking) | workers (non-blocking), then scheduler (blocking) |
+//! | progress reported to the connector | `RequestData` with `computed_position` | `SchedulerOutput`: new / cached requests, scheduled tokens, finished, preempted |
+//! | after a load | nothing | `update_state_after_alloc` again with 0 |
+//! | worker's `get_finished` | finished-saving and started-loading ids, once each | last step's finished ids |
+//! | device cache layout | fully contiguous | layer-separate (K, V outer) |
+//!
+//! This module depends on the engine names and the request, report and message types only; the
+//! simulator and the ranks depend on it, never the other way round.
+
+pub mod trtllm;
+pub mod vllm;
+
+use std::sync::Arc;
+
+use kvbm_connector::config::Config;
+use kvbm_connector::connector::adapter::SchedulerAdapter;
+use kvbm_connector::connector::leader::{Leader, LeaderStatus, MatchResult};
+use kvbm_connector::connector::lifecycle::RequestState;
+use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
+use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::connector::RequestId;
+use kvbm_connector::error::{Error, Result};
+use kvbm_connector::layout::{Layout, LayoutDims};
+use kvbm_connector::tier::StorageTier;
+
+use super::framework::Framework;
+use super::messages::StepReply;
+use super::report::Timings;
+use super::request::Req;
+
+/// The behaviour of the engine `framework` names.
+pub fn engine_of(framework: Framework) -> &'static dyn SimEngine {
+    match framework {
+        Framework::Trtllm => &trtllm::TensorRtLlm,
+        Framework::Vllm => &vllm::Vllm,
+    }
+}
+
+/// One simulated engine: how it starts its two sides and lays out its device cache.
+pub trait SimEngine: Sync {
+    /// True when the engine's workers register before its scheduler starts (vLLM: the workers
+    /// non-blocking, then the scheduler blocking); false for the other order (TensorRT-LLM).
+    fn workers_first(&self) -> bool;
+
+    /// Starts the scheduler side over the leader's `transport`.
+    fn scheduler(
+        &self,
+        config: Config,
+        block_size: usize,
+        transport: Arc<dyn LeaderTransport>,
+    ) -> Result<Box<dyn SchedulerSide>>;
+
+    /// The layout of one rank's device cache of `blocks` blocks of `dims`.
+    fn cache_layout(&self, dims: LayoutDims, blocks: usize) -> Result<Layout>;
+
+    /// Starts one rank's worker over `transport` and registers `device` (of `blocks` blocks of
+    /// `dims`, laid out as [`SimEngine::cache_layout`] says) as the engine registers its cache.
+    fn worker(
+        &self,
+        config: Config,
+        dims: LayoutDims,
+        blocks: usize,
+        world_size: usize,
+        transport: Arc<dyn WorkerTransport>,
+        device: Arc<dyn StorageTier>,
+    ) -> Result<Box<dyn WorkerSide>>;
+}
+
+/// The scheduler process of one engine: its block policy and its calls to the connector's leader,
+/// with the per-step bookkeeping those calls need.
+pub trait SchedulerSide: Send {
+    /// The leader, for the calls both engines make alike.
+    fn leader(&self) -> &dyn LeaderCalls;
+    /// The leader, mutably.
+    fn leader_mut(&mut self) -> &mut dyn LeaderCalls;
+
+    /// The connector's id of `r` (also what the ranks report it as).
+    fn request_id(&self, r: &Req) -> RequestId;
+
+    /// Device blocks `r` takes at admission.
+    fn blocks_at_admission(&self, r: &Req, block_size: usize) -> usize;
+
+    /// True when the engine preempts the newest running request when device blocks run out;
+    /// false when running out cannot happen (every block reserved at admission).
+    fn preempts(&self) -> bool;
+
+    /// `get_num_new_matched_tokens` for `r` with `local` tokens found in the device cache: tokens
+    /// the connector will load.
+    fn get_num_new_matched_tokens(
+        &mut self,
+        r: &Req,
+        local: usize,
+        timings: &mut Timings,
+    ) -> Result<usize>;
+
+    /// `update_state_after_alloc` for `r` at admission, `external` tokens to load.
+    fn update_state_after_alloc(
+        &mut self,
+        r: &Req,
+        external: usize,
+        timings: &mut Timings,
+    ) -> Result<()>;
+
+    /// `r`'s load started.
+    fn load_started(&mut self, r: &Req);
+
+    /// `r`'s load finished; it rejoins the running batch.
+    fn load_finished(&mut self, r: &Req, timings: &mut Timings) -> Result<()>;
+
+    /// `r` was preempted; `had_run`: the engine had reported it to the connector.
+    fn preempted(&mut self, r: &Req, had_run: bool);
+
+    /// `build_connector_meta` for this step's `scheduled` (request index, tokens); records what
+    /// the connector was told in each request.
+    fn build_connector_meta(
+        &mut self,
+        reqs: &mut [Req],
+        scheduled: &[(usize, usize)],
+        timings: &mut Timings,
+    ) -> Result<Vec<u8>>;
+
+    /// `request_finished` for `r`: true while the connector holds its blocks (saving).
+    fn request_finished(&mut self, r: &Req, timings: &mut Timings) -> Result<bool>;
+
+    /// What the workers pass to `get_finished` this step: (finished, started loading).
+    fn worker_finished_lists(&mut self) -> (Vec<String>, Vec<String>);
+}
+
+/// One rank of one engine: its calls to the connector's worker in the engine's order.
+pub trait WorkerSide: Send {
+    /// The core worker (readiness, idleness, statistics).
+    fn worker(&self) -> &Worker;
+    /// Binds the step's metadata.
+    fn bind_connector_meta(&mut self, metadata: &[u8]) -> Result<()>;
+    /// Starts the step's loads.
+    fn start_load_kv(&mut self) -> Result<()>;
+    /// Waits for layer `layer`'s loads.
+    fn wait_for_layer_load(&mut self, layer: usize) -> Result<()>;
+    /// Saves layer `layer`.
+    fn save_kv_layer(&mut self, layer: usize) -> Result<()>;
+    /// Waits for the step's saves.
+    fn wait_for_save(&mut self) -> Result<()>;
+    /// `get_finished` and the load errors: what this rank reports for the step.
+    fn get_finished(
+        &mut self,
+        finished: &[String],
+        started_loading: &[String],
+    ) -> Result<StepReply>;
+}
+
+/// The leader calls the simulator makes the same way for both engines (the adapter type erased).
+pub trait LeaderCalls {
+    /// True once the start-up barrier finished.
+    fn ready(&mut self) -> bool;
+    /// The start-up error, if the barrier failed.
+    fn init_error(&self) -> Option<Error>;
+    /// Applies the workers' completions.
+    fn apply_completions(&mut self);
+    /// True while transfers are queued or in flight.
+    fn pending_work(&self) -> bool;
+    /// The leader's state of a request (diagnostics).
+    fn state_of(&self, id: &RequestId) -> Option<RequestState>;
+    /// The last match's split by tier.
+    fn match_split(&self) -> MatchResult;
+}
+
+impl<A: SchedulerAdapter> LeaderCalls for Leader<A> {
+    fn ready(&mut self) -> bool {
+        self.is_ready()
+    }
+    fn init_error(&self) -> Option<Error> {
+        match self.status() {
+            LeaderStatus::Failed(e) => Some(e),
+            _ => None,
+        }
+    }
+    fn apply_completions(&mut self) {
+        self.process_completions();
+    }
+    fn pending_work(&self) -> bool {
+        self.has_pending_work()
+    }
+    fn state_of(&self, id: &RequestId) -> Option<RequestState> {
+        self.request_state(id)
+    }
+    fn match_split(&self) -> MatchResult {
+        self.last_match()
+    }
+}

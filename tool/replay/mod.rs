@@ -1,0 +1,262 @@
+//! `kvbm replay`: a workload replayed through a simulated engine over the real connector.
+//!
+//! * [`engines`] — what differs between the simulated engines (TensorRT-LLM, vLLM), behind one
+//!   trait per process side; [`framework`] names them;
+//! * [`simulator`] — the engine stand-in's scheduler process: admission, scheduling, the step
+//!   loop through the connector, the report;
+//! * [`rank`] — one rank's GPU process: the engine's worker calls, the model's KV writes,
+//!   verification; [`channel`] reaches a rank in a child process, [`messages`] is what they say;
+//! * [`multiproc`] — replays with one `kvbm worker` process per rank, and `kvbm worker` itself;
+//! * [`pool`], [`request`], [`model`], [`options`], [`report`] — the engine's device blocks, its
+//!   requests, the model's KV bytes, the run's options and its report;
+//! * [`workload`], [`trace`] — built-in workloads and JSONL traces.
+//!
+//! Dependencies point one way (no cycle): [`framework`] and [`messages`] know nothing of the tool;
+//! [`engines`] knows them, [`request`] and [`report`]; [`rank`] knows [`engines`]; [`channel`]
+//! knows [`rank`]; [`simulator`] knows [`engines`] and [`rank`]; [`multiproc`] and this command
+//! sit on top.
+
+pub mod channel;
+pub mod engines;
+pub mod framework;
+pub mod messages;
+pub mod model;
+pub mod multiproc;
+pub mod options;
+pub mod pool;
+pub mod rank;
+pub mod report;
+pub mod request;
+pub mod simulator;
+pub mod trace;
+pub mod workload;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use kvbm_connector::config::Config;
+use kvbm_connector::error::{Error, ErrorKind, Result};
+
+use crate::{ModelArgs, OnOff};
+use framework::Framework;
+use options::SimOptions;
+use report::render_table;
+use trace::read_trace;
+use workload::{generate_workload, WorkloadKind, WorkloadSize};
+
+/// `kvbm replay` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplayArgs {
+    /// Engine to imitate.
+    #[arg(long, value_enum, default_value_t = Framework::Trtllm)]
+    pub framework: Framework,
+    /// Built-in workload (ignored with --trace).
+    #[arg(long, value_enum, default_value_t = WorkloadKind::MultiTurn)]
+    pub workload: WorkloadKind,
+    /// JSONL trace: {"id": "r1", "arrival": 0, "prompt": [1, 2, 3], "max_tokens": 1} per line.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Seed of the built-in workload.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Requests in the built-in workload.
+    #[arg(long, default_value_t = 400)]
+    pub requests: usize,
+    /// Engine steps between arrivals in the built-in workload.
+    #[arg(long, default_value_t = 4)]
+    pub arrival_gap: u64,
+    /// Model shape.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Device (G1) blocks of the simulated engine.
+    #[arg(long, default_value_t = 320)]
+    pub device_blocks: usize,
+    /// What backs the device cache: host memory laid out like the engine's (default), or real
+    /// GPU memory (`cuda`, needs the `cuda` feature and a GPU; the host tier is then pinned).
+    #[arg(long, value_enum, default_value_t = rank::DeviceKind::Memory)]
+    pub device: rank::DeviceKind,
+    /// Host (G2) blocks (overrides the configuration).
+    #[arg(long)]
+    pub host_blocks: Option<usize>,
+    /// Disk (G3) blocks (overrides the configuration).
+    #[arg(long)]
+    pub disk_blocks: Option<usize>,
+    /// Directory of the disk tier's file (overrides the configuration).
+    #[arg(long)]
+    pub disk_dir: Option<PathBuf>,
+    /// Configuration file (TOML); the environment still overrides it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The engine's own on-device prefix reuse.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    pub device_prefix_cache: OnOff,
+    /// Requests running at once.
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Prompt tokens computed per step (chunked-prefill budget).
+    #[arg(long, default_value_t = 256)]
+    pub chunk_tokens: usize,
+    /// Simulated compute cost per prompt token, microseconds (decode tokens cost a tenth).
+    #[arg(long, default_value_t = 50.0)]
+    pub prefill_us_per_token: f64,
+    /// Tensor-parallel ranks: with more than 1, each rank is a `kvbm worker` child process and the
+    /// leader talks to them over TCP on loopback (`KVBM_LEADER_ADDR`, `KVBM_AUTH_TOKEN`).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// The leader's transport address with `--tp` above 1 (default: `KVBM_LEADER_ADDR`, else a
+    /// free loopback port).
+    #[arg(long)]
+    pub leader_addr: Option<std::net::SocketAddr>,
+    /// The engine channel's address with `--tp` above 1 (default: a free loopback port).
+    #[arg(long)]
+    pub engine_addr: Option<std::net::SocketAddr>,
+    /// With `--tp` above 1: do not start the workers; wait for `kvbm worker` processes started
+    /// by hand.
+    #[arg(long)]
+    pub external_workers: bool,
+    /// Fault injection for tests: SIGKILL rank R's process at the first step from S on that has a
+    /// load in flight (`R@S`).
+    #[arg(long, hide = true, value_parser = parse_kill)]
+    pub kill_rank: Option<(usize, u64)>,
+    /// Write the JSON report here.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// No table, no progress.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Host blocks used when neither flags nor configuration size the host tier.
+pub const DEFAULT_HOST_BLOCKS: usize = 256;
+/// Disk blocks used when neither flags nor configuration size the disk tier.
+pub const DEFAULT_DISK_BLOCKS: usize = 4096;
+
+/// The effective configuration of a replay: file and environment, then the flags.
+pub fn replay_config(a: &ReplayArgs) -> Result<Config> {
+    let mut config = Config::load(a.config.as_deref())?;
+    if let Some(n) = a.host_blocks {
+        config.host.cache_blocks = Some(n);
+    } else if config.host.cache_blocks.is_none() && config.host.cache_gb.is_none() {
+        config.host.cache_blocks = Some(DEFAULT_HOST_BLOCKS);
+    }
+    if let Some(n) = a.disk_blocks {
+        config.disk.cache_blocks = Some(n);
+    } else if config.disk.cache_blocks.is_none() && config.disk.cache_gb.is_none() {
+        config.disk.cache_blocks = Some(DEFAULT_DISK_BLOCKS);
+    }
+    if let Some(d) = &a.disk_dir {
+        config.disk.dir = d.clone();
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+/// Runs `kvbm replay`.
+pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
+    let config = replay_config(a)?;
+    let workload = match &a.trace {
+        Some(p) => read_trace(p)?,
+        None => {
+            if a.requests == 0 {
+                return Err(Error::invalid_argument("--requests must be at least 1"));
+            }
+            generate_workload(
+                a.workload,
+                a.seed,
+                WorkloadSize {
+                    requests: a.requests,
+                    arrival_gap: a.arrival_gap,
+                },
+            )
+        }
+    };
+    let opts = SimOptions {
+        framework: a.framework,
+        block_size: a.model.block_size,
+        device_blocks: a.device_blocks,
+        max_batch: a.max_batch,
+        chunk_tokens: a.chunk_tokens,
+        device_prefix_cache: a.device_prefix_cache == OnOff::On,
+        prefill_us_per_token: a.prefill_us_per_token,
+        model: a.model.shape(),
+        config,
+        progress: !a.quiet && std::io::stderr().is_terminal(),
+        tp: a.tp,
+        kill: a.kill_rank,
+        device: a.device,
+    };
+    let report = if a.tp > 1 || a.external_workers {
+        let leader_addr = match a.leader_addr {
+            Some(addr) => addr,
+            None => match std::env::var("KVBM_LEADER_ADDR") {
+                Ok(_) => kvbm_connector::config::leader_addr_from_env()?,
+                Err(_) => std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            },
+        };
+        let topo = multiproc::Topology {
+            leader_addr,
+            engine_addr: a
+                .engine_addr
+                .unwrap_or_else(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+            external_workers: a.external_workers,
+        };
+        multiproc::replay(opts, &workload, &topo)?
+    } else {
+        simulator::replay(opts, &workload)?
+    };
+    if let Some(path) = &a.report {
+        let json = serde_json::to_string_pretty(&report)
+            .map_err(|e| Error::internal(format!("cannot encode the report: {e}")))?;
+        std::fs::write(path, json + "\n").map_err(|e| {
+            Error::new(
+                ErrorKind::Io,
+                format!("cannot write the report to {}: {e}", path.display()),
+            )
+        })?;
+    }
+    if !a.quiet {
+        print!("{}", render_table(&report));
+    }
+    if report.summary.integrity_errors > 0 {
+        eprintln!(
+            "kvbm: {} onboarded block(s) differed from the model's KV",
+            report.summary.integrity_errors
+        );
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn parse_kill(s: &str) -> std::result::Result<(usize, u64), String> {
+    let (r, st) = s
+        .split_once('@')
+        .ok_or_else(|| format!("expected RANK@STEP, got {s:?}"))?;
+    Ok((
+        r.parse().map_err(|e| format!("rank {r:?}: {e}"))?,
+        st.parse().map_err(|e| format!("step {st:?}: {e}"))?,
+    ))
+}
+
+/// Polls `ready` until it answers true, fails, or `timeout` passes (a `Timeout` naming `what`).
+pub fn wait_for(
+    what: &str,
+    timeout: Duration,
+    mut ready: impl FnMut() -> Result<bool>,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !ready()? {
+        if Instant::now() > deadline {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "{what} did not become ready within {:.0}s",
+                    timeout.as_secs_f64()
+                ),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
+}

@@ -1,0 +1,102 @@
+//! What a replay is asked to do besides the workload: the engine, the model's shape, the device,
+//! the batch and chunk sizes, the connector's configuration, the ranks; and the checks that turn
+//! them into block dimensions.
+
+use kvbm_connector::config::Config;
+use kvbm_connector::error::{Error, ErrorKind, Result};
+use kvbm_connector::layout::LayoutDims;
+
+use super::framework::Framework;
+use super::rank::DeviceKind;
+
+/// Shape of the simulated model's KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ModelShape {
+    /// Layers.
+    pub layers: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Bytes per element.
+    pub dtype_bytes: usize,
+}
+
+/// Everything a replay needs besides the workload.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// Engine to imitate.
+    pub framework: Framework,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Device blocks.
+    pub device_blocks: usize,
+    /// Requests running at once.
+    pub max_batch: usize,
+    /// Prompt tokens computed per step (the chunked-prefill budget).
+    pub chunk_tokens: usize,
+    /// The engine's own on-device prefix reuse.
+    pub device_prefix_cache: bool,
+    /// Simulated compute cost per prompt token, in microseconds.
+    pub prefill_us_per_token: f64,
+    /// The model's KV shape.
+    pub model: ModelShape,
+    /// Connector configuration (tier sizes, disk directory, hash, ...).
+    pub config: Config,
+    /// Show a progress line on stderr.
+    pub progress: bool,
+    /// Tensor-parallel ranks (each a worker process when more than 1).
+    pub tp: usize,
+    /// Fault injection: kill this rank's process at this step (multi-process runs).
+    pub kill: Option<(usize, u64)>,
+    /// What backs the device cache (host memory, or a real GPU with feature `cuda`).
+    pub device: DeviceKind,
+}
+
+fn sim_err(msg: impl Into<String>) -> Error {
+    Error::new(ErrorKind::InvalidArgument, msg)
+}
+
+impl SimOptions {
+    /// Checks the options and the model's block dimensions (of the whole model, all ranks).
+    pub fn model_dims(&self) -> Result<LayoutDims> {
+        if self.block_size == 0
+            || self.device_blocks == 0
+            || self.max_batch == 0
+            || self.chunk_tokens == 0
+            || self.tp == 0
+        {
+            return Err(sim_err(
+                "block size, device blocks, max batch, chunk tokens and tp must be at least 1",
+            ));
+        }
+        if !(self.prefill_us_per_token.is_finite() && self.prefill_us_per_token >= 0.0) {
+            return Err(sim_err("prefill_us_per_token must be a number >= 0"));
+        }
+        let m = self.model;
+        if m.kv_heads % self.tp != 0 {
+            return Err(sim_err(format!(
+                "{} KV heads cannot be split evenly over {} ranks",
+                m.kv_heads, self.tp
+            )));
+        }
+        let dims = LayoutDims {
+            num_layers: m.layers,
+            outer_dim: 2,
+            page_size: self.block_size,
+            inner_dim: m.kv_heads.saturating_mul(m.head_dim),
+            dtype_bytes: m.dtype_bytes,
+        };
+        dims.validate()?;
+        Ok(dims)
+    }
+
+    /// The block dimensions of one rank's shard (KV heads split evenly).
+    pub fn shard_dims(&self) -> Result<LayoutDims> {
+        let d = self.model_dims()?;
+        Ok(LayoutDims {
+            inner_dim: d.inner_dim / self.tp,
+            ..d
+        })
+    }
+}

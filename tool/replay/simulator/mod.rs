@@ -1,0 +1,476 @@
+//! The engine stand-in behind `kvbm replay`: one scheduler process driving the real leader and,
+//! through [`RankDriver`]s, the real workers of its ranks.
+//!
+//! It behaves like the chosen engine's scheduler and model runner and drives the connector in that
+//! engine's call order; where the engines differ it asks the engine's
+//! [`SchedulerSide`] (see [`super::engines`] for what differs). The parts:
+//!
+//! * this module: start-up, the step loop (arrivals, idle stretches skipped, a progress line, a
+//!   guard against a replay that makes no progress), draining, the report;
+//! * [`schedule`]: admission (device prefix cache, connector match, block allocation), the
+//!   per-step token budget (chunked prefill), preemption, the model's sampling, finishing;
+//! * [`iteration`]: one engine iteration through the connector and the ranks, the ranks' votes on
+//!   what finished, verification of every onboarded block, lost ranks.
+//!
+//! The model stand-in writes, for every token it computes, deterministic KV bytes — a function of
+//! the token prefix, the layer, K or V and the position ([`super::model`]) — through the worker's
+//! per-layer calls into a device tier laid out as that engine lays out its cache. Every block
+//! onboarded from host or disk is compared byte for byte with what the model would have computed;
+//! the count of differences is `integrity_errors`.
+//!
+//! Time is simulated: a step costs `prefill_us_per_token` per prompt token computed plus a tenth of
+//! that per decode token; idle stretches skip to the next arrival.
+
+mod iteration;
+mod schedule;
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use kvbm_connector::connector::transport::in_process;
+use kvbm_connector::error::{Error, ErrorKind, Result};
+use kvbm_connector::identity::{BlockHasher, HashAlgorithm, Salt};
+use kvbm_connector::tier::TierKind;
+
+use super::engines::{engine_of, SchedulerSide};
+use super::messages::RankDriver;
+use super::model::Shard;
+use super::options::SimOptions;
+use super::pool::DevicePool;
+use super::rank::{LocalRank, RankExecutor};
+use super::report::{MatchedFrom, PathReport, Report, RequestReport, Summary, Timings};
+use super::request::{Phase, Req};
+use super::wait_for;
+use super::workload::TraceRequest;
+
+/// The simulated engine.
+pub struct Simulator {
+    opts: SimOptions,
+    pool: DevicePool,
+    sched: Box<dyn SchedulerSide>,
+    /// The ranks; `None` once a rank died.
+    ranks: Vec<Option<Box<dyn RankDriver>>>,
+    /// Child processes of the ranks (multi-process runs), by rank.
+    children: Vec<std::process::Child>,
+    /// Per request: how many live ranks reported it released / loaded so far.
+    released_votes: HashMap<usize, usize>,
+    loaded_votes: HashMap<usize, usize>,
+    rank_failures: usize,
+    reqs: Vec<Req>,
+    /// Request index by the connector's id (what the ranks report).
+    by_request_id: HashMap<String, usize>,
+    /// Running order (admission order): vLLM preempts from the back.
+    running: Vec<usize>,
+    waiting: VecDeque<usize>,
+    /// Device blocks freed since the last forward pass; overwritten with junk once the next
+    /// metadata is bound (so a hit only passes if a load really copied), unless reused by then.
+    to_clobber: Vec<usize>,
+    timings: Timings,
+    hasher: BlockHasher,
+    step: u64,
+    clock_us: f64,
+    integrity_errors: usize,
+    blocks_verified: usize,
+    load_errors: usize,
+    preemptions: usize,
+}
+
+impl Simulator {
+    /// Builds a single-process engine: leader and one worker over the in-process transport, started
+    /// in the engine's order.
+    pub fn new(opts: SimOptions, workload: &[TraceRequest]) -> Result<Self> {
+        let shard = Shard {
+            rank: 0,
+            dims: opts.shard_dims()?,
+        };
+        let engine = engine_of(opts.framework);
+        let (lt, wts) = in_process(1);
+        let wt = wts
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::internal("no worker transport"))?;
+        let executor = || {
+            RankExecutor::new(
+                opts.framework,
+                opts.device,
+                opts.config.clone(),
+                shard,
+                opts.device_blocks,
+                1,
+                wt,
+            )
+        };
+        let scheduler = || engine.scheduler(opts.config.clone(), opts.block_size, lt);
+        let (sched, rank) = if engine.workers_first() {
+            let rank = executor()?;
+            (scheduler()?, rank)
+        } else {
+            let sched = scheduler()?;
+            (sched, executor()?)
+        };
+        wait_for("the worker", opts.config.init_timeout(), || {
+            match rank.init_error() {
+                Some(e) => Err(e),
+                None => Ok(rank.is_ready()),
+            }
+        })?;
+        Self::assemble(
+            opts,
+            workload,
+            sched,
+            vec![Box::new(LocalRank(rank))],
+            Vec::new(),
+        )
+    }
+
+    /// Builds the engine over a started scheduler side and its ranks (`children`: their
+    /// processes, by rank, in multi-process runs); waits for the connector to be ready.
+    pub fn assemble(
+        opts: SimOptions,
+        workload: &[TraceRequest],
+        sched: Box<dyn SchedulerSide>,
+        ranks: Vec<Box<dyn RankDriver>>,
+        children: Vec<std::process::Child>,
+    ) -> Result<Self> {
+        opts.model_dims()?;
+        let n = opts.device_blocks;
+        let mut engine = Self {
+            pool: DevicePool::new(n, opts.device_prefix_cache),
+            hasher: BlockHasher::new(HashAlgorithm::Xxh3, Salt::NONE),
+            sched,
+            ranks: ranks.into_iter().map(Some).collect(),
+            children,
+            released_votes: HashMap::new(),
+            loaded_votes: HashMap::new(),
+            rank_failures: 0,
+            reqs: Vec::with_capacity(workload.len()),
+            by_request_id: HashMap::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            to_clobber: Vec::new(),
+            timings: Timings::default(),
+            step: 0,
+            clock_us: 0.0,
+            integrity_errors: 0,
+            blocks_verified: 0,
+            load_errors: 0,
+            preemptions: 0,
+            opts,
+        };
+        engine.wait_ready()?;
+        let mut ids = std::collections::HashSet::new();
+        for (i, r) in workload.iter().enumerate() {
+            if !ids.insert(r.id.as_str()) {
+                return Err(Error::invalid_argument(format!(
+                    "duplicate request id {:?}",
+                    r.id
+                )));
+            }
+            let mut req = Req {
+                id: r.id.clone(),
+                num_id: i as u64,
+                tokens: Vec::with_capacity(r.prompt.len() + r.max_tokens),
+                prefix: Vec::with_capacity(r.prompt.len() + r.max_tokens),
+                prompt_len: r.prompt.len(),
+                max_tokens: r.max_tokens.max(1),
+                generated: 0,
+                computed: 0,
+                blocks: Vec::new(),
+                phase: Phase::Pending,
+                arrival: r.arrival,
+                arrival_clock_us: 0.0,
+                first_token_us: None,
+                loading: None,
+                announced: false,
+                loaded: false,
+                sent_tokens: 0,
+                sent_blocks: 0,
+                report: RequestReport {
+                    id: r.id.clone(),
+                    prompt_tokens: r.prompt.len(),
+                    matched_tokens: 0,
+                    matched_from: MatchedFrom::default(),
+                    device_hit_tokens: 0,
+                    computed_tokens: 0,
+                    output_tokens: 0,
+                    ttft_ms: 0.0,
+                    preemptions: 0,
+                    load_errors: 0,
+                },
+            };
+            for &t in &r.prompt {
+                req.push_token(t);
+            }
+            let id = engine.sched.request_id(&req).to_string();
+            engine.by_request_id.insert(id, i);
+            engine.reqs.push(req);
+        }
+        let worst = engine
+            .reqs
+            .iter()
+            .map(|r| (r.prompt_len + r.max_tokens).div_ceil(engine.opts.block_size))
+            .max()
+            .unwrap_or(0);
+        if worst > n {
+            return Err(Error::invalid_argument(format!(
+                "a request needs {worst} device blocks but the device has {n}; raise --device-blocks"
+            )));
+        }
+        Ok(engine)
+    }
+
+    fn wait_ready(&mut self) -> Result<()> {
+        let timeout = self.opts.config.init_timeout();
+        let leader = self.sched.leader_mut();
+        wait_for("the connector", timeout, || match leader.init_error() {
+            Some(e) => Err(e),
+            None => Ok(leader.ready()),
+        })
+    }
+
+    fn keys(&self, i: usize, blocks: usize) -> Vec<u64> {
+        let bs = self.opts.block_size;
+        let r = &self.reqs[i];
+        let n = (blocks * bs).min(r.tokens.len());
+        self.hasher
+            .sequence_hashes(&r.tokens[..n], bs)
+            .map(|v| v.into_iter().map(|k| k.0).collect())
+            .unwrap_or_default()
+    }
+
+    fn all_done(&self) -> bool {
+        self.reqs.iter().all(|r| r.phase == Phase::Done)
+    }
+
+    /// Runs the whole workload.
+    pub fn run(mut self) -> Result<Report> {
+        let wall = Instant::now();
+        let total = self.reqs.len();
+        let mut last_progress = Instant::now();
+        let mut arrivals: Vec<usize> = (0..self.reqs.len()).collect();
+        arrivals.sort_by_key(|&i| (self.reqs[i].arrival, i));
+        let mut next_arrival = 0usize;
+        let mut guard = 0u64;
+        while !self.all_done() {
+            // Admit arrivals; skip idle stretches.
+            let idle = self.running.is_empty()
+                && self.waiting.is_empty()
+                && !self
+                    .reqs
+                    .iter()
+                    .any(|r| matches!(r.phase, Phase::Loading | Phase::Held));
+            if idle {
+                if let Some(&i) = arrivals.get(next_arrival) {
+                    self.step = self.step.max(self.reqs[i].arrival);
+                }
+            }
+            while let Some(&i) = arrivals.get(next_arrival) {
+                if self.reqs[i].arrival > self.step {
+                    break;
+                }
+                self.reqs[i].phase = Phase::Waiting;
+                self.reqs[i].arrival_clock_us = self.clock_us;
+                self.waiting.push_back(i);
+                next_arrival += 1;
+            }
+            self.one_step()?;
+            self.step += 1;
+            guard += 1;
+            if guard > 200_000 {
+                let count = |p: Phase| self.reqs.iter().filter(|r| r.phase == p).count();
+                let loading: Vec<usize> = (0..self.reqs.len())
+                    .filter(|&i| self.reqs[i].phase == Phase::Loading)
+                    .collect();
+                let stuck: Vec<String> = loading
+                    .iter()
+                    .chain(self.running.iter())
+                    .chain(self.waiting.iter())
+                    .take(6)
+                    .map(|&i| {
+                        let r = &self.reqs[i];
+                        format!(
+                            "{}:{:?} computed {}/{} blocks {} loading {:?} loaded {} leader {:?}",
+                            r.id,
+                            r.phase,
+                            r.computed,
+                            r.tokens.len(),
+                            r.blocks.len(),
+                            r.loading,
+                            r.loaded,
+                            self.sched.leader().state_of(&self.sched.request_id(r))
+                        )
+                    })
+                    .collect();
+                return Err(Error::internal(format!(
+                    "replay made no progress: {} running, {} waiting, {} loading, {} held, {} blocks available; {}",
+                    self.running.len(),
+                    self.waiting.len(),
+                    count(Phase::Loading),
+                    count(Phase::Held),
+                    self.pool.available(),
+                    stuck.join("; ")
+                )));
+            }
+            if self.opts.progress && last_progress.elapsed() > Duration::from_millis(200) {
+                let done = self.reqs.iter().filter(|r| r.phase == Phase::Done).count();
+                eprint!(
+                    "\rreplay: {done}/{total} requests finished, step {}",
+                    self.step
+                );
+                last_progress = Instant::now();
+            }
+        }
+        if self.opts.progress {
+            eprintln!(
+                "\rreplay: {total}/{total} requests finished, step {}   ",
+                self.step
+            );
+        }
+        self.drain()?;
+        Ok(self.report(wall.elapsed()))
+    }
+
+    /// Lets background stores (host → disk) finish so the report counts them.
+    fn drain(&mut self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            self.sched.leader_mut().apply_completions();
+            if !self.sched.leader().pending_work() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    "background transfers did not finish within 60 s",
+                ));
+            }
+            // Operations still queued in the leader go out with one more (empty) iteration.
+            self.engine_iteration(&[], &[])?;
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    fn one_step(&mut self) -> Result<()> {
+        self.admit()?;
+        let scheduled = self.schedule()?;
+        let computed_before: Vec<usize> = scheduled
+            .iter()
+            .map(|&(i, _)| self.reqs[i].computed)
+            .collect();
+        let (prefill_tokens, decode_tokens) = scheduled.iter().fold((0, 0), |(p, d), &(i, n)| {
+            if self.reqs[i].computed >= self.reqs[i].prompt_len {
+                (p, d + n)
+            } else {
+                (p + n, d)
+            }
+        });
+        self.engine_iteration(&scheduled, &computed_before)?;
+        self.clock_us += 20.0
+            + self.opts.prefill_us_per_token * prefill_tokens as f64
+            + self.opts.prefill_us_per_token / 10.0 * decode_tokens as f64;
+        self.advance(&scheduled)?;
+        Ok(())
+    }
+
+    /// Lets every live rank finish its background transfers; sums their per-path statistics.
+    fn collect_paths(&mut self) -> Vec<(TierKind, TierKind, u64, u64, f64)> {
+        let mut sums: Vec<(TierKind, TierKind, u64, u64, f64)> = Vec::new();
+        for rank in 0..self.ranks.len() {
+            let Some(driver) = self.ranks[rank].as_mut() else {
+                continue;
+            };
+            match driver.finish() {
+                Ok(stats) => {
+                    for (src, dst, blocks, bytes, busy) in stats.paths {
+                        match sums.iter_mut().find(|p| p.0 == src && p.1 == dst) {
+                            Some(p) => {
+                                p.2 += blocks;
+                                p.3 += bytes;
+                                p.4 += busy;
+                            }
+                            None => sums.push((src, dst, blocks, bytes, busy)),
+                        }
+                    }
+                }
+                Err(e) => self.rank_died(rank, &e),
+            }
+        }
+        sums.sort_by_key(|p| (p.0, p.1));
+        sums
+    }
+
+    fn report(&mut self, wall: Duration) -> Report {
+        let paths = self.collect_paths();
+        for c in &mut self.children {
+            let _ = c.wait();
+        }
+        let mut offloaded = Vec::new();
+        let mut onboarded = Vec::new();
+        for (src, dst, blocks, bytes, busy) in paths {
+            let row = PathReport {
+                path: format!("{src}->{dst}"),
+                blocks,
+                bytes,
+                gb_per_s: if busy > 0.0 {
+                    bytes as f64 / busy / 1e9
+                } else {
+                    0.0
+                },
+            };
+            if dst == TierKind::Device {
+                onboarded.push(row);
+            } else {
+                offloaded.push(row);
+            }
+        }
+        let requests: Vec<RequestReport> = self.reqs.iter().map(|r| r.report.clone()).collect();
+        let prompt_tokens: usize = requests.iter().map(|r| r.prompt_tokens).sum();
+        let matched: usize = requests.iter().map(|r| r.matched_tokens).sum();
+        let from = requests
+            .iter()
+            .fold(MatchedFrom::default(), |a, r| MatchedFrom {
+                host: a.host + r.matched_from.host,
+                disk: a.disk + r.matched_from.disk,
+            });
+        let ttft: Vec<f64> = requests.iter().map(|r| r.ttft_ms).collect();
+        Report {
+            summary: Summary {
+                framework: self.opts.framework,
+                requests: requests.len(),
+                prompt_tokens,
+                matched_tokens: matched,
+                hit_rate: if prompt_tokens == 0 {
+                    0.0
+                } else {
+                    matched as f64 / prompt_tokens as f64
+                },
+                matched_from: from,
+                device_hit_tokens: requests.iter().map(|r| r.device_hit_tokens).sum(),
+                computed_tokens: requests.iter().map(|r| r.computed_tokens).sum(),
+                offloaded,
+                onboarded,
+                leader_latency: self.timings.report(),
+                integrity_errors: self.integrity_errors,
+                blocks_verified: self.blocks_verified,
+                load_errors: self.load_errors,
+                preemptions: self.preemptions,
+                tp: self.ranks.len(),
+                rank_failures: self.rank_failures,
+                steps: self.step,
+                simulated_ms: self.clock_us / 1000.0,
+                mean_ttft_ms: if ttft.is_empty() {
+                    0.0
+                } else {
+                    ttft.iter().sum::<f64>() / ttft.len() as f64
+                },
+                wall_s: wall.as_secs_f64(),
+            },
+            requests,
+        }
+    }
+}
+
+/// Runs a replay in one process (leader and one worker over the in-process transport).
+pub fn replay(opts: SimOptions, workload: &[TraceRequest]) -> Result<Report> {
+    Simulator::new(opts, workload)?.run()
+}

@@ -1,0 +1,246 @@
+//! Admission, scheduling and the model's sampling: which requests run this step and on which
+//! device blocks.
+//!
+//! Admission follows arrival order: the device prefix cache first, then the connector's match,
+//! then the engine's blocks (as many as its [`blocks_at_admission`] says). A request whose match
+//! needs a load waits for it (`Loading`) and rejoins without a new match. Each step the running
+//! requests get their tokens in admission order within the chunked-prefill budget (decodes take
+//! one token each, outside the budget); out of device blocks, an engine that [`preempts`] gives up
+//! its newest running request.
+//!
+//! [`blocks_at_admission`]: crate::replay::engines::SchedulerSide::blocks_at_admission
+//! [`preempts`]: crate::replay::engines::SchedulerSide::preempts
+
+use std::collections::VecDeque;
+
+use kvbm_connector::error::{Error, Result};
+
+use super::Simulator;
+use crate::replay::request::Phase;
+use crate::replay::workload::{sample_token, PREFIX_HASH_SEED};
+
+impl Simulator {
+    /// Admits waiting requests in order while the batch and the device blocks allow.
+    pub(super) fn admit(&mut self) -> Result<()> {
+        let bs = self.opts.block_size;
+        let mut still = VecDeque::new();
+        while let Some(i) = self.waiting.pop_front() {
+            if self.running.len() >= self.opts.max_batch {
+                still.push_back(i);
+                continue;
+            }
+            let r = &self.reqs[i];
+            if r.phase == Phase::Loading {
+                continue;
+            }
+            // Loaded requests come back without a new match.
+            if r.loaded {
+                self.reqs[i].loaded = false;
+                self.after_load_admit(i)?;
+                continue;
+            }
+            let n = r.tokens.len();
+            // Blocks needed now: vLLM the prompt; TensorRT-LLM prompt and output (no evict).
+            let need = self.sched.blocks_at_admission(r, bs);
+            let keys = self.keys(i, n.saturating_sub(1) / bs);
+            let local_blocks = self.pool.lookup(&keys);
+            let fresh = need.saturating_sub(local_blocks.len());
+            if self.pool.available() < fresh {
+                self.pool.release(&local_blocks, &[]);
+                still.push_back(i);
+                // Keep arrival order: nothing behind this one is admitted this step.
+                while let Some(j) = self.waiting.pop_front() {
+                    still.push_back(j);
+                }
+                break;
+            }
+            let local = local_blocks.len() * bs;
+            let m = self.connector_match(i, local)?;
+            let mut blocks = local_blocks;
+            for _ in 0..fresh {
+                match self.pool.alloc() {
+                    Some(b) => blocks.push(b),
+                    None => return Err(Error::internal("device pool ran out after checking")),
+                }
+            }
+            let r = &mut self.reqs[i];
+            r.blocks = blocks;
+            r.report.device_hit_tokens += local;
+            r.report.matched_tokens += m.0;
+            r.report.matched_from.host += m.1;
+            r.report.matched_from.disk += m.2;
+            r.computed = local;
+            self.connector_alloc(i, m.0)?;
+            let r = &mut self.reqs[i];
+            if m.0 > 0 {
+                r.phase = Phase::Loading;
+                r.loading = Some((local / bs, m.0 / bs));
+                self.sched.load_started(r);
+            } else {
+                r.phase = Phase::Running;
+                self.running.push(i);
+            }
+        }
+        self.waiting = still;
+        Ok(())
+    }
+
+    /// A request whose load finished joins the running set (vLLM: second alloc call with 0).
+    fn after_load_admit(&mut self, i: usize) -> Result<()> {
+        self.sched.load_finished(&self.reqs[i], &mut self.timings)?;
+        self.reqs[i].phase = Phase::Running;
+        self.running.push(i);
+        Ok(())
+    }
+
+    /// (external tokens, from host, from disk).
+    fn connector_match(&mut self, i: usize, local: usize) -> Result<(usize, usize, usize)> {
+        let ext = self
+            .sched
+            .get_num_new_matched_tokens(&self.reqs[i], local, &mut self.timings)?;
+        let m = self.sched.leader().match_split();
+        Ok((ext, m.host_tokens, m.disk_tokens))
+    }
+
+    fn connector_alloc(&mut self, i: usize, external: usize) -> Result<()> {
+        self.sched
+            .update_state_after_alloc(&self.reqs[i], external, &mut self.timings)
+    }
+
+    /// Picks this step's (request, tokens to compute); allocates blocks on demand (vLLM, with
+    /// preemption of the newest request when they run out).
+    pub(super) fn schedule(&mut self) -> Result<Vec<(usize, usize)>> {
+        let bs = self.opts.block_size;
+        let mut budget = self.opts.chunk_tokens;
+        let mut out = Vec::new();
+        let mut k = 0;
+        while k < self.running.len() {
+            let i = self.running[k];
+            let r = &self.reqs[i];
+            let remaining = r.tokens.len().saturating_sub(r.computed);
+            if remaining == 0 {
+                k += 1;
+                continue;
+            }
+            let decoding = r.computed >= r.prompt_len;
+            let n = if decoding { 1 } else { remaining.min(budget) };
+            if n == 0 {
+                k += 1;
+                continue;
+            }
+            let need = (r.computed + n).div_ceil(bs);
+            let mut preempted_self = false;
+            while self.reqs[i].blocks.len() < need {
+                if let Some(b) = self.pool.alloc() {
+                    self.reqs[i].blocks.push(b);
+                    continue;
+                }
+                // Out of blocks: vLLM preempts the newest running request. (TensorRT-LLM reserved
+                // every block at admission and never gets here.)
+                if !self.sched.preempts() {
+                    return Err(Error::internal(
+                        "TensorRT-LLM request ran out of reserved blocks",
+                    ));
+                }
+                // The newest request the engine has already run (vLLM schedules running
+                // requests before it admits waiting ones, so a request admitted this step is
+                // never a victim — unless it is the one that needs the block, which then waits).
+                let victim = self
+                    .running
+                    .iter()
+                    .rev()
+                    .copied()
+                    .find(|&j| j == i || self.reqs[j].announced);
+                let Some(victim) = victim else {
+                    break;
+                };
+                self.preempt(victim)?;
+                if victim == i {
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if preempted_self {
+                break;
+            }
+            if !decoding {
+                budget -= n;
+            }
+            out.push((i, n));
+            k += 1;
+        }
+        Ok(out)
+    }
+
+    fn preempt(&mut self, i: usize) -> Result<()> {
+        self.running.retain(|&j| j != i);
+        let keys = self.keys(i, self.reqs[i].computed / self.opts.block_size);
+        let blocks = std::mem::take(&mut self.reqs[i].blocks);
+        self.pool.release(&blocks, &keys);
+        self.to_clobber.extend_from_slice(&blocks);
+        let r = &mut self.reqs[i];
+        let was_announced = r.announced;
+        r.computed = 0;
+        r.announced = false;
+        r.phase = Phase::Waiting;
+        r.report.preemptions += 1;
+        self.preemptions += 1;
+        self.waiting.push_front(i);
+        self.sched.preempted(&self.reqs[i], was_announced);
+        Ok(())
+    }
+
+    /// After the forward pass: the model samples a token for every request whose tokens are all
+    /// computed; finished requests leave the batch.
+    pub(super) fn advance(&mut self, scheduled: &[(usize, usize)]) -> Result<()> {
+        let mut finished = Vec::new();
+        for &(i, n) in scheduled {
+            let r = &mut self.reqs[i];
+            r.computed += n;
+            r.report.computed_tokens += n;
+            if r.computed == r.tokens.len() {
+                // The model samples the next token.
+                let h = r.prefix.last().copied().unwrap_or(PREFIX_HASH_SEED);
+                r.push_token(sample_token(h));
+                r.generated += 1;
+                r.report.output_tokens = r.generated;
+                if r.first_token_us.is_none() {
+                    r.first_token_us = Some(self.clock_us);
+                    r.report.ttft_ms = (self.clock_us - r.arrival_clock_us) / 1000.0;
+                }
+                if r.generated >= r.max_tokens {
+                    finished.push(i);
+                }
+            }
+        }
+        for i in finished {
+            self.finish(i)?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, i: usize) -> Result<()> {
+        self.running.retain(|&j| j != i);
+        let held = self
+            .sched
+            .request_finished(&self.reqs[i], &mut self.timings)?;
+        if held {
+            self.reqs[i].phase = Phase::Held;
+        } else {
+            self.free_request_blocks(i)?;
+            self.reqs[i].phase = Phase::Done;
+        }
+        Ok(())
+    }
+
+    /// Returns a finished request's blocks to the pool (full computed ones stay cached).
+    pub(super) fn free_request_blocks(&mut self, i: usize) -> Result<()> {
+        let bs = self.opts.block_size;
+        let full = self.reqs[i].computed / bs;
+        let keys = self.keys(i, full);
+        let blocks = std::mem::take(&mut self.reqs[i].blocks);
+        self.pool.release(&blocks, &keys);
+        self.to_clobber.extend_from_slice(&blocks);
+        Ok(())
+    }
+}

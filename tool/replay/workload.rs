@@ -1,0 +1,187 @@
+//! Workloads for `kvbm replay`: the request type and the built-in generators; and the model
+//! stand-in's tokens.
+//!
+//! A workload is a list of requests, each with an id, an arrival step (the engine admits it at or
+//! after that step), a prompt and a number of output tokens. Generators are deterministic for a
+//! seed. Generated tokens are a pure function of the token prefix ([`sample_token`]), so a
+//! multi-turn generator can put the engine's own earlier answers into the next turn's prompt, as a
+//! chat frontend does. JSONL traces are read by the `trace` module.
+//!
+//! `tests/cli.rs` compiles this file too (the tool is not a library), to compare the binary's
+//! reports with the generators and the model; so this file uses nothing of the tool, and its tests
+//! live there (inline ones would run in both places).
+
+use serde::{Deserialize, Serialize};
+
+/// Tokens are drawn below this id.
+pub const VOCAB: u32 = 32_000;
+
+/// One request of a workload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceRequest {
+    /// Request id (unique within the workload).
+    pub id: String,
+    /// Engine step at or after which the request is admitted.
+    pub arrival: u64,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate (at least 1).
+    pub max_tokens: usize,
+}
+
+/// The built-in workload generators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::Display, strum::EnumString, clap::ValueEnum)]
+#[strum(serialize_all = "kebab-case")]
+pub enum WorkloadKind {
+    /// Conversations whose every turn re-sends the whole history (system prompt, earlier turns
+    /// and the model's earlier answers) plus a new user message.
+    MultiTurn,
+    /// Many requests sharing a few long system prompts, each with its own short suffix.
+    SharedPrefix,
+    /// Unrelated random prompts (little to share).
+    Random,
+}
+
+/// A small deterministic generator (SplitMix64): no dependency, same stream on every platform.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded generator.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9e37_79b9_7f4a_7c15)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi` (`lo` when `hi < lo`).
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        if hi <= lo {
+            return lo;
+        }
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+
+    /// Between `lo` and `hi` random tokens.
+    pub fn tokens_between(&mut self, lo: usize, hi: usize) -> Vec<u32> {
+        let n = self.range(lo, hi);
+        self.tokens(n)
+    }
+
+    /// `n` random tokens.
+    pub fn tokens(&mut self, n: usize) -> Vec<u32> {
+        (0..n)
+            .map(|_| (self.next_u64() % u64::from(VOCAB)) as u32)
+            .collect()
+    }
+}
+
+/// FNV-1a step over one token: the rolling hash of a token prefix.
+pub fn prefix_hash_step(h: u64, token: u32) -> u64 {
+    (h ^ u64::from(token)).wrapping_mul(0x0000_0100_0000_01b3)
+}
+
+/// Rolling hash of the empty prefix.
+pub const PREFIX_HASH_SEED: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// The token the model stand-in samples after a prefix with rolling hash `h`.
+pub fn sample_token(h: u64) -> u32 {
+    let mut z = h ^ 0x5851_f42d_4c95_7f2d;
+    z = (z ^ (z >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    ((z ^ (z >> 29)) % u64::from(VOCAB)) as u32
+}
+
+/// The `n` tokens the model stand-in generates after `prompt`.
+pub fn generate(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut h = prompt
+        .iter()
+        .fold(PREFIX_HASH_SEED, |h, &t| prefix_hash_step(h, t));
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = sample_token(h);
+        out.push(t);
+        h = prefix_hash_step(h, t);
+    }
+    out
+}
+
+/// Sizes of a generated workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkloadSize {
+    /// Requests (multi-turn: conversations × turns).
+    pub requests: usize,
+    /// Steps between consecutive arrivals.
+    pub arrival_gap: u64,
+}
+
+/// Generates a built-in workload.
+pub fn generate_workload(kind: WorkloadKind, seed: u64, size: WorkloadSize) -> Vec<TraceRequest> {
+    let mut rng = Rng::new(seed);
+    let gap = size.arrival_gap;
+    match kind {
+        WorkloadKind::MultiTurn => {
+            let turns = 4usize;
+            let conversations = size.requests.div_ceil(turns).max(1);
+            let system = rng.tokens(96);
+            let mut out = Vec::with_capacity(conversations * turns);
+            for c in 0..conversations {
+                let mut history = system.clone();
+                history.extend(rng.tokens_between(32, 96));
+                for t in 0..turns {
+                    if out.len() == size.requests {
+                        break;
+                    }
+                    history.extend(rng.tokens_between(24, 72));
+                    let max_tokens = rng.range(8, 24);
+                    // Turns of one conversation arrive far apart (the user reads and types),
+                    // conversations interleave.
+                    let arrival = (c as u64) * gap + (t as u64) * gap * 6;
+                    out.push(TraceRequest {
+                        id: format!("c{c}-t{t}"),
+                        arrival,
+                        prompt: history.clone(),
+                        max_tokens,
+                    });
+                    history.extend(generate(&history, max_tokens));
+                }
+            }
+            out.sort_by_key(|r| r.arrival);
+            out
+        }
+        WorkloadKind::SharedPrefix => {
+            let prefixes: Vec<Vec<u32>> = (0..4).map(|_| rng.tokens_between(192, 384)).collect();
+            (0..size.requests)
+                .map(|i| {
+                    let p = &prefixes[rng.range(0, prefixes.len() - 1)];
+                    let mut prompt = p.clone();
+                    prompt.extend(rng.tokens_between(16, 64));
+                    TraceRequest {
+                        id: format!("s{i}"),
+                        arrival: i as u64 * gap,
+                        prompt,
+                        max_tokens: rng.range(4, 16),
+                    }
+                })
+                .collect()
+        }
+        WorkloadKind::Random => (0..size.requests)
+            .map(|i| {
+                let n = rng.range(64, 384);
+                TraceRequest {
+                    id: format!("r{i}"),
+                    arrival: i as u64 * gap,
+                    prompt: rng.tokens(n),
+                    max_tokens: rng.range(4, 16),
+                }
+            })
+            .collect(),
+    }
+}
