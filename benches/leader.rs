@@ -40,13 +40,13 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
-use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
 use kvbm_connector::connector::metadata::ConnectorMetadata;
 use kvbm_connector::connector::transport::{
     in_process, Completion, InProcessWorker, WorkerHello, WorkerMessage, WorkerTransport,
 };
 use kvbm_connector::connector::RequestId;
+use kvbm_connector::frameworks::vllm::Vllm;
 use kvbm_connector::{Config, LayoutDims, Token};
 
 const BS: usize = 16;
@@ -116,7 +116,7 @@ impl Rig {
         let stand_in = std::thread::spawn(move || {
             common::answer_barrier(w.as_ref(), hello, Duration::from_secs(30))
         });
-        let leader = Leader::new(ScheduledTokens, config, BS, lt, InitMode::Blocking).unwrap();
+        let leader = Leader::new::<Vllm>(ScheduledTokens, config, BS, lt).unwrap();
         stand_in.join().unwrap();
         let mut rig = Rig {
             leader,

@@ -39,7 +39,6 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
-use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
 use kvbm_connector::connector::metadata::{ConnectorMetadata, OperationId};
 use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
@@ -47,6 +46,7 @@ use kvbm_connector::connector::transport::{
     in_process, Completion, LeaderTransport, WorkerHello, WorkerMessage, WorkerTransport,
 };
 use kvbm_connector::connector::RequestId;
+use kvbm_connector::frameworks::vllm::Vllm;
 use kvbm_connector::{Config, LayoutDims, Token};
 
 /// Ranks.
@@ -149,7 +149,7 @@ impl Rig {
             .enumerate()
             .map(|(r, t)| stand_in(t, r))
             .unzip();
-        let mut leader = Leader::new(ScheduledTokens, config, BS, lt, InitMode::Blocking).unwrap();
+        let mut leader = Leader::new::<Vllm>(ScheduledTokens, config, BS, lt).unwrap();
         assert!(leader.is_ready());
         Rig {
             name,

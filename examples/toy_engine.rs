@@ -31,7 +31,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::{ScheduledRequest, SchedulerAdapter, SchedulerStep};
-use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
 use kvbm_connector::connector::metadata::{
     BlockTransfer, ConnectorMetadata, Direction, Operation, OperationId,
@@ -39,6 +38,7 @@ use kvbm_connector::connector::metadata::{
 use kvbm_connector::connector::transport::in_process;
 use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
+use kvbm_connector::connector::{Engine, NonBlocking};
 use kvbm_connector::layout::BlockOrder;
 use kvbm_connector::{Config, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind, Token};
 use serde::{Deserialize, Serialize};
@@ -59,6 +59,16 @@ const DISK_BLOCKS: usize = 128;
 // ================================================================================================
 // The adapter: what a user writes for their engine.
 // ================================================================================================
+
+/// The toy engine as the connector sees it: its adapter, and both sides starting non-blocking
+/// (the toy polls readiness before it admits a request).
+struct Toy;
+
+impl Engine for Toy {
+    type Adapter = FinalDeltas;
+    type LeaderInit = NonBlocking;
+    type WorkerInit = NonBlocking;
+}
 
 /// The toy's custom operation: copy disk blocks into host blocks ahead of need.
 ///
@@ -674,21 +684,9 @@ fn run(dir: &Path) -> Res<()> {
     // Both sides start non-blocking; the toy holds admission until both are ready.
     let (leader_end, worker_ends) = in_process(1);
     let worker_end = worker_ends.first().ok_or("no worker transport")?.clone();
-    let mut worker = Worker::new(
-        config.clone(),
-        1,
-        worker_end,
-        InitMode::NonBlocking,
-        StandardTiers::shared(),
-    )?;
+    let mut worker = Worker::new::<Toy>(config.clone(), 1, worker_end, StandardTiers::shared())?;
     worker.register(device.clone())?;
-    let mut leader = Leader::new(
-        FinalDeltas::default(),
-        config.clone(),
-        PAGE,
-        leader_end,
-        InitMode::NonBlocking,
-    )?;
+    let mut leader = Leader::new::<Toy>(FinalDeltas::default(), config.clone(), PAGE, leader_end)?;
     let deadline = Instant::now() + config.init_timeout();
     while !(leader.is_ready() && worker.is_ready()) {
         if let Some(e) = worker.init_error() {

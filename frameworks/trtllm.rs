@@ -22,11 +22,11 @@ use std::sync::Arc;
 use crate::backends::StandardTiers;
 use crate::config::Config;
 use crate::connector::adapter::{ComputedPosition, ScheduledRequest, SchedulerStep};
-use crate::connector::barrier::InitMode;
 use crate::connector::leader::{Leader, RequestInfo};
 use crate::connector::transport::{LeaderTransport, WorkerTransport};
 use crate::connector::worker::Worker;
 use crate::connector::RequestId;
+use crate::connector::{Blocking, Engine, NonBlocking};
 use crate::error::{Error, Result};
 use crate::identity::Token;
 use crate::layout::{KvLayout, Layout, LayoutDims, LayoutKind};
@@ -69,6 +69,20 @@ pub struct SchedulerOutput {
     pub cached_requests: Vec<RequestData>,
 }
 
+/// The TensorRT-LLM engine as the connector sees it: its adapter and its start-up order.
+///
+/// TensorRT-LLM builds its scheduler (rank 0) and its workers at once, and the engine is ready when
+/// the workers are: the scheduler's barrier runs in the background, each worker's inline in
+/// `register_kv_caches`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Trtllm;
+
+impl Engine for Trtllm {
+    type Adapter = ComputedPosition;
+    type LeaderInit = NonBlocking;
+    type WorkerInit = Blocking;
+}
+
 /// `KvCacheConnectorScheduler`.
 #[derive(Debug)]
 pub struct TrtllmScheduler {
@@ -89,18 +103,8 @@ impl TrtllmScheduler {
         tokens_per_block: usize,
         transport: Arc<dyn LeaderTransport>,
     ) -> Result<Self> {
-        Self::with_mode(config, tokens_per_block, transport, InitMode::NonBlocking)
-    }
-
-    /// As [`TrtllmScheduler::new`] with an explicit init mode.
-    pub fn with_mode(
-        config: Config,
-        tokens_per_block: usize,
-        transport: Arc<dyn LeaderTransport>,
-        mode: InitMode,
-    ) -> Result<Self> {
         Ok(Self {
-            leader: Leader::new(ComputedPosition, config, tokens_per_block, transport, mode)?,
+            leader: Leader::new::<Trtllm>(ComputedPosition, config, tokens_per_block, transport)?,
             external: HashMap::new(),
             reported: HashMap::new(),
             prompt_len: HashMap::new(),
@@ -244,30 +248,13 @@ impl TrtllmWorker {
         world_size: usize,
         transport: Arc<dyn WorkerTransport>,
     ) -> Result<Self> {
-        Self::with_mode(
-            config,
-            tokens_per_block,
-            world_size,
-            transport,
-            InitMode::Blocking,
-        )
-    }
-
-    /// As [`TrtllmWorker::new`] with an explicit init mode.
-    pub fn with_mode(
-        config: Config,
-        tokens_per_block: usize,
-        world_size: usize,
-        transport: Arc<dyn WorkerTransport>,
-        mode: InitMode,
-    ) -> Result<Self> {
         if tokens_per_block == 0 {
             return Err(Error::invalid_argument(
                 "tokens_per_block must be at least 1",
             ));
         }
         Ok(Self {
-            worker: Worker::new(config, world_size, transport, mode, StandardTiers::shared())?,
+            worker: Worker::new::<Trtllm>(config, world_size, transport, StandardTiers::shared())?,
             tokens_per_block,
             num_layers: 0,
             saved_this_iteration: false,

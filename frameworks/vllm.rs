@@ -25,11 +25,11 @@ use std::sync::Arc;
 use crate::backends::StandardTiers;
 use crate::config::Config;
 use crate::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
-use crate::connector::barrier::InitMode;
 use crate::connector::leader::{Leader, RequestInfo};
 use crate::connector::transport::{LeaderTransport, WorkerTransport};
 use crate::connector::worker::Worker;
 use crate::connector::RequestId;
+use crate::connector::{Blocking, Engine, NonBlocking};
 use crate::error::{Error, Result};
 use crate::identity::Token;
 use crate::layout::{BlockOrder, Layout, LayoutDims, LayoutKind};
@@ -107,6 +107,19 @@ fn one_group(id: &str, groups: &[Vec<usize>]) -> Result<Vec<usize>> {
     }
 }
 
+/// The vLLM engine as the connector sees it: its adapter and its start-up order.
+///
+/// vLLM registers the workers' caches before it builds the scheduler: each worker's barrier runs in
+/// the background (its `register_kv_caches` returns at once), the scheduler's inline.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Vllm;
+
+impl Engine for Vllm {
+    type Adapter = ScheduledTokens;
+    type LeaderInit = Blocking;
+    type WorkerInit = NonBlocking;
+}
+
 /// The scheduler role of `KVConnectorBase_V1`.
 #[derive(Debug)]
 pub struct VllmScheduler {
@@ -121,18 +134,8 @@ impl VllmScheduler {
         block_size: usize,
         transport: Arc<dyn LeaderTransport>,
     ) -> Result<Self> {
-        Self::with_mode(config, block_size, transport, InitMode::Blocking)
-    }
-
-    /// As [`VllmScheduler::new`] with an explicit init mode.
-    pub fn with_mode(
-        config: Config,
-        block_size: usize,
-        transport: Arc<dyn LeaderTransport>,
-        mode: InitMode,
-    ) -> Result<Self> {
         Ok(Self {
-            leader: Leader::new(ScheduledTokens, config, block_size, transport, mode)?,
+            leader: Leader::new::<Vllm>(ScheduledTokens, config, block_size, transport)?,
         })
     }
 
@@ -287,28 +290,11 @@ impl VllmWorker {
         world_size: usize,
         transport: Arc<dyn WorkerTransport>,
     ) -> Result<Self> {
-        Self::with_mode(
-            config,
-            block_size,
-            world_size,
-            transport,
-            InitMode::NonBlocking,
-        )
-    }
-
-    /// As [`VllmWorker::new`] with an explicit init mode.
-    pub fn with_mode(
-        config: Config,
-        block_size: usize,
-        world_size: usize,
-        transport: Arc<dyn WorkerTransport>,
-        mode: InitMode,
-    ) -> Result<Self> {
         if block_size == 0 {
             return Err(Error::invalid_argument("block_size must be at least 1"));
         }
         Ok(Self {
-            worker: Worker::new(config, world_size, transport, mode, StandardTiers::shared())?,
+            worker: Worker::new::<Vllm>(config, world_size, transport, StandardTiers::shared())?,
             block_size,
             layers: HashMap::new(),
             saved_this_iteration: false,

@@ -243,22 +243,21 @@ impl kvbm_connector::connector::adapter::SchedulerAdapter for FlakyHook {
 
 #[test]
 fn a_failing_metadata_hook_loses_no_operation() {
-    use kvbm_connector::connector::barrier::InitMode;
     use kvbm_connector::connector::leader::Leader;
     use kvbm_connector::connector::transport::in_process;
+    use kvbm_connector::connector::{Blocking, Engine, NonBlocking};
+    struct Flaky;
+    impl Engine for Flaky {
+        type Adapter = FlakyHook;
+        type LeaderInit = Blocking;
+        type WorkerInit = NonBlocking;
+    }
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 16, 0);
     let (lt, wts) = in_process(1);
-    let mut worker = new_worker(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut worker = new_worker(cfg.clone(), 1, wts[0].clone(), NonBlocking).unwrap();
     worker.register(device()).unwrap();
-    let mut leader = Leader::new(
-        FlakyHook { fail_next: false },
-        cfg,
-        BS,
-        lt,
-        InitMode::Blocking,
-    )
-    .unwrap();
+    let mut leader = Leader::new::<Flaky>(FlakyHook { fail_next: false }, cfg, BS, lt).unwrap();
     let a: RequestId = "a".into();
     let tokens = prompt();
     leader

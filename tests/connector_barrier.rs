@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 use common::*;
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::backends::StandardTiers;
-use kvbm_connector::connector::adapter::{ScheduledTokens, SchedulerStep};
-use kvbm_connector::connector::barrier::InitMode;
-use kvbm_connector::connector::leader::{Leader, LeaderStatus};
+use kvbm_connector::connector::adapter::SchedulerStep;
+use kvbm_connector::connector::leader::LeaderStatus;
 use kvbm_connector::connector::metadata::{BlockTransfer, ConnectorMetadata, Load, OperationId};
 use kvbm_connector::connector::transport::{in_process, TierCounts};
 use kvbm_connector::connector::worker::{TierFactory, WorkerTiers};
 use kvbm_connector::connector::RequestId;
+use kvbm_connector::connector::{Blocking, NonBlocking};
 use kvbm_connector::{Config, ErrorKind, Layout, LayoutDims, StorageTier, TierKind};
 
 #[test]
@@ -23,10 +23,10 @@ fn leader_deadline_names_the_missing_rank() {
     let mut cfg = config(dir.path(), 8, 0);
     cfg.init_timeout_secs = 0.3;
     let (lt, wts) = in_process(2);
-    let mut w0 = new_worker(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut w0 = new_worker(cfg.clone(), 2, wts[0].clone(), NonBlocking).unwrap();
     w0.register(device()).unwrap();
     let started = Instant::now();
-    let e = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap_err();
+    let e = new_leader(cfg, BS, lt, Blocking).unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(5));
     assert_eq!(e.kind(), ErrorKind::Timeout);
     assert_eq!(e.context_value("missing_ranks"), Some("[1]"), "{e}");
@@ -39,7 +39,7 @@ fn worker_deadline_without_a_leader() {
     let mut cfg = config(dir.path(), 8, 0);
     cfg.init_timeout_secs = 0.2;
     let (_lt, wts) = in_process(1);
-    let mut w = new_worker(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
+    let mut w = new_worker(cfg, 1, wts[0].clone(), Blocking).unwrap();
     let e = w.register(device()).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Timeout);
     assert_eq!(e.context_value("rank"), Some("0"));
@@ -50,8 +50,7 @@ fn non_blocking_leader_answers_not_ready_until_the_worker_registers() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 8, 8);
     let (lt, wts) = in_process(1);
-    let mut leader =
-        Leader::new(ScheduledTokens, cfg.clone(), BS, lt, InitMode::NonBlocking).unwrap();
+    let mut leader = new_leader(cfg.clone(), BS, lt, NonBlocking).unwrap();
     assert!(!leader.is_ready());
     assert!(matches!(leader.status(), LeaderStatus::NotReady));
     let id: RequestId = "early".into();
@@ -72,7 +71,7 @@ fn non_blocking_leader_answers_not_ready_until_the_worker_registers() {
     assert!(meta.is_empty());
     assert!(!leader.request_finished(&id, None, None).unwrap());
     // TensorRT-LLM order: the worker registers blocking while the leader waits in the background.
-    let mut worker = new_worker(cfg, 1, wts[0].clone(), InitMode::Blocking).unwrap();
+    let mut worker = new_worker(cfg, 1, wts[0].clone(), Blocking).unwrap();
     worker.register(device()).unwrap();
     assert!(worker.is_ready());
     wait_until("leader ready", || leader.is_ready());
@@ -91,7 +90,7 @@ fn worker_refuses_operations_before_it_is_ready() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 8, 0);
     let (_lt, wts) = in_process(1);
-    let mut w = new_worker(cfg, 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut w = new_worker(cfg, 1, wts[0].clone(), NonBlocking).unwrap();
     w.register(device()).unwrap();
     assert!(!w.is_ready());
     w.bind_metadata(&ConnectorMetadata::empty(1).encode().unwrap())
@@ -127,11 +126,11 @@ fn tensor_parallel_counts_use_the_sum_of_bytes_and_the_minimum_device_blocks() {
             )
             .unwrap(),
         );
-        let mut w = new_worker(cfg.clone(), 2, wts[rank].clone(), InitMode::NonBlocking).unwrap();
+        let mut w = new_worker(cfg.clone(), 2, wts[rank].clone(), NonBlocking).unwrap();
         w.register(dev).unwrap();
         workers.push(w);
     }
-    let leader = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap();
+    let leader = new_leader(cfg, BS, lt, Blocking).unwrap();
     let LeaderStatus::Ready(r) = leader.status() else {
         panic!("leader not ready")
     };
@@ -154,9 +153,9 @@ fn ranks_with_disagreeing_layouts_are_refused() {
         num_layers: 3,
         ..dims()
     };
-    let mut w0 = new_worker(cfg.clone(), 2, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut w0 = new_worker(cfg.clone(), 2, wts[0].clone(), NonBlocking).unwrap();
     w0.register(device()).unwrap();
-    let mut w1 = new_worker(cfg.clone(), 2, wts[1].clone(), InitMode::NonBlocking).unwrap();
+    let mut w1 = new_worker(cfg.clone(), 2, wts[1].clone(), NonBlocking).unwrap();
     w1.register(Arc::new(
         MemoryTier::new(
             TierKind::Device,
@@ -165,7 +164,7 @@ fn ranks_with_disagreeing_layouts_are_refused() {
         .unwrap(),
     ))
     .unwrap();
-    let e = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap_err();
+    let e = new_leader(cfg, BS, lt, Blocking).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidLayout, "{e}");
     assert!(
         e.to_string().contains("rank 1") || e.to_string().contains("rank 0"),
@@ -192,9 +191,9 @@ fn a_leader_whose_page_size_differs_from_the_workers_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 8, 0);
     let (lt, wts) = in_process(1);
-    let mut w = new_worker(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut w = new_worker(cfg.clone(), 1, wts[0].clone(), NonBlocking).unwrap();
     w.register(device()).unwrap();
-    let e = Leader::new(ScheduledTokens, cfg, BS * 2, lt, InitMode::Blocking).unwrap_err();
+    let e = new_leader(cfg, BS * 2, lt, Blocking).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidLayout, "{e}");
     assert!(e.to_string().contains("4-token blocks"), "{e}");
     wait_until("worker refused", || w.init_error().is_some());
@@ -223,12 +222,12 @@ fn the_worker_builds_its_tiers_with_the_factory_it_was_given() {
     let cfg = config(dir.path(), 8, 4);
     let (lt, wts) = in_process(1);
     let factory = Arc::new(Recording::default());
-    let mut w = new_worker(cfg.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut w = new_worker(cfg.clone(), 1, wts[0].clone(), NonBlocking).unwrap();
     w.set_tier_factory(factory.clone()).unwrap();
     w.register(device()).unwrap();
     let e = w.set_tier_factory(StandardTiers::shared()).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::AlreadyExists, "{e}");
-    let _leader = Leader::new(ScheduledTokens, cfg, BS, lt, InitMode::Blocking).unwrap();
+    let _leader = new_leader(cfg, BS, lt, Blocking).unwrap();
     wait_until("worker ready", || w.is_ready());
     let built = factory.0.lock().unwrap().clone();
     assert_eq!(built.len(), 1);

@@ -870,12 +870,10 @@ fn gpu_connector_offloads_and_onboards_through_the_gpu_tier() {
     let Some(dev) = gpu("gpu_connector_offloads_and_onboards_through_the_gpu_tier") else {
         return;
     };
-    use common::new_worker;
-    use kvbm_connector::connector::adapter::ScheduledTokens;
-    use kvbm_connector::connector::barrier::InitMode;
-    use kvbm_connector::connector::leader::Leader;
+    use common::{new_leader, new_worker};
     use kvbm_connector::connector::transport::in_process;
     use kvbm_connector::connector::RequestId;
+    use kvbm_connector::connector::{Blocking, NonBlocking};
 
     let layout = Layout::layer_separate(
         common::dims(),
@@ -890,9 +888,9 @@ fn gpu_connector_offloads_and_onboards_through_the_gpu_tier() {
     let config = common::config(dir.path(), 16, 64);
     let (lt, wts) = in_process(1);
     let device: Arc<dyn StorageTier> = tier.clone();
-    let mut worker = new_worker(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut worker = new_worker(config.clone(), 1, wts[0].clone(), NonBlocking).unwrap();
     worker.register(device.clone()).unwrap();
-    let leader = Leader::new(ScheduledTokens, config, common::BS, lt, InitMode::Blocking).unwrap();
+    let leader = new_leader(config, common::BS, lt, Blocking).unwrap();
     common::wait_until("worker ready", || worker.is_ready());
     let mut r = common::Rig {
         leader,

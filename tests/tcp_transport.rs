@@ -11,12 +11,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvbm_connector::connector::adapter::ScheduledTokens;
-use kvbm_connector::connector::barrier::InitMode;
-use kvbm_connector::connector::leader::Leader;
 use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
 use kvbm_connector::connector::transport::LeaderTransport;
 use kvbm_connector::connector::RequestId;
+use kvbm_connector::connector::{Blocking, NonBlocking};
 use kvbm_connector::ErrorKind;
 
 const LONG: Duration = Duration::from_secs(10);
@@ -53,9 +51,9 @@ fn real_leader_and_worker_offload_and_onboard_over_tcp() {
     let lt = TcpLeader::bind(any_port(), 1, Some("tok".into())).unwrap();
     let wt = TcpWorker::connect(lt.local_addr(), 0, 1, Some("tok".into()), LONG).unwrap();
     let device = device();
-    let mut worker = new_worker(cfg.clone(), 1, wt, InitMode::NonBlocking).unwrap();
+    let mut worker = new_worker(cfg.clone(), 1, wt, NonBlocking).unwrap();
     worker.register(device.clone()).unwrap();
-    let leader = Leader::new(ScheduledTokens, cfg, BS, lt.clone(), InitMode::Blocking).unwrap();
+    let leader = new_leader(cfg, BS, lt.clone(), Blocking).unwrap();
     wait_until("worker ready", || worker.is_ready());
     let mut rig = Rig {
         leader,

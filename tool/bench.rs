@@ -32,12 +32,12 @@ use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::config::{Config, TransferConfig};
 use kvbm_connector::connector::adapter::ScheduledTokens;
-use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
 use kvbm_connector::connector::transport::in_process;
 use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::error::{Error, ErrorKind, Result};
+use kvbm_connector::frameworks::vllm::Vllm;
 use kvbm_connector::layout::{BlockOrder, Layout, LayoutDims};
 use kvbm_connector::tier::{StorageTier, TierKind};
 use kvbm_connector::transfer::TransferEngine;
@@ -394,15 +394,9 @@ fn leader_path(rounds: usize) -> Result<PathResult> {
         TierKind::Device,
         Layout::fully_contiguous(d, 64)?,
     )?);
-    let mut worker = Worker::new(
-        config.clone(),
-        1,
-        wt,
-        InitMode::NonBlocking,
-        StandardTiers::shared(),
-    )?;
+    let mut worker = Worker::new::<Vllm>(config.clone(), 1, wt, StandardTiers::shared())?;
     worker.register(device)?;
-    let mut leader = Leader::new(ScheduledTokens, config, 16, lt, InitMode::Blocking)?;
+    let mut leader = Leader::new::<Vllm>(ScheduledTokens, config, 16, lt)?;
     let prompt: Vec<u32> = (0..8 * 16 + 1).collect();
     let calls = 20_000 * rounds.max(1);
     let t = Instant::now();

@@ -184,7 +184,7 @@ class KvbmConnectorScheduler(_SchedulerBase):
         if transport is None:
             transport = leader_transport(self.world_size, instance=_INSTANCE)
         self._inner = _kvbm.TrtllmScheduler(
-            self._config, self.tokens_per_block, transport, blocking=False
+            self._config, self.tokens_per_block, transport
         )
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
@@ -272,7 +272,7 @@ class KvbmConnectorWorker(_WorkerBase):
                 connect_timeout_secs=max(self._config.init_timeout_secs, 1.0),
             )
         self._inner = _kvbm.TrtllmWorker(
-            self._config, self.tokens_per_block, self.world_size, transport, blocking=True
+            self._config, self.tokens_per_block, self.world_size, transport
         )
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:

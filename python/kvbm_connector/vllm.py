@@ -230,8 +230,7 @@ class KvbmConnector(_Base):
                 self.block_size,
                 leader_transport(
                     self.world_size, instance=instance, transport=transport, address=address
-                ),
-                blocking=True,
+                )
             )
         else:
             self.rank = int(extra["rank"]) if "rank" in extra else _tp_rank()
@@ -246,8 +245,7 @@ class KvbmConnector(_Base):
                     transport=transport,
                     address=address,
                     connect_timeout_secs=max(self._config.init_timeout_secs, 1.0),
-                ),
-                blocking=False,
+                )
             )
 
     # -- scheduler side --------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::connector::barrier::InitMode;
 use crate::connector::metadata::ConnectorMetadata;
 use crate::connector::transport::Completion;
 use crate::connector::RequestId;
@@ -79,6 +80,44 @@ pub trait SchedulerAdapter: Send + 'static {
         let _ = (rank, completion);
         Ok(())
     }
+}
+
+/// An engine as the connector sees it: the [`SchedulerAdapter`] its leader uses and how each of
+/// its sides runs the start-up barrier.
+///
+/// Implemented once per engine (`frameworks::vllm::Vllm`, `frameworks::trtllm::Trtllm`, the
+/// toy engine in `examples/`). [`Leader::new`](crate::connector::leader::Leader::new) and
+/// [`Worker::new`](crate::connector::worker::Worker::new) take the engine as a type parameter,
+/// so the init modes are wired by the compiler from the engine's definition: no caller picks
+/// them, and no caller can pick a pair that deadlocks its engine's start-up order.
+///
+/// A leader is built with its engine's adapter:
+///
+/// ```no_run
+/// # #[cfg(feature = "vllm")] {
+/// use kvbm_connector::connector::{adapter::ScheduledTokens, leader::Leader, transport::in_process};
+/// use kvbm_connector::frameworks::vllm::Vllm;
+/// let (lt, _workers) = in_process(1);
+/// let _ = Leader::new::<Vllm>(ScheduledTokens, kvbm_connector::Config::default(), 16, lt);
+/// # }
+/// ```
+///
+/// and with no other (vLLM's leader cannot run TensorRT-LLM's adapter):
+///
+/// ```compile_fail
+/// use kvbm_connector::connector::{adapter::ComputedPosition, leader::Leader, transport::in_process};
+/// use kvbm_connector::frameworks::vllm::Vllm;
+/// let (lt, _workers) = in_process(1);
+/// let _ = Leader::new::<Vllm>(ComputedPosition, kvbm_connector::Config::default(), 16, lt);
+/// ```
+pub trait Engine: 'static {
+    /// The leader's adapter.
+    type Adapter: SchedulerAdapter;
+    /// How the leader runs the barrier ([`Blocking`](crate::connector::barrier::Blocking) when
+    /// the engine builds its scheduler after the workers registered their caches).
+    type LeaderInit: InitMode;
+    /// How each worker runs the barrier.
+    type WorkerInit: InitMode;
 }
 
 /// vLLM: offload by scheduled tokens (`num_computed_tokens + num_scheduled_tokens`).

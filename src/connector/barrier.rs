@@ -10,10 +10,11 @@
 //! has one deadline; missing it is an [`ErrorKind::Timeout`] error naming the step and the ranks
 //! still missing.
 //!
-//! Each side runs the barrier either inline ([`InitMode::Blocking`]: the constructor returns once
-//! it is done) or on a background thread ([`InitMode::NonBlocking`]: calls made before it is done
-//! see "not ready"). vLLM registers caches before it builds the scheduler side, so its worker is
-//! non-blocking and its leader blocking; TensorRT-LLM builds both at once, so the reverse.
+//! Each side runs the barrier either inline ([`Blocking`]: the constructor returns once it is
+//! done) or on a background thread ([`NonBlocking`]: calls made before it is done see "not
+//! ready"), as its engine's [`Engine`](crate::connector::Engine) declares. vLLM registers caches
+//! before it builds the scheduler side, so its worker is non-blocking and its leader blocking;
+//! TensorRT-LLM builds both at once, so the reverse.
 //!
 //! Public here: [`InitMode`] and [`Readiness`] (what the leader reports once ready). The barrier
 //! functions (`leader_barrier`, `worker_barrier`) and the cell a background start-up fills
@@ -32,26 +33,42 @@ use crate::connector::transport::{
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::LayoutDims;
 
-/// Whether a side waits for the barrier in its constructor.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    Serialize,
-    Deserialize,
-    strum::Display,
-    strum::EnumString,
-)]
-#[serde(rename_all = "snake_case")]
-#[strum(serialize_all = "snake_case")]
-pub enum InitMode {
-    /// Run the barrier inline; the constructor fails if it fails.
-    Blocking,
-    /// Run the barrier on a background thread; calls before it finishes answer "not ready".
-    NonBlocking,
+/// How one side (leader or worker) runs the start-up barrier: part of an engine's definition,
+/// declared by its [`Engine`](crate::connector::Engine) as a type, never a caller's choice.
+///
+/// A blocking side returns from its constructor (`Leader::new`, `Worker::register`) only once the
+/// barrier is done, so the side an engine builds *first* must be [`NonBlocking`] whenever the
+/// second is built on the same thread: two blocking sides on one thread would wait for each other
+/// until the init timeout. Sealed: [`Blocking`] and [`NonBlocking`] are the only modes.
+pub trait InitMode: sealed::Sealed + Send + Sync + 'static {
+    /// Whether the constructor runs the barrier inline (and fails if it fails).
+    const BLOCKING: bool;
+    /// `"blocking"` or `"non_blocking"` (logs, `Debug`).
+    const NAME: &'static str;
+}
+
+/// Run the barrier inline: the constructor returns once it is done and fails if it fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Blocking;
+
+/// Run the barrier on a background thread: calls before it finishes answer "not ready".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct NonBlocking;
+
+impl InitMode for Blocking {
+    const BLOCKING: bool = true;
+    const NAME: &'static str = "blocking";
+}
+
+impl InitMode for NonBlocking {
+    const BLOCKING: bool = false;
+    const NAME: &'static str = "non_blocking";
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Blocking {}
+    impl Sealed for super::NonBlocking {}
 }
 
 /// What the leader learned from the barrier.
@@ -121,33 +138,30 @@ impl<T> InitCell<T> {
     }
 }
 
-/// Runs `f` inline or on a named background thread, recording its outcome in the returned cell.
-/// Blocking mode returns `f`'s error directly.
+/// Runs `f` inline (`blocking`: an [`InitMode::BLOCKING`]) or on a named background thread,
+/// recording its outcome in the returned cell. Blocking mode returns `f`'s error directly.
 pub(crate) fn initialise<T: Send + Sync + 'static>(
-    mode: InitMode,
+    blocking: bool,
     name: &str,
     f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<Arc<InitCell<T>>> {
     let cell = Arc::new(InitCell::default());
-    match mode {
-        InitMode::Blocking => {
-            let v = f()?;
-            cell.set(Ok(v));
-        }
-        InitMode::NonBlocking => {
-            let c = cell.clone();
-            let label = name.to_string();
-            std::thread::Builder::new()
-                .name(name.to_string())
-                .spawn(move || {
-                    let outcome = f();
-                    if let Err(e) = &outcome {
-                        tracing::error!(side = %label, error = %e, "kvbm initialisation failed");
-                    }
-                    c.set(outcome);
-                })
-                .map_err(|e| Error::io("spawn initialisation thread", e))?;
-        }
+    if blocking {
+        let v = f()?;
+        cell.set(Ok(v));
+    } else {
+        let c = cell.clone();
+        let label = name.to_string();
+        std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || {
+                let outcome = f();
+                if let Err(e) = &outcome {
+                    tracing::error!(side = %label, error = %e, "kvbm initialisation failed");
+                }
+                c.set(outcome);
+            })
+            .map_err(|e| Error::io("spawn initialisation thread", e))?;
     }
     Ok(cell)
 }

@@ -1,9 +1,10 @@
 //! The connector protocol: a leader beside the engine's scheduler decides which blocks to match,
 //! load and store; workers in the GPU processes execute those decisions on their tiers.
 //!
-//! * [`adapter`] — what the leader needs from a scheduler; vLLM's and TensorRT-LLM's flavours;
-//! * [`barrier`] — [`InitMode`](barrier::InitMode) and the two-step start-up barrier (run by
-//!   the leader's and the worker's constructors; its functions are crate-private);
+//! * [`adapter`] — what the leader needs from a scheduler ([`SchedulerAdapter`]), and the
+//!   [`Engine`] that bundles an adapter with its two sides' init modes;
+//! * [`barrier`] — [`InitMode`] ([`Blocking`], [`NonBlocking`]) and the two-step start-up
+//!   barrier (run by the leader's and the worker's constructors; its functions are crate-private);
 //! * [`leader`] — the scheduler side (matching, offload, completion handling);
 //! * [`lifecycle`] — the request state machine;
 //! * [`metadata`] — the per-iteration metadata and its operations;
@@ -25,6 +26,9 @@ pub mod remote;
 pub mod tcp;
 pub mod transport;
 pub mod worker;
+
+pub use adapter::{Engine, SchedulerAdapter};
+pub use barrier::{Blocking, InitMode, NonBlocking};
 
 use std::fmt;
 use std::sync::Arc;

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::Config;
+use crate::connector::adapter::Engine;
 use crate::connector::barrier::{initialise, worker_barrier, InitCell, InitMode, InitStatus};
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
 use crate::connector::remote::WorkerRemote;
@@ -155,7 +156,8 @@ struct Shared {
 pub struct Worker {
     config: Config,
     world_size: usize,
-    mode: InitMode,
+    /// The engine's worker init mode ([`InitMode::NAME`], [`InitMode::BLOCKING`]).
+    mode: (&'static str, bool),
     transport: Arc<dyn WorkerTransport>,
     factory: Arc<dyn TierFactory>,
     runtime: tokio::runtime::Runtime,
@@ -174,20 +176,19 @@ impl std::fmt::Debug for Worker {
         f.debug_struct("Worker")
             .field("rank", &self.transport.rank())
             .field("world_size", &self.world_size)
-            .field("mode", &self.mode)
+            .field("mode", &self.mode.0)
             .finish_non_exhaustive()
     }
 }
 
 impl Worker {
-    /// A worker of `world_size` ranks talking to its leader over `transport`, whose host, disk
-    /// and remote tiers `factory` builds once the barrier chose their sizes. Nothing runs until
-    /// [`Worker::register`].
-    pub fn new(
+    /// A worker of engine `E` among `world_size` ranks, talking to its leader over `transport`,
+    /// whose host, disk and remote tiers `factory` builds once the barrier chose their sizes.
+    /// Nothing runs until [`Worker::register`], which runs the barrier as `E::WorkerInit` says.
+    pub fn new<E: Engine>(
         config: Config,
         world_size: usize,
         transport: Arc<dyn WorkerTransport>,
-        mode: InitMode,
         factory: Arc<dyn TierFactory>,
     ) -> Result<Self> {
         config.validate()?;
@@ -207,7 +208,7 @@ impl Worker {
         Ok(Self {
             config,
             world_size,
-            mode,
+            mode: (E::WorkerInit::NAME, E::WorkerInit::BLOCKING),
             transport,
             factory,
             runtime,
@@ -240,7 +241,8 @@ impl Worker {
     }
 
     /// Registers the engine's device cache and runs the barrier (inline for
-    /// [`InitMode::Blocking`], in the background for [`InitMode::NonBlocking`]).
+    /// [`Blocking`](crate::connector::Blocking), in the background for
+    /// [`NonBlocking`](crate::connector::NonBlocking), as the engine's `WorkerInit` says).
     pub fn register(&mut self, device: Arc<dyn StorageTier>) -> Result<()> {
         if self.init.is_some() {
             return Err(Error::new(
@@ -261,7 +263,7 @@ impl Worker {
         let config = self.config.clone();
         let timeout = config.init_timeout();
         let rank = hello.rank;
-        let init = initialise(self.mode, "kvbm-worker-init", move || {
+        let init = initialise(self.mode.1, "kvbm-worker-init", move || {
             let mut tiers = None;
             worker_barrier(transport.as_ref(), hello, timeout, |counts| {
                 tiers = Some(factory.build(&config, rank, device.clone(), counts)?);

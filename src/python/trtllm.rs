@@ -9,20 +9,11 @@ use pyo3::types::PyBytes;
 use super::tensor::{read_tensor, TensorTier};
 use super::transport::{PyLeaderTransport, PyWorkerTransport};
 use super::{common, detached, to_py_err, Guarded, PyConfig};
-use crate::connector::barrier::InitMode;
 use crate::frameworks::trtllm::detect_trtllm;
 use crate::frameworks::trtllm::{
     LlmRequest, RequestData, SchedulerOutput, TrtllmScheduler, TrtllmWorker,
 };
 use crate::layout::LayoutKind;
-
-fn mode(blocking: bool) -> InitMode {
-    if blocking {
-        InitMode::Blocking
-    } else {
-        InitMode::NonBlocking
-    }
-}
 
 /// `(request_id, new_tokens, new_block_ids, computed_position)`: TensorRT-LLM's `RequestData`.
 type RequestTuple = (u64, Vec<u32>, Vec<usize>, usize);
@@ -41,7 +32,7 @@ fn request_data(v: Vec<RequestTuple>) -> Vec<RequestData> {
 }
 
 /// The scheduler side (`KvCacheConnectorScheduler`), on rank 0. Its start-up barrier runs in
-/// the background unless `blocking`.
+/// the background (TensorRT-LLM's engine definition, `frameworks::trtllm::Trtllm`).
 #[pyclass(module = "kvbm_connector._kvbm", name = "TrtllmScheduler", frozen)]
 pub(crate) struct PyTrtllmScheduler {
     inner: Guarded<TrtllmScheduler>,
@@ -50,17 +41,16 @@ pub(crate) struct PyTrtllmScheduler {
 #[pymethods]
 impl PyTrtllmScheduler {
     #[new]
-    #[pyo3(signature = (config, tokens_per_block, transport, blocking=false))]
+    #[pyo3(signature = (config, tokens_per_block, transport))]
     fn new(
         py: Python<'_>,
         config: &PyConfig,
         tokens_per_block: usize,
         transport: &PyLeaderTransport,
-        blocking: bool,
     ) -> PyResult<Self> {
         let (config, transport) = (config.inner.clone(), transport.inner.clone());
         let s = detached(py, "TrtllmScheduler", move || {
-            TrtllmScheduler::with_mode(config, tokens_per_block, transport, mode(blocking))
+            TrtllmScheduler::new(config, tokens_per_block, transport)
         })?;
         Ok(Self {
             inner: Guarded::new("TrtllmScheduler", s),
@@ -196,7 +186,7 @@ impl PyTrtllmScheduler {
 }
 
 /// The worker side (`KvCacheConnectorWorker`), one per rank. Its barrier runs inside
-/// `register_kv_caches` (blocking) unless `blocking` is false.
+/// `register_kv_caches` (TensorRT-LLM's engine definition, `frameworks::trtllm::Trtllm`).
 #[pyclass(module = "kvbm_connector._kvbm", name = "TrtllmWorker", frozen)]
 pub(crate) struct PyTrtllmWorker {
     inner: Guarded<TrtllmWorker>,
@@ -206,24 +196,17 @@ pub(crate) struct PyTrtllmWorker {
 #[pymethods]
 impl PyTrtllmWorker {
     #[new]
-    #[pyo3(signature = (config, tokens_per_block, world_size, transport, blocking=true))]
+    #[pyo3(signature = (config, tokens_per_block, world_size, transport))]
     fn new(
         py: Python<'_>,
         config: &PyConfig,
         tokens_per_block: usize,
         world_size: usize,
         transport: &PyWorkerTransport,
-        blocking: bool,
     ) -> PyResult<Self> {
         let (config, transport) = (config.inner.clone(), transport.inner.clone());
         let w = detached(py, "TrtllmWorker", move || {
-            TrtllmWorker::with_mode(
-                config,
-                tokens_per_block,
-                world_size,
-                transport,
-                mode(blocking),
-            )
+            TrtllmWorker::new(config, tokens_per_block, world_size, transport)
         })?;
         Ok(Self {
             inner: Guarded::new("TrtllmWorker", w),

@@ -10,18 +10,9 @@ use pyo3::types::PyBytes;
 use super::tensor::{parse_layout_kind, read_layer_tensors, vllm_layout, TensorTier};
 use super::transport::{PyLeaderTransport, PyWorkerTransport};
 use super::{common, detached, to_py_err, Guarded, PyConfig};
-use crate::connector::barrier::InitMode;
 use crate::frameworks::vllm::{
     CachedRequestData, NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
 };
-
-fn mode(blocking: bool) -> InitMode {
-    if blocking {
-        InitMode::Blocking
-    } else {
-        InitMode::NonBlocking
-    }
-}
 
 /// `(req_id, prompt_token_ids, block_ids, num_computed_tokens)`: vLLM's `NewRequestData`.
 type NewTuple = (String, Vec<u32>, Vec<Vec<usize>>, usize);
@@ -52,8 +43,8 @@ fn request<'a>(
     }
 }
 
-/// The scheduler role of `KVConnectorBase_V1`. Its start-up barrier runs inline (blocking)
-/// unless `blocking` is false: vLLM builds it after the workers registered their caches.
+/// The scheduler role of `KVConnectorBase_V1`. Its start-up barrier runs inline (vLLM's engine
+/// definition, `frameworks::vllm::Vllm`): vLLM builds it after the workers registered their caches.
 #[pyclass(module = "kvbm_connector._kvbm", name = "VllmScheduler", frozen)]
 pub(crate) struct PyVllmScheduler {
     inner: Guarded<VllmScheduler>,
@@ -62,17 +53,16 @@ pub(crate) struct PyVllmScheduler {
 #[pymethods]
 impl PyVllmScheduler {
     #[new]
-    #[pyo3(signature = (config, block_size, transport, blocking=true))]
+    #[pyo3(signature = (config, block_size, transport))]
     fn new(
         py: Python<'_>,
         config: &PyConfig,
         block_size: usize,
         transport: &PyLeaderTransport,
-        blocking: bool,
     ) -> PyResult<Self> {
         let (config, transport) = (config.inner.clone(), transport.inner.clone());
         let s = detached(py, "VllmScheduler", move || {
-            VllmScheduler::with_mode(config, block_size, transport, mode(blocking))
+            VllmScheduler::new(config, block_size, transport)
         })?;
         Ok(Self {
             inner: Guarded::new("VllmScheduler", s),
@@ -240,7 +230,7 @@ impl PyVllmScheduler {
 }
 
 /// The worker role of `KVConnectorBase_V1`. Its barrier runs in the background after
-/// `register_kv_caches` unless `blocking`.
+/// `register_kv_caches` (vLLM's engine definition, `frameworks::vllm::Vllm`).
 #[pyclass(module = "kvbm_connector._kvbm", name = "VllmWorker", frozen)]
 pub(crate) struct PyVllmWorker {
     inner: Guarded<VllmWorker>,
@@ -250,18 +240,17 @@ pub(crate) struct PyVllmWorker {
 #[pymethods]
 impl PyVllmWorker {
     #[new]
-    #[pyo3(signature = (config, block_size, world_size, transport, blocking=false))]
+    #[pyo3(signature = (config, block_size, world_size, transport))]
     fn new(
         py: Python<'_>,
         config: &PyConfig,
         block_size: usize,
         world_size: usize,
         transport: &PyWorkerTransport,
-        blocking: bool,
     ) -> PyResult<Self> {
         let (config, transport) = (config.inner.clone(), transport.inner.clone());
         let w = detached(py, "VllmWorker", move || {
-            VllmWorker::with_mode(config, block_size, world_size, transport, mode(blocking))
+            VllmWorker::new(config, block_size, world_size, transport)
         })?;
         Ok(Self {
             inner: Guarded::new("VllmWorker", w),

@@ -7,23 +7,51 @@ use std::time::{Duration, Instant};
 
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::backends::StandardTiers;
+use kvbm_connector::connector::adapter::Engine;
 use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
-use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
+use kvbm_connector::connector::transport::LeaderTransport;
 use kvbm_connector::connector::transport::{in_process, WorkerTransport};
 use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
+use kvbm_connector::connector::{Blocking, InitMode, NonBlocking};
 use kvbm_connector::layout::BlockOrder;
 use kvbm_connector::{Config, Layout, LayoutDims, Result, StorageTier, StorageTierExt, TierKind};
 
-/// A core worker whose tiers the backends' standard factory builds.
-pub fn new_worker(
+/// A test engine with the init modes `L` (leader) and `W` (workers): the core tests cover every
+/// pairing, where a real engine declares one.
+pub struct TestEngine<L, W>(std::marker::PhantomData<(L, W)>);
+
+impl<L: InitMode, W: InitMode> Engine for TestEngine<L, W> {
+    type Adapter = ScheduledTokens;
+    type LeaderInit = L;
+    type WorkerInit = W;
+}
+
+/// A core worker running its barrier as `_mode` says, whose tiers the backends' standard
+/// factory builds.
+pub fn new_worker<W: InitMode>(
     config: Config,
     world_size: usize,
     transport: Arc<dyn WorkerTransport>,
-    mode: InitMode,
+    _mode: W,
 ) -> Result<Worker> {
-    Worker::new(config, world_size, transport, mode, StandardTiers::shared())
+    Worker::new::<TestEngine<NonBlocking, W>>(
+        config,
+        world_size,
+        transport,
+        StandardTiers::shared(),
+    )
+}
+
+/// A core leader (offload by scheduled tokens) running its barrier as `_mode` says.
+pub fn new_leader<L: InitMode>(
+    config: Config,
+    page_size: usize,
+    transport: Arc<dyn LeaderTransport>,
+    _mode: L,
+) -> Result<Leader<ScheduledTokens>> {
+    Leader::new::<TestEngine<L, Blocking>>(ScheduledTokens, config, page_size, transport)
 }
 
 pub const BS: usize = 4;
@@ -95,9 +123,9 @@ pub fn rig(host: usize, disk: usize) -> Rig {
 pub fn rig_with(config: Config, dir: tempfile::TempDir) -> Rig {
     let (lt, wts) = in_process(1);
     let device = device();
-    let mut worker = new_worker(config.clone(), 1, wts[0].clone(), InitMode::NonBlocking).unwrap();
+    let mut worker = new_worker(config.clone(), 1, wts[0].clone(), NonBlocking).unwrap();
     worker.register(device.clone()).unwrap();
-    let mut leader = Leader::new(ScheduledTokens, config, BS, lt, InitMode::Blocking).unwrap();
+    let mut leader = new_leader(config, BS, lt, Blocking).unwrap();
     assert!(leader.is_ready());
     wait_until("worker ready", || worker.is_ready());
     Rig {

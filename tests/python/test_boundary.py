@@ -71,7 +71,7 @@ class Counter:
 
 def test_waiting_for_the_barrier_releases_the_gil():
     leader, _workers = in_process_transport(1)
-    sched = _kvbm.TrtllmScheduler(Config.defaults(), E.BS, leader, blocking=False)
+    sched = _kvbm.TrtllmScheduler(Config.defaults(), E.BS, leader)
     with Counter() as c:
         before = c.n
         t0 = time.monotonic()
@@ -93,7 +93,7 @@ def test_blocking_scheduler_init_releases_the_gil_and_times_out_clearly(monkeypa
     with Counter() as c:
         before = c.n
         with pytest.raises(KvbmError) as ei:
-            _kvbm.VllmScheduler(load_config(), E.BS, leader, blocking=True)
+            _kvbm.VllmScheduler(load_config(), E.BS, leader)
         during = c.n - before
     assert ei.value.kind == "timeout"
     assert ei.value.context["missing_ranks"] == "[0]", str(ei.value)

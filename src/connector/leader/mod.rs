@@ -42,7 +42,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::config::Config;
-use crate::connector::adapter::SchedulerAdapter;
+use crate::connector::adapter::{Engine, SchedulerAdapter};
 use crate::connector::barrier::{
     initialise, leader_barrier, InitCell, InitMode, InitStatus, Readiness,
 };
@@ -183,14 +183,14 @@ impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
 }
 
 impl<A: SchedulerAdapter> Leader<A> {
-    /// Creates the leader and starts the barrier (inline for [`InitMode::Blocking`], which then
-    /// fails if the barrier fails; on a background thread for [`InitMode::NonBlocking`]).
-    pub fn new(
+    /// Creates the leader of engine `E` and starts the barrier as `E::LeaderInit` says: inline
+    /// for [`Blocking`](crate::connector::Blocking), which then fails if the barrier fails; on a
+    /// background thread for [`NonBlocking`](crate::connector::NonBlocking).
+    pub fn new<E: Engine<Adapter = A>>(
         adapter: A,
         config: Config,
         page_size: usize,
         transport: Arc<dyn LeaderTransport>,
-        mode: InitMode,
     ) -> Result<Self> {
         if page_size == 0 {
             return Err(Error::invalid_argument("page_size must be at least 1"));
@@ -198,7 +198,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         config.validate()?;
         let (t, c) = (transport.clone(), config.clone());
         let timeout = config.init_timeout();
-        let init = initialise(mode, "kvbm-leader-init", move || {
+        let init = initialise(E::LeaderInit::BLOCKING, "kvbm-leader-init", move || {
             leader_barrier(t.as_ref(), &c, Some(page_size), timeout)
         })?;
         let mut leader = Self {
@@ -222,7 +222,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             remote: None,
         };
         leader.remote = LeaderRemote::new(&leader.config.remote);
-        if !leader.ensure_ready() && mode == InitMode::Blocking {
+        if !leader.ensure_ready() && <E::LeaderInit as InitMode>::BLOCKING {
             if let LeaderStatus::Failed(e) = leader.status() {
                 return Err(e);
             }

@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use kvbm_connector::config::Config;
-use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
 use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
@@ -57,13 +56,7 @@ impl SimEngine for TensorRtLlm {
         transport: Arc<dyn WorkerTransport>,
         device: Arc<dyn StorageTier>,
     ) -> Result<Box<dyn WorkerSide>> {
-        let mut w = TrtllmWorker::with_mode(
-            config,
-            d.page_size,
-            world_size,
-            transport,
-            InitMode::Blocking,
-        )?;
+        let mut w = TrtllmWorker::new(config, d.page_size, world_size, transport)?;
         w.register_kv_caches(
             &[blocks, d.num_layers, 2, d.page_size * d.inner_dim],
             d.dtype_bytes,

@@ -10,7 +10,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use kvbm_connector::config::Config;
-use kvbm_connector::connector::barrier::InitMode;
 use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
 use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
@@ -67,13 +66,7 @@ impl SimEngine for Vllm {
         device: Arc<dyn StorageTier>,
     ) -> Result<Box<dyn WorkerSide>> {
         let layer_names: Vec<String> = (0..d.num_layers).map(layer_name).collect();
-        let mut w = VllmWorker::with_mode(
-            config,
-            d.page_size,
-            world_size,
-            transport,
-            InitMode::NonBlocking,
-        )?;
+        let mut w = VllmWorker::new(config, d.page_size, world_size, transport)?;
         let layers: Vec<(String, Vec<usize>)> = layer_names
             .iter()
             .map(|n| (n.clone(), vec![2, blocks, d.page_size, d.inner_dim]))
