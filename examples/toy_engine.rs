@@ -25,22 +25,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::error::Error;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvbm_connector::backends::memory::MemoryTier;
-use kvbm_connector::backends::StandardTiers;
-use kvbm_connector::connector::adapter::{ScheduledRequest, SchedulerAdapter, SchedulerStep};
-use kvbm_connector::connector::leader::{Leader, RequestInfo};
-use kvbm_connector::connector::metadata::{
-    BlockTransfer, ConnectorMetadata, Direction, Operation, OperationId,
-};
-use kvbm_connector::connector::transport::in_process;
-use kvbm_connector::connector::worker::Worker;
-use kvbm_connector::connector::RequestId;
-use kvbm_connector::connector::{Engine, NonBlocking};
-use kvbm_connector::layout::BlockOrder;
-use kvbm_connector::{Config, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind, Token};
+use kvbm_connector::prelude::*;
 use serde::{Deserialize, Serialize};
 
 type Res<T> = std::result::Result<T, Box<dyn Error>>;
@@ -91,8 +79,9 @@ impl Operation for ToyPrefetch {
     }
 }
 
-/// The adapter's book: lives behind a mutex because [`Leader::adapter`] hands out `&A` only, and
-/// [`SchedulerAdapter::computed_after`] takes `&self`.
+/// The adapter's book: the glue stages each tick's deltas through [`Leader::adapter_mut`],
+/// [`SchedulerAdapter::computed_after`] reads them, [`SchedulerAdapter::extend_metadata`] commits
+/// them once the step was accepted.
 #[derive(Debug, Default)]
 struct Book {
     /// Sum of the deltas of every accepted tick, per request.
@@ -116,15 +105,7 @@ struct Book {
 /// Offload by summed final-token deltas.
 #[derive(Debug, Default)]
 struct FinalDeltas {
-    book: Mutex<Book>,
-}
-
-impl FinalDeltas {
-    fn book(&self) -> MutexGuard<'_, Book> {
-        // A panic while the book was locked cannot leave it half-updated in a way that matters
-        // more than stopping the engine would; keep going with what is there.
-        self.book.lock().unwrap_or_else(|p| p.into_inner())
-    }
+    book: Book,
 }
 
 impl SchedulerAdapter for FinalDeltas {
@@ -133,7 +114,7 @@ impl SchedulerAdapter for FinalDeltas {
     }
 
     fn computed_after(&self, r: &ScheduledRequest) -> kvbm_connector::Result<usize> {
-        let book = self.book();
+        let book = &self.book;
         let delta = book.pending.get(&r.request_id).copied().ok_or_else(|| {
             kvbm_connector::Error::invalid_argument(format!(
                 "request {} is scheduled but its final-token delta was not staged",
@@ -153,7 +134,7 @@ impl SchedulerAdapter for FinalDeltas {
         _rank: usize,
         completion: &kvbm_connector::connector::transport::Completion,
     ) -> kvbm_connector::Result<()> {
-        let book = self.book.get_mut().unwrap_or_else(|p| p.into_inner());
+        let book = &mut self.book;
         book.prefetch_completions += 1;
         if !completion.failed_dst_blocks.is_empty() {
             book.prefetch_failures += 1;
@@ -162,7 +143,7 @@ impl SchedulerAdapter for FinalDeltas {
     }
 
     fn extend_metadata(&mut self, meta: &mut ConnectorMetadata) -> kvbm_connector::Result<()> {
-        let book = self.book.get_mut().unwrap_or_else(|p| p.into_inner());
+        let book = &mut self.book;
         // The step was accepted: its deltas count from now on.
         for (id, delta) in std::mem::take(&mut book.pending) {
             let total = book.final_tokens.entry(id).or_insert(0);
@@ -277,11 +258,9 @@ impl ToyScheduler {
 
     /// One tick: stage the deltas, build the metadata the workers need.
     fn tick(&mut self, progress: &[Progress]) -> Res<Vec<u8>> {
-        {
-            let mut book = self.leader.adapter().book();
-            for p in progress {
-                book.pending.insert(p.ticket.id(), p.newly_final);
-            }
+        let book = &mut self.leader.adapter_mut().book;
+        for p in progress {
+            book.pending.insert(p.ticket.id(), p.newly_final);
         }
         let step = SchedulerStep {
             requests: progress
@@ -304,7 +283,7 @@ impl ToyScheduler {
             Ok(bytes) => Ok(bytes),
             Err(e) => {
                 // Rejected step: its deltas must not count.
-                self.leader.adapter().book().pending.clear();
+                self.leader.adapter_mut().book.pending.clear();
                 Err(e.into())
             }
         }
@@ -314,7 +293,7 @@ impl ToyScheduler {
     /// pages until the worker releases the request.
     fn finished(&mut self, ticket: Ticket, tokens: &[Token], final_tokens: usize) -> Res<bool> {
         let id = ticket.id();
-        let summed = self.leader.adapter().book().final_tokens.remove(&id);
+        let summed = self.leader.adapter_mut().book.final_tokens.remove(&id);
         if summed != Some(final_tokens) {
             return Err(format!(
                 "request {id}: the adapter summed {summed:?} final tokens, the engine has {final_tokens}"
@@ -326,12 +305,12 @@ impl ToyScheduler {
             .request_finished(&id, Some(tokens), Some(final_tokens))?)
     }
 
-    fn request_prefetch(&self) {
-        self.leader.adapter().book().prefetch_requested = true;
+    fn request_prefetch(&mut self) {
+        self.leader.adapter_mut().book.prefetch_requested = true;
     }
 
     fn disk_copies(&self) -> Vec<(usize, usize)> {
-        let book = self.leader.adapter().book();
+        let book = &self.leader.adapter().book;
         book.disk_copy.iter().map(|(&h, &d)| (h, d)).collect()
     }
 }
@@ -795,7 +774,7 @@ fn run(dir: &Path) -> Res<()> {
     // The worker reported the prefetch's completion back to the adapter (custom op ids).
     rig.sched.leader.process_completions();
     let (completions, failures) = {
-        let book = rig.sched.leader.adapter().book();
+        let book = &rig.sched.leader.adapter().book;
         (book.prefetch_completions, book.prefetch_failures)
     };
     if completions == 0 || failures != 0 {
@@ -804,7 +783,7 @@ fn run(dir: &Path) -> Res<()> {
         )
         .into());
     }
-    let prefetched = rig.sched.leader.adapter().book().prefetched_blocks;
+    let prefetched = rig.sched.leader.adapter().book.prefetched_blocks;
     if prefetched != copies.len() {
         return Err(format!(
             "toy_prefetch named {prefetched} blocks, expected {}",

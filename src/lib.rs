@@ -17,7 +17,16 @@
 //! * [`error`] — the one error type.
 //!
 //! Storage lives in [`backends`] (memory and disk always built); engine adapters in `frameworks`
-//! (behind features).
+//! (behind features). The `kvbm` tool (`tool/`) is a separate binary built on this public API
+//! alone; the Python bindings are a private module of this crate (behind `python`), because
+//! maturin builds the library itself as the extension module.
+//!
+//! ## Where to start
+//!
+//! An integrator uses the root re-exports: an [`Engine`] (one per inference engine: its
+//! [`SchedulerAdapter`] and its two sides' [`InitMode`]s), a [`Leader`] beside the scheduler, a
+//! [`Worker`] per GPU process, [`RequestId`], [`Config`], [`Error`]. An adapter author for a new
+//! engine imports [`prelude`]. `docs/adapters.md` walks through both.
 //!
 //! ## Features
 //!
@@ -65,10 +74,36 @@ pub mod frameworks;
 mod python;
 
 pub use config::Config;
+pub use connector::adapter::{Engine, SchedulerAdapter};
+pub use connector::barrier::{Blocking, InitMode, NonBlocking};
+pub use connector::leader::Leader;
+pub use connector::worker::Worker;
+pub use connector::RequestId;
 pub use error::{Error, ErrorKind, Result};
 pub use identity::{BlockHasher, HashAlgorithm, Salt, SequenceHash, Token, TokenSequence};
 pub use layout::{KvLayout, Layout, LayoutDims, LayoutKind};
 pub use tier::{Capability, StorageTier, StorageTierExt, TierKind};
+
+/// What an adapter author for a new engine needs, in one import (`use kvbm_connector::prelude::*;`):
+/// the engine definition, the leader's and worker's calls and their arguments, custom operation
+/// kinds, the device cache as a tier, and the in-process transport. `docs/adapters.md` and
+/// `examples/toy_engine.rs` use exactly these.
+pub mod prelude {
+    pub use crate::backends::memory::MemoryTier;
+    pub use crate::backends::StandardTiers;
+    pub use crate::connector::adapter::{ScheduledRequest, SchedulerStep};
+    pub use crate::connector::leader::RequestInfo;
+    pub use crate::connector::metadata::{
+        BlockTransfer, ConnectorMetadata, Direction, Operation, OperationId,
+    };
+    pub use crate::connector::transport::{in_process, Completion};
+    pub use crate::layout::BlockOrder;
+    pub use crate::{
+        Blocking, Config, Engine, Error, ErrorKind, InitMode, Layout, LayoutDims, Leader,
+        NonBlocking, RequestId, Result, SchedulerAdapter, StorageTier, StorageTierExt, TierKind,
+        Token, Worker,
+    };
+}
 
 #[cfg(test)]
 mod send_sync {
@@ -79,5 +114,16 @@ mod send_sync {
         is_send_sync::<crate::Error>();
         is_send_sync::<crate::backends::memory::MemoryTier>();
         is_send_sync::<std::sync::Arc<dyn crate::StorageTier>>();
+        is_send_sync::<crate::Worker>();
+        is_send_sync::<crate::Config>();
+        is_send_sync::<crate::RequestId>();
+    }
+
+    fn is_send<T: Send>() {}
+
+    #[test]
+    fn the_leader_is_send() {
+        // A leader lives beside the scheduler and may move to its thread.
+        is_send::<crate::Leader<crate::connector::adapter::ScheduledTokens>>();
     }
 }
