@@ -188,7 +188,7 @@ fn probe_error_when_no_driver_is_expected() {
     assert!(e.to_string().contains("libcuda"), "{e}");
 }
 
-/// A `libcuda.so.1` that opens but has no driver API (a stand-in built with the C compiler) must
+/// A `libcuda.so` / `libcuda.so.1` that opens but has no driver API (a stand-in built with the C compiler) must
 /// be an error too: cudarc panics binding it, and the probe keeps that panic inside. Runs the check
 /// in a child process (the probe's answer is cached per process) with the stand-in first on
 /// `LD_LIBRARY_PATH`.
@@ -208,7 +208,9 @@ fn probe_survives_a_driver_library_it_cannot_bind() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("stand_in.c");
     std::fs::write(&src, "int kvbm_not_a_cuda_driver(void) { return 0; }\n").unwrap();
-    let so = dir.path().join("libcuda.so.1");
+    // Under every name the probe (and cudarc) try, so a real driver elsewhere on the loader's
+    // path cannot stand in for the stand-in.
+    let so = dir.path().join(cuda::DRIVER_LIBRARIES[0]);
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
     let built = std::process::Command::new(&cc)
         .args(["-shared", "-fPIC", "-o"])
@@ -220,6 +222,9 @@ fn probe_survives_a_driver_library_it_cannot_bind() {
             "SKIP probe_survives_a_driver_library_it_cannot_bind: `{cc}` could not build a stand-in libcuda.so.1"
         ));
         return;
+    }
+    for name in &cuda::DRIVER_LIBRARIES[1..] {
+        std::os::unix::fs::symlink(&so, dir.path().join(name)).unwrap();
     }
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([

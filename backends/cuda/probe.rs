@@ -17,8 +17,12 @@ use serde::Serialize;
 
 use crate::error::{Error, ErrorKind, Result};
 
-/// The driver library names tried, in order.
-pub const DRIVER_LIBRARIES: [&str; 2] = ["libcuda.so.1", "libcuda.so"];
+/// The driver library names tried, in order: cudarc's own order (it loads the first of its
+/// candidates that opens, `libcuda.so` before `libcuda.so.1`), so the library the probe checks
+/// and reports is the one cudarc then binds. (Checked on a GPU machine: with the probe trying
+/// `libcuda.so.1` first, a broken `libcuda.so.1` passed the dlopen check while cudarc bound the
+/// real driver under `libcuda.so`.)
+pub const DRIVER_LIBRARIES: [&str; 2] = ["libcuda.so", "libcuda.so.1"];
 
 fn describe(e: DriverError) -> String {
     let name = e
@@ -123,7 +127,7 @@ fn find_driver_library() -> std::result::Result<&'static str, String> {
     let mut why = Vec::new();
     for (name, cname) in DRIVER_LIBRARIES
         .iter()
-        .zip([c"libcuda.so.1", c"libcuda.so"])
+        .zip([c"libcuda.so", c"libcuda.so.1"])
     {
         // SAFETY: a valid NUL-terminated name; the handle is closed right away.
         let handle = unsafe { libc::dlopen(cname.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
