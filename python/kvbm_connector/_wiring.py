@@ -25,9 +25,12 @@ else TCP with several ranks and in process with one.
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util
 import operator
 import os
 import threading
+import weakref
 from typing import Optional
 
 from . import _kvbm
@@ -89,6 +92,27 @@ def choose_transport(
 
 def _rendezvous_dir(config: Optional[Config]) -> Optional[str]:
     return None if config is None else os.fspath(config.rendezvous_dir)
+
+
+# Rendezvous leaders of this process. A leader removes its file when dropped, but an engine
+# process that exits (vLLM's EngineCore on SIGTERM) may never drop it: remove the files at exit,
+# from atexit (a plain interpreter) and from multiprocessing's exit finalizers (a
+# multiprocessing child, such as vLLM's EngineCore, ends with os._exit and runs no atexit hook).
+# A process killed outright leaves its file behind; workers ignore it (its pid is dead) and the
+# next leader to publish in the directory removes it.
+_published: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _unpublish_all() -> None:
+    for leader in list(_published):
+        try:
+            leader.unpublish()
+        except Exception:  # best effort at exit
+            pass
+
+
+atexit.register(_unpublish_all)
+multiprocessing.util.Finalize(None, _unpublish_all, exitpriority=10)
 
 
 class _Ends:
@@ -157,7 +181,9 @@ def leader_transport(
     if kind == "tcp":
         return _kvbm.tcp_leader(world_size, address)
     if kind == "rendezvous":
-        return _kvbm.rendezvous_leader(world_size, instance, _rendezvous_dir(config))
+        leader = _kvbm.rendezvous_leader(world_size, instance, _rendezvous_dir(config))
+        _published.add(leader)
+        return leader
     return _take(instance, world_size, None)
 
 

@@ -18,15 +18,36 @@ use crate::connector::transport::{in_process, LeaderTransport, WorkerTransport};
 use crate::error::{Error, Result};
 
 /// The leader's end of a transport (pass it to a scheduler).
-#[pyclass(module = "kvbm_connector._kvbm", name = "LeaderTransport", frozen)]
+#[pyclass(
+    module = "kvbm_connector._kvbm",
+    name = "LeaderTransport",
+    frozen,
+    weakref
+)]
 pub(crate) struct PyLeaderTransport {
     pub(crate) inner: Arc<dyn LeaderTransport>,
     kind: &'static str,
     address: Option<SocketAddr>,
+    rendezvous: Option<Arc<RendezvousLeader>>,
 }
 
 #[pymethods]
 impl PyLeaderTransport {
+    /// Rendezvous: removes the rendezvous file now (while it is still this leader's), for a
+    /// process about to exit where the transport may never be dropped; connected workers stay
+    /// connected. Idempotent; does nothing for the other kinds.
+    fn unpublish(&self) {
+        if let Some(r) = &self.rendezvous {
+            r.unpublish();
+        }
+    }
+
+    /// Rendezvous: the path of the rendezvous file; `None` for the other kinds.
+    #[getter]
+    fn rendezvous_path(&self) -> Option<PathBuf> {
+        self.rendezvous.as_ref().map(|r| r.path().to_path_buf())
+    }
+
     /// `"in_process"`, `"tcp"` or `"rendezvous"`.
     #[getter]
     fn kind(&self) -> &'static str {
@@ -107,6 +128,7 @@ fn in_process_transport(
             inner: leader,
             kind: "in_process",
             address: None,
+            rendezvous: None,
         },
         workers
             .into_iter()
@@ -145,6 +167,7 @@ fn tcp_leader(
             inner: leader,
             kind: "tcp",
             address,
+            rendezvous: None,
         })
     })
 }
@@ -220,9 +243,10 @@ fn rendezvous_leader(
         let leader = RendezvousLeader::bind(&dir, &instance, world_size)?;
         let address = Some(leader.local_addr());
         Ok(PyLeaderTransport {
-            inner: leader,
+            inner: leader.clone(),
             kind: "rendezvous",
             address,
+            rendezvous: Some(leader),
         })
     })
 }

@@ -6,6 +6,7 @@ worker in its own). Two engines on one machine never cross; another user cannot 
 from __future__ import annotations
 
 import gc
+import hashlib
 import multiprocessing
 import os
 import stat
@@ -40,6 +41,12 @@ def start_workers(ctx, engine_ids, num_blocks):
     return runners
 
 
+def rendezvous_file(engine_id: str):
+    """Where the leader of ``engine_id`` publishes (the Rust side's naming, restated)."""
+    digits = hashlib.sha256(engine_id.encode()).hexdigest()[:32]
+    return load_config().rendezvous_dir / f"leader-{digits}.json"
+
+
 def scheduler(engine_id: str):
     cfg = E.VllmConfig()
     cfg.kv_transfer_config.engine_id = engine_id
@@ -58,6 +65,9 @@ def test_scheduler_and_worker_in_two_processes_meet_with_no_setting(no_transport
         # (bytes_per_block) missing from rank(s) [0]").
         sched = scheduler(eid)
         assert sched.is_ready()
+        # The file did its work: removed once the session started, so a killed engine leaves
+        # nothing behind.
+        assert not rendezvous_file(eid).exists()
         runners[0].wait_ready(20)
         engine = E.VllmEngine(sched, runners, num_blocks)
         a = E.prompt(3, 16)
@@ -120,9 +130,14 @@ def test_default_is_rendezvous_and_explicit_choices_hold(no_transport_settings, 
     # Named from a hash of the id (32 hex digits), not the id itself.
     digits = published.name[len("leader-"):-len(".json")]
     assert len(digits) == 32 and set(digits) <= set("0123456789abcdef")
+    assert leader.rendezvous_path == published
     w = worker_transport(0, 1, instance="x", default="rendezvous", config=cfg,
                          connect_timeout_secs=5)
     assert w.kind == "rendezvous"
+    leader.unpublish()  # what the exit hook does; idempotent
+    assert not published.exists()
+    leader = leader_transport(1, instance="x", default="rendezvous", config=cfg)
+    assert published.exists()
     del leader
     gc.collect()
     assert not published.exists(), "the leader removes its rendezvous file when dropped"

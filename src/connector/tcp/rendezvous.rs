@@ -17,8 +17,11 @@
 //!    of SHA-256 of the instance id. The file is written to a temporary name created with
 //!    `O_CREAT|O_EXCL|O_NOFOLLOW`, mode 0600, synced, then linked to its final name (an existing
 //!    one is replaced, by an atomic rename, only when its pid is dead); a live leader of the same
-//!    instance is an [`ErrorKind::AlreadyExists`] error. Dropping the leader removes the file if
-//!    it is still its own. Publishing also removes the files of dead processes.
+//!    instance is an [`ErrorKind::AlreadyExists`] error. The leader removes the file (if it is
+//!    still its own) as soon as the session started — every rank confirmed its allocation, after
+//!    which no worker can join — and in any case when dropped (the Python package also does it
+//!    at process exit). So a file outlives its leader only when the leader was killed during
+//!    start-up; publishing removes such files of dead processes.
 //! 2. A worker polls for the file (10–200 ms backoff) until its deadline: vLLM builds workers
 //!    before the scheduler, so the worker end resolves lazily, on first use, inside the
 //!    start-up barrier. A file whose pid is dead is stale and ignored. It then connects to the
@@ -43,6 +46,7 @@ use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -393,6 +397,7 @@ pub struct RendezvousLeader {
     leader: Arc<TcpLeader>,
     path: PathBuf,
     token: String,
+    unpublished: AtomicBool,
 }
 
 impl RendezvousLeader {
@@ -423,6 +428,7 @@ impl RendezvousLeader {
             leader,
             path,
             token,
+            unpublished: AtomicBool::new(false),
         }))
     }
 
@@ -440,15 +446,36 @@ impl RendezvousLeader {
     pub fn tcp(&self) -> &Arc<TcpLeader> {
         &self.leader
     }
-}
 
-impl Drop for RendezvousLeader {
-    fn drop(&mut self) {
-        // Remove the file only while it is still ours (a successor may have replaced it).
+    /// Removes the rendezvous file while it is still this leader's (a successor may have
+    /// replaced it); workers that connected stay connected, new ones no longer find it.
+    /// Idempotent; dropping the leader does it too. For a process about to exit, where the
+    /// leader may never be dropped.
+    pub fn unpublish(&self) {
+        if self.unpublished.swap(true, Ordering::SeqCst) {
+            return;
+        }
         if let Ok(Some(r)) = read_record(&self.path) {
             if r.token == self.token {
                 let _ = fs::remove_file(&self.path);
             }
+        }
+    }
+}
+
+impl Drop for RendezvousLeader {
+    fn drop(&mut self) {
+        self.unpublish();
+    }
+}
+
+impl RendezvousLeader {
+    /// Once the session started (every rank confirmed its allocation) no worker can join any
+    /// more, so the file has done its work: remove it, which leaves nothing behind even when
+    /// the process is later killed (vLLM's EngineCore is, on shutdown).
+    fn unpublish_once_started(&self) {
+        if !self.unpublished.load(Ordering::Relaxed) && self.leader.is_session_started() {
+            self.unpublish();
         }
     }
 }
@@ -463,11 +490,15 @@ impl LeaderTransport for RendezvousLeader {
     }
 
     fn try_recv(&self) -> Result<Option<(Rank, WorkerMessage)>> {
-        self.leader.try_recv()
+        let got = self.leader.try_recv();
+        self.unpublish_once_started();
+        got
     }
 
     fn recv_timeout(&self, timeout: Duration) -> Result<Option<(Rank, WorkerMessage)>> {
-        self.leader.recv_timeout(timeout)
+        let got = self.leader.recv_timeout(timeout);
+        self.unpublish_once_started();
+        got
     }
 }
 
@@ -705,14 +736,35 @@ mod tests {
         assert!(leader.local_addr().ip().is_loopback());
         let meta = fs::symlink_metadata(leader.path()).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert!(leader.path().exists());
         let (rank, msg) = leader
             .recv_timeout(Duration::from_secs(5))
             .unwrap()
             .unwrap();
         assert_eq!((rank, msg), (0, WorkerMessage::Ready));
+        // Every rank is ready: the session started and the file is gone.
+        assert!(leader.tcp().is_session_started());
         let path = leader.path().to_path_buf();
+        assert!(
+            !path.exists(),
+            "the leader removes its file once the session started"
+        );
         drop(leader);
+        // Dropping a leader removes its file too.
+        let early = RendezvousLeader::bind(&dir, "engine-1", 1).unwrap();
+        assert!(path.exists());
+        drop(early);
         assert!(!path.exists(), "the leader removes its file on drop");
+        // unpublish leaves a successor's file alone.
+        let first = RendezvousLeader::bind(&dir, "engine-1", 1).unwrap();
+        first.unpublish();
+        assert!(!path.exists());
+        let second = RendezvousLeader::bind(&dir, "engine-1", 1).unwrap();
+        first.unpublish();
+        drop(first);
+        assert!(path.exists(), "a successor's file is not removed");
+        drop(second);
+        assert!(!path.exists());
     }
 
     #[test]
@@ -722,6 +774,11 @@ mod tests {
         let b = RendezvousLeader::bind(&dir, "engine-b", 1).unwrap();
         assert_ne!(a.local_addr(), b.local_addr());
         assert_ne!(a.path(), b.path());
+        // A second live leader of the same instance is refused, and leaves the first's file.
+        let e = RendezvousLeader::bind(&dir, "engine-a", 1).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+        assert!(e.to_string().contains("engine-a"), "{e}");
+        assert!(a.path().exists());
         let wa = worker(&dir, "engine-a", 0, 1, 5.0);
         let wb = worker(&dir, "engine-b", 0, 1, 5.0);
         round_trip(&a, &wa);
@@ -730,10 +787,6 @@ mod tests {
         assert_eq!(b.tcp().connected_ranks(), vec![0]);
         assert_eq!(a.recv_timeout(Duration::from_millis(50)).unwrap(), None);
         assert_eq!(b.recv_timeout(Duration::from_millis(50)).unwrap(), None);
-        // A second live leader of the same instance is refused, and leaves the first's file.
-        let e = RendezvousLeader::bind(&dir, "engine-a", 1).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::AlreadyExists);
-        assert!(a.path().exists());
     }
 
     /// A pid that is not running: a reaped child's.
