@@ -828,6 +828,28 @@ mod tests {
     }
 
     #[test]
+    fn rendezvous_dir_from_env_and_toml() {
+        let mut c = Config::default();
+        assert_eq!(
+            c.tcp.rendezvous_dir(),
+            crate::connector::tcp::rendezvous::default_dir()
+        );
+        c.apply_env(env(&[(RENDEZVOUS_DIR_ENV, " /run/kvbm-x ")]))
+            .unwrap();
+        assert_eq!(c.tcp.rendezvous_dir(), PathBuf::from("/run/kvbm-x"));
+        let toml = c.to_toml().unwrap();
+        assert!(toml.contains("rendezvous_dir = \"/run/kvbm-x\""), "{toml}");
+        assert_eq!(Config::from_toml_str(&toml).unwrap(), c);
+        let e = Config::default()
+            .apply_env(env(&[(RENDEZVOUS_DIR_ENV, "relative/dir")]))
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert!(e.to_string().contains(RENDEZVOUS_DIR_ENV), "{e}");
+        let e = Config::from_toml_str("[tcp]\nrendezvous_dir = \"rel\"\n").unwrap_err();
+        assert!(e.to_string().contains("tcp.rendezvous_dir"), "{e}");
+    }
+
+    #[test]
     fn tcp_settings_from_env_and_toml() {
         let mut c = Config::default();
         assert_eq!(
