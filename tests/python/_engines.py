@@ -911,5 +911,23 @@ class RemoteVllmRunner:
                 self._proc.kill()
 
 
+def kvbm_environ() -> dict:
+    """This process's ``KVBM_*`` / ``DYN_KVBM_*`` variables, for a worker process."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k.startswith(("KVBM_", "DYN_KVBM_"))}
+
+
+def serve_a_prefix_again(engine: "VllmEngine") -> None:
+    """Prompt A (16 tokens), then A plus 6 more: the second request's first 16 tokens are served
+    by the connector (offloaded after the first, loaded back and verified by the engine)."""
+    a = prompt(3, 16)
+    engine.add("a", a, max_tokens=2)
+    engine.run()
+    engine.add("b", a + prompt(4, 6), max_tokens=2)
+    engine.run()
+    assert engine.matches["b"] == (16, True)
+
+
 def replace(obj, **changes):
     return dataclasses.replace(obj, **changes)

@@ -25,10 +25,6 @@ def free_addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def kvbm_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(("KVBM_", "DYN_KVBM_"))}
-
-
 def test_vllm_two_ranks_in_two_processes_over_tcp():
     addr = free_addr()
     extra = {"transport": "tcp", "leader_addr": addr}
@@ -36,7 +32,7 @@ def test_vllm_two_ranks_in_two_processes_over_tcp():
     num_blocks = 32
     # vLLM's order: the workers register their caches first (non-blocking; they connect in the
     # background), then the engine core builds the scheduler-role connector (blocking).
-    runners = [E.RemoteVllmRunner(ctx, r, 2, kvbm_env(), extra, num_blocks) for r in range(2)]
+    runners = [E.RemoteVllmRunner(ctx, r, 2, E.kvbm_environ(), extra, num_blocks) for r in range(2)]
     engine = None
     try:
         for r in runners:
@@ -48,12 +44,7 @@ def test_vllm_two_ranks_in_two_processes_over_tcp():
         for r in runners:
             r.wait_ready(20)
         engine = E.VllmEngine(sched, runners, num_blocks)
-        a = E.prompt(3, 16)
-        engine.add("a", a, max_tokens=2)
-        engine.run()
-        engine.add("b", a + E.prompt(4, 6), max_tokens=2)
-        engine.run()
-        assert engine.matches["b"] == (16, True)
+        E.serve_a_prefix_again(engine)
         # Every loaded block was compared on both ranks, each against its own shard's bytes.
         assert engine.verified_blocks == 4
         assert engine.free == set(range(num_blocks))

@@ -18,23 +18,14 @@ import _engines as E
 from kvbm_connector import KvbmError, leader_transport, load_config, vllm, worker_transport
 
 
-@pytest.fixture
-def no_transport_settings(monkeypatch):
-    """No KVBM transport variable set (the user's view: nothing configured), and a short init
-    timeout so a regression fails in seconds, not the default minute."""
-    for var in ("KVBM_LEADER_ADDR", "KVBM_AUTH_TOKEN", "KVBM_RENDEZVOUS_DIR"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("KVBM_INIT_TIMEOUT_SECS", "20")
-
-
-def kvbm_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(("KVBM_", "DYN_KVBM_"))}
+# conftest's autouse fixture clears every KVBM_* variable (no transport setting: the user's
+# view) and sets a 20 s init timeout, so a regression fails in seconds, not the default minute.
 
 
 def start_workers(ctx, engine_ids, num_blocks):
     """One worker process per engine, built from the engine's (pickled) config with no
     transport setting, registering its caches before any scheduler exists (vLLM's order)."""
-    runners = [E.RemoteVllmRunner(ctx, 0, 1, kvbm_env(), {}, num_blocks, engine_id=eid)
+    runners = [E.RemoteVllmRunner(ctx, 0, 1, E.kvbm_environ(), {}, num_blocks, engine_id=eid)
                for eid in engine_ids]
     for r in runners:
         r.started()
@@ -53,7 +44,7 @@ def scheduler(engine_id: str):
     return vllm.KvbmConnector(cfg, vllm.KVConnectorRole.SCHEDULER)
 
 
-def test_scheduler_and_worker_in_two_processes_meet_with_no_setting(no_transport_settings):
+def test_scheduler_and_worker_in_two_processes_meet_with_no_setting():
     ctx = multiprocessing.get_context("spawn")
     num_blocks = 32
     eid = str(uuid.uuid4())
@@ -70,20 +61,15 @@ def test_scheduler_and_worker_in_two_processes_meet_with_no_setting(no_transport
         assert not rendezvous_file(eid).exists()
         runners[0].wait_ready(20)
         engine = E.VllmEngine(sched, runners, num_blocks)
-        a = E.prompt(3, 16)
-        engine.add("a", a, max_tokens=2)
-        engine.run()
-        engine.add("b", a + E.prompt(4, 6), max_tokens=2)
-        engine.run()
         # Offloaded from the worker process, loaded back into it, and compared byte for byte.
-        assert engine.matches["b"] == (16, True)
+        E.serve_a_prefix_again(engine)
         assert engine.verified_blocks == 16 // E.BS
         assert sched.metrics()["host_hit_tokens"] == 16
     finally:
         (engine.close() if engine else [r.close() for r in runners])
 
 
-def test_two_engines_on_one_machine_do_not_cross(no_transport_settings):
+def test_two_engines_on_one_machine_do_not_cross():
     ctx = multiprocessing.get_context("spawn")
     num_blocks = 32
     ids = [str(uuid.uuid4()), str(uuid.uuid4())]
@@ -115,8 +101,7 @@ def test_two_engines_on_one_machine_do_not_cross(no_transport_settings):
                 r.close()
 
 
-def test_default_is_rendezvous_and_explicit_choices_hold(no_transport_settings, tmp_path,
-                                                         monkeypatch):
+def test_default_is_rendezvous_and_explicit_choices_hold(tmp_path, monkeypatch):
     d = tmp_path / "rdv"
     monkeypatch.setenv("KVBM_RENDEZVOUS_DIR", str(d))
     cfg = load_config()
@@ -154,7 +139,7 @@ def test_default_is_rendezvous_and_explicit_choices_hold(no_transport_settings, 
     assert ei.value.kind == "invalid_config" and "rendezvous" in ei.value.message
 
 
-def test_a_directory_open_to_others_is_refused(no_transport_settings, tmp_path, monkeypatch):
+def test_a_directory_open_to_others_is_refused(tmp_path, monkeypatch):
     d = tmp_path / "open"
     d.mkdir()
     d.chmod(0o777)
@@ -174,8 +159,7 @@ def test_a_directory_open_to_others_is_refused(no_transport_settings, tmp_path, 
     assert "symbolic link" in str(ei.value)
 
 
-def test_a_second_live_leader_of_one_engine_id_is_refused(no_transport_settings, tmp_path,
-                                                          monkeypatch):
+def test_a_second_live_leader_of_one_engine_id_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBM_RENDEZVOUS_DIR", str(tmp_path / "d"))
     first = leader_transport(1, instance="same", default="rendezvous")
     with pytest.raises(KvbmError) as ei:

@@ -236,33 +236,23 @@ fn read_record(path: &Path) -> Result<Option<Record>> {
     if meta.permissions().mode() & 0o077 != 0 {
         return Err(insecure(path, "is readable or writable by others"));
     }
+    let decode = |why: String| Error::new(ErrorKind::Decode, why).with("path", path.display());
     let mut text = Vec::new();
     file.take(MAX_FILE_BYTES + 1)
         .read_to_end(&mut text)
         .map_err(|e| Error::io("read the kvbm rendezvous file", e).with("path", path.display()))?;
     if text.len() as u64 > MAX_FILE_BYTES {
-        return Err(Error::new(
-            ErrorKind::Decode,
-            format!("kvbm rendezvous file is larger than {MAX_FILE_BYTES} bytes"),
-        )
-        .with("path", path.display()));
+        return Err(decode(format!(
+            "kvbm rendezvous file is larger than {MAX_FILE_BYTES} bytes"
+        )));
     }
-    let record: Record = serde_json::from_slice(&text).map_err(|e| {
-        Error::new(
-            ErrorKind::Decode,
-            format!("kvbm rendezvous file does not decode: {e}"),
-        )
-        .with("path", path.display())
-    })?;
+    let record: Record = serde_json::from_slice(&text)
+        .map_err(|e| decode(format!("kvbm rendezvous file does not decode: {e}")))?;
     if record.version != VERSION {
-        return Err(Error::new(
-            ErrorKind::Decode,
-            format!(
-                "kvbm rendezvous file has version {}, this build reads {VERSION}",
-                record.version
-            ),
-        )
-        .with("path", path.display()));
+        return Err(decode(format!(
+            "kvbm rendezvous file has version {}, this build reads {VERSION}",
+            record.version
+        )));
     }
     Ok(Some(record))
 }
