@@ -13,7 +13,8 @@
 //!
 //! 1. The leader listens on `127.0.0.1:0` (an ephemeral port: two engines never fight over one)
 //!    with a fresh 256-bit random token, and publishes `{"version":1,"address":…,"token":…,
-//!    "pid":…}` as `leader-<hex>.json` in the directory, where `<hex>` is the first 32 hex digits
+//!    "pid":…,"start":…}` (`start`: the process's start time, so a recycled pid is not taken
+//!    for the leader) as `leader-<hex>.json` in the directory, where `<hex>` is the first 32 hex digits
 //!    of SHA-256 of the instance id. The file is written to a temporary name created with
 //!    `O_CREAT|O_EXCL|O_NOFOLLOW`, mode 0600, synced, then linked to its final name (an existing
 //!    one is replaced, by an atomic rename, only when its pid is dead); a live leader of the same
@@ -24,8 +25,9 @@
 //!    start-up; publishing removes such files of dead processes.
 //! 2. A worker polls for the file (10–200 ms backoff) until its deadline: vLLM builds workers
 //!    before the scheduler, so the worker end resolves lazily, on first use, inside the
-//!    start-up barrier. A file whose pid is dead is stale and ignored. It then connects to the
-//!    address with the token, as a [`TcpWorker`] does.
+//!    start-up barrier. A file whose process is gone is stale and ignored. It then connects to
+//!    the address with the token, as a [`TcpWorker`] does; an address that does not answer
+//!    within 2 s sends it back to reading the file (a new leader may have replaced it).
 //!
 //! # Trust model
 //!
@@ -67,6 +69,8 @@ const VERSION: u32 = 1;
 const MAX_FILE_BYTES: u64 = 4096;
 /// Longest pause between two looks for a rendezvous file.
 const MAX_POLL: Duration = Duration::from_millis(200);
+/// How long a worker tries a published address before it reads the rendezvous file again.
+const RECONNECT_SLICE: Duration = Duration::from_secs(2);
 /// The setting that names the directory, for error messages.
 const DIR_SETTING: &str = "tcp.rendezvous_dir (KVBM_RENDEZVOUS_DIR)";
 
@@ -169,6 +173,29 @@ struct Record {
     address: SocketAddr,
     token: String,
     pid: u32,
+    /// The leader process's start time (`/proc/<pid>/stat` field 22, clock ticks since boot),
+    /// so a recycled pid does not make a stale file look live; absent where `/proc` is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    start: Option<u64>,
+}
+
+impl Record {
+    /// Whether the leader that wrote this record still runs.
+    fn leader_alive(&self) -> bool {
+        pid_alive(self.pid)
+            && match (self.start, start_time(self.pid)) {
+                (Some(recorded), Some(now)) => recorded == now,
+                _ => true,
+            }
+    }
+}
+
+/// A process's start time from `/proc/<pid>/stat` (field 22, after the parenthesised name).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    // Fields from 3 (state) on; the start time is field 22.
+    after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
 impl std::fmt::Debug for Record {
@@ -268,7 +295,7 @@ fn remove_stale(dir: &Path) {
         let path = entry.path();
         if name.starts_with("leader-") && name.ends_with(".json") {
             if let Ok(Some(r)) = read_record(&path) {
-                if !pid_alive(r.pid) {
+                if !r.leader_alive() {
                     let _ = fs::remove_file(&path);
                 }
             }
@@ -321,7 +348,7 @@ fn publish(dir: &Path, instance: &str, record: &Record) -> Result<PathBuf> {
     let placed = match fs::hard_link(&tmp, &path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == IoKind::AlreadyExists => match read_record(&path) {
-            Ok(Some(old)) if pid_alive(old.pid) => Err(Error::new(
+            Ok(Some(old)) if old.leader_alive() => Err(Error::new(
                 ErrorKind::AlreadyExists,
                 format!(
                     "another kvbm leader (pid {}, {}) already serves instance {instance:?}; give \
@@ -354,7 +381,7 @@ fn resolve(dir: &Path, instance: &str, deadline: Instant) -> Result<Record> {
     let mut stale = None;
     loop {
         match read_record(&path)? {
-            Some(r) if pid_alive(r.pid) => return Ok(r),
+            Some(r) if r.leader_alive() => return Ok(r),
             Some(r) => stale = Some(r.pid),
             None => {}
         }
@@ -411,6 +438,7 @@ impl RendezvousLeader {
             address: leader.local_addr(),
             token: token.clone(),
             pid: std::process::id(),
+            start: start_time(std::process::id()),
         };
         let path = publish(&dir, instance, &record)?;
         tracing::info!(instance, addr = %record.address, path = %path.display(), "kvbm leader published its rendezvous file");
@@ -572,17 +600,29 @@ impl LazyTcpWorker {
 
     fn connect(&self) -> Result<Arc<TcpWorker>> {
         let end = Instant::now() + self.deadline;
-        let (addr, token) = match &self.target {
-            LeaderTarget::Address { addr, token } => (*addr, token.clone()),
-            LeaderTarget::Rendezvous { dir, instance } => {
-                let r = resolve(dir, instance, end)?;
-                (r.address, Some(r.token))
-            }
+        let left = || {
+            end.saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
         };
-        let left = end
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        TcpWorker::connect(addr, self.rank, self.world_size, token, left)
+        let (dir, instance) = match &self.target {
+            LeaderTarget::Address { addr, token } => {
+                return TcpWorker::connect(*addr, self.rank, self.world_size, token.clone(), left())
+            }
+            LeaderTarget::Rendezvous { dir, instance } => (dir, instance),
+        };
+        // A published leader that does not answer (it is exiting, or the file outlived it under
+        // a recycled pid) is given a short slice; then the file is read again, in case a new
+        // leader replaced it.
+        loop {
+            let r = resolve(dir, instance, end)?;
+            let slice = left().min(RECONNECT_SLICE);
+            match TcpWorker::connect(r.address, self.rank, self.world_size, Some(r.token), slice) {
+                Err(e) if e.kind() == ErrorKind::Timeout && Instant::now() < end => {
+                    tracing::debug!(instance = %instance, error = %e, "kvbm rendezvous leader not reachable; reading the file again");
+                }
+                other => return other,
+            }
+        }
     }
 
     fn get(&self) -> Result<Arc<TcpWorker>> {
@@ -797,6 +837,7 @@ mod tests {
             address: "127.0.0.1:9".parse().unwrap(),
             token: "old".into(),
             pid: dead_pid(),
+            start: None,
         };
         publish(&dir, "engine-s", &stale).unwrap();
         // A worker does not take the stale file: it times out saying so.
@@ -812,6 +853,44 @@ mod tests {
         fs::write(&tmp, b"x").unwrap();
         let _other = RendezvousLeader::bind(&dir, "engine-t", 1).unwrap();
         assert!(!tmp.exists());
+    }
+
+    #[test]
+    fn recycled_pid_is_stale_and_an_unreachable_leader_is_read_again() {
+        let (_t, dir) = private_tmp();
+        private_dir(&dir).unwrap();
+        // Our own pid, but another start time: a recycled pid.
+        let me = std::process::id();
+        let recycled = Record {
+            version: VERSION,
+            address: "127.0.0.1:9".parse().unwrap(),
+            token: "old".into(),
+            pid: me,
+            start: start_time(me).map(|t| t + 1),
+        };
+        assert!(start_time(me).is_some(), "/proc is readable here");
+        assert!(!recycled.leader_alive());
+        // A live-looking file with an address nobody answers: the worker keeps reading the file
+        // and meets the leader that replaces it.
+        let unreachable = Record {
+            start: start_time(me),
+            ..recycled
+        };
+        assert!(unreachable.leader_alive());
+        let path = publish(&dir, "engine-r", &unreachable).unwrap();
+        let w = worker(&dir, "engine-r", 0, 1, 10.0);
+        let d2 = dir.clone();
+        let leader = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            fs::remove_file(&path).unwrap();
+            RendezvousLeader::bind(&d2, "engine-r", 1).unwrap()
+        });
+        w.send(WorkerMessage::Ready).unwrap();
+        let leader = leader.join().unwrap();
+        assert_eq!(
+            leader.recv_timeout(Duration::from_secs(5)).unwrap(),
+            Some((0, WorkerMessage::Ready))
+        );
     }
 
     #[test]
