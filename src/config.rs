@@ -26,6 +26,7 @@
 //! [tcp]                    # the network transport (connector::tcp)
 //! leader_addr = "10.0.0.1:5557"
 //! auth_token = "s3cret"    # never written back out (to_toml, Debug)
+//! rendezvous_dir = "/run/user/1000/kvbm-1000"  # private (0700) directory of rendezvous files
 //! ```
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -219,6 +220,9 @@ pub const LEADER_ADDR_ENV: &str = "KVBM_LEADER_ADDR";
 pub const AUTH_TOKEN_ENV: &str = "KVBM_AUTH_TOKEN";
 /// The leader's address when none is set (loopback).
 pub const DEFAULT_LEADER_ADDR: &str = "127.0.0.1:5557";
+/// The environment variable naming the private directory of rendezvous files
+/// ([`TcpConfig::rendezvous_dir`]).
+pub const RENDEZVOUS_DIR_ENV: &str = "KVBM_RENDEZVOUS_DIR";
 
 /// The network transport between the leader and its workers (`connector::tcp`).
 #[derive(Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -233,6 +237,12 @@ pub struct TcpConfig {
     /// unset.
     #[serde(skip_serializing)]
     pub auth_token: Option<String>,
+    /// The private directory where a leader publishes its rendezvous file (address, one-time
+    /// token, pid) for workers on the same machine (`connector::tcp::rendezvous`). Created
+    /// 0700 when missing; refused when it is a symlink, not owned by this user or open to
+    /// others. Default: unset, meaning `$XDG_RUNTIME_DIR/kvbm-<uid>`, else
+    /// `<temp dir>/kvbm-<uid>`.
+    pub rendezvous_dir: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -243,6 +253,7 @@ impl std::fmt::Debug for TcpConfig {
                 "auth_token",
                 &self.auth_token.as_ref().map(|_| "<redacted>"),
             )
+            .field("rendezvous_dir", &self.rendezvous_dir)
             .finish()
     }
 }
@@ -260,13 +271,30 @@ impl TcpConfig {
         self.auth_token.clone().filter(|t| !t.is_empty())
     }
 
-    /// True when nothing written out is set (the section is then left out of the TOML form).
-    fn nothing_to_write(&self) -> bool {
-        self.leader_addr.is_none()
+    /// The rendezvous directory: `rendezvous_dir`, else the default (see the field).
+    pub fn rendezvous_dir(&self) -> PathBuf {
+        self.rendezvous_dir
+            .clone()
+            .unwrap_or_else(crate::connector::tcp::rendezvous::default_dir)
     }
 
-    /// Checks the address's form (resolving it waits until it is used).
+    /// True when nothing written out is set (the section is then left out of the TOML form).
+    fn nothing_to_write(&self) -> bool {
+        self.leader_addr.is_none() && self.rendezvous_dir.is_none()
+    }
+
+    /// Checks the address's form (resolving it waits until it is used) and that the rendezvous
+    /// directory is absolute.
     fn validate(&self) -> Result<()> {
+        if let Some(dir) = &self.rendezvous_dir {
+            if !dir.is_absolute() {
+                return Err(Error::invalid_config(
+                    "tcp.rendezvous_dir",
+                    dir.display(),
+                    "must be an absolute directory path",
+                ));
+            }
+        }
         let Some(text) = self.leader_addr.as_deref() else {
             return Ok(());
         };
@@ -314,6 +342,22 @@ pub fn leader_addr_from(value: Option<&str>) -> Result<SocketAddr> {
             .ok_or_else(|| invalid("the host name resolves to no address".to_string())),
         Err(e) => Err(invalid(format!("expected ip:port or host:port ({e})"))),
     }
+}
+
+/// The rendezvous directory from [`RENDEZVOUS_DIR_ENV`] (unset or empty: the default of
+/// [`TcpConfig::rendezvous_dir`]). A relative path is an [`ErrorKind::InvalidConfig`] error naming
+/// the variable.
+pub fn rendezvous_dir_from_env() -> Result<PathBuf> {
+    let mut tcp = TcpConfig::default();
+    if let Ok(raw) = std::env::var(RENDEZVOUS_DIR_ENV) {
+        tcp.rendezvous_dir = Some(raw.trim())
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from);
+        tcp.validate().map_err(|e| {
+            Error::invalid_config(RENDEZVOUS_DIR_ENV, &raw, e.message().to_string())
+        })?;
+    }
+    Ok(tcp.rendezvous_dir())
 }
 
 /// The shared secret from [`AUTH_TOKEN_ENV`]; unset or empty means none.
@@ -440,6 +484,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_REMOTE_PUBLISH_EVERY", "remote.publish_every"),
     ours(LEADER_ADDR_ENV, "tcp.leader_addr"),
     secret(AUTH_TOKEN_ENV, "tcp.auth_token"),
+    ours(RENDEZVOUS_DIR_ENV, "tcp.rendezvous_dir"),
 ];
 
 /// Names the configuration file when no path is given explicitly.
@@ -611,6 +656,11 @@ impl Config {
             "tcp.auth_token" => {
                 self.tcp.auth_token = Some(raw).filter(|t| !t.is_empty()).map(str::to_owned)
             }
+            "tcp.rendezvous_dir" => {
+                self.tcp.rendezvous_dir = Some(raw.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(PathBuf::from)
+            }
             other => {
                 return Err(Error::internal(format!(
                     "environment table names unknown key {other}"
@@ -775,6 +825,28 @@ mod tests {
             assert!(e.to_string().contains(LEADER_ADDR_ENV), "{e}");
             assert!(e.to_string().contains(bad), "{e}");
         }
+    }
+
+    #[test]
+    fn rendezvous_dir_from_env_and_toml() {
+        let mut c = Config::default();
+        assert_eq!(
+            c.tcp.rendezvous_dir(),
+            crate::connector::tcp::rendezvous::default_dir()
+        );
+        c.apply_env(env(&[(RENDEZVOUS_DIR_ENV, " /run/kvbm-x ")]))
+            .unwrap();
+        assert_eq!(c.tcp.rendezvous_dir(), PathBuf::from("/run/kvbm-x"));
+        let toml = c.to_toml().unwrap();
+        assert!(toml.contains("rendezvous_dir = \"/run/kvbm-x\""), "{toml}");
+        assert_eq!(Config::from_toml_str(&toml).unwrap(), c);
+        let e = Config::default()
+            .apply_env(env(&[(RENDEZVOUS_DIR_ENV, "relative/dir")]))
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert!(e.to_string().contains(RENDEZVOUS_DIR_ENV), "{e}");
+        let e = Config::from_toml_str("[tcp]\nrendezvous_dir = \"rel\"\n").unwrap_err();
+        assert!(e.to_string().contains("tcp.rendezvous_dir"), "{e}");
     }
 
     #[test]

@@ -27,6 +27,8 @@ from ._kvbm import (
     detect_vllm_layout,
     env_vars,
     in_process_transport,
+    rendezvous_leader,
+    rendezvous_worker,
     tcp_leader,
     tcp_worker,
 )
@@ -47,6 +49,8 @@ __all__ = [
     "in_process_transport",
     "leader_transport",
     "load_config",
+    "rendezvous_leader",
+    "rendezvous_worker",
     "tcp_leader",
     "tcp_worker",
     "worker_transport",

@@ -1,23 +1,36 @@
 """How a scheduler finds its workers: configuration and transports.
 
-* One process (tests; vLLM with one GPU and the in-process executor): the in-process transport.
-  The scheduler and the workers are built separately by the engine, so the ends are handed out
-  through a process-wide registry keyed by an *instance* name: the first side to ask creates the
-  connected ends, the others take theirs; once every end is taken the entry is dropped, so a
-  later engine in the same process gets a fresh set.
-* Several processes (tensor parallelism; TensorRT-LLM under MPI; vLLM's multiprocess executor):
-  the TCP transport. The scheduler listens on ``$KVBM_LEADER_ADDR`` and every worker connects to
-  it as its rank (``$KVBM_AUTH_TOKEN``, when set, must match on both sides).
+* Rendezvous (vLLM's default; any executor, any number of ranks on one machine): the scheduler
+  listens on an ephemeral loopback port with a fresh random token and publishes ``{address,
+  token, pid}`` in a file named from a hash of the *instance* id (vLLM: ``kv_transfer_config.
+  engine_id``, which the frontend makes and pickles to the scheduler's and the workers'
+  processes) in a private per-user directory (``$KVBM_RENDEZVOUS_DIR``, else
+  ``$XDG_RUNTIME_DIR/kvbm-<uid>``, else ``<temp dir>/kvbm-<uid>``; 0700, ownership checked).
+  Workers find the file on first use (the worker side may start before the scheduler) and
+  connect with the token. It works whether or not the halves share a process; two engines on a
+  machine never meet (different ids, different ports); another user cannot read the token.
+* One process (tests; TensorRT-LLM with one rank, whose scheduler and worker always share rank
+  0's process): the in-process transport. The scheduler and the workers are built separately by
+  the engine, so the ends are handed out through a process-wide registry keyed by an *instance*
+  name: the first side to ask creates the connected ends, the others take theirs; once every end
+  is taken the entry is dropped, so a later engine in the same process gets a fresh set.
+* A configured address (several nodes; TensorRT-LLM under MPI): the TCP transport. The scheduler
+  listens on ``$KVBM_LEADER_ADDR`` and every worker connects to it as its rank
+  (``$KVBM_AUTH_TOKEN``, when set, must match on both sides).
 
-TCP is chosen when asked for, when ``$KVBM_LEADER_ADDR`` is set, or when there is more than one
-rank (ranks of a real engine never share a process); otherwise in process.
+The choice (:func:`choose_transport`): an explicit ``transport``; else TCP when an address is
+given or ``$KVBM_LEADER_ADDR`` is set; else the caller's ``default`` (vLLM: ``"rendezvous"``);
+else TCP with several ranks and in process with one.
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util
 import operator
 import os
 import threading
+import weakref
 from typing import Optional
 
 from . import _kvbm
@@ -29,7 +42,7 @@ LEADER_ADDR_ENV = "KVBM_LEADER_ADDR"
 RANK_ENV = "KVBM_RANK"
 """A worker's rank when the engine does not say (TensorRT-LLM without MPI, tests)."""
 
-_TRANSPORTS = ("in_process", "tcp")
+_TRANSPORTS = ("in_process", "tcp", "rendezvous")
 
 
 def error(kind: str, message: str, **context: object) -> KvbmError:
@@ -51,18 +64,55 @@ def load_config(path: Optional[str] = None) -> Config:
     return Config.load(None if path is None else os.fspath(path))
 
 
-def choose_transport(world_size: int, transport: Optional[str], address: Optional[str]) -> str:
+def _check_transport(transport: str, setting: str) -> str:
+    if transport not in _TRANSPORTS:
+        raise error(
+            "invalid_config",
+            f"unknown transport {transport!r}: expected 'in_process', 'tcp' or 'rendezvous'",
+            setting=setting,
+        )
+    return transport
+
+
+def choose_transport(
+    world_size: int,
+    transport: Optional[str],
+    address: Optional[str],
+    default: Optional[str] = None,
+) -> str:
+    """The transport to use (see the module documentation for the order)."""
     if transport is not None:
-        if transport not in _TRANSPORTS:
-            raise error(
-                "invalid_config",
-                f"unknown transport {transport!r}: expected 'in_process' or 'tcp'",
-                setting="transport",
-            )
-        return transport
+        return _check_transport(transport, "transport")
     if address or os.environ.get(LEADER_ADDR_ENV):
         return "tcp"
+    if default is not None:
+        return _check_transport(default, "default")
     return "tcp" if world_size > 1 else "in_process"
+
+
+def _rendezvous_dir(config: Optional[Config]) -> Optional[str]:
+    return None if config is None else os.fspath(config.rendezvous_dir)
+
+
+# Rendezvous leaders of this process. A leader removes its file when dropped, but an engine
+# process that exits (vLLM's EngineCore on SIGTERM) may never drop it: remove the files at exit,
+# from atexit (a plain interpreter) and from multiprocessing's exit finalizers (a
+# multiprocessing child, such as vLLM's EngineCore, ends with os._exit and runs no atexit hook).
+# A process killed outright leaves its file behind; workers ignore it (its pid is dead) and the
+# next leader to publish in the directory removes it.
+_published: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _unpublish_all() -> None:
+    for leader in list(_published):
+        try:
+            leader.unpublish()
+        except Exception:  # best effort at exit
+            pass
+
+
+atexit.register(_unpublish_all)
+multiprocessing.util.Finalize(None, _unpublish_all, exitpriority=10)
 
 
 class _Ends:
@@ -121,11 +171,19 @@ def leader_transport(
     instance: str = "default",
     transport: Optional[str] = None,
     address: Optional[str] = None,
+    default: Optional[str] = None,
+    config: Optional[Config] = None,
 ) -> _kvbm.LeaderTransport:
-    """The scheduler's end: TCP (listening on ``address``, else ``$KVBM_LEADER_ADDR``) or the
-    leader end of in-process ``instance``."""
-    if choose_transport(world_size, transport, address) == "tcp":
+    """The scheduler's end: TCP (listening on ``address``, else ``$KVBM_LEADER_ADDR``), the
+    rendezvous of ``instance`` (in ``config``'s rendezvous directory, else
+    ``$KVBM_RENDEZVOUS_DIR`` or the default) or the leader end of in-process ``instance``."""
+    kind = choose_transport(world_size, transport, address, default)
+    if kind == "tcp":
         return _kvbm.tcp_leader(world_size, address)
+    if kind == "rendezvous":
+        leader = _kvbm.rendezvous_leader(world_size, instance, _rendezvous_dir(config))
+        _published.add(leader)
+        return leader
     return _take(instance, world_size, None)
 
 
@@ -137,12 +195,24 @@ def worker_transport(
     transport: Optional[str] = None,
     address: Optional[str] = None,
     connect_timeout_secs: float = 60.0,
+    default: Optional[str] = None,
+    config: Optional[Config] = None,
 ) -> _kvbm.WorkerTransport:
     """A worker's end: TCP (connecting on first use to ``address``, else
-    ``$KVBM_LEADER_ADDR``) or rank ``rank``'s end of in-process ``instance``."""
-    if choose_transport(world_size, transport, address) == "tcp":
+    ``$KVBM_LEADER_ADDR``), the rendezvous of ``instance`` (resolved and connected on first use,
+    within ``connect_timeout_secs``) or rank ``rank``'s end of in-process ``instance``."""
+    kind = choose_transport(world_size, transport, address, default)
+    if kind == "tcp":
         return _kvbm.tcp_worker(
             rank, world_size, address, connect_timeout_secs=connect_timeout_secs
+        )
+    if kind == "rendezvous":
+        return _kvbm.rendezvous_worker(
+            rank,
+            world_size,
+            instance,
+            _rendezvous_dir(config),
+            connect_timeout_secs=connect_timeout_secs,
         )
     return _take(instance, world_size, rank)
 

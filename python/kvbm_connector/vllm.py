@@ -29,10 +29,15 @@ What is read from vLLM's objects (vLLM v1):
   CPU tensors only (CUDA is not wired in yet).
 
 ``kv_connector_extra_config`` keys (all optional): ``config`` (a kvbm TOML file, else
-``$KVBM_CONFIG``), ``transport`` (``in_process`` or ``tcp``), ``leader_addr`` (else
-``$KVBM_LEADER_ADDR``), ``instance`` (the in-process pairing name, else the engine id),
+``$KVBM_CONFIG``), ``transport`` (``rendezvous``, ``in_process`` or ``tcp``), ``leader_addr``
+(else ``$KVBM_LEADER_ADDR``), ``instance`` (the rendezvous or in-process pairing name, else the
+engine id),
 ``rank`` (a worker's rank, else vLLM's tensor-parallel rank), ``num_blocks`` and ``layout``
 (how to read the cache shapes when they are ambiguous).
+
+With no ``transport`` and no address, the halves meet by *rendezvous* on the engine id (see
+``kvbm_connector._wiring``): it works with vLLM's default multiprocess executor (scheduler in the
+EngineCore process, workers in their own) and in process alike, with no setting.
 
 The scheduler initialises blocking (vLLM builds it after the workers registered their caches);
 the workers non-blocking.
@@ -229,8 +234,13 @@ class KvbmConnector(_Base):
                 self._config,
                 self.block_size,
                 leader_transport(
-                    self.world_size, instance=instance, transport=transport, address=address
-                )
+                    self.world_size,
+                    instance=instance,
+                    transport=transport,
+                    address=address,
+                    default="rendezvous",
+                    config=self._config,
+                ),
             )
         else:
             self.rank = int(extra["rank"]) if "rank" in extra else _tp_rank()
@@ -245,7 +255,9 @@ class KvbmConnector(_Base):
                     transport=transport,
                     address=address,
                     connect_timeout_secs=max(self._config.init_timeout_secs, 1.0),
-                )
+                    default="rendezvous",
+                    config=self._config,
+                ),
             )
 
     # -- scheduler side --------------------------------------------------------------------------

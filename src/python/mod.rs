@@ -25,6 +25,7 @@ mod trtllm;
 mod vllm;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
@@ -161,6 +162,13 @@ impl PyConfig {
     #[getter]
     fn init_timeout_secs(&self) -> f64 {
         self.inner.init_timeout_secs
+    }
+
+    /// The private directory of rendezvous files (`tcp.rendezvous_dir`, else the default:
+    /// `$XDG_RUNTIME_DIR/kvbm-<uid>`, else `<temp dir>/kvbm-<uid>`).
+    #[getter]
+    fn rendezvous_dir(&self) -> PathBuf {
+        self.inner.tcp.rendezvous_dir()
     }
 
     fn __repr__(&self) -> String {

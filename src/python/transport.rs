@@ -1,32 +1,54 @@
-//! Leader/worker transports for Python: in-process (one process, tests) and TCP
-//! (`KVBM_LEADER_ADDR`, one process per rank).
+//! Leader/worker transports for Python: in-process (one process, tests), TCP
+//! (`KVBM_LEADER_ADDR`, one process per rank) and rendezvous (TCP on an ephemeral loopback port,
+//! found through a private per-user file named from an id both halves know; the vLLM default).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use pyo3::prelude::*;
 
 use super::{detached, to_py_err};
-use crate::config::{auth_token_from_env, leader_addr_from, leader_addr_from_env};
-use crate::connector::tcp::{TcpLeader, TcpWorker};
-use crate::connector::transport::{
-    in_process, LeaderMessage, LeaderTransport, Rank, WorkerMessage, WorkerTransport,
+use crate::config::{
+    auth_token_from_env, leader_addr_from, leader_addr_from_env, rendezvous_dir_from_env,
 };
+use crate::connector::tcp::{LazyTcpWorker, LeaderTarget, RendezvousLeader, TcpLeader};
+use crate::connector::transport::{in_process, LeaderTransport, WorkerTransport};
 use crate::error::{Error, Result};
 
 /// The leader's end of a transport (pass it to a scheduler).
-#[pyclass(module = "kvbm_connector._kvbm", name = "LeaderTransport", frozen)]
+#[pyclass(
+    module = "kvbm_connector._kvbm",
+    name = "LeaderTransport",
+    frozen,
+    weakref
+)]
 pub(crate) struct PyLeaderTransport {
     pub(crate) inner: Arc<dyn LeaderTransport>,
     kind: &'static str,
     address: Option<SocketAddr>,
+    rendezvous: Option<Arc<RendezvousLeader>>,
 }
 
 #[pymethods]
 impl PyLeaderTransport {
-    /// `"in_process"` or `"tcp"`.
+    /// Rendezvous: removes the rendezvous file now (while it is still this leader's), for a
+    /// process about to exit where the transport may never be dropped; connected workers stay
+    /// connected. Idempotent; does nothing for the other kinds.
+    fn unpublish(&self) {
+        if let Some(r) = &self.rendezvous {
+            r.unpublish();
+        }
+    }
+
+    /// Rendezvous: the path of the rendezvous file; `None` for the other kinds.
+    #[getter]
+    fn rendezvous_path(&self) -> Option<PathBuf> {
+        self.rendezvous.as_ref().map(|r| r.path().to_path_buf())
+    }
+
+    /// `"in_process"`, `"tcp"` or `"rendezvous"`.
     #[getter]
     fn kind(&self) -> &'static str {
         self.kind
@@ -48,7 +70,8 @@ impl PyLeaderTransport {
     fn __repr__(&self) -> String {
         match self.address {
             Some(a) => format!(
-                "LeaderTransport(tcp, {a}, world_size={})",
+                "LeaderTransport({}, {a}, world_size={})",
+                self.kind,
                 self.inner.world_size()
             ),
             None => format!(
@@ -69,7 +92,7 @@ pub(crate) struct PyWorkerTransport {
 
 #[pymethods]
 impl PyWorkerTransport {
-    /// `"in_process"` or `"tcp"`.
+    /// `"in_process"`, `"tcp"` or `"rendezvous"`.
     #[getter]
     fn kind(&self) -> &'static str {
         self.kind
@@ -105,6 +128,7 @@ fn in_process_transport(
             inner: leader,
             kind: "in_process",
             address: None,
+            rendezvous: None,
         },
         workers
             .into_iter()
@@ -143,6 +167,7 @@ fn tcp_leader(
             inner: leader,
             kind: "tcp",
             address,
+            rendezvous: None,
         })
     })
 }
@@ -162,73 +187,93 @@ fn tcp_worker(
     connect_timeout_secs: f64,
 ) -> PyResult<PyWorkerTransport> {
     detached(py, "tcp_worker", move || {
-        if rank >= world_size {
-            return Err(Error::out_of_range("rank", rank, world_size));
-        }
-        if !connect_timeout_secs.is_finite() || connect_timeout_secs <= 0.0 {
-            return Err(Error::invalid_argument(format!(
-                "connect_timeout_secs must be a positive number, got {connect_timeout_secs}"
-            )));
-        }
-        let addr = resolve_addr(address.as_deref())?;
-        Ok(PyWorkerTransport {
-            inner: Arc::new(LazyTcpWorker {
-                addr,
-                rank,
-                world_size,
-                token: auth_token.or_else(auth_token_from_env),
-                deadline: Duration::from_secs_f64(connect_timeout_secs),
-                conn: Mutex::new(None),
-            }),
-            kind: "tcp",
+        let deadline = connect_deadline(connect_timeout_secs)?;
+        let target = LeaderTarget::Address {
+            addr: resolve_addr(address.as_deref())?,
+            token: auth_token.or_else(auth_token_from_env),
+        };
+        lazy_worker(target, rank, world_size, deadline, "tcp")
+    })
+}
+
+fn connect_deadline(secs: f64) -> Result<Duration> {
+    if !secs.is_finite() || secs <= 0.0 || secs > 1e9 {
+        return Err(Error::invalid_argument(format!(
+            "connect_timeout_secs must be a positive number of seconds, got {secs}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn lazy_worker(
+    target: LeaderTarget,
+    rank: usize,
+    world_size: usize,
+    deadline: Duration,
+    kind: &'static str,
+) -> Result<PyWorkerTransport> {
+    Ok(PyWorkerTransport {
+        inner: Arc::new(LazyTcpWorker::new(target, rank, world_size, deadline)?),
+        kind,
+    })
+}
+
+fn rendezvous_dir(directory: Option<PathBuf>) -> Result<PathBuf> {
+    match directory {
+        Some(d) => Ok(d),
+        None => rendezvous_dir_from_env(),
+    }
+}
+
+/// `rendezvous_leader(world_size, instance, directory=None)`: listens for `world_size` workers
+/// on an ephemeral loopback port with a fresh token, and publishes both in the rendezvous file of
+/// `instance` in `directory` (default: `$KVBM_RENDEZVOUS_DIR`, else `$XDG_RUNTIME_DIR/kvbm-<uid>`,
+/// else `<temp dir>/kvbm-<uid>`; private, 0700). The file is removed when the transport is
+/// dropped. See `connector::tcp::rendezvous`.
+#[pyfunction]
+#[pyo3(signature = (world_size, instance, directory=None))]
+fn rendezvous_leader(
+    py: Python<'_>,
+    world_size: usize,
+    instance: String,
+    directory: Option<PathBuf>,
+) -> PyResult<PyLeaderTransport> {
+    detached(py, "rendezvous_leader", move || {
+        let dir = rendezvous_dir(directory)?;
+        let leader = RendezvousLeader::bind(&dir, &instance, world_size)?;
+        let address = Some(leader.local_addr());
+        Ok(PyLeaderTransport {
+            inner: leader.clone(),
+            kind: "rendezvous",
+            address,
+            rendezvous: Some(leader),
         })
     })
 }
 
-/// A TCP worker end that connects on first use; a failed connect is remembered and returned to
-/// every later call.
-#[derive(Debug)]
-struct LazyTcpWorker {
-    addr: SocketAddr,
-    rank: Rank,
+/// `rendezvous_worker(rank, world_size, instance, directory=None, connect_timeout_secs=60.0)`:
+/// the worker end for `rank`. On first use (inside the start-up barrier) it waits for the
+/// leader's rendezvous file of `instance` (ignoring a stale one of a dead process), then connects
+/// with the token it holds, all within `connect_timeout_secs`. `directory` as for
+/// `rendezvous_leader`; it is checked (private to this user) now.
+#[pyfunction]
+#[pyo3(signature = (rank, world_size, instance, directory=None, connect_timeout_secs=60.0))]
+fn rendezvous_worker(
+    py: Python<'_>,
+    rank: usize,
     world_size: usize,
-    token: Option<String>,
-    deadline: Duration,
-    conn: Mutex<Option<Result<Arc<TcpWorker>>>>,
-}
-
-impl LazyTcpWorker {
-    fn get(&self) -> Result<Arc<TcpWorker>> {
-        let mut conn = self.conn.lock();
-        if conn.is_none() {
-            *conn = Some(TcpWorker::connect(
-                self.addr,
-                self.rank,
-                self.world_size,
-                self.token.clone(),
-                self.deadline,
-            ));
-        }
-        match conn.as_ref() {
-            Some(Ok(w)) => Ok(w.clone()),
-            Some(Err(e)) => Err(e.clone()),
-            None => Err(Error::internal("connection slot empty after connecting")),
-        }
-    }
-}
-
-impl WorkerTransport for LazyTcpWorker {
-    fn rank(&self) -> Rank {
-        self.rank
-    }
-
-    fn send(&self, msg: WorkerMessage) -> Result<()> {
-        self.get()?.send(msg)
-    }
-
-    fn recv_timeout(&self, timeout: Duration) -> Result<Option<LeaderMessage>> {
-        self.get()?.recv_timeout(timeout)
-    }
+    instance: String,
+    directory: Option<PathBuf>,
+    connect_timeout_secs: f64,
+) -> PyResult<PyWorkerTransport> {
+    detached(py, "rendezvous_worker", move || {
+        let deadline = connect_deadline(connect_timeout_secs)?;
+        let target = LeaderTarget::Rendezvous {
+            dir: rendezvous_dir(directory)?,
+            instance,
+        };
+        lazy_worker(target, rank, world_size, deadline, "rendezvous")
+    })
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -237,5 +282,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(in_process_transport, m)?)?;
     m.add_function(wrap_pyfunction!(tcp_leader, m)?)?;
     m.add_function(wrap_pyfunction!(tcp_worker, m)?)?;
+    m.add_function(wrap_pyfunction!(rendezvous_leader, m)?)?;
+    m.add_function(wrap_pyfunction!(rendezvous_worker, m)?)?;
     Ok(())
 }

@@ -33,6 +33,7 @@ are overwritten with junk, so an onboarded block compares equal only if the load
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -482,7 +483,8 @@ class KVTransferConfig:
     kv_connector: str = "KvbmConnector"
     kv_connector_module_path: str = "kvbm_connector.vllm"
     kv_role: str = "kv_both"
-    engine_id: str = "engine-0"
+    # vLLM makes a fresh uuid4 per config (KVTransferConfig.__post_init__).
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     kv_connector_extra_config: dict = field(default_factory=dict)
 
 
@@ -815,9 +817,10 @@ class VllmEngine:
 
 
 def _remote_runner_main(conn, rank: int, world_size: int, env: dict, extra: dict,
-                        num_blocks: int) -> None:
-    """The worker process: builds the worker-role connector as vLLM's worker does (TCP transport
-    to the scheduler's process), registers its caches, then serves the engine's commands."""
+                        num_blocks: int, engine_id: Optional[str] = None) -> None:
+    """The worker process: builds the worker-role connector as vLLM's worker does (from the
+    config the engine pickled to it: ``engine_id`` when given), registers its caches, then serves
+    the engine's commands."""
     import os
     import traceback
 
@@ -826,6 +829,8 @@ def _remote_runner_main(conn, rank: int, world_size: int, env: dict, extra: dict
         from kvbm_connector import vllm as kv
 
         cfg = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world_size))
+        if engine_id is not None:
+            cfg.kv_transfer_config.engine_id = engine_id
         cfg.kv_transfer_config.kv_connector_extra_config.update(extra, rank=rank)
         runner = VllmRunner(kv.KvbmConnector(cfg, kv.KVConnectorRole.WORKER),
                             VllmCache(num_blocks), rank)
@@ -859,12 +864,12 @@ class RemoteVllmRunner:
     """A :class:`VllmRunner` in a child process; arguments and results are pickled."""
 
     def __init__(self, ctx, rank: int, world_size: int, env: dict, extra: dict,
-                 num_blocks: int) -> None:
+                 num_blocks: int, engine_id: Optional[str] = None) -> None:
         self.rank = rank
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_remote_runner_main,
-            args=(child, rank, world_size, env, extra, num_blocks),
+            args=(child, rank, world_size, env, extra, num_blocks, engine_id),
             daemon=True,
         )
         self._proc.start()
@@ -904,6 +909,24 @@ class RemoteVllmRunner:
             self._proc.join(5)
             if self._proc.is_alive():
                 self._proc.kill()
+
+
+def kvbm_environ() -> dict:
+    """This process's ``KVBM_*`` / ``DYN_KVBM_*`` variables, for a worker process."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k.startswith(("KVBM_", "DYN_KVBM_"))}
+
+
+def serve_a_prefix_again(engine: "VllmEngine") -> None:
+    """Prompt A (16 tokens), then A plus 6 more: the second request's first 16 tokens are served
+    by the connector (offloaded after the first, loaded back and verified by the engine)."""
+    a = prompt(3, 16)
+    engine.add("a", a, max_tokens=2)
+    engine.run()
+    engine.add("b", a + prompt(4, 6), max_tokens=2)
+    engine.run()
+    assert engine.matches["b"] == (16, True)
 
 
 def replace(obj, **changes):

@@ -1,8 +1,8 @@
-"""Leader and workers in separate processes over the TCP transport, as a real engine runs them:
-vLLM with tensor parallelism 2 (the scheduler-role connector in this process, one worker-role
-connector per rank in a child process, metadata pickled to each rank as vLLM's multiprocess
-executor sends the scheduler output), and TensorRT-LLM's environment-driven wiring
-(``KVBM_LEADER_ADDR``, ``KVBM_RANK``)."""
+"""Leader and workers in separate processes over the TCP transport (configured, or found by
+the default rendezvous), as a real engine runs them: vLLM with tensor parallelism 2 (the
+scheduler-role connector in this process, one worker-role connector per rank in a child
+process, metadata pickled to each rank as vLLM's multiprocess executor sends the scheduler
+output), and TensorRT-LLM's environment-driven wiring (``KVBM_LEADER_ADDR``, ``KVBM_RANK``)."""
 
 from __future__ import annotations
 
@@ -25,35 +25,30 @@ def free_addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def kvbm_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(("KVBM_", "DYN_KVBM_"))}
-
-
-def test_vllm_two_ranks_in_two_processes_over_tcp():
-    addr = free_addr()
-    extra = {"transport": "tcp", "leader_addr": addr}
+@pytest.mark.parametrize("wiring", ["tcp", "default"])
+def test_vllm_two_ranks_in_two_processes(wiring):
+    """``tcp``: an explicit address; ``default``: no setting at all (the rendezvous on the engine
+    id, which vLLM pickles to every worker)."""
+    extra = {"transport": "tcp", "leader_addr": free_addr()} if wiring == "tcp" else {}
+    cfg = E.VllmConfig(parallel_config=E.ParallelConfig(tensor_parallel_size=2))
+    cfg.kv_transfer_config.kv_connector_extra_config.update(extra)
+    eid = cfg.kv_transfer_config.engine_id
     ctx = multiprocessing.get_context("spawn")
     num_blocks = 32
     # vLLM's order: the workers register their caches first (non-blocking; they connect in the
     # background), then the engine core builds the scheduler-role connector (blocking).
-    runners = [E.RemoteVllmRunner(ctx, r, 2, kvbm_env(), extra, num_blocks) for r in range(2)]
+    runners = [E.RemoteVllmRunner(ctx, r, 2, E.kvbm_environ(), extra, num_blocks, engine_id=eid)
+               for r in range(2)]
     engine = None
     try:
         for r in runners:
             r.started()
-        cfg = E.VllmConfig(parallel_config=E.ParallelConfig(tensor_parallel_size=2))
-        cfg.kv_transfer_config.kv_connector_extra_config.update(extra)
         sched = vllm.KvbmConnector(cfg, vllm.KVConnectorRole.SCHEDULER)
         assert sched.is_ready()
         for r in runners:
             r.wait_ready(20)
         engine = E.VllmEngine(sched, runners, num_blocks)
-        a = E.prompt(3, 16)
-        engine.add("a", a, max_tokens=2)
-        engine.run()
-        engine.add("b", a + E.prompt(4, 6), max_tokens=2)
-        engine.run()
-        assert engine.matches["b"] == (16, True)
+        E.serve_a_prefix_again(engine)
         # Every loaded block was compared on both ranks, each against its own shard's bytes.
         assert engine.verified_blocks == 4
         assert engine.free == set(range(num_blocks))

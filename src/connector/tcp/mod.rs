@@ -3,7 +3,11 @@
 //! * `frame` — the [wire protocol](self#wire-protocol-version-1)'s header and payloads, reading
 //!   and writing frames (crate-private);
 //! * `leader` — [`TcpLeader`]: admission, the connection table, the accept/reader/writer tasks;
-//! * `worker` — [`TcpWorker`]: connecting with retries, the reader thread.
+//! * `worker` — [`TcpWorker`]: connecting with retries, the reader thread;
+//! * [`rendezvous`] — finding the leader with no address configured: [`RendezvousLeader`]
+//!   (an ephemeral loopback port and a fresh token, published in a private per-user directory
+//!   under a name derived from an id both halves know) and [`LazyTcpWorker`] (finds its leader,
+//!   by address or rendezvous file, and connects on first use).
 //!
 //! Their settings (the leader's address, the auth token) are [`TcpConfig`], part of [`Config`].
 //!
@@ -104,7 +108,9 @@
 //! `127.0.0.1:5557`, loopback only); a multi-node deployment sets it to an address the workers can reach, and
 //! should set `KVBM_AUTH_TOKEN` on leader and workers (without it anyone who reaches the port can
 //! join as a worker; the leader warns when it binds a non-loopback address without a token). The
-//! token is an authenticator only: traffic is not encrypted.
+//! token is an authenticator only: traffic is not encrypted. With no address configured, the
+//! Python package's vLLM connector uses the [`rendezvous`] instead: an ephemeral loopback port,
+//! found through a private file, with a per-leader token.
 //!
 //! [`TcpLeader`] owns a tokio runtime with one worker thread (`kvbm-tcp-leader`): an accept loop,
 //! and per connection a reader task (feeding one `std::sync::mpsc` channel read by
@@ -133,6 +139,7 @@
 
 mod frame;
 mod leader;
+pub mod rendezvous;
 #[cfg(test)]
 mod tests;
 mod worker;
@@ -140,6 +147,7 @@ mod worker;
 use crate::error::{Error, ErrorKind};
 
 pub use leader::{TcpLeader, HANDSHAKE_TIMEOUT};
+pub use rendezvous::{LazyTcpWorker, LeaderTarget, RendezvousLeader};
 pub use worker::TcpWorker;
 
 /// The error of an operation on a connection that is gone.
