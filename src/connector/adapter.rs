@@ -85,30 +85,42 @@ pub trait SchedulerAdapter: Send + 'static {
 /// An engine as the connector sees it: the [`SchedulerAdapter`] its leader uses and how each of
 /// its sides runs the start-up barrier.
 ///
-/// Implemented once per engine (`frameworks::vllm::Vllm`, `frameworks::trtllm::Trtllm`, the
-/// toy engine in `examples/`). [`Leader::new`](crate::connector::leader::Leader::new) and
+/// Implemented once per engine (the vLLM and TensorRT-LLM adapters in `frameworks/`, the toy
+/// engine in `examples/`). [`Leader::new`](crate::connector::leader::Leader::new) and
 /// [`Worker::new`](crate::connector::worker::Worker::new) take the engine as a type parameter,
 /// so the init modes are wired by the compiler from the engine's definition: no caller picks
 /// them, and no caller can pick a pair that deadlocks its engine's start-up order.
 ///
-/// A leader is built with its engine's adapter:
-///
 /// ```no_run
-/// # #[cfg(feature = "vllm")] {
-/// use kvbm_connector::connector::{adapter::ScheduledTokens, leader::Leader, transport::in_process};
-/// use kvbm_connector::frameworks::vllm::Vllm;
+/// use kvbm_connector::connector::adapter::ScheduledTokens;
+/// use kvbm_connector::connector::transport::in_process;
+/// use kvbm_connector::{Blocking, Config, Engine, Leader, NonBlocking};
+///
+/// struct MyEngine;
+/// impl Engine for MyEngine {
+///     type Adapter = ScheduledTokens;
+///     type LeaderInit = Blocking;
+///     type WorkerInit = NonBlocking;
+/// }
 /// let (lt, _workers) = in_process(1);
-/// let _ = Leader::new::<Vllm>(ScheduledTokens, kvbm_connector::Config::default(), 16, lt);
-/// # }
+/// let _ = Leader::new::<MyEngine>(ScheduledTokens, Config::default(), 16, lt);
 /// ```
 ///
-/// and with no other (vLLM's leader cannot run TensorRT-LLM's adapter):
+/// A leader is built with its engine's adapter and no other:
 ///
 /// ```compile_fail
-/// use kvbm_connector::connector::{adapter::ComputedPosition, leader::Leader, transport::in_process};
-/// use kvbm_connector::frameworks::vllm::Vllm;
+/// use kvbm_connector::connector::adapter::{ComputedPosition, ScheduledTokens};
+/// use kvbm_connector::connector::transport::in_process;
+/// use kvbm_connector::{Blocking, Config, Engine, Leader, NonBlocking};
+///
+/// struct MyEngine;
+/// impl Engine for MyEngine {
+///     type Adapter = ScheduledTokens;
+///     type LeaderInit = Blocking;
+///     type WorkerInit = NonBlocking;
+/// }
 /// let (lt, _workers) = in_process(1);
-/// let _ = Leader::new::<Vllm>(ComputedPosition, kvbm_connector::Config::default(), 16, lt);
+/// let _ = Leader::new::<MyEngine>(ComputedPosition, Config::default(), 16, lt);
 /// ```
 pub trait Engine: 'static {
     /// The leader's adapter.
