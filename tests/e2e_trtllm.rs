@@ -884,6 +884,10 @@ fn abort_while_load_in_flight() {
         e.sched.leader().request_state(&id),
         Some(RequestState::Aborted)
     );
+    // The hold went to the worker at once, but ordered after the metadata that announces the
+    // request (not built yet): applied earlier, the worker would report the request released
+    // before its load even started, and the engine would free blocks the load then writes.
+    assert_eq!(e.report(), (vec![], vec![]));
     let (output, plan) = e.plan();
     assert!(plan.is_empty());
     e.bind(&output);
