@@ -358,11 +358,13 @@ impl Worker {
             }
         }
         for id in &meta.hold {
+            let finished = st.recently_finished_set.contains(id);
             if let Some(s) = st.slots.get_mut(id) {
                 s.hold = true;
+                // The engine may name a finished request before the hold reaches this worker.
+                s.engine_finished |= finished;
             } else {
                 // Already drained here; if the engine already said finished, report at once.
-                let finished = st.recently_finished_set.contains(id);
                 st.slots.insert(
                     id.clone(),
                     WorkerSlot {
