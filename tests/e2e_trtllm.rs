@@ -1150,3 +1150,156 @@ fn regression_unaligned_request_can_be_scheduled() {
     assert!(e.done.contains_key(&2));
     e.assert_drained();
 }
+
+/// Tensor parallelism: ranks run their loops in their own processes, so a rank behind rank 0 may
+/// get a finished request's work (sent by the leader right after rank 0's forward pass) before it
+/// bound the metadata announcing the request, or after binding it but before its own forward pass
+/// wrote the request's last KV. It must hold the work until its `get_finished`: run earlier, its
+/// stores would copy the blocks before this rank computed them. Here rank 1 lags one whole
+/// iteration; its shard of the stored blocks must be what its forward pass wrote, checked by a
+/// second request that loads them on both ranks.
+#[test]
+fn lagging_rank_runs_finish_work_after_its_forward_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::default();
+    config.host.cache_blocks = Some(16);
+    config.disk.cache_blocks = Some(0);
+    config.disk.dir = dir.path().to_path_buf();
+    let (lt, wts) = in_process(2);
+    let mut sched = TrtllmScheduler::new(config.clone(), BS, lt).unwrap();
+    let layout = || Layout::fully_contiguous(dims(), DEVICE_BLOCKS).unwrap();
+    let devices: Vec<Arc<dyn StorageTier>> = (0..2)
+        .map(|_| Arc::new(MemoryTier::new(TierKind::Device, layout()).unwrap()) as _)
+        .collect();
+    let shape = [DEVICE_BLOCKS, LAYERS, 2, BS * INNER];
+    // Both ranks register at once (each blocks until the barrier saw both).
+    let mut workers: Vec<TrtllmWorker> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|r| {
+                let (config, wt, device) = (config.clone(), wts[r].clone(), devices[r].clone());
+                s.spawn(move || {
+                    let mut w = TrtllmWorker::new(config, BS, 2, wt).unwrap();
+                    w.register_kv_caches(&shape, DTYPE, device).unwrap();
+                    w
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sched.leader_mut().is_ready() {
+        assert!(Instant::now() < deadline, "scheduler not ready");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Each rank's shard of a block: a pattern of (rank, block, version).
+    let shard = |rank: u8, block: usize, version: u8| {
+        vec![rank.wrapping_mul(16) ^ (block as u8) ^ version; dims().bytes_per_block()]
+    };
+    let llm = |id: u64, tokens: &[u32]| -> (u64, Vec<u32>) { (id, tokens.to_vec()) };
+    fn req((id, tokens): &(u64, Vec<u32>)) -> LlmRequest<'_> {
+        LlmRequest {
+            request_id: *id,
+            tokens: tokens.as_slice(),
+            cache_salt: None,
+            lora_name: None,
+        }
+    }
+    let forward = |w: &mut TrtllmWorker, device: &Arc<dyn StorageTier>, rank: u8, version: u8| {
+        w.start_load_kv().unwrap();
+        for layer in 0..LAYERS {
+            w.wait_for_layer_load(layer).unwrap();
+            for b in 0..2 {
+                device
+                    .write_block_from_slice(b, &shard(rank, b, version))
+                    .unwrap();
+            }
+            w.save_kv_layer(layer).unwrap();
+        }
+        w.wait_for_save().unwrap();
+    };
+    // Rank 1's cache holds stale bytes (version 0) until its forward pass writes version 1.
+    for b in 0..2 {
+        devices[1]
+            .write_block_from_slice(b, &shard(1, b, 0))
+            .unwrap();
+    }
+    // Iteration 1: request 1 (8 tokens, 2 blocks) computes its prompt and finishes.
+    let mut r1 = llm(1, &prompt(1, 8));
+    assert_eq!(
+        sched.get_num_new_matched_tokens(&req(&r1), 0).unwrap(),
+        (0, false)
+    );
+    sched.update_state_after_alloc(&req(&r1), &[0, 1]).unwrap();
+    let meta = sched
+        .build_connector_meta(&SchedulerOutput {
+            new_requests: vec![RequestData {
+                request_id: 1,
+                new_tokens: r1.1.clone(),
+                new_block_ids: vec![0, 1],
+                computed_position: 0,
+            }],
+            cached_requests: vec![],
+        })
+        .unwrap();
+    workers[0].bind_connector_meta(&meta).unwrap();
+    forward(&mut workers[0], &devices[0], 0, 1);
+    workers[0]
+        .worker()
+        .wait_idle(Duration::from_secs(10))
+        .unwrap();
+    r1.1.push(7);
+    assert!(sched.request_finished(&req(&r1), &[0, 1]).unwrap());
+    // Rank 1 is still ending its previous iteration: the work is not its to run yet.
+    assert_eq!(workers[1].get_finished(&[], &[]), (vec![], vec![]));
+    workers[1].bind_connector_meta(&meta).unwrap();
+    // Bound, but its forward pass has not run: nothing may read the blocks yet.
+    workers[1]
+        .worker()
+        .wait_idle(Duration::from_secs(10))
+        .unwrap();
+    assert!(workers[1].worker().transfer_stats().is_empty());
+    forward(&mut workers[1], &devices[1], 1, 1);
+    let mut released = [false, false];
+    for _ in 0..100 {
+        for (r, w) in workers.iter_mut().enumerate() {
+            let finished: &[u64] = if released[r] { &[] } else { &[1] };
+            let (saved, _) = w.get_finished(finished, &[]);
+            released[r] |= saved == [1];
+            w.worker().wait_idle(Duration::from_secs(10)).unwrap();
+        }
+        if released == [true, true] {
+            break;
+        }
+    }
+    assert_eq!(
+        released,
+        [true, true],
+        "each rank reports it once its stores ran"
+    );
+    // Request 2 loads both blocks onto blocks 2 and 3 of both ranks: each shard is the bytes its
+    // rank's forward pass wrote.
+    let r2 = llm(2, &[r1.1[..8].to_vec(), vec![9]].concat());
+    assert_eq!(
+        sched.get_num_new_matched_tokens(&req(&r2), 0).unwrap(),
+        (8, true)
+    );
+    sched
+        .update_state_after_alloc(&req(&r2), &[2, 3, 4])
+        .unwrap();
+    let meta = sched
+        .build_connector_meta(&SchedulerOutput::default())
+        .unwrap();
+    for (r, w) in workers.iter_mut().enumerate() {
+        w.bind_connector_meta(&meta).unwrap();
+        w.start_load_kv().unwrap();
+        w.worker().wait_idle(Duration::from_secs(10)).unwrap();
+        assert_eq!(w.get_finished(&[], &[2]), (vec![], vec![2]));
+        for b in 0..2 {
+            assert_eq!(
+                devices[r].read_block_to_vec(2 + b).unwrap(),
+                shard(r as u8, b, 1),
+                "rank {r}: block {b} was stored before this rank computed it"
+            );
+        }
+    }
+}

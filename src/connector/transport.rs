@@ -88,10 +88,11 @@ pub enum WorkerMessage {
 ///
 /// Ordering: `after_iteration` is the iteration of a metadata the leader built before this message
 /// and which announced every request the message names (the last metadata built, or the next one
-/// when a named request's slot is still queued). A worker applies the message only once it has
-/// bound a metadata of that iteration or a later one, so it never runs an operation for a request
-/// before the metadata that announced the request's slot; messages to one worker arrive in the
-/// order sent.
+/// when a named request's slot is still queued). A worker applies the message in `get_finished`
+/// (the end of an engine iteration) once it has bound a metadata of that iteration or a later one:
+/// it never runs an operation for a request before the metadata that announced the request's
+/// slot, nor before that iteration's forward pass on this rank wrote the request's last KV.
+/// Messages to one worker arrive in the order sent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FinishWork {
     /// Apply only after binding the metadata of this iteration (or a later one).

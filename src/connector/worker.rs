@@ -337,7 +337,6 @@ impl Worker {
         self.current = Some(meta);
         self.loads_submitted = false;
         self.stores_submitted = false;
-        self.run_finish_work();
         Ok(())
     }
 
@@ -433,6 +432,11 @@ impl Worker {
 
     /// Runs the received [`FinishWork`] whose metadata iteration is bound: records its holds and
     /// submits its operations at once (they read device blocks the engine keeps for them).
+    ///
+    /// Called from [`Worker::get_finished`] only, which the engine calls at the end of an
+    /// iteration: once this rank bound the metadata a message follows, that iteration's forward
+    /// pass — which may write the request's last KV on this rank — has run too. (Binding is not
+    /// enough: a rank that lags behind the leader's rank binds the metadata before its forward.)
     fn run_finish_work(&mut self) {
         self.receive_finish_work();
         if self.finish_queue.is_empty() {

@@ -219,9 +219,11 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// then): the request still completes.
     ///
     /// Ordering: the message names the iteration of the last metadata built (the next one when
-    /// the request's slot has not been sent yet); workers apply it only once they bound that
-    /// metadata, so no worker runs a store for the request before the metadata announcing its
-    /// slot. A request answered false goes with the next metadata as before (nothing waits on it).
+    /// the request's slot has not been sent yet); a worker applies it in `get_finished`, at the
+    /// end of an iteration, only once it bound that metadata: no worker runs a store for the
+    /// request before the metadata announcing its slot, nor before its own forward pass of that
+    /// iteration wrote the request's last KV. A request answered false goes with the next metadata
+    /// as before (nothing waits on it).
     pub fn request_finished_now(
         &mut self,
         id: &RequestId,
