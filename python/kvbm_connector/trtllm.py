@@ -468,6 +468,17 @@ class KvbmConnectorWorker(_WorkerBase):
                 "supports one uniform region",
                 argument="layout",
             )
+        is_contiguous = getattr(tensor, "is_contiguous", None)
+        if callable(is_contiguous) and not is_contiguous():
+            region = next(iter(getattr(group, "regions", ()) or ()), None)
+            stride, size = getattr(region, "stride", "?"), getattr(region, "size", "?")
+            raise error(
+                "unsupported",
+                f"the KV cache layout's page slots are not contiguous (slot stride {stride} bytes "
+                f"for {size} bytes of KV: other buffers share the pool); kvbm_connector needs a "
+                "pool that holds only this layer group's KV",
+                argument="layout",
+            )
         self.register_kv_caches(tensor)
 
     def bind_connector_meta(self, metadata: object) -> None:

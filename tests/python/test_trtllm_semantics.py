@@ -416,13 +416,15 @@ def test_salt_isolates_caches(trtllm_engine, first, same, other):
     assert e.verified_blocks == 3
 
 
-def test_layout_tensor_must_be_readable():
-    # A layout whose single pool tensor is a strided view (slot stride above its size) is refused
-    # by the tensor reader with a clear error, never misread.
+def test_layout_with_interleaved_slots_is_refused():
+    # A layout whose single pool tensor is a strided view (slot stride above its size: other
+    # buffers share the pool) is refused with a clear error, never misread.
     worker = trtllm.KvbmConnectorWorker(E.TrtLlmArgs())
     base = np.zeros((8, E.LAYERS * 2 * E.BS * E.INNER * 2), dtype=E.DTYPE)
     strided = base[:, : E.LAYERS * 2 * E.BS * E.INNER].reshape(8, E.LAYERS, 2, E.BS * E.INNER)
-    t = E.FakeTensor(strided)
+    layout = _Layout(E.FakeTensor(strided))
+    layout.groups[0].regions[0].stride, layout.groups[0].regions[0].size = 256, 128
     with pytest.raises(KvbmError) as ei:
-        worker.register_kv_cache_layout(_Layout(t))
-    assert "contiguous" in str(ei.value)
+        worker.register_kv_cache_layout(layout)
+    assert ei.value.kind == "unsupported"
+    assert "slot stride 256 bytes for 128 bytes" in ei.value.message
