@@ -225,8 +225,10 @@ impl TrtllmScheduler {
             Some(p) if request.tokens.len() > p => Some(request.tokens.len() - 1),
             _ => None,
         };
+        // TensorRT-LLM builds no metadata while nothing is scheduled: the request's last stores
+        // and its hold go to the workers at once (ordered after the last metadata built).
         self.leader
-            .request_finished(&id, Some(request.tokens), computed)
+            .request_finished_now(&id, Some(request.tokens), computed)
     }
 }
 

@@ -9,9 +9,10 @@
 //!    blocks → `update_state_after_alloc`; a request whose match loads asynchronously waits, not
 //!    scheduled, until `get_finished` returns it as loaded;
 //! 2. `build_connector_meta` with TensorRT-LLM's `RequestData`: `computed_position` is the
-//!    context's current position for a context request (the loaded tokens not counted on its
-//!    first appearance) and `len(tokens) - 1` for a generation request; `new_tokens` and
-//!    `new_block_ids` are what is new since the request last appeared;
+//!    context's current position for a context request (after an asynchronous load, its first
+//!    appearance already counts the loaded tokens, as TensorRT-LLM's manager reports it) and
+//!    `len(tokens) - 1` for a generation request; `new_tokens` and `new_block_ids` are what is
+//!    new since the request last appeared;
 //! 3. worker: `bind_connector_meta`, `start_load_kv`, then per layer `wait_for_layer_load` → the
 //!    model stand-in writes that layer's KV of the tokens computed this iteration →
 //!    `save_kv_layer`; then `wait_for_save`;
@@ -20,6 +21,13 @@
 //! 5. `get_finished(finished_gen_req_ids, started_loading_req_ids)` with the ids new since the
 //!    last call (as TensorRT-LLM's `KvCacheConnectorManager` passes them), then
 //!    `process_completions`.
+//!
+//! An iteration with nothing to schedule (no waiting or running request: only loads in flight or
+//! finished requests held for their stores) makes step 5 alone, as TensorRT-LLM does: it builds
+//! no metadata then. Once every request is done, [`Engine::run`] flushes what the leader still has
+//! queued (host → disk copies) with empty iterations, as the next request's iteration would.
+//! The worker's transport is tapped: the work the leader sends outside the metadata for a
+//! finished request ([`LeaderMessage::Finish`]) is recorded with the iteration it arrived in.
 //!
 //! Determinism: right after the forward pass the engine waits for the worker to be idle, so every
 //! completion is in the leader's queue before `request_finished` and `get_finished` run; the
@@ -33,15 +41,19 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::connector::lifecycle::RequestState;
 use kvbm_connector::connector::metadata::{ConnectorMetadata, Direction};
 use kvbm_connector::connector::metrics::MetricsSnapshot;
-use kvbm_connector::connector::transport::in_process;
+use kvbm_connector::connector::transport::{
+    in_process, LeaderMessage, Rank, WorkerMessage, WorkerTransport,
+};
 use kvbm_connector::connector::RequestId;
+use kvbm_connector::error::Result as KvResult;
 use kvbm_connector::frameworks::trtllm::{
     LlmRequest, RequestData, SchedulerOutput, TrtllmScheduler, TrtllmWorker,
 };
@@ -169,6 +181,36 @@ impl Req {
     }
 }
 
+/// Finished-request work received outside the metadata: (iteration, its metadata).
+type FinishLog = Arc<Mutex<Vec<(usize, ConnectorMetadata)>>>;
+
+/// The worker's transport, recording every [`LeaderMessage::Finish`] it delivers.
+#[derive(Debug)]
+struct Tap {
+    inner: Arc<dyn WorkerTransport>,
+    iteration: Arc<AtomicUsize>,
+    log: FinishLog,
+}
+
+impl WorkerTransport for Tap {
+    fn rank(&self) -> Rank {
+        self.inner.rank()
+    }
+    fn send(&self, msg: WorkerMessage) -> KvResult<()> {
+        self.inner.send(msg)
+    }
+    fn recv_timeout(&self, timeout: Duration) -> KvResult<Option<LeaderMessage>> {
+        let m = self.inner.recv_timeout(timeout)?;
+        if let Some(LeaderMessage::Finish(w)) = &m {
+            let meta = ConnectorMetadata::decode(w.metadata.as_bytes()).unwrap();
+            assert_eq!(meta.iteration, w.after_iteration);
+            let at = self.iteration.load(Ordering::SeqCst);
+            self.log.lock().unwrap().push((at, meta));
+        }
+        Ok(m)
+    }
+}
+
 /// What one iteration computes: a request and the token positions whose KV it writes.
 type Plan = Vec<(u64, Range<usize>)>;
 
@@ -201,8 +243,14 @@ struct Engine {
     loaded_at: HashMap<u64, usize>,
     /// Onboarded device blocks compared byte for byte.
     verified_blocks: usize,
-    /// Every iteration's metadata, decoded.
+    /// Every iteration's metadata, decoded (none for an idle iteration).
     metas: Vec<ConnectorMetadata>,
+    /// The iteration each metadata was built in.
+    meta_at: Vec<usize>,
+    /// Finished-request work the worker received outside the metadata.
+    finish_log: FinishLog,
+    /// The iteration counter the tap reads.
+    tap_iteration: Arc<AtomicUsize>,
     /// A request finished after the last metadata was built.
     finished_since_bind: bool,
     iteration: usize,
@@ -220,7 +268,14 @@ impl Engine {
         config.disk.dir = dir.path().to_path_buf();
         let (leader_transport, worker_transports) = in_process(1);
         let mut sched = TrtllmScheduler::new(config.clone(), BS, leader_transport).unwrap();
-        let mut worker = TrtllmWorker::new(config, BS, 1, worker_transports[0].clone()).unwrap();
+        let tap_iteration = Arc::new(AtomicUsize::new(0));
+        let finish_log = FinishLog::default();
+        let tap = Arc::new(Tap {
+            inner: worker_transports[0].clone(),
+            iteration: tap_iteration.clone(),
+            log: finish_log.clone(),
+        });
+        let mut worker = TrtllmWorker::new(config, BS, 1, tap).unwrap();
         let device: Arc<dyn StorageTier> = Arc::new(
             MemoryTier::new(
                 TierKind::Device,
@@ -269,6 +324,9 @@ impl Engine {
             loaded_at: HashMap::new(),
             verified_blocks: 0,
             metas: Vec::new(),
+            meta_at: Vec::new(),
+            finish_log,
+            tap_iteration,
             finished_since_bind: false,
             iteration: 0,
             _dir: dir,
@@ -303,33 +361,67 @@ impl Engine {
 
     // --- one iteration ---------------------------------------------------------------------------
 
-    /// One engine iteration.
+    /// One engine iteration. With nothing to schedule TensorRT-LLM calls only `get_finished`;
+    /// with only requests that are admitted to load, it builds and binds the metadata and starts
+    /// the loads, but runs no forward pass.
     fn step(&mut self) {
-        self.iteration += 1;
+        self.next_iteration();
+        if self.waiting.is_empty() && self.running.is_empty() {
+            // Determinism: what the last `get_finished` submitted has finished.
+            self.worker_idle();
+            self.report();
+            return;
+        }
         self.admit();
         let (output, plan) = self.plan();
         self.bind(&output);
-        self.forward(&plan);
-        self.worker_idle();
-        self.sample(&plan);
+        if plan.is_empty() {
+            self.worker.start_load_kv().unwrap();
+            self.worker_idle();
+        } else {
+            self.forward(&plan);
+            self.worker_idle();
+            self.sample(&plan);
+        }
         self.report();
         self.sched.leader_mut().process_completions();
     }
 
-    /// Iterates until every request is done and a metadata built after the last finish carries
-    /// nothing (so host → disk copies queued by the last completions have run too).
+    fn next_iteration(&mut self) {
+        self.iteration += 1;
+        self.tap_iteration.store(self.iteration, Ordering::SeqCst);
+    }
+
+    /// An iteration with an empty batch that still builds metadata: what the next request's
+    /// iteration does for work the leader queued while the engine was idle.
+    fn flush(&mut self) {
+        self.next_iteration();
+        self.bind(&SchedulerOutput::default());
+        self.forward(&Plan::new());
+        self.worker_idle();
+        self.report();
+        self.sched.leader_mut().process_completions();
+    }
+
+    /// Iterates until every request is done, then flushes until a metadata built after the last
+    /// finish carries nothing (so host → disk copies queued by the last completions have run too).
     fn run(&mut self) {
         for _ in 0..MAX_ITERATIONS {
-            let idle = self.waiting.is_empty()
+            let busy = !(self.waiting.is_empty()
                 && self.loading.is_empty()
                 && self.running.is_empty()
-                && self.saving.is_empty()
-                && !self.finished_since_bind
-                && self.sched.leader().num_operations_in_flight() == 0;
-            if idle && self.metas.last().is_some_and(ConnectorMetadata::is_empty) {
+                && self.saving.is_empty());
+            if busy {
+                self.step();
+                continue;
+            }
+            if !self.finished_since_bind
+                && self.sched.leader().num_operations_in_flight() == 0
+                && self.metas.last().is_some_and(ConnectorMetadata::is_empty)
+            {
                 return;
             }
-            self.step();
+            self.flush();
         }
         panic!("engine still busy after {MAX_ITERATIONS} iterations");
     }
@@ -386,14 +478,11 @@ impl Engine {
                 let b = self.free.pop_first().expect("device out of blocks");
                 req.blocks.push(b);
             }
-            let computed_position = if !context {
-                len - 1
-            } else if req.appeared {
-                req.pos
-            } else {
-                // TensorRT-LLM leaves the connector's tokens out of the first scheduler output.
-                req.pos - req.loaded
-            };
+            // A context request reports its current position: after an asynchronous load (the
+            // only kind this connector answers) that already counts the loaded tokens, on the
+            // request's first appearance too (TensorRT-LLM subtracts them only for synchronous
+            // loads).
+            let computed_position = if context { req.pos } else { len - 1 };
             let data = RequestData {
                 request_id: req.id,
                 new_tokens: req.tokens[req.reported_tokens..].to_vec(),
@@ -419,6 +508,7 @@ impl Engine {
         let bytes = self.sched.build_connector_meta(output).unwrap();
         self.finished_since_bind = false;
         self.metas.push(ConnectorMetadata::decode(&bytes).unwrap());
+        self.meta_at.push(self.iteration);
         self.worker.bind_connector_meta(&bytes).unwrap();
     }
 
@@ -599,19 +689,30 @@ impl Engine {
         self.metrics().transfer(src, dst).map_or(0, |t| t.blocks)
     }
 
-    /// Device → host block pairs in each iteration's metadata.
+    /// Device → host block pairs sent in each iteration (1, 2, ...): in its metadata and in the
+    /// finished-request work the worker received outside it.
     fn stores_per_iteration(&self) -> Vec<usize> {
-        self.metas
-            .iter()
-            .map(|m| {
-                m.operations
-                    .iter()
-                    .filter(|op| op.direction() == Direction::Store)
-                    .filter(|op| op.transfer().src == TierKind::Device)
-                    .map(|op| op.transfer().pairs.len())
-                    .sum()
-            })
-            .collect()
+        let stores = |m: &ConnectorMetadata| -> usize {
+            m.operations
+                .iter()
+                .filter(|op| op.direction() == Direction::Store)
+                .filter(|op| op.transfer().src == TierKind::Device)
+                .map(|op| op.transfer().pairs.len())
+                .sum()
+        };
+        let mut out = vec![0; self.iteration];
+        for (m, &at) in self.metas.iter().zip(&self.meta_at) {
+            out[at - 1] += stores(m);
+        }
+        for (at, m) in self.finish_log.lock().unwrap().iter() {
+            out[at - 1] += stores(m);
+        }
+        out
+    }
+
+    /// The finished-request work received outside the metadata, with its iteration.
+    fn finish_work(&self) -> Vec<(usize, ConnectorMetadata)> {
+        self.finish_log.lock().unwrap().clone()
     }
 
     fn tokens_of(&self, id: u64) -> Vec<u32> {
@@ -646,7 +747,17 @@ impl Engine {
         let mut settings = insta::Settings::clone_current();
         settings.set_snapshot_path("../snapshots");
         settings.set_prepend_module_to_snapshot(false);
-        settings.bind(|| insta::assert_yaml_snapshot!(format!("trtllm__{scenario}"), self.metas));
+        // Every metadata built, then the finished-request work sent outside it, with the number
+        // of metadata built before the worker received it (the iteration number itself depends
+        // on when stores finish: a request is released in the iteration that ran its last stores
+        // or in the next one).
+        let finish: Vec<(usize, ConnectorMetadata)> = self
+            .finish_work()
+            .into_iter()
+            .map(|(at, m)| (self.meta_at.iter().filter(|&&b| b <= at).count(), m))
+            .collect();
+        let sent = (&self.metas, finish);
+        settings.bind(|| insta::assert_yaml_snapshot!(format!("trtllm__{scenario}"), sent));
     }
 }
 
@@ -728,10 +839,13 @@ fn chunked_prefill() {
     e.submit(1, prompt(1, 22), 1); // 5 full blocks, chunks [0,6) [6,12) [12,18) [18,22)
     e.run();
     // Offload follows computed_position, one iteration behind: a block is stored in the
-    // iteration after the one that completed it; the last chunk's block is flushed at finish.
-    assert_eq!(e.stores_per_iteration()[..5], [0, 1, 2, 1, 1]);
+    // iteration after the one that completed it; the last chunk's block is flushed at finish,
+    // in the same iteration, outside the metadata; iteration 5 is idle (`get_finished` only).
+    assert_eq!(e.stores_per_iteration()[..4], [0, 1, 2, 2]);
     assert!(e.finish_held[&1]);
-    assert_eq!(e.saved_at[&1], 5);
+    // Released by the `get_finished` that ran its last stores if they finished in time, else by
+    // the next (idle) iteration's.
+    assert!([4, 5].contains(&e.saved_at[&1]));
     assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 5);
     // All of them are right: a second request with the same prompt loads and checks them.
     e.submit(2, prompt(1, 22), 1);
@@ -770,7 +884,7 @@ fn abort_while_load_in_flight() {
     e.run();
     // Iteration by hand: admit B, abort it before the worker ran its load.
     e.submit(2, p, 4);
-    e.iteration += 1;
+    e.next_iteration();
     e.admit();
     assert_eq!(e.matched[&2], (12, true));
     assert!(e.abort(2), "a request with a load in flight must be held");
@@ -779,11 +893,21 @@ fn abort_while_load_in_flight() {
         e.sched.leader().request_state(&id),
         Some(RequestState::Aborted)
     );
+    // The hold went to the worker at once, but ordered after the metadata that announces the
+    // request (not built yet): applied earlier, the worker would report the request released
+    // before its load even started, and the engine would free blocks the load then writes.
+    assert_eq!(e.report(), (vec![], vec![]));
     let (output, plan) = e.plan();
     assert!(plan.is_empty());
     e.bind(&output);
     let meta = e.metas.last().unwrap();
-    assert!(meta.hold.contains(&id));
+    // The hold went outside the metadata, ordered after the metadata announcing the request.
+    assert!(!meta.hold.contains(&id));
+    assert!(meta.new_slots.contains(&id));
+    assert!(e
+        .finish_work()
+        .iter()
+        .any(|(_, w)| w.hold.contains(&id) && w.iteration == meta.iteration));
     assert!(meta
         .operations
         .iter()
@@ -807,15 +931,30 @@ fn finish_with_stores_in_flight() {
     let p = prompt(1, 8);
     e.submit(1, p.clone(), 1); // finishes in its only iteration
     e.step();
-    // Its 2 blocks were computed in the last (only) iteration: stored at finish.
+    // Its 2 blocks were computed in the last (only) iteration: stored at finish, sent to the
+    // worker at once (outside the metadata, which was built before the request finished).
     assert!(e.finish_held[&1]);
-    assert_eq!(e.stores_per_iteration(), [0]);
-    assert_eq!(e.saving.len(), 1, "the engine must keep the blocks");
-    assert!(!e.saved_at.contains_key(&1));
-    e.step();
-    assert_eq!(e.stores_per_iteration(), [0, 2]);
-    assert!(e.metas[1].hold.contains(&RequestId::from(1u64)));
-    assert_eq!(e.saved_at[&1], 2);
+    assert_eq!(e.stores_per_iteration(), [2]);
+    assert_eq!(e.metas.len(), 1);
+    assert!(e.metas[0].hold.is_empty());
+    let work = e.finish_work();
+    assert_eq!(work.len(), 1);
+    assert_eq!(
+        work[0].0, 1,
+        "received in the iteration the request finished"
+    );
+    assert_eq!(
+        work[0].1.iteration, 1,
+        "ordered after the metadata of iteration 1"
+    );
+    assert!(work[0].1.hold.contains(&RequestId::from(1u64)));
+    // Kept until its stores completed: released by iteration 1's `get_finished` (which ran them)
+    // if they finished in time, else by the next one's.
+    if !e.saved_at.contains_key(&1) {
+        assert_eq!(e.saving.len(), 1, "the engine must keep the blocks");
+        e.step();
+    }
+    assert!(e.saved_at[&1] <= 2);
     e.run();
     // The flushed bytes are the final ones.
     let mut q = p;
@@ -826,6 +965,46 @@ fn finish_with_stores_in_flight() {
     assert_eq!(e.verified_blocks, 2);
     e.assert_drained();
     e.snapshot("finish_with_stores_in_flight");
+}
+
+/// TensorRT-LLM calls only `get_finished` while nothing is scheduled. A request held for its
+/// last stores must still complete — stores run, blocks released, reported saved — and the next
+/// request with the same prefix must find them (before, the stores waited for a metadata that an
+/// idle engine never builds: the request stayed held and the next one matched `(0, false)`).
+#[test]
+fn idle_engine_completes_held_request() {
+    let mut e = Engine::new(16, 64);
+    let p = prompt(1, 12);
+    e.submit(1, p.clone(), 1);
+    e.step();
+    assert!(e.finish_held[&1]);
+    for _ in 0..3 {
+        e.step(); // idle: `get_finished` only
+    }
+    assert_eq!(e.metas.len(), 1, "an idle engine builds no metadata");
+    // Released by `get_finished` alone: in iteration 1 if its stores finished before that call
+    // returned, else in the first idle iteration.
+    assert!(
+        e.saved_at.get(&1).is_some_and(|&at| at <= 2),
+        "not released by get_finished alone"
+    );
+    assert!(e.free.len() == DEVICE_BLOCKS, "device blocks still held");
+    // The worker ran the stores (the leader counts them on its next call).
+    let stored: u64 = e
+        .worker
+        .worker()
+        .transfer_stats()
+        .iter()
+        .filter(|p| (p.src, p.dst) == (TierKind::Device, TierKind::Host))
+        .map(|p| p.blocks)
+        .sum();
+    assert_eq!(stored, 3);
+    e.submit(2, p, 1);
+    e.step();
+    assert_eq!(e.matched[&2], (8, true));
+    e.run();
+    assert_eq!(e.verified_blocks, 2);
+    e.assert_drained();
 }
 
 #[test]
@@ -839,7 +1018,7 @@ fn shared_prefix_in_one_iteration() {
     e.run();
     assert_eq!(e.first_scheduled_at[&1], e.first_scheduled_at[&2]);
     // 2 shared blocks + 1 of each: 4 distinct blocks, each stored once.
-    assert_eq!(e.stores_per_iteration()[..2], [0, 4]);
+    assert_eq!(e.stores_per_iteration()[..2], [4, 0]);
     assert_eq!(e.transferred(TierKind::Device, TierKind::Host), 4);
     e.submit(3, b, 1);
     e.run();
@@ -933,10 +1112,17 @@ fn regression_abort_during_load_stores_no_uncomputed_blocks() {
     // B extends the stored prefix by 2 blocks and 1 token; aborted before its load ran.
     let b: Vec<u32> = p.iter().copied().chain(prompt(2, 9)).collect();
     e.submit(2, b.clone(), 1);
-    e.iteration += 1;
+    e.next_iteration();
     e.admit();
     assert_eq!(e.matched[&2], (8, true));
     assert!(e.abort(2));
+    // The iteration that admitted it builds and binds its metadata (TensorRT-LLM does so before
+    // any request can finish).
+    let (output, plan) = e.plan();
+    e.bind(&output);
+    e.forward(&plan);
+    e.worker_idle();
+    e.report();
     e.run();
     assert_eq!(
         e.transferred(TierKind::Device, TierKind::Host),
@@ -963,4 +1149,157 @@ fn regression_unaligned_request_can_be_scheduled() {
     assert_eq!(e.matched[&2], (0, false));
     assert!(e.done.contains_key(&2));
     e.assert_drained();
+}
+
+/// Tensor parallelism: ranks run their loops in their own processes, so a rank behind rank 0 may
+/// get a finished request's work (sent by the leader right after rank 0's forward pass) before it
+/// bound the metadata announcing the request, or after binding it but before its own forward pass
+/// wrote the request's last KV. It must hold the work until its `get_finished`: run earlier, its
+/// stores would copy the blocks before this rank computed them. Here rank 1 lags one whole
+/// iteration; its shard of the stored blocks must be what its forward pass wrote, checked by a
+/// second request that loads them on both ranks.
+#[test]
+fn lagging_rank_runs_finish_work_after_its_forward_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::default();
+    config.host.cache_blocks = Some(16);
+    config.disk.cache_blocks = Some(0);
+    config.disk.dir = dir.path().to_path_buf();
+    let (lt, wts) = in_process(2);
+    let mut sched = TrtllmScheduler::new(config.clone(), BS, lt).unwrap();
+    let layout = || Layout::fully_contiguous(dims(), DEVICE_BLOCKS).unwrap();
+    let devices: Vec<Arc<dyn StorageTier>> = (0..2)
+        .map(|_| Arc::new(MemoryTier::new(TierKind::Device, layout()).unwrap()) as _)
+        .collect();
+    let shape = [DEVICE_BLOCKS, LAYERS, 2, BS * INNER];
+    // Both ranks register at once (each blocks until the barrier saw both).
+    let mut workers: Vec<TrtllmWorker> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|r| {
+                let (config, wt, device) = (config.clone(), wts[r].clone(), devices[r].clone());
+                s.spawn(move || {
+                    let mut w = TrtllmWorker::new(config, BS, 2, wt).unwrap();
+                    w.register_kv_caches(&shape, DTYPE, device).unwrap();
+                    w
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sched.leader_mut().is_ready() {
+        assert!(Instant::now() < deadline, "scheduler not ready");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Each rank's shard of a block: a pattern of (rank, block, version).
+    let shard = |rank: u8, block: usize, version: u8| {
+        vec![rank.wrapping_mul(16) ^ (block as u8) ^ version; dims().bytes_per_block()]
+    };
+    let llm = |id: u64, tokens: &[u32]| -> (u64, Vec<u32>) { (id, tokens.to_vec()) };
+    fn req((id, tokens): &(u64, Vec<u32>)) -> LlmRequest<'_> {
+        LlmRequest {
+            request_id: *id,
+            tokens: tokens.as_slice(),
+            cache_salt: None,
+            lora_name: None,
+        }
+    }
+    let forward = |w: &mut TrtllmWorker, device: &Arc<dyn StorageTier>, rank: u8, version: u8| {
+        w.start_load_kv().unwrap();
+        for layer in 0..LAYERS {
+            w.wait_for_layer_load(layer).unwrap();
+            for b in 0..2 {
+                device
+                    .write_block_from_slice(b, &shard(rank, b, version))
+                    .unwrap();
+            }
+            w.save_kv_layer(layer).unwrap();
+        }
+        w.wait_for_save().unwrap();
+    };
+    // Rank 1's cache holds stale bytes (version 0) until its forward pass writes version 1.
+    for b in 0..2 {
+        devices[1]
+            .write_block_from_slice(b, &shard(1, b, 0))
+            .unwrap();
+    }
+    // Iteration 1: request 1 (8 tokens, 2 blocks) computes its prompt and finishes.
+    let mut r1 = llm(1, &prompt(1, 8));
+    assert_eq!(
+        sched.get_num_new_matched_tokens(&req(&r1), 0).unwrap(),
+        (0, false)
+    );
+    sched.update_state_after_alloc(&req(&r1), &[0, 1]).unwrap();
+    let meta = sched
+        .build_connector_meta(&SchedulerOutput {
+            new_requests: vec![RequestData {
+                request_id: 1,
+                new_tokens: r1.1.clone(),
+                new_block_ids: vec![0, 1],
+                computed_position: 0,
+            }],
+            cached_requests: vec![],
+        })
+        .unwrap();
+    workers[0].bind_connector_meta(&meta).unwrap();
+    forward(&mut workers[0], &devices[0], 0, 1);
+    workers[0]
+        .worker()
+        .wait_idle(Duration::from_secs(10))
+        .unwrap();
+    r1.1.push(7);
+    assert!(sched.request_finished(&req(&r1), &[0, 1]).unwrap());
+    // Rank 1 is still ending its previous iteration: the work is not its to run yet.
+    assert_eq!(workers[1].get_finished(&[], &[]), (vec![], vec![]));
+    workers[1].bind_connector_meta(&meta).unwrap();
+    // Bound, but its forward pass has not run: nothing may read the blocks yet.
+    workers[1]
+        .worker()
+        .wait_idle(Duration::from_secs(10))
+        .unwrap();
+    assert!(workers[1].worker().transfer_stats().is_empty());
+    forward(&mut workers[1], &devices[1], 1, 1);
+    let mut released = [false, false];
+    for _ in 0..100 {
+        for (r, w) in workers.iter_mut().enumerate() {
+            let finished: &[u64] = if released[r] { &[] } else { &[1] };
+            let (saved, _) = w.get_finished(finished, &[]);
+            released[r] |= saved == [1];
+            w.worker().wait_idle(Duration::from_secs(10)).unwrap();
+        }
+        if released == [true, true] {
+            break;
+        }
+    }
+    assert_eq!(
+        released,
+        [true, true],
+        "each rank reports it once its stores ran"
+    );
+    // Request 2 loads both blocks onto blocks 2 and 3 of both ranks: each shard is the bytes its
+    // rank's forward pass wrote.
+    let r2 = llm(2, &[r1.1[..8].to_vec(), vec![9]].concat());
+    assert_eq!(
+        sched.get_num_new_matched_tokens(&req(&r2), 0).unwrap(),
+        (8, true)
+    );
+    sched
+        .update_state_after_alloc(&req(&r2), &[2, 3, 4])
+        .unwrap();
+    let meta = sched
+        .build_connector_meta(&SchedulerOutput::default())
+        .unwrap();
+    for (r, w) in workers.iter_mut().enumerate() {
+        w.bind_connector_meta(&meta).unwrap();
+        w.start_load_kv().unwrap();
+        w.worker().wait_idle(Duration::from_secs(10)).unwrap();
+        assert_eq!(w.get_finished(&[], &[2]), (vec![], vec![2]));
+        for b in 0..2 {
+            assert_eq!(
+                devices[r].read_block_to_vec(2 + b).unwrap(),
+                shard(r as u8, b, 1),
+                "rank {r}: block {b} was stored before this rank computed it"
+            );
+        }
+    }
 }

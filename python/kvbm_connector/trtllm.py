@@ -8,16 +8,25 @@ Load them through the LLM API's ``kv_connector_config``::
       connector_worker_class: KvbmConnectorWorker
 
 They implement the method sets of TensorRT-LLM's ``KvCacheConnectorScheduler`` and
-``KvCacheConnectorWorker`` (``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py``) and
-subclass them when ``tensorrt_llm`` is importable; otherwise they subclass local stand-ins with
-the same non-abstract helpers, so the classes can be built and tested without TensorRT-LLM.
+``KvCacheConnectorWorker`` and subclass them when ``tensorrt_llm`` is importable. Newer trees
+define the bases in ``tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector``, older ones
+in ``tensorrt_llm._torch.pyexecutor.kv_cache_connector``: the newer path is tried first
+(:data:`TRTLLM_BASES_MODULE` says which was found). Without TensorRT-LLM they subclass local
+stand-ins with the same non-abstract helpers, so the classes can be built and tested anyway.
+
+Both API generations are served: the older one (``register_kv_caches``, flat block lists) and the
+newer one's additions — ``wait_for_initialization`` on the scheduler (blocks until the start-up
+barrier completed, within the init timeout), ``register_kv_cache_layout`` (a one-group,
+one-region layout is registered as its single pool tensor; anything else is refused, naming what),
+the ``*_by_layer_group`` methods (one layer group; several are refused) and
+``supports_attention_dp`` (False: see :class:`KvbmConnectorScheduler`).
 
 What is read from TensorRT-LLM's objects (the shapes its ``KvCacheConnectorManager`` passes):
 
 * ``llm_args`` (``TorchLlmArgs``): ``kv_cache_config.tokens_per_block``; the world size from
   ``parallel_config.world_size`` (else ``tensor_parallel_size * pipeline_parallel_size``);
 * ``LlmRequest``: ``request_id`` (int), ``get_tokens(0)`` (prompt and generated tokens),
-  ``cache_salt_id`` and ``lora_task_id`` when present (tenant isolation);
+  the cache salt and ``lora_task_id`` when present (tenant isolation; see :func:`cache_salt`);
 * ``SchedulerOutput``: ``new_requests`` and ``cached_requests``, lists of ``RequestData`` with
   ``request_id``, ``new_tokens``, ``new_block_ids`` and ``computed_position`` (offload is by
   computed position; a ``num_scheduled_tokens`` field, in newer versions, is not needed);
@@ -27,11 +36,18 @@ What is read from TensorRT-LLM's objects (the shapes its ``KvCacheConnectorManag
 The scheduler lives on rank 0 only and initialises non-blocking; every rank has a worker, whose
 ``register_kv_caches`` blocks until the start-up barrier completed (TensorRT-LLM builds both at
 once; the engine is ready when the worker is). The metadata is ``bytes``.
+
+A finished request's last stores are decided in ``request_finished``, after that iteration's
+metadata was built; TensorRT-LLM may build no further metadata (an idle engine calls only
+``get_finished``), so the scheduler sends them to every worker at once over the transport, ordered
+after the last metadata; each worker's ``get_finished`` runs them and reports the request once
+they are done (docs/adapters.md, "TensorRT-LLM call order").
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import importlib
+from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _kvbm
 from ._wiring import (
@@ -44,18 +60,31 @@ from ._wiring import (
     worker_transport,
 )
 
-try:  # pragma: no cover - exercised only where TensorRT-LLM is installed
-    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
-        KvCacheConnectorScheduler as _SchedulerBase,
-    )
-    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
-        KvCacheConnectorWorker as _WorkerBase,
-    )
+#: Where TensorRT-LLM defines the connector bases, newest first.
+TRTLLM_BASES_MODULES = (
+    "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",
+    "tensorrt_llm._torch.pyexecutor.kv_cache_connector",
+)
 
-    HAVE_TRTLLM = True
-except Exception:  # ImportError, or anything a broken install raises on import
-    HAVE_TRTLLM = False
 
+def _import_bases() -> Tuple[Optional[str], Any, Any]:
+    for name in TRTLLM_BASES_MODULES:
+        try:
+            module = importlib.import_module(name)
+            return name, module.KvCacheConnectorScheduler, module.KvCacheConnectorWorker
+        except Exception:  # ImportError, or anything a broken install raises on import
+            continue
+    return None, None, None
+
+
+#: The module the bases came from (one of :data:`TRTLLM_BASES_MODULES`), or None.
+TRTLLM_BASES_MODULE, _sched_base, _worker_base = _import_bases()
+HAVE_TRTLLM = TRTLLM_BASES_MODULE is not None
+
+if HAVE_TRTLLM:
+    _SchedulerBase = _sched_base
+    _WorkerBase = _worker_base
+else:
     class _SchedulerBase:  # type: ignore[no-redef]
         """Stand-in for ``KvCacheConnectorScheduler`` (its constructor)."""
 
@@ -102,6 +131,20 @@ WORKER_METHODS = {
 }
 
 _INSTANCE = "trtllm"
+
+#: Why neither class declares ``supports_attention_dp``: under attention data parallelism
+#: TensorRT-LLM builds a scheduler on every attention-DP rank, each owning its requests and
+#: completing them on its own worker's report alone, while this connector's scheduler waits for
+#: every one of the ``tensor_parallel_size * pipeline_parallel_size`` workers (start-up barrier and
+#: every operation's completion). Opting in needs one connector per attention-DP rank with a world
+#: of its own worker only; until then the manager refuses the combination at start-up.
+ATTENTION_DP_UNSUPPORTED = (
+    "kvbm_connector's TensorRT-LLM scheduler waits for all tp x pp workers, not for its own "
+    "attention-DP rank's workers alone"
+)
+
+#: The tag an integer ``cache_salt_id`` gets before it becomes a cache salt string.
+SALT_ID_TAG = "cache_salt_id:"
 
 
 def _tokens_per_block(llm_args: Any) -> int:
@@ -153,6 +196,71 @@ def _opt_str(request: Any, attr: str) -> Optional[str]:
     return None if v is None else str(v)
 
 
+def cache_salt(request: Any) -> Optional[str]:
+    """The request's cache salt, as the string the connector mixes into every block key.
+
+    * ``request.cache_salt`` (newer TensorRT-LLM: a ``str``) is used as it is — the same string
+      gives the same keys as vLLM's ``cache_salt``;
+    * else ``request.cache_salt_id`` (older TensorRT-LLM: an ``int``) becomes
+      ``"cache_salt_id:<decimal>"`` (:data:`SALT_ID_TAG`), so the id ``42`` and the string
+      ``"42"`` name different caches;
+    * neither present (or both None): no salt.
+
+    When both are set the string wins (newer trees derive the id from it). A salt that is
+    present but of another type (a ``bytes`` salt, a ``str`` or ``bool`` id, ...) is an
+    ``invalid_argument`` error: guessing could silently share one tenant's cache with another.
+    """
+    rid = getattr(request, "request_id", "?")
+    salt = getattr(request, "cache_salt", None)
+    if salt is not None:
+        if not isinstance(salt, str):
+            raise error(
+                "invalid_argument",
+                f"request {rid}: cache_salt must be a str, got {type(salt).__name__}",
+                argument="request.cache_salt",
+            )
+        return salt
+    salt_id = getattr(request, "cache_salt_id", None)
+    if salt_id is None:
+        return None
+    if isinstance(salt_id, bool) or not isinstance(salt_id, int):
+        raise error(
+            "invalid_argument",
+            f"request {rid}: cache_salt_id must be an int, got {type(salt_id).__name__}",
+            argument="request.cache_salt_id",
+        )
+    return f"{SALT_ID_TAG}{salt_id}"
+
+
+def _one_group(what: str, groups: Sequence[Any]) -> Any:
+    """The only layer group's entry; several groups are refused, naming what is unsupported."""
+    try:
+        n = len(groups)
+    except TypeError:
+        raise error(
+            "invalid_argument",
+            f"{what} must be a list with one entry per layer group, got {type(groups).__name__}",
+            argument=what,
+        ) from None
+    if n != 1:
+        raise error(
+            "unsupported",
+            f"{what} has {n} layer groups; kvbm_connector supports one layer group (full "
+            "attention, one page-index space): hybrid and variable sliding-window models are "
+            "not supported",
+            argument=what,
+        )
+    ids = int_list(groups[0], what)
+    if any(i < 0 for i in ids):
+        raise error(
+            "unsupported",
+            f"{what} has a page index below 0 (a sliding-window page that left the window); "
+            "sliding-window attention is not supported",
+            argument=what,
+        )
+    return ids
+
+
 def _request_data(r: Any) -> Tuple[int, List[int], List[int], int]:
     return (
         int(r.request_id),
@@ -168,7 +276,11 @@ class KvbmConnectorScheduler(_SchedulerBase):
     ``config`` (a :class:`kvbm_connector.Config`) defaults to :func:`kvbm_connector.load_config`;
     ``transport`` (a leader transport) to TCP on ``$KVBM_LEADER_ADDR`` when set or with several
     ranks, else the in-process transport shared with this process's worker.
+
+    ``supports_attention_dp`` is False: see :data:`ATTENTION_DP_UNSUPPORTED`.
     """
+
+    supports_attention_dp = False
 
     def __init__(
         self,
@@ -192,7 +304,7 @@ class KvbmConnectorScheduler(_SchedulerBase):
             int(request.request_id),
             _tokens(request),
             int(num_computed_tokens),
-            _opt_str(request, "cache_salt_id"),
+            cache_salt(request),
             _opt_str(request, "lora_task_id"),
         )
 
@@ -212,6 +324,32 @@ class KvbmConnectorScheduler(_SchedulerBase):
             int(request.request_id),
             _tokens(request),
             int_list(cache_block_ids, "cache_block_ids"),
+        )
+
+    # -- newer TensorRT-LLM (connectors/kv_cache_connector.py) ---------------------------------
+
+    def wait_for_initialization(self) -> None:
+        """Blocks (GIL released) until the start-up barrier completed, at most the configured
+        init timeout; raises the barrier's error, or a timeout. TensorRT-LLM calls it after
+        ``register_kv_caches`` and before its executor loop starts, so the first request is
+        matched and offloaded (without it, a request admitted while the barrier is finishing is
+        never offloaded)."""
+        self._inner.wait_ready(max(self._config.init_timeout_secs, 0.001))
+
+    def update_state_after_alloc_by_layer_group(
+        self, request: Any, block_ids_by_layer_group: List[List[int]]
+    ) -> None:
+        """One layer group: as :meth:`update_state_after_alloc`; several are refused."""
+        self.update_state_after_alloc(
+            request, _one_group("block_ids_by_layer_group", block_ids_by_layer_group)
+        )
+
+    def request_finished_by_layer_group(
+        self, request: Any, cache_block_ids_by_layer_group: List[List[int]]
+    ) -> bool:
+        """One layer group: as :meth:`request_finished`; several are refused."""
+        return self.request_finished(
+            request, _one_group("cache_block_ids_by_layer_group", cache_block_ids_by_layer_group)
         )
 
     # -- beyond TensorRT-LLM's interface --------------------------------------------------------
@@ -248,8 +386,11 @@ class KvbmConnectorWorker(_WorkerBase):
     """TensorRT-LLM's ``KvCacheConnectorWorker``: one per rank.
 
     ``rank`` defaults to TensorRT-LLM's MPI rank (else ``$KVBM_RANK``, else 0); ``config`` and
-    ``transport`` as for :class:`KvbmConnectorScheduler`.
+    ``transport`` as for :class:`KvbmConnectorScheduler`. ``supports_attention_dp`` is False
+    (:data:`ATTENTION_DP_UNSUPPORTED`).
     """
+
+    supports_attention_dp = False
 
     def __init__(
         self,
@@ -277,6 +418,68 @@ class KvbmConnectorWorker(_WorkerBase):
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         self._inner.register_kv_caches(kv_cache_tensor)
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """Newer TensorRT-LLM (``KvCacheLayout``, KV cache manager V2): a layout of one full-
+        attention layer group in one region, with no replicated side cache, is registered as the
+        single pool tensor ``layout.as_single_pool_tensor()`` gives
+        (``[num_slots, num_layers, kv_factor, block elements]``); anything else is refused with
+        an ``unsupported`` error naming what."""
+        groups = tuple(getattr(layout, "groups", ()) or ())
+        if len(groups) != 1:
+            raise error(
+                "unsupported",
+                f"the KV cache layout has {len(groups)} layer groups; kvbm_connector supports "
+                "one (hybrid and variable sliding-window models are not supported)",
+                argument="layout",
+            )
+        group = groups[0]
+        window = getattr(group, "window_size", None)
+        if window is not None:
+            raise error(
+                "unsupported",
+                f"the KV cache layout's layer group has a sliding window of {window} tokens; "
+                "kvbm_connector supports full attention only",
+                argument="layout",
+            )
+        if tuple(getattr(group, "replicated_regions", ()) or ()):
+            raise error(
+                "unsupported",
+                "the KV cache layout has replicated regions (a side cache identical on every "
+                "shard); kvbm_connector does not store them",
+                argument="layout",
+            )
+        tpb = getattr(layout, "tokens_per_block", self.tokens_per_block)
+        if int(tpb) != self.tokens_per_block:
+            raise error(
+                "invalid_layout",
+                f"the KV cache layout has {tpb} tokens per block but kv_cache_config says "
+                f"{self.tokens_per_block}",
+                argument="layout",
+            )
+        single = getattr(layout, "as_single_pool_tensor", None)
+        tensor = single() if callable(single) else None
+        if tensor is None:
+            regions = len(tuple(getattr(group, "regions", ()) or ()))
+            raise error(
+                "unsupported",
+                f"the KV cache layout cannot be read as one pool tensor (its layer group has "
+                f"{regions} region(s), or a page expansion factor other than 1); kvbm_connector "
+                "supports one uniform region",
+                argument="layout",
+            )
+        is_contiguous = getattr(tensor, "is_contiguous", None)
+        if callable(is_contiguous) and not is_contiguous():
+            region = next(iter(getattr(group, "regions", ()) or ()), None)
+            stride, size = getattr(region, "stride", "?"), getattr(region, "size", "?")
+            raise error(
+                "unsupported",
+                f"the KV cache layout's page slots are not contiguous (slot stride {stride} bytes "
+                f"for {size} bytes of KV: other buffers share the pool); kvbm_connector needs a "
+                "pool that holds only this layer group's KV",
+                argument="layout",
+            )
+        self.register_kv_caches(tensor)
 
     def bind_connector_meta(self, metadata: object) -> None:
         super().bind_connector_meta(metadata)
@@ -322,7 +525,12 @@ class KvbmConnectorWorker(_WorkerBase):
 
 
 __all__ = [
+    "ATTENTION_DP_UNSUPPORTED",
     "HAVE_TRTLLM",
+    "SALT_ID_TAG",
+    "TRTLLM_BASES_MODULE",
+    "TRTLLM_BASES_MODULES",
+    "cache_salt",
     "KvbmConnectorScheduler",
     "KvbmConnectorWorker",
     "SCHEDULER_METHODS",

@@ -398,6 +398,12 @@ pub(crate) fn worker_barrier(
                 )
                 .with("rank", rank))
             }
+            Some(LeaderMessage::Finish(_)) => {
+                tracing::warn!(
+                    rank,
+                    "finished-request work received during start-up; ignored"
+                );
+            }
             None => continue,
         }
     };

@@ -2,8 +2,11 @@
 //!
 //! Metadata travels through the engine (leader → workers, once per iteration). Everything else goes
 //! over a transport: each worker's `bytes_per_block` and device block count (barrier step 1), the
-//! leader's host and disk block counts (step 2), each worker's readiness, and the completion of
-//! every operation (so the leader registers stored blocks and releases held ones).
+//! leader's host and disk block counts (step 2), each worker's readiness, the completion of
+//! every operation (so the leader registers stored blocks and releases held ones), and — for
+//! engines that may stop building metadata while a finished request is held (TensorRT-LLM) — the
+//! work a finished request still needs ([`LeaderMessage::Finish`], ordered after a metadata
+//! iteration; see [`FinishWork`]).
 //!
 //! [`LeaderTransport`] and [`WorkerTransport`] are small object-safe traits; this module ships the
 //! in-process implementation ([`in_process`]) over channels. A network transport implements the
@@ -78,6 +81,27 @@ pub enum WorkerMessage {
     Disconnected(String),
 }
 
+/// What the leader decided when a request finished (its last stores and the hold on its device
+/// blocks), sent to every worker at once instead of with the next metadata, so that it runs even
+/// if the engine builds no further metadata (TensorRT-LLM calls only `get_finished` while nothing
+/// is scheduled).
+///
+/// Ordering: `after_iteration` is the iteration of a metadata the leader built before this message
+/// and which announced every request the message names (the last metadata built, or the next one
+/// when a named request's slot is still queued). A worker applies the message in `get_finished`
+/// (the end of an engine iteration) once it has bound a metadata of that iteration or a later one:
+/// it never runs an operation for a request before the metadata that announced the request's
+/// slot, nor before that iteration's forward pass on this rank wrote the request's last KV.
+/// Messages to one worker arrive in the order sent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FinishWork {
+    /// Apply only after binding the metadata of this iteration (or a later one).
+    pub after_iteration: u64,
+    /// An encoded [`ConnectorMetadata`](crate::connector::metadata::ConnectorMetadata) holding
+    /// the operations and holds of the finished requests only.
+    pub metadata: String,
+}
+
 /// Leader → worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LeaderMessage {
@@ -85,6 +109,8 @@ pub enum LeaderMessage {
     Allocate(TierCounts),
     /// The leader refuses this worker (the reason says why).
     Refused(String),
+    /// After start-up: a finished request's last work, outside the metadata ([`FinishWork`]).
+    Finish(FinishWork),
 }
 
 /// The leader's end.

@@ -30,7 +30,7 @@ use crate::connector::barrier::{initialise, worker_barrier, InitCell, InitMode, 
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
 use crate::connector::remote::WorkerRemote;
 use crate::connector::transport::{
-    Completion, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
+    Completion, FinishWork, LeaderMessage, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
 };
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
@@ -169,6 +169,13 @@ pub struct Worker {
     stores_submitted: bool,
     /// Operations of the current metadata naming a request no metadata announced.
     orphans: HashSet<OperationId>,
+    /// The highest metadata iteration bound so far.
+    bound_iteration: u64,
+    /// Finished requests' work received from the leader outside the metadata, waiting until the
+    /// metadata iteration it follows is bound ([`FinishWork`]).
+    finish_queue: Vec<(u64, ConnectorMetadata)>,
+    /// The leader's end of the transport failed (logged once).
+    leader_gone: bool,
 }
 
 impl std::fmt::Debug for Worker {
@@ -219,6 +226,9 @@ impl Worker {
             loads_submitted: false,
             stores_submitted: false,
             orphans: HashSet::new(),
+            bound_iteration: 0,
+            finish_queue: Vec::new(),
+            leader_gone: false,
         })
     }
 
@@ -324,65 +334,131 @@ impl Worker {
             }
         }
         self.wait_device_reads(DEVICE_READ_TIMEOUT)?;
-        self.orphans.clear();
-        {
-            let mut st = self.shared.state.lock();
-            for id in &meta.new_slots {
-                st.slots.entry(id.clone()).or_default();
-            }
-            for id in &meta.finished {
-                if let Some(s) = st.slots.get_mut(id) {
-                    s.engine_finished = true;
-                    s.hold = false;
-                }
-            }
-            for id in &meta.hold {
-                if st.slots.contains_key(id) {
-                    if let Some(s) = st.slots.get_mut(id) {
-                        s.hold = true;
-                    }
-                } else {
-                    // Already drained here; if the engine already said finished, report at once.
-                    let finished = st.recently_finished_set.contains(id);
-                    st.slots.insert(
-                        id.clone(),
-                        WorkerSlot {
-                            hold: true,
-                            engine_finished: finished,
-                            ..Default::default()
-                        },
-                    );
-                }
-            }
-        }
-        // Count every operation against its request now, before any is started: a request is
-        // never reported done while an operation of its metadata has yet to run.
-        {
-            let mut st = self.shared.state.lock();
-            for op in &meta.operations {
-                let t = op.transfer();
-                let Some(id) = &t.request_id else { continue };
-                let Some(slot) = st.slots.get_mut(id) else {
-                    // Never announced: refuse it rather than track a request nobody will finish.
-                    self.orphans.insert(t.id);
-                    continue;
-                };
-                if t.reads_device() || t.writes_device() {
-                    slot.device_ops += 1;
-                }
-                if op.direction() == Direction::Load {
-                    slot.loads += 1;
-                    slot.had_load = true;
-                    // A request matched again (after a preemption or a failed load) loads anew
-                    // and is reported loaded anew.
-                    slot.load_reported = false;
-                }
-            }
-        }
+        self.orphans = self.account(&meta);
+        self.bound_iteration = self.bound_iteration.max(meta.iteration);
         self.current = Some(meta);
         self.loads_submitted = false;
         self.stores_submitted = false;
         Ok(())
+    }
+
+    /// Records what a metadata (or a [`FinishWork`]) says about requests — new slots, finished
+    /// requests, holds — and counts every operation against its request, before any is started:
+    /// a request is never reported done while an operation of its metadata has yet to run.
+    /// Returns the operations naming a request no metadata announced (refused when submitted).
+    fn account(&self, meta: &ConnectorMetadata) -> HashSet<OperationId> {
+        let mut orphans = HashSet::new();
+        let mut st = self.shared.state.lock();
+        for id in &meta.new_slots {
+            st.slots.entry(id.clone()).or_default();
+        }
+        for id in &meta.finished {
+            if let Some(s) = st.slots.get_mut(id) {
+                s.engine_finished = true;
+                s.hold = false;
+            }
+        }
+        for id in &meta.hold {
+            let finished = st.recently_finished_set.contains(id);
+            if let Some(s) = st.slots.get_mut(id) {
+                s.hold = true;
+                // The engine may name a finished request before the hold reaches this worker.
+                s.engine_finished |= finished;
+            } else {
+                // Already drained here; if the engine already said finished, report at once.
+                st.slots.insert(
+                    id.clone(),
+                    WorkerSlot {
+                        hold: true,
+                        engine_finished: finished,
+                        ..Default::default()
+                    },
+                );
+            }
+        }
+        for op in &meta.operations {
+            let t = op.transfer();
+            let Some(id) = &t.request_id else { continue };
+            let Some(slot) = st.slots.get_mut(id) else {
+                // Never announced: refuse it rather than track a request nobody will finish.
+                orphans.insert(t.id);
+                continue;
+            };
+            if t.reads_device() || t.writes_device() {
+                slot.device_ops += 1;
+            }
+            if op.direction() == Direction::Load {
+                slot.loads += 1;
+                slot.had_load = true;
+                // A request matched again (after a preemption or a failed load) loads anew
+                // and is reported loaded anew.
+                slot.load_reported = false;
+            }
+        }
+        orphans
+    }
+
+    /// Takes the [`FinishWork`] messages the leader sent since the last call (non-blocking; only
+    /// once started: before that the barrier owns the transport).
+    fn receive_finish_work(&mut self) {
+        if self.leader_gone || !self.is_ready() {
+            return;
+        }
+        loop {
+            match self.transport.recv_timeout(Duration::ZERO) {
+                Ok(Some(LeaderMessage::Finish(FinishWork {
+                    after_iteration,
+                    metadata,
+                }))) => match ConnectorMetadata::decode(metadata.as_bytes()) {
+                    Ok(meta) => self.finish_queue.push((after_iteration, meta)),
+                    Err(e) => {
+                        tracing::error!(rank = self.rank(), error = %e, "undecodable finished-request work from the leader");
+                    }
+                },
+                Ok(Some(other)) => {
+                    tracing::warn!(
+                        rank = self.rank(),
+                        ?other,
+                        "unexpected leader message after start-up"
+                    );
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(rank = self.rank(), error = %e, "the leader's end of the transport failed");
+                    self.leader_gone = true;
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Runs the received [`FinishWork`] whose metadata iteration is bound: records its holds and
+    /// submits its operations at once (they read device blocks the engine keeps for them).
+    ///
+    /// Called from [`Worker::get_finished`] only, which the engine calls at the end of an
+    /// iteration: once this rank bound the metadata a message follows, that iteration's forward
+    /// pass — which may write the request's last KV on this rank — has run too. (Binding is not
+    /// enough: a rank that lags behind the leader's rank binds the metadata before its forward.)
+    fn run_finish_work(&mut self) {
+        self.receive_finish_work();
+        if self.finish_queue.is_empty() {
+            return;
+        }
+        let Some(tiers) = self.tiers().cloned() else {
+            return;
+        };
+        let bound = self.bound_iteration;
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.finish_queue)
+            .into_iter()
+            .partition(|(after, _)| *after <= bound);
+        self.finish_queue = later;
+        for (_, meta) in due {
+            let orphans = self.account(&meta);
+            for op in meta.operations {
+                let orphan = orphans.contains(&op.id());
+                self.submit(&tiers, op, orphan);
+            }
+        }
     }
 
     /// Drops the current metadata (after the iteration), submitting anything not yet started.
@@ -432,12 +508,14 @@ impl Worker {
             .cloned()
             .ok_or_else(|| Error::new(ErrorKind::NotReady, "worker is not ready"))?;
         for op in ops {
-            self.submit(&tiers, op);
+            let orphan = self.orphans.contains(&op.id());
+            self.submit(&tiers, op, orphan);
         }
         Ok(())
     }
 
-    fn submit(&self, tiers: &WorkerTiers, op: Box<dyn Operation>) {
+    /// Submits one operation; an `orphan` (naming a request no metadata announced) is refused.
+    fn submit(&self, tiers: &WorkerTiers, op: Box<dyn Operation>, orphan: bool) {
         let t = op.transfer().clone();
         let direction = op.direction();
         let touches_device = t.reads_device() || t.writes_device();
@@ -455,7 +533,7 @@ impl Worker {
         };
         let shared = self.shared.clone();
         let transport = self.transport.clone();
-        if self.orphans.contains(&t.id) {
+        if orphan {
             let e = Error::invalid_argument(format!(
                 "operation {} names request {:?}, which no metadata announced",
                 t.id,
@@ -575,6 +653,9 @@ impl Worker {
         started_loading: Option<&[RequestId]>,
     ) -> (Vec<RequestId>, Vec<RequestId>) {
         let _span = tracing::debug_span!("kvbm.worker.get_finished", rank = self.rank()).entered();
+        // A finished request's last work may come outside the metadata (an idle engine builds
+        // none): run what arrived before looking at what finished.
+        self.run_finish_work();
         let mut st = self.shared.state.lock();
         for id in finished {
             if let Some(s) = st.slots.get_mut(id) {

@@ -8,10 +8,14 @@ Sources of the shapes (field names and types as the engines define them):
   (``request_id``, ``new_tokens``, ``new_block_ids``, ``computed_position``,
   ``num_scheduled_tokens``), ``SchedulerOutput`` (``new_requests``, ``cached_requests``), and
   ``KvCacheConnectorManager`` / ``KvCacheConnectorSchedulerOutputManager`` for the call order and
-  how ``computed_position`` is reported (the connector's loaded tokens left out of a request's
-  first appearance; ``len(tokens) - 1`` while generating); ``LlmRequest`` (``request_id``,
-  ``get_tokens(beam)``); ``TorchLlmArgs.kv_cache_config.tokens_per_block``; the cache tensor is
-  the primary pool ``[num_blocks, num_layers, kv_factor, tokens_per_block * kv_heads * head_dim]``.
+  how ``computed_position`` is reported (the context's current position: after an asynchronous
+  load, the only kind this connector asks for, it counts the loaded tokens on the request's first
+  appearance too; only a synchronous load's tokens are left out; ``len(tokens) - 1`` while
+  generating), and ``py_executor.py`` for what an iteration with nothing scheduled calls (only
+  ``get_finished``); ``LlmRequest`` (``request_id``, ``get_tokens(beam)``, ``cache_salt_id`` in
+  older trees, ``cache_salt`` in newer ones); ``TorchLlmArgs.kv_cache_config.tokens_per_block``;
+  the cache tensor is the primary pool
+  ``[num_blocks, num_layers, kv_factor, tokens_per_block * kv_heads * head_dim]``.
 * vLLM v1: ``vllm/v1/core/sched/output.py`` -- ``NewRequestData`` (``req_id``,
   ``prompt_token_ids``, ``block_ids`` as a tuple of one list per KV-cache group,
   ``num_computed_tokens``), ``CachedRequestData`` (parallel lists ``req_ids``,
@@ -247,8 +251,12 @@ class LlmRequest:
     """``tensorrt_llm.bindings.internal.batch_manager.LlmRequest``: the fields the connector
     reads."""
 
-    def __init__(self, request_id: int, tokens: List[int], max_new: int) -> None:
+    def __init__(self, request_id: int, tokens: List[int], max_new: int, **salt) -> None:
         self.request_id = request_id
+        # ``cache_salt_id`` (older TensorRT-LLM, an int) or ``cache_salt`` (newer, a str).
+        for name, value in salt.items():
+            assert name in ("cache_salt_id", "cache_salt"), name
+            setattr(self, name, value)
         self.tokens = list(tokens)
         self.prompt_len = len(tokens)
         self.max_new = max_new
@@ -286,13 +294,21 @@ class TrtSchedulerOutput:
 class TrtllmEngine:
     """TensorRT-LLM's PyExecutor and ``KvCacheConnectorManager`` in miniature, one rank.
 
-    Per iteration: admission (``get_num_new_matched_tokens`` -> allocate ->
-    ``update_state_after_alloc``; an asynchronous load parks the request), ``build_connector_meta``
-    -> ``bind_connector_meta``, ``start_load_kv``, per layer ``wait_for_layer_load`` / forward /
-    ``save_kv_layer``, ``wait_for_save``, sampling and ``request_finished``, then
-    ``get_finished(finished_gen_req_ids, started_loading_req_ids)`` with the ids new since the
-    last call. After the forward pass it waits for the worker to be idle (one legal interleaving,
-    which makes every run the same).
+    An iteration with requests to schedule (waiting or running): admission
+    (``get_num_new_matched_tokens`` -> allocate -> ``update_state_after_alloc``; an asynchronous
+    load parks the request), ``build_connector_meta`` -> ``bind_connector_meta``,
+    ``start_load_kv``; then, if any request computes (a batch of only loading requests computes
+    nothing), per layer ``wait_for_layer_load`` / forward / ``save_kv_layer``, ``wait_for_save``,
+    sampling and ``request_finished`` (after this iteration's metadata was built and after its
+    ``wait_for_save``, as TensorRT-LLM does); finally ``get_finished(finished_gen_req_ids,
+    started_loading_req_ids)`` with the ids new since the last call. An iteration with nothing to
+    schedule (only loads in flight, or finished requests held for their stores) calls
+    ``get_finished`` alone (``idle_iterations`` counts them). A request first appears in the
+    scheduler output with ``computed_position`` = its current position, which after an
+    asynchronous load counts the loaded tokens.
+
+    Determinism (one legal interleaving, which makes every run the same): after the forward pass,
+    and before an idle iteration's ``get_finished``, it waits for the worker to be idle.
     """
 
     def __init__(self, scheduler, worker, cache: TrtllmCache, chunk: Optional[int] = None) -> None:
@@ -313,12 +329,14 @@ class TrtllmEngine:
         self.loaded_ids: Set[int] = set()
         self.verified_blocks = 0
         self.metas: List[bytes] = []
+        self.outputs: List[TrtSchedulerOutput] = []
         self.iteration = 0
+        self.idle_iterations = 0
         for b in range(cache.num_blocks):
             cache.fill(b, junk(b))
 
-    def submit(self, request_id: int, tokens: List[int], max_new: int = 1) -> None:
-        self.waiting.append(LlmRequest(request_id, tokens, max_new))
+    def submit(self, request_id: int, tokens: List[int], max_new: int = 1, **salt) -> None:
+        self.waiting.append(LlmRequest(request_id, tokens, max_new, **salt))
 
     def _alloc(self) -> int:
         b = min(self.free)
@@ -327,30 +345,39 @@ class TrtllmEngine:
 
     def step(self) -> None:
         self.iteration += 1
+        if not (self.waiting or self.running):
+            # Nothing to schedule: TensorRT-LLM calls get_finished only.
+            self.idle_iterations += 1
+            self.worker.wait_idle(10)
+            self._report()
+            return
         self._admit()
+        self._execute()
+
+    def _execute(self) -> None:
+        """The rest of an iteration with a batch: metadata, loads, forward, finish, report."""
         output, plan = self._plan()
+        self.outputs.append(output)
         meta = self.sched.build_connector_meta(output)
         assert isinstance(meta, bytes)
         self.metas.append(meta)
         self.worker.bind_connector_meta(meta)
         self.worker.start_load_kv(None)
-        for layer in range(LAYERS):
-            self.worker.wait_for_layer_load(layer, None)
-            for req, (start, end) in plan:
-                write_kv(self.cache, req.tokens, req.blocks, start, end, range(layer, layer + 1))
-            self.worker.save_kv_layer(layer, None)
-        self.worker.wait_for_save(None)
+        if plan:
+            for layer in range(LAYERS):
+                self.worker.wait_for_layer_load(layer, None)
+                for req, (start, end) in plan:
+                    write_kv(self.cache, req.tokens, req.blocks, start, end, range(layer, layer + 1))
+                self.worker.save_kv_layer(layer, None)
+            self.worker.wait_for_save(None)
         self.worker.wait_idle(10)
         self._sample(plan)
         self._report()
-        self.sched.process_completions()
 
     def run(self) -> None:
+        """Iterates until every request is done (no call beyond TensorRT-LLM's own)."""
         for _ in range(MAX_ITERATIONS):
-            if (
-                not (self.waiting or self.loading or self.running or self.saving)
-                and not self.sched.has_pending_work()
-            ):
+            if not (self.waiting or self.loading or self.running or self.saving):
                 return
             self.step()
         raise AssertionError("engine still busy")
@@ -380,12 +407,8 @@ class TrtllmEngine:
             start, end = (req.pos, min(req.pos + self.chunk, req.prompt_len)) if context else (n - 1, n)
             while len(req.blocks) * BS < end:
                 req.blocks.append(self._alloc())
-            if not context:
-                computed = n - 1
-            elif req.appeared:
-                computed = req.pos
-            else:
-                computed = req.pos - req.loaded
+            # After an asynchronous load the first appearance already counts the loaded tokens.
+            computed = req.pos if context else n - 1
             data = RequestData(
                 request_id=req.request_id,
                 new_tokens=req.tokens[req.reported_tokens :],

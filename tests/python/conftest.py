@@ -42,7 +42,8 @@ def kvbm_env(monkeypatch, tmp_path):
 @pytest.fixture
 def trtllm_engine():
     """Builds a one-rank TensorRT-LLM engine the way TensorRT-LLM does: the scheduler (rank 0,
-    non-blocking), the worker, then ``register_kv_caches`` (blocking until the barrier)."""
+    non-blocking), the worker, then ``register_kv_caches`` (blocking until the barrier), then the
+    scheduler's ``wait_for_initialization``."""
 
     def make(num_blocks: int = 48, chunk=None) -> E.TrtllmEngine:
         args = E.TrtLlmArgs()
@@ -51,7 +52,8 @@ def trtllm_engine():
         cache = E.TrtllmCache(num_blocks)
         worker.register_kv_caches(cache.tensor)
         assert worker.is_ready(), "blocking registration returned before the barrier completed"
-        sched.wait_ready(10)
+        sched.wait_for_initialization()
+        assert sched.is_ready()
         return E.TrtllmEngine(sched, worker, cache, chunk=chunk)
 
     return make

@@ -12,7 +12,8 @@ import _engines as E
 from kvbm_connector import KvbmError, trtllm
 
 # TensorRT-LLM's abstract methods and their parameters after ``self``, from the reference (§5, §6)
-# and ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py``. TensorRT-LLM itself cannot be
+# and ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py`` (newer trees:
+# ``connectors/kv_cache_connector.py``, same abstract methods). TensorRT-LLM itself cannot be
 # installed here (its PyPI package is a placeholder that downloads from NVIDIA's index), so the
 # interface is pinned by this list.
 REFERENCE_SCHEDULER = {
@@ -63,11 +64,11 @@ def test_module_lists_agree_with_reference():
 def test_subclasses_tensorrt_llm_bases_when_importable():
     if not trtllm.HAVE_TRTLLM:
         pytest.skip("tensorrt_llm is not importable here (its PyPI package is a placeholder)")
-    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (  # pragma: no cover
-        KvCacheConnectorScheduler,
-        KvCacheConnectorWorker,
-    )
+    import importlib  # pragma: no cover
 
+    bases = importlib.import_module(trtllm.TRTLLM_BASES_MODULE)
+    KvCacheConnectorScheduler = bases.KvCacheConnectorScheduler
+    KvCacheConnectorWorker = bases.KvCacheConnectorWorker
     assert issubclass(trtllm.KvbmConnectorScheduler, KvCacheConnectorScheduler)
     assert issubclass(trtllm.KvbmConnectorWorker, KvCacheConnectorWorker)
 
@@ -153,9 +154,11 @@ def test_abort_while_load_in_flight_releases_blocks(trtllm_engine):
     e.submit(1, a, max_new=1)
     e.run()
     e.submit(2, a + [1], max_new=1)
-    e._admit()  # matched and allocated; its load is in the next metadata
+    e.iteration += 1
+    e._admit()  # matched and allocated; its load is in this iteration's metadata
     assert e.matched[2] == (16, True)
     held = e.abort(2)
+    e._execute()  # the iteration that admitted it builds and binds its metadata
     e.run()
     assert 2 in e.done
     assert e.free == set(range(48))

@@ -19,11 +19,19 @@ pub struct BlockWrite {
     pub hashes: Vec<u64>,
 }
 
-/// One iteration for one rank.
+/// One iteration for one rank, or a part of one: with `metadata` the rank binds it, clobbers
+/// freed blocks, starts the loads and (with `forward`) runs the forward pass with its per-layer
+/// hooks and `wait_for_save`; with `report` it then calls `get_finished`. vLLM sends both parts in
+/// one command; TensorRT-LLM sends the metadata part (when its batch is not empty), lets the
+/// scheduler finish requests, then the report part — alone in an iteration with nothing scheduled.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepCommand {
-    /// The leader's metadata bytes.
-    pub metadata: Vec<u8>,
+    /// The leader's metadata bytes; `None`: the engine built none this iteration.
+    pub metadata: Option<Vec<u8>>,
+    /// Whether the model runs a forward pass (after binding `metadata`).
+    pub forward: bool,
+    /// Whether the rank calls `get_finished` (last).
+    pub report: bool,
     /// Freed device blocks to overwrite with junk once the metadata is bound.
     pub clobber: Vec<usize>,
     /// The KV computed this iteration.

@@ -1,11 +1,11 @@
 //! The GPU-process side of the simulated engine: one [`RankExecutor`] per tensor-parallel rank.
 //!
-//! The engine stand-in (scheduler process) sends each rank one
-//! [`StepCommand`] per iteration — the connector metadata, the
-//! freed blocks to clobber, and the KV the model computes this step — and the rank runs the
-//! engine's worker calls in order (bind, start loads, per layer: wait for the layer, write its KV,
-//! save it; wait for save; get_finished) through the engine's
-//! [`WorkerSide`]. It answers with the requests done on this rank and
+//! The engine stand-in (scheduler process) sends each rank [`StepCommand`]s — the connector
+//! metadata, the freed blocks to clobber, and the KV the model computes this step — and the rank
+//! runs the engine's worker calls in order (bind, start loads, per layer: wait for the layer,
+//! write its KV, save it; wait for save; get_finished) through the engine's [`WorkerSide`]: vLLM
+//! in one command per step, TensorRT-LLM in two (`get_finished` after the scheduler finished
+//! requests) or, with nothing scheduled, only `get_finished`. It answers with the requests done on this rank and
 //! the device blocks whose loads failed, and compares onboarded device blocks with what the model
 //! computes for this rank's shard.
 //!
@@ -195,22 +195,30 @@ impl RankExecutor {
         result
     }
 
-    /// Runs one iteration in the engine's call order.
+    /// Runs one iteration (or the part of one the command names) in the engine's call order.
     pub fn step(&mut self, cmd: &StepCommand) -> Result<StepReply> {
-        self.worker.bind_connector_meta(&cmd.metadata)?;
-        // Freed blocks are rewritten only after the stores that read them finished (the bind
-        // above waited for them) and before loads start writing reused ones.
-        self.clobber(&cmd.clobber)?;
-        self.worker.start_load_kv()?;
-        for l in 0..self.shard.dims.num_layers {
-            self.worker.wait_for_layer_load(l)?;
-            self.write_layer(l, &cmd.writes)?;
-            self.worker.save_kv_layer(l)?;
+        if let Some(metadata) = &cmd.metadata {
+            self.worker.bind_connector_meta(metadata)?;
+            // Freed blocks are rewritten only after the stores that read them finished (the bind
+            // above waited for them) and before loads start writing reused ones.
+            self.clobber(&cmd.clobber)?;
+            self.worker.start_load_kv()?;
+            if cmd.forward {
+                for l in 0..self.shard.dims.num_layers {
+                    self.worker.wait_for_layer_load(l)?;
+                    self.write_layer(l, &cmd.writes)?;
+                    self.worker.save_kv_layer(l)?;
+                }
+                self.worker.wait_for_save()?;
+            }
         }
-        // The replay is deterministic: this iteration's transfers finish (and their completions
-        // are on their way to the leader) before the engine hears what finished.
-        self.worker.wait_for_save()?;
+        // The replay is deterministic: what this iteration (or, in an iteration that only
+        // reports, the last `get_finished`) submitted finishes, and its completions are on their
+        // way to the leader, before the engine finishes requests or hears what finished.
         self.worker.worker().wait_idle(Duration::from_secs(60))?;
+        if !cmd.report {
+            return Ok(StepReply::default());
+        }
         self.worker
             .get_finished(&cmd.finished, &cmd.started_loading)
     }

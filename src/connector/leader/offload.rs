@@ -15,6 +15,7 @@ use crate::connector::adapter::{SchedulerAdapter, SchedulerStep};
 use crate::connector::lifecycle::RequestState;
 use crate::connector::metadata::{BlockTransfer, ConnectorMetadata, KeyedStore, Store};
 use crate::connector::remote::HostIndex;
+use crate::connector::transport::{FinishWork, LeaderMessage};
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::{SequenceHash, Token};
@@ -209,6 +210,63 @@ impl<A: SchedulerAdapter> Leader<A> {
             self.outbox.finished.push(id.clone());
             Ok(false)
         }
+    }
+
+    /// As [`Leader::request_finished`], except that what it decides for a request it holds — the
+    /// request's last stores and the hold on its device blocks — goes to every worker at once over
+    /// the transport ([`LeaderMessage::Finish`]) instead of with the next metadata. For engines
+    /// that build no metadata while nothing is scheduled (TensorRT-LLM calls only `get_finished`
+    /// then): the request still completes.
+    ///
+    /// Ordering: the message names the iteration of the last metadata built (the next one when
+    /// the request's slot has not been sent yet); a worker applies it in `get_finished`, at the
+    /// end of an iteration, only once it bound that metadata: no worker runs a store for the
+    /// request before the metadata announcing its slot, nor before its own forward pass of that
+    /// iteration wrote the request's last KV. A request answered false goes with the next metadata
+    /// as before (nothing waits on it).
+    pub fn request_finished_now(
+        &mut self,
+        id: &RequestId,
+        all_tokens: Option<&[Token]>,
+        computed_tokens: Option<usize>,
+    ) -> Result<bool> {
+        let queued = self.outbox.operations.len();
+        let held = self.request_finished(id, all_tokens, computed_tokens)?;
+        if !held {
+            return Ok(false);
+        }
+        let mut meta = ConnectorMetadata::empty(self.iteration);
+        if self.outbox.new_slots.contains(id) {
+            // Not announced yet: the next metadata does it.
+            meta.iteration += 1;
+        }
+        // `request_finished` appended only this request's operations, after those queued before.
+        let split = queued.min(self.outbox.operations.len());
+        meta.operations = self.outbox.operations.split_off(split);
+        self.outbox.hold.retain(|h| h != id);
+        meta.hold.push(id.clone());
+        let metadata = match meta.encode().and_then(|b| {
+            String::from_utf8(b).map_err(|e| Error::internal(format!("metadata is not UTF-8: {e}")))
+        }) {
+            Ok(m) => m,
+            Err(e) => {
+                // Nothing was sent: it goes with the next metadata instead.
+                self.restore_outbox(meta);
+                return Err(e);
+            }
+        };
+        let msg = LeaderMessage::Finish(FinishWork {
+            after_iteration: meta.iteration,
+            metadata,
+        });
+        for rank in 0..self.transport.world_size() {
+            // A rank that cannot be reached is lost: the transport reports it, and its operations
+            // then count as failed there (see `completion`).
+            if let Err(e) = self.transport.send(rank, msg.clone()) {
+                tracing::warn!(rank, request = %id, error = %e, "cannot send a finished request's work");
+            }
+        }
+        Ok(true)
     }
 
     /// Schedules device → host (or device → disk without a host tier) stores for every full block

@@ -13,6 +13,8 @@
 //! | progress reported to the connector | `RequestData` with `computed_position` | `SchedulerOutput`: new / cached requests, scheduled tokens, finished, preempted |
 //! | after a load | nothing | `update_state_after_alloc` again with 0 |
 //! | worker's `get_finished` | finished-saving and started-loading ids, once each | last step's finished ids |
+//! | call order ([`CallOrder`]) | metadata only with a non-empty batch; `request_finished` before the step's `get_finished`; nothing scheduled: `get_finished` only | metadata every step; `get_finished` before `request_finished` |
+//! | first `computed_position` after a load | the loaded count (it counts the loaded tokens) | — |
 //! | device cache layout | fully contiguous | layer-separate (K, V outer) |
 //!
 //! This module depends on the engine names and the request, report and message types only; the
@@ -45,6 +47,19 @@ pub fn engine_of(framework: Framework) -> &'static dyn SimEngine {
         Framework::Trtllm => &trtllm::TensorRtLlm,
         Framework::Vllm => &vllm::Vllm,
     }
+}
+
+/// How an engine orders the connector calls of one iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallOrder {
+    /// vLLM: every step builds metadata and runs the workers (the model runner calls
+    /// `get_finished` right after the forward pass); the scheduler then finishes requests.
+    EveryStep,
+    /// TensorRT-LLM's executor loop and `KvCacheConnectorManager`: metadata is built, bound and
+    /// its loads started only when the iteration's batch is not empty (the forward pass and
+    /// `wait_for_save` only when a request computes); `request_finished` runs after that, then
+    /// every worker's `get_finished`. An iteration with an empty batch calls `get_finished` only.
+    Manager,
 }
 
 /// One simulated engine: how it starts its two sides and lays out its device cache.
@@ -94,6 +109,9 @@ pub trait SchedulerSide: Send {
     /// True when the engine preempts the newest running request when device blocks run out;
     /// false when running out cannot happen (every block reserved at admission).
     fn preempts(&self) -> bool;
+
+    /// How an iteration orders the connector calls.
+    fn call_order(&self) -> CallOrder;
 
     /// `get_num_new_matched_tokens` for `r` with `local` tokens found in the device cache: tokens
     /// the connector will load.

@@ -1,7 +1,10 @@
 //! TensorRT-LLM as the replay imitates it: device blocks for prompt and output reserved at
 //! admission (guaranteed no evict), context chunks then generation reported as `RequestData` with
-//! `computed_position`, `get_finished(finished_gen_req_ids, started_loading_req_ids)` with each id
-//! passed once. Its cache is fully contiguous; the scheduler starts non-blocking, the workers
+//! `computed_position` (a request's first appearance after an asynchronous load already counts the
+//! loaded tokens), `get_finished(finished_gen_req_ids, started_loading_req_ids)` with each id
+//! passed once, and the manager's call order ([`CallOrder::Manager`]): `request_finished` after the
+//! iteration's metadata and `wait_for_save`, before `get_finished`; nothing scheduled, only
+//! `get_finished`. Its cache is fully contiguous; the scheduler starts non-blocking, the workers
 //! register blocking.
 
 use std::sync::Arc;
@@ -17,7 +20,7 @@ use kvbm_connector::frameworks::trtllm::{
 use kvbm_connector::layout::{Layout, LayoutDims};
 use kvbm_connector::tier::StorageTier;
 
-use super::{LeaderCalls, SchedulerSide, SimEngine, WorkerSide};
+use super::{CallOrder, LeaderCalls, SchedulerSide, SimEngine, WorkerSide};
 use crate::replay::messages::StepReply;
 use crate::replay::report::Timings;
 use crate::replay::request::Req;
@@ -105,6 +108,10 @@ impl SchedulerSide for Scheduler {
         false
     }
 
+    fn call_order(&self) -> CallOrder {
+        CallOrder::Manager
+    }
+
     fn get_num_new_matched_tokens(
         &mut self,
         r: &Req,
@@ -153,6 +160,9 @@ impl SchedulerSide for Scheduler {
         for &(i, _) in scheduled {
             let r = &mut reqs[i];
             let is_new = r.sent_tokens == 0 && r.sent_blocks == 0;
+            // The context's current position: after an asynchronous load it counts the loaded
+            // tokens, first appearance included (TensorRT-LLM leaves out only synchronously
+            // loaded tokens, which this connector never asks for).
             let computed_position = if r.computed >= r.prompt_len {
                 r.tokens.len().saturating_sub(1)
             } else {

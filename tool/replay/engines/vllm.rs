@@ -20,7 +20,7 @@ use kvbm_connector::frameworks::vllm::{
 use kvbm_connector::layout::{BlockOrder, Layout, LayoutDims};
 use kvbm_connector::tier::StorageTier;
 
-use super::{LeaderCalls, SchedulerSide, SimEngine, WorkerSide};
+use super::{CallOrder, LeaderCalls, SchedulerSide, SimEngine, WorkerSide};
 use crate::replay::messages::StepReply;
 use crate::replay::report::Timings;
 use crate::replay::request::Req;
@@ -116,6 +116,10 @@ impl SchedulerSide for Scheduler {
 
     fn preempts(&self) -> bool {
         true
+    }
+
+    fn call_order(&self) -> CallOrder {
+        CallOrder::EveryStep
     }
 
     fn get_num_new_matched_tokens(

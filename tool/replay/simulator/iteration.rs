@@ -19,6 +19,18 @@ impl Simulator {
         scheduled: &[(usize, usize)],
         computed_before: &[usize],
     ) -> Result<()> {
+        self.run_ranks(scheduled, computed_before, true)
+    }
+
+    /// The metadata part of an iteration: the scheduler's metadata, then every live rank binds it,
+    /// clobbers freed blocks, starts its loads and, when a request computes, runs the forward pass
+    /// (writes the computed KV, saves); with `report` it then reports what finished.
+    pub(super) fn run_ranks(
+        &mut self,
+        scheduled: &[(usize, usize)],
+        computed_before: &[usize],
+        report: bool,
+    ) -> Result<()> {
         let metadata =
             self.sched
                 .build_connector_meta(&mut self.reqs, scheduled, &mut self.timings)?;
@@ -43,19 +55,44 @@ impl Simulator {
                 p = upto;
             }
         }
-        let (finished, started_loading) = self.sched.worker_finished_lists();
+        let (finished, started_loading) = if report {
+            self.sched.worker_finished_lists()
+        } else {
+            (Vec::new(), Vec::new())
+        };
         // Freed blocks are clobbered on the ranks unless reused or kept by the prefix cache.
         let clobber: Vec<usize> = std::mem::take(&mut self.to_clobber)
             .into_iter()
             .filter(|&b| self.pool.is_free(b))
             .collect();
         let cmd = StepCommand {
-            metadata,
+            metadata: Some(metadata),
+            forward: !scheduled.is_empty(),
+            report,
             clobber,
             writes,
             finished,
             started_loading,
         };
+        self.send_step(&cmd)
+    }
+
+    /// The `get_finished` part alone: what the engine does after finishing requests (TensorRT-LLM),
+    /// and all it does in an iteration with nothing scheduled.
+    pub(super) fn report_iteration(&mut self) -> Result<()> {
+        let (finished, started_loading) = self.sched.worker_finished_lists();
+        let cmd = StepCommand {
+            metadata: None,
+            report: true,
+            finished,
+            started_loading,
+            ..StepCommand::default()
+        };
+        self.send_step(&cmd)
+    }
+
+    /// Sends `cmd` to every live rank and acts on their replies.
+    fn send_step(&mut self, cmd: &StepCommand) -> Result<()> {
         let mut replies = Vec::new();
         for rank in 0..self.ranks.len() {
             // Fault injection: at the first step from S on with a load in flight.
@@ -71,7 +108,7 @@ impl Simulator {
             let Some(driver) = self.ranks[rank].as_mut() else {
                 continue;
             };
-            match driver.step(&cmd) {
+            match driver.step(cmd) {
                 Ok(r) => replies.push(r),
                 Err(e) => self.rank_died(rank, &e),
             }

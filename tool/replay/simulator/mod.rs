@@ -32,7 +32,7 @@ use kvbm_connector::error::{Error, ErrorKind, Result};
 use kvbm_connector::identity::{BlockHasher, HashAlgorithm, Salt};
 use kvbm_connector::tier::TierKind;
 
-use super::engines::{engine_of, SchedulerSide};
+use super::engines::{engine_of, CallOrder, SchedulerSide};
 use super::messages::RankDriver;
 use super::model::Shard;
 use super::options::SimOptions;
@@ -351,7 +351,7 @@ impl Simulator {
     }
 
     fn one_step(&mut self) -> Result<()> {
-        self.admit()?;
+        let admitted = self.admit()?;
         let scheduled = self.schedule()?;
         let computed_before: Vec<usize> = scheduled
             .iter()
@@ -364,11 +364,21 @@ impl Simulator {
                 (p + n, d)
             }
         });
-        self.engine_iteration(&scheduled, &computed_before)?;
+        let order = self.sched.call_order();
+        match order {
+            CallOrder::EveryStep => self.engine_iteration(&scheduled, &computed_before)?,
+            // An empty batch (nothing scheduled, nothing admitted) builds no metadata.
+            CallOrder::Manager if scheduled.is_empty() && admitted == 0 => {}
+            CallOrder::Manager => self.run_ranks(&scheduled, &computed_before, false)?,
+        }
         self.clock_us += 20.0
             + self.opts.prefill_us_per_token * prefill_tokens as f64
             + self.opts.prefill_us_per_token / 10.0 * decode_tokens as f64;
         self.advance(&scheduled)?;
+        if order == CallOrder::Manager {
+            // After the scheduler finished this iteration's requests, every rank's get_finished.
+            self.report_iteration()?;
+        }
         Ok(())
     }
 

@@ -20,9 +20,11 @@ use crate::replay::request::Phase;
 use crate::replay::workload::{sample_token, PREFIX_HASH_SEED};
 
 impl Simulator {
-    /// Admits waiting requests in order while the batch and the device blocks allow.
-    pub(super) fn admit(&mut self) -> Result<()> {
+    /// Admits waiting requests in order while the batch and the device blocks allow; returns how
+    /// many joined this step's batch (matched, loaded ones rejoining included).
+    pub(super) fn admit(&mut self) -> Result<usize> {
         let bs = self.opts.block_size;
+        let mut admitted = 0;
         let mut still = VecDeque::new();
         while let Some(i) = self.waiting.pop_front() {
             if self.running.len() >= self.opts.max_batch {
@@ -37,6 +39,7 @@ impl Simulator {
             if r.loaded {
                 self.reqs[i].loaded = false;
                 self.after_load_admit(i)?;
+                admitted += 1;
                 continue;
             }
             let n = r.tokens.len();
@@ -71,6 +74,7 @@ impl Simulator {
             r.report.matched_from.disk += m.2;
             r.computed = local;
             self.connector_alloc(i, m.0)?;
+            admitted += 1;
             let r = &mut self.reqs[i];
             if m.0 > 0 {
                 r.phase = Phase::Loading;
@@ -82,7 +86,7 @@ impl Simulator {
             }
         }
         self.waiting = still;
-        Ok(())
+        Ok(admitted)
     }
 
     /// A request whose load finished joins the running set (vLLM: second alloc call with 0).
