@@ -138,6 +138,20 @@ impl PyGpuCache {
     }
 }
 
+/// `cuda_probe()`: what the CUDA driver reports, as JSON text (`library`, `driver_version`,
+/// `devices`); raises the probe's `KvbmError` (kind `unsupported`, naming the library or the
+/// driver call) when there is no usable driver or GPU.
+#[pyfunction]
+fn cuda_probe(py: Python<'_>) -> PyResult<String> {
+    super::detached(py, "cuda_probe", || {
+        let info = crate::backends::cuda::probe()?;
+        serde_json::to_string(&info).map_err(|e| {
+            crate::error::Error::internal(format!("cannot encode the probe's answer: {e}"))
+        })
+    })
+}
+
 pub(super) fn register_class(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyGpuCache>()
+    m.add_class::<PyGpuCache>()?;
+    m.add_function(wrap_pyfunction!(cuda_probe, m)?)
 }

@@ -15,7 +15,7 @@
 use std::str::FromStr;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyString};
 
 use super::error::{bad_value, to_py_err};
 use crate::backends::memory::HostBlocks;
@@ -66,27 +66,33 @@ fn invalid(py: Python<'_>, name: &str, message: String) -> PyErr {
     to_py_err(py, Error::invalid_argument(message).with("tensor", name))
 }
 
-/// The device of `obj`: `device.type` and `device.index` (torch), else `str(device)` (numpy 2
-/// says `"cpu"`; `"cuda:1"` is read as type and index); `None` without a `device` attribute.
+/// The device of `obj`: `device.type` and `device.index` (torch); without them (or without an
+/// index) `str(device)` read as `type[:index]` (numpy 2 says `"cpu"`, torch `"cuda:1"`); `None`
+/// without a `device` attribute.
 fn device_type(obj: &Bound<'_, PyAny>) -> PyResult<Option<(String, Option<usize>)>> {
     if !obj.hasattr("device")? {
         return Ok(None);
     }
     let device = obj.getattr("device")?;
-    if device.hasattr("type")? {
-        let ty = device.getattr("type")?.str()?.to_string();
-        let index = if device.hasattr("index")? {
-            device.getattr("index")?.extract::<Option<usize>>()?
-        } else {
-            None
-        };
-        return Ok(Some((ty, index)));
-    }
     let text = device.str()?.to_string();
-    Ok(Some(match text.split_once(':') {
-        Some((ty, i)) => (ty.to_string(), i.parse().ok()),
-        None => (text, None),
-    }))
+    let (parsed_ty, parsed_index) = match text.split_once(':') {
+        Some((ty, i)) => (ty.to_string(), i.parse::<usize>().ok()),
+        None => (text.clone(), None),
+    };
+    // A plain string (numpy's "cpu") has `index` and no `type`: only a device object's
+    // attributes are read.
+    let object = !device.is_instance_of::<PyString>();
+    let ty = if object && device.hasattr("type")? {
+        device.getattr("type")?.str()?.to_string()
+    } else {
+        parsed_ty
+    };
+    let index = if object && device.hasattr("index")? {
+        device.getattr("index")?.extract::<Option<usize>>()?
+    } else {
+        None
+    };
+    Ok(Some((ty, index.or(parsed_index))))
 }
 
 /// Reads one cache tensor; refuses what the connector cannot use, with the reason.
