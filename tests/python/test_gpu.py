@@ -1,0 +1,377 @@
+"""The Python package on a GPU: our vLLM and TensorRT-LLM classes with real CUDA tensors (torch),
+driven by the scripted engine loops of ``_engines.py``.
+
+The caches below have the interface of ``_engines.VllmCache`` / ``TrtllmCache`` (``write``,
+``read_block``, ``fill``, ``tensors`` / ``tensor``) over CUDA tensors, so the loops, the model
+stand-in and the byte checks are the ones the CPU tests use: every onboarded block is read back
+from GPU memory and compared byte for byte with its prefix's KV (junk is written into every freed
+block, so a block compares equal only if the load wrote it).
+
+The model's writes go on the engine's current stream without the CPU waiting (pinned sources,
+``non_blocking``); with ``slow=True`` each layer's writes queue behind a ~50 ms GPU sleep, so a
+store that did not wait for the engine's stream would copy the junk: the stream-ordering tests
+check the stored bytes are the written ones, and (the control) that they are not when the store
+gate is switched off.
+
+Without torch or a CUDA GPU every test is skipped with the reason; with ``KVBM_REQUIRE_GPU=1``
+(scripts/gpu-check.sh) that is a failure instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import _engines as E
+from kvbm_connector import KvbmError, _kvbm, _streams
+
+REQUIRE = os.environ.get("KVBM_REQUIRE_GPU") == "1"
+DEVICE_INDEX = int(os.environ.get("KVBM_CUDA_DEVICE", "0"))
+SLEEP_CYCLES = int(os.environ.get("KVBM_GPU_TEST_SLEEP_CYCLES", str(100_000_000)))  # ~50 ms
+
+
+def _gpu_missing():
+    try:
+        import torch
+    except Exception as e:  # ImportError, or a broken install
+        return f"torch is not importable ({type(e).__name__}: {e})"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    if torch.cuda.device_count() <= DEVICE_INDEX:
+        return f"no GPU {DEVICE_INDEX} (torch sees {torch.cuda.device_count()})"
+    if not _kvbm.HAVE_CUDA:
+        return "this kvbm_connector wheel was built without the cuda feature"
+    try:
+        _kvbm.cuda_probe()
+    except KvbmError as e:
+        return f"kvbm's CUDA probe failed: {e}"
+    return None
+
+
+MISSING = _gpu_missing()
+
+
+@pytest.fixture(autouse=True)
+def gpu():
+    if MISSING is not None:
+        if REQUIRE:
+            pytest.fail(f"KVBM_REQUIRE_GPU=1 but {MISSING}")
+        print(f"SKIP test_gpu.py: {MISSING}")
+        pytest.skip(MISSING)
+    import torch
+
+    torch.cuda.set_device(DEVICE_INDEX)
+    yield torch
+    torch.cuda.synchronize()
+
+
+def _dev():
+    return f"cuda:{DEVICE_INDEX}"
+
+
+class _GpuCacheBase:
+    """Per-layer uint8 views ``[..., TOKEN_BYTES]`` of CUDA tensors; ``_run(block, layer, kv)``
+    is one (block, layer, K/V) run ``[BS, TOKEN_BYTES]``."""
+
+    slow = False
+    STAGING = 1 << 20
+
+    def __init__(self) -> None:
+        import torch
+
+        self._last_layer = None
+        # The model's writes come from one pinned ring, never reused while a copy may be pending
+        # (no allocation, no synchronisation between the GPU sleep and the writes behind it).
+        self._staging = torch.empty(self.STAGING, dtype=torch.uint8, pin_memory=True)
+        self._staging_np = self._staging.numpy()
+        self._off = 0
+
+    def write(self, block: int, layer: int, kv: int, slot: int, data: bytes) -> None:
+        import torch
+
+        if self.slow and layer != self._last_layer:
+            torch.cuda._sleep(SLEEP_CYCLES)  # the forward pass of this layer takes a while
+        self._last_layer = layer
+        n = len(data)
+        if self._off + n > self.STAGING:
+            torch.cuda.current_stream().synchronize()
+            self._off = 0
+        self._staging_np[self._off : self._off + n] = np.frombuffer(data, dtype=np.uint8)
+        src = self._staging[self._off : self._off + n]
+        self._off += n
+        self._run(block, layer, kv)[slot].copy_(src, non_blocking=True)
+
+    def read_block(self, block: int) -> bytes:
+        import torch
+
+        self._last_layer = None
+        parts = [self._run(block, l, kv) for l in range(E.LAYERS) for kv in range(2)]
+        return torch.cat([p.reshape(-1) for p in parts]).cpu().numpy().tobytes()
+
+    def fill(self, block: int, data: bytes) -> None:
+        import torch
+
+        run = E.BS * E.TOKEN_BYTES
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(_dev())
+        for l in range(E.LAYERS):
+            for kv in range(2):
+                o = (l * 2 + kv) * run
+                self._run(block, l, kv).copy_(src[o : o + run].view(E.BS, E.TOKEN_BYTES))
+
+    def block_on_gpu(self, block: int):
+        """The block's bytes as a CUDA uint8 tensor, in the model's order."""
+        import torch
+
+        parts = [self._run(block, l, kv) for l in range(E.LAYERS) for kv in range(2)]
+        return torch.cat([p.reshape(-1) for p in parts])
+
+
+class GpuVllmCache(_GpuCacheBase):
+    """vLLM's per-layer CUDA caches: FlashAttention ``[2, num_blocks, BS, heads, head_dim]``,
+    FlashInfer ``[num_blocks, 2, BS, heads, head_dim]``, or MLA's latent cache
+    ``[num_blocks, BS, 2 * heads * head_dim]`` (K then V per token, in this model)."""
+
+    def __init__(self, num_blocks: int, backend: str = "flash_attn") -> None:
+        import torch
+
+        super().__init__()
+        self.num_blocks = num_blocks
+        self.backend = backend
+        shape = {
+            "flash_attn": (2, num_blocks, E.BS, E.HEADS, E.HEAD_DIM),
+            "flashinfer": (num_blocks, 2, E.BS, E.HEADS, E.HEAD_DIM),
+            "mla": (num_blocks, E.BS, 2 * E.HEADS * E.HEAD_DIM),
+        }[backend]
+        self.tensors = {
+            E.layer_name(l): torch.zeros(shape, dtype=torch.float16, device=_dev())
+            for l in range(E.LAYERS)
+        }
+        self._u8 = [t.view(torch.uint8) for t in self.tensors.values()]
+
+    def _run(self, block: int, layer: int, kv: int):
+        u = self._u8[layer]
+        if self.backend == "flash_attn":
+            return u[kv, block].reshape(E.BS, E.TOKEN_BYTES)
+        if self.backend == "flashinfer":
+            return u[block, kv].reshape(E.BS, E.TOKEN_BYTES)
+        return u[block].reshape(E.BS, 2, E.TOKEN_BYTES)[:, kv]
+
+
+class GpuTrtllmCache(_GpuCacheBase):
+    """TensorRT-LLM's primary pool ``[num_blocks, num_layers, 2, BS * inner]`` on the GPU."""
+
+    def __init__(self, num_blocks: int) -> None:
+        import torch
+
+        super().__init__()
+        self.num_blocks = num_blocks
+        self.tensor = torch.zeros(
+            (num_blocks, E.LAYERS, 2, E.BS * E.INNER), dtype=torch.float16, device=_dev()
+        )
+        self._u8 = self.tensor.view(torch.uint8)
+
+    def _run(self, block: int, layer: int, kv: int):
+        return self._u8[block, layer, kv].reshape(E.BS, E.TOKEN_BYTES)
+
+
+def gpu_copies(stream_order) -> dict:
+    stats = stream_order.copy_stats()
+    assert stats is not None, "the connector registered the CUDA tensors as a CPU cache"
+    return stats
+
+
+def check_onboarded_on_gpu(cache, tokens, blocks, n_blocks) -> None:
+    """The onboarded blocks, compared on the GPU with their prefix's KV."""
+    import torch
+
+    for b in range(n_blocks):
+        want = torch.frombuffer(bytearray(E.expected_block(tokens, b)), dtype=torch.uint8).to(_dev())
+        assert torch.equal(cache.block_on_gpu(blocks[b]), want), f"block {b} differs on the GPU"
+
+
+# -------------------------------------------------------------------------------------------------
+# vLLM
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "flashinfer", "mla"])
+def test_vllm_store_and_load_through_the_gpu(vllm_engine, backend):
+    cache = GpuVllmCache(32, backend)
+    e = vllm_engine(num_blocks=32, cache=cache)
+    assert e.worker._streams.on_gpu
+    assert e.worker._streams.gpu.device_index == DEVICE_INDEX
+    a = E.prompt(7, 16)
+    e.add("a", a, max_tokens=2)
+    e.run()
+    e.add("b", a + E.prompt(8, 5), max_tokens=2)
+    e.run()
+    assert e.matches["b"] == (16, True)
+    assert e.verified_blocks == 4, "onboarded blocks read back from the GPU"
+    assert e.free == set(range(32)), "device blocks leaked"
+    stats = gpu_copies(e.worker._streams)
+    assert stats["bytes"] >= 8 * E.BLOCK_BYTES and stats["batches"] >= 2, stats
+    print(f"vLLM {backend} on {_dev()}: {stats}")
+
+
+def test_vllm_abort_while_loading_on_the_gpu(vllm_engine):
+    e = vllm_engine(num_blocks=32, cache=GpuVllmCache(32))
+    a = E.prompt(6, 16)
+    e.add("a", a)
+    e.run()
+    e.add("b", a + [1])
+    e.step()  # b matched, allocated, its load submitted
+    assert e.reqs["b"].status in ("waiting_for_remote_kvs", "running")
+    e.finish("b")
+    e.run()
+    assert e.free == set(range(32))
+    # The cache still works after the abort: a third request loads the same prefix.
+    e.add("c", a + [2])
+    e.run()
+    assert e.matches["c"] == (16, True)
+    assert e.verified_blocks >= 4
+
+
+def _vllm_slow_store_then_load(vllm_engine):
+    cache = GpuVllmCache(32)
+    e = vllm_engine(num_blocks=32, cache=cache)
+    cache.slow = True
+    a = E.prompt(3, 16)
+    e.add("a", a)
+    e.run()
+    cache.slow = False
+    e.add("b", a + [4])
+    e.run()
+    return e
+
+
+def test_vllm_stores_wait_for_the_forward_pass_on_the_engine_stream(vllm_engine):
+    e = _vllm_slow_store_then_load(vllm_engine)
+    assert e.matches["b"] == (16, True)
+    assert e.verified_blocks == 4, "stored bytes are the ones the slow forward pass wrote"
+
+
+def test_control_without_the_store_gate_the_stored_bytes_are_stale(vllm_engine, monkeypatch):
+    # Shows the previous test can fail: with the gate off, stores copy before the writes land.
+    monkeypatch.setattr(_streams.StreamOrder, "before_stores", lambda self, stream=None: None)
+    with pytest.raises(AssertionError, match="does not hold its prefix's KV|differs"):
+        _vllm_slow_store_then_load(vllm_engine)
+
+
+def test_vllm_real_cuda_tensors_refused_when_mixed_or_strided(vllm_engine):
+    import torch
+
+    from kvbm_connector import vllm
+
+    w = vllm.KvbmConnector(E.VllmConfig(), vllm.KVConnectorRole.WORKER)
+    good = GpuVllmCache(8).tensors
+    names = list(good)
+    mixed = {names[0]: good[names[0]], names[1]: good[names[1]].cpu()}
+    with pytest.raises(KvbmError) as ei:
+        w.register_kv_caches(mixed)
+    assert ei.value.kind == "invalid_argument" and ei.value.context["device"] == "cpu"
+    strided = {n: t.transpose(2, 3) for n, t in good.items()}
+    with pytest.raises(KvbmError) as ei:
+        w.register_kv_caches(strided)
+    assert ei.value.kind == "invalid_layout"
+    if torch.cuda.device_count() > 1:
+        other = (DEVICE_INDEX + 1) % torch.cuda.device_count()
+        two = {names[0]: good[names[0]], names[1]: good[names[1]].to(f"cuda:{other}")}
+        with pytest.raises(KvbmError) as ei:
+            w.register_kv_caches(two)
+        assert ei.value.context["device"] == f"cuda:{other}"
+
+
+def test_engine_stream_can_wait_for_loads(vllm_engine):
+    import torch
+
+    e = vllm_engine(num_blocks=32, cache=GpuVllmCache(32))
+    a = E.prompt(12, 16)
+    e.add("a", a)
+    e.run()
+    s = torch.cuda.Stream()
+    e.worker._streams.engine_waits_for_loads(s)
+    e.worker._streams.engine_waits_for_loads()  # the current stream
+    s.synchronize()
+
+
+# -------------------------------------------------------------------------------------------------
+# TensorRT-LLM
+# -------------------------------------------------------------------------------------------------
+
+
+def test_trtllm_store_and_load_through_the_gpu(trtllm_engine):
+    cache = GpuTrtllmCache(48)
+    e = trtllm_engine(num_blocks=48, cache=cache)
+    assert e.worker._streams.on_gpu
+    a = E.prompt(4, 13)
+    e.submit(1, a, max_new=7)
+    e.run()
+    done = e.done[1].tokens
+    e.submit(2, done[:16] + [1, 2], max_new=1)
+    e.run()
+    assert e.matched[2] == (16, True)
+    assert e.verified_blocks == 4
+    stats = gpu_copies(e.worker._streams)
+    assert stats["bytes"] > 0, stats
+    print(f"TensorRT-LLM pool on {_dev()}: {stats}")
+
+
+def test_trtllm_loaded_blocks_compare_equal_on_the_gpu(trtllm_engine):
+    cache = GpuTrtllmCache(48)
+    e = trtllm_engine(num_blocks=48, cache=cache)
+    a = E.prompt(5, 16)
+    e.submit(1, a, max_new=1)
+    e.run()
+    loaded = []
+    orig = e.verify_onboarded
+
+    def verify(req):
+        check_onboarded_on_gpu(cache, req.tokens, req.blocks, req.loaded // E.BS)
+        loaded.append(req.request_id)
+        return orig(req)
+
+    e.verify_onboarded = verify
+    e.submit(2, a + [3], max_new=1)
+    e.run()
+    assert loaded == [2] and e.verified_blocks == 4
+
+
+def test_trtllm_abort_while_load_in_flight_on_the_gpu(trtllm_engine):
+    e = trtllm_engine(num_blocks=48, cache=GpuTrtllmCache(48))
+    a = E.prompt(9, 16)
+    e.submit(1, a, max_new=1)
+    e.run()
+    e.submit(2, a + [1], max_new=1)
+    e._admit()
+    assert e.matched[2] == (16, True)
+    e.abort(2)
+    e.run()
+    assert 2 in e.done and e.free == set(range(48))
+
+
+def test_trtllm_stores_wait_for_the_hook_stream(trtllm_engine):
+    import torch
+
+    cache = GpuTrtllmCache(48)
+    e = trtllm_engine(num_blocks=48, cache=cache)
+    # TensorRT-LLM passes its stream to the hooks: the model writes go on a side stream here, and
+    # the hooks are given that stream.
+    side = torch.cuda.Stream()
+    w = e.worker
+    for hook in ("start_load_kv", "save_kv_layer", "wait_for_save", "wait_for_layer_load"):
+        orig = getattr(w, hook)
+        setattr(w, hook, (lambda f: lambda *a: f(*a[:-1], side))(orig))
+    cache.slow = True
+    a = E.prompt(8, 16)
+    with torch.cuda.stream(side):
+        e.submit(1, a, max_new=1)
+        e.run()
+    side.synchronize()
+    cache.slow = False
+    e.submit(2, a + [6], max_new=1)
+    e.run()
+    assert e.matched[2] == (16, True)
+    assert e.verified_blocks == 4, "stored bytes are the ones the slow forward pass wrote"
+
