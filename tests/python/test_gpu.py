@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 
 import _engines as E
+import test_trtllm as T
+import test_vllm as V
 from kvbm_connector import KvbmError, _kvbm, _streams
 
 REQUIRE = os.environ.get("KVBM_REQUIRE_GPU") == "1"
@@ -192,50 +194,110 @@ def check_onboarded_on_gpu(cache, tokens, blocks, n_blocks) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# vLLM
+# The CPU suite's scenarios, on GPU caches
 # -------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def gpu_vllm(vllm_engine):
+    """``vllm_engine`` with CUDA caches; ``gpu_vllm.made`` lists the engines built."""
+
+    def make(num_blocks: int = 32, backend: str = "flash_attn", **kw):
+        e = vllm_engine(num_blocks=num_blocks, backend=backend,
+                        cache=GpuVllmCache(num_blocks, backend), **kw)
+        assert e.worker._streams.on_gpu, "CUDA tensors registered as a CPU cache"
+        assert e.worker._streams.gpu.device_index == DEVICE_INDEX
+        make.made.append(e)
+        return e
+
+    make.made = []
+    return make
+
+
+@pytest.fixture
+def gpu_trtllm(trtllm_engine):
+    """``trtllm_engine`` with a CUDA pool; ``gpu_trtllm.made`` lists the engines built."""
+
+    def make(num_blocks: int = 48, **kw):
+        e = trtllm_engine(num_blocks=num_blocks, cache=GpuTrtllmCache(num_blocks), **kw)
+        assert e.worker._streams.on_gpu, "a CUDA pool registered as a CPU cache"
+        make.made.append(e)
+        return e
+
+    make.made = []
+    return make
+
+
+def report_copies(what, engine) -> None:
+    stats = gpu_copies(engine.worker._streams)
+    assert stats["bytes"] > 0 and stats["batches"] > 0, stats
+    print(f"{what} on {_dev()}: {stats}")
+
+
 @pytest.mark.parametrize("backend", ["flash_attn", "flashinfer", "mla"])
-def test_vllm_store_and_load_through_the_gpu(vllm_engine, backend):
-    cache = GpuVllmCache(32, backend)
-    e = vllm_engine(num_blocks=32, cache=cache)
-    assert e.worker._streams.on_gpu
-    assert e.worker._streams.gpu.device_index == DEVICE_INDEX
-    a = E.prompt(7, 16)
-    e.add("a", a, max_tokens=2)
-    e.run()
-    e.add("b", a + E.prompt(8, 5), max_tokens=2)
-    e.run()
-    assert e.matches["b"] == (16, True)
-    assert e.verified_blocks == 4, "onboarded blocks read back from the GPU"
-    assert e.free == set(range(32)), "device blocks leaked"
-    stats = gpu_copies(e.worker._streams)
-    assert stats["bytes"] >= 8 * E.BLOCK_BYTES and stats["batches"] >= 2, stats
-    print(f"vLLM {backend} on {_dev()}: {stats}")
+def test_vllm_prefix_hit_from_host_on_the_gpu(gpu_vllm, backend):
+    # Stores, then a load from the pinned host tier, every onboarded block read back from the
+    # GPU and compared byte for byte.
+    V.test_prefix_hit_from_host_is_byte_exact(gpu_vllm, backend)
+    report_copies(f"vLLM {backend}", gpu_vllm.made[0])
 
 
-def test_vllm_abort_while_loading_on_the_gpu(vllm_engine):
-    e = vllm_engine(num_blocks=32, cache=GpuVllmCache(32))
-    a = E.prompt(6, 16)
-    e.add("a", a)
-    e.run()
-    e.add("b", a + [1])
-    e.step()  # b matched, allocated, its load submitted
-    assert e.reqs["b"].status in ("waiting_for_remote_kvs", "running")
-    e.finish("b")
-    e.run()
-    assert e.free == set(range(32))
-    # The cache still works after the abort: a third request loads the same prefix.
-    e.add("c", a + [2])
+def test_vllm_disk_hit_on_the_gpu(gpu_vllm, monkeypatch):
+    # Device <-> disk through the pinned bounce.
+    V.test_disk_hit_after_host_eviction(gpu_vllm, monkeypatch)
+
+
+def test_vllm_abort_while_loading_on_the_gpu(gpu_vllm):
+    V.test_abort_while_loading(gpu_vllm)
+    e = gpu_vllm.made[0]
+    # The cache still works after the abort: another request loads the same prefix.
+    e.add("c", E.prompt(6, 16) + [2])  # test_abort_while_loading's prompt
     e.run()
     assert e.matches["c"] == (16, True)
     assert e.verified_blocks >= 4
 
 
-def _vllm_slow_store_then_load(vllm_engine):
-    cache = GpuVllmCache(32)
-    e = vllm_engine(num_blocks=32, cache=cache)
+def test_trtllm_chunked_prefill_and_decode_on_the_gpu(gpu_trtllm):
+    T.test_chunked_prefill_and_decode(gpu_trtllm)
+    report_copies("TensorRT-LLM pool", gpu_trtllm.made[0])
+
+
+def test_trtllm_disk_hit_on_the_gpu(gpu_trtllm, monkeypatch):
+    T.test_disk_hit_after_host_eviction(gpu_trtllm, monkeypatch)
+
+
+def test_trtllm_abort_while_load_in_flight_on_the_gpu(gpu_trtllm):
+    T.test_abort_while_load_in_flight_releases_blocks(gpu_trtllm)
+
+
+def test_trtllm_loaded_blocks_compare_equal_on_the_gpu(gpu_trtllm):
+    e = gpu_trtllm()
+    cache = e.cache
+    a = E.prompt(5, 16)
+    e.submit(1, a, max_new=1)
+    e.run()
+    loaded = []
+    orig = e.verify_onboarded
+
+    def verify(req):
+        check_onboarded_on_gpu(cache, req.tokens, req.blocks, req.loaded // E.BS)
+        loaded.append(req.request_id)
+        return orig(req)
+
+    e.verify_onboarded = verify
+    e.submit(2, a + [3], max_new=1)
+    e.run()
+    assert loaded == [2] and e.verified_blocks == 4
+
+
+# -------------------------------------------------------------------------------------------------
+# Stream ordering
+# -------------------------------------------------------------------------------------------------
+
+
+def _vllm_slow_store_then_load(gpu_vllm):
+    e = gpu_vllm()
+    cache = e.runners[0].cache
     cache.slow = True
     a = E.prompt(3, 16)
     e.add("a", a)
@@ -246,20 +308,20 @@ def _vllm_slow_store_then_load(vllm_engine):
     return e
 
 
-def test_vllm_stores_wait_for_the_forward_pass_on_the_engine_stream(vllm_engine):
-    e = _vllm_slow_store_then_load(vllm_engine)
+def test_vllm_stores_wait_for_the_forward_pass_on_the_engine_stream(gpu_vllm):
+    e = _vllm_slow_store_then_load(gpu_vllm)
     assert e.matches["b"] == (16, True)
     assert e.verified_blocks == 4, "stored bytes are the ones the slow forward pass wrote"
 
 
-def test_control_without_the_store_gate_the_stored_bytes_are_stale(vllm_engine, monkeypatch):
+def test_control_without_the_store_gate_the_stored_bytes_are_stale(gpu_vllm, monkeypatch):
     # Shows the previous test can fail: with the gate off, stores copy before the writes land.
     monkeypatch.setattr(_streams.StreamOrder, "before_stores", lambda self, stream=None: None)
     with pytest.raises(AssertionError, match="does not hold its prefix's KV|differs"):
-        _vllm_slow_store_then_load(vllm_engine)
+        _vllm_slow_store_then_load(gpu_vllm)
 
 
-def test_vllm_real_cuda_tensors_refused_when_mixed_or_strided(vllm_engine):
+def test_vllm_real_cuda_tensors_refused_when_mixed_or_strided():
     import torch
 
     from kvbm_connector import vllm
@@ -283,10 +345,10 @@ def test_vllm_real_cuda_tensors_refused_when_mixed_or_strided(vllm_engine):
         assert ei.value.context["device"] == f"cuda:{other}"
 
 
-def test_engine_stream_can_wait_for_loads(vllm_engine):
+def test_engine_stream_can_wait_for_loads(gpu_vllm):
     import torch
 
-    e = vllm_engine(num_blocks=32, cache=GpuVllmCache(32))
+    e = gpu_vllm()
     a = E.prompt(12, 16)
     e.add("a", a)
     e.run()
@@ -296,66 +358,11 @@ def test_engine_stream_can_wait_for_loads(vllm_engine):
     s.synchronize()
 
 
-# -------------------------------------------------------------------------------------------------
-# TensorRT-LLM
-# -------------------------------------------------------------------------------------------------
-
-
-def test_trtllm_store_and_load_through_the_gpu(trtllm_engine):
-    cache = GpuTrtllmCache(48)
-    e = trtllm_engine(num_blocks=48, cache=cache)
-    assert e.worker._streams.on_gpu
-    a = E.prompt(4, 13)
-    e.submit(1, a, max_new=7)
-    e.run()
-    done = e.done[1].tokens
-    e.submit(2, done[:16] + [1, 2], max_new=1)
-    e.run()
-    assert e.matched[2] == (16, True)
-    assert e.verified_blocks == 4
-    stats = gpu_copies(e.worker._streams)
-    assert stats["bytes"] > 0, stats
-    print(f"TensorRT-LLM pool on {_dev()}: {stats}")
-
-
-def test_trtllm_loaded_blocks_compare_equal_on_the_gpu(trtllm_engine):
-    cache = GpuTrtllmCache(48)
-    e = trtllm_engine(num_blocks=48, cache=cache)
-    a = E.prompt(5, 16)
-    e.submit(1, a, max_new=1)
-    e.run()
-    loaded = []
-    orig = e.verify_onboarded
-
-    def verify(req):
-        check_onboarded_on_gpu(cache, req.tokens, req.blocks, req.loaded // E.BS)
-        loaded.append(req.request_id)
-        return orig(req)
-
-    e.verify_onboarded = verify
-    e.submit(2, a + [3], max_new=1)
-    e.run()
-    assert loaded == [2] and e.verified_blocks == 4
-
-
-def test_trtllm_abort_while_load_in_flight_on_the_gpu(trtllm_engine):
-    e = trtllm_engine(num_blocks=48, cache=GpuTrtllmCache(48))
-    a = E.prompt(9, 16)
-    e.submit(1, a, max_new=1)
-    e.run()
-    e.submit(2, a + [1], max_new=1)
-    e._admit()
-    assert e.matched[2] == (16, True)
-    e.abort(2)
-    e.run()
-    assert 2 in e.done and e.free == set(range(48))
-
-
-def test_trtllm_stores_wait_for_the_hook_stream(trtllm_engine):
+def test_trtllm_stores_wait_for_the_hook_stream(gpu_trtllm):
     import torch
 
-    cache = GpuTrtllmCache(48)
-    e = trtllm_engine(num_blocks=48, cache=cache)
+    e = gpu_trtllm()
+    cache = e.cache
     # TensorRT-LLM passes its stream to the hooks: the model writes go on a side stream here, and
     # the hooks are given that stream.
     side = torch.cuda.Stream()
