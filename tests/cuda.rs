@@ -702,20 +702,34 @@ fn pinned_block_addr(tier: &PinnedHostTier, block: usize) -> usize {
     addr.unwrap()
 }
 
+/// The gating tests' tiers: an 8-block layer-separate device tier filled with salt 0xA0 ("before
+/// the forward pass") and an 8-block pinned host tier.
+fn gating_tiers(
+    dev: &Arc<CudaDevice>,
+) -> (
+    LayoutDims,
+    Arc<CudaDeviceTier>,
+    Vec<DeviceBuffer>,
+    PinnedHostTier,
+) {
+    let d = aligned();
+    let (tier, bufs) = device_tier(
+        dev,
+        Layout::layer_separate(d, 8, BlockOrder::OuterMajor).unwrap(),
+    );
+    fill(tier.as_ref(), 0xA0);
+    let host = PinnedHostTier::host(dev, Layout::fully_contiguous(d, 8).unwrap()).unwrap();
+    (d, tier, bufs, host)
+}
+
 #[test]
 fn gpu_stores_wait_for_the_engine_event_without_blocking_the_cpu() {
     let Some(dev) = gpu("gpu_stores_wait_for_the_engine_event_without_blocking_the_cpu") else {
         return;
     };
     use cuda::cudarc::driver::sys;
-    let d = aligned();
+    let (d, tier, _bufs, host) = gating_tiers(&dev);
     let bpb = d.bytes_per_block();
-    let (tier, _bufs) = device_tier(
-        &dev,
-        Layout::layer_separate(d, 8, BlockOrder::OuterMajor).unwrap(),
-    );
-    fill(tier.as_ref(), 0xA0); // "before the forward pass"
-    let host = PinnedHostTier::host(&dev, Layout::fully_contiguous(d, 8).unwrap()).unwrap();
     let ctx = dev.context().clone();
     // The engine: a stream that is busy (held by a host function), then writes block 0's final KV
     // ("the forward pass"), then records its event.
@@ -782,14 +796,8 @@ fn gpu_stream_gating_orders_copies_against_the_engine_stream() {
         return;
     };
     use cuda::cudarc::driver::sys;
-    let d = aligned();
+    let (d, tier, _bufs, host) = gating_tiers(&dev);
     let bpb = d.bytes_per_block();
-    let (tier, _bufs) = device_tier(
-        &dev,
-        Layout::layer_separate(d, 8, BlockOrder::OuterMajor).unwrap(),
-    );
-    fill(tier.as_ref(), 0xA0);
-    let host = PinnedHostTier::host(&dev, Layout::fully_contiguous(d, 8).unwrap()).unwrap();
     host.write_block_from_slice(3, &image(3, 0xD0, bpb))
         .unwrap(); // what the load brings
     let ctx = dev.context().clone();
