@@ -78,6 +78,8 @@ class _GpuCacheBase:
     is one (block, layer, K/V) run ``[BS, TOKEN_BYTES]``."""
 
     slow = False
+    #: The stream the model writes on (``None``: the current stream).
+    stream = None
     STAGING = 1 << 20
 
     def __init__(self) -> None:
@@ -93,17 +95,19 @@ class _GpuCacheBase:
     def write(self, block: int, layer: int, kv: int, slot: int, data: bytes) -> None:
         import torch
 
-        if self.slow and layer != self._last_layer:
-            torch.cuda._sleep(SLEEP_CYCLES)  # the forward pass of this layer takes a while
-        self._last_layer = layer
-        n = len(data)
-        if self._off + n > self.STAGING:
-            torch.cuda.current_stream().synchronize()
-            self._off = 0
-        self._staging_np[self._off : self._off + n] = np.frombuffer(data, dtype=np.uint8)
-        src = self._staging[self._off : self._off + n]
-        self._off += n
-        self._run(block, layer, kv)[slot].copy_(src, non_blocking=True)
+        stream = self.stream or torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            if self.slow and layer != self._last_layer:
+                torch.cuda._sleep(SLEEP_CYCLES)  # the forward pass of this layer takes a while
+            self._last_layer = layer
+            n = len(data)
+            if self._off + n > self.STAGING:
+                stream.synchronize()
+                self._off = 0
+            self._staging_np[self._off : self._off + n] = np.frombuffer(data, dtype=np.uint8)
+            src = self._staging[self._off : self._off + n]
+            self._off += n
+            self._run(block, layer, kv)[slot].copy_(src, non_blocking=True)
 
     def read_block(self, block: int) -> bytes:
         import torch
@@ -121,6 +125,9 @@ class _GpuCacheBase:
             for kv in range(2):
                 o = (l * 2 + kv) * run
                 self._run(block, l, kv).copy_(src[o : o + run].view(E.BS, E.TOKEN_BYTES))
+        # The engine's allocator hands the block out only after this (writes may go on another
+        # stream: test_trtllm_stores_wait_for_the_hook_stream).
+        torch.cuda.current_stream().synchronize()
 
     def block_on_gpu(self, block: int):
         """The block's bytes as a CUDA uint8 tensor, in the model's order."""
@@ -363,20 +370,23 @@ def test_trtllm_stores_wait_for_the_hook_stream(gpu_trtllm):
 
     e = gpu_trtllm()
     cache = e.cache
-    # TensorRT-LLM passes its stream to the hooks: the model writes go on a side stream here, and
-    # the hooks are given that stream.
+    # TensorRT-LLM passes its stream to the hooks. Here the model writes (slowly) on a side
+    # stream that is *not* the current one, and the hooks are given it: gating on the current
+    # stream instead would store stale bytes.
     side = torch.cuda.Stream()
     w = e.worker
-    for hook in ("start_load_kv", "save_kv_layer", "wait_for_save", "wait_for_layer_load"):
+    hooks = ("start_load_kv", "save_kv_layer", "wait_for_save", "wait_for_layer_load")
+    for hook in hooks:
         orig = getattr(w, hook)
         setattr(w, hook, (lambda f: lambda *a: f(*a[:-1], side))(orig))
-    cache.slow = True
+    cache.slow, cache.stream = True, side
     a = E.prompt(8, 16)
-    with torch.cuda.stream(side):
-        e.submit(1, a, max_new=1)
-        e.run()
+    e.submit(1, a, max_new=1)
+    e.run()
     side.synchronize()
-    cache.slow = False
+    for hook in hooks:
+        delattr(w, hook)  # back to the class's hooks: the scripted loop passes None
+    cache.slow, cache.stream = False, None
     e.submit(2, a + [6], max_new=1)
     e.run()
     assert e.matched[2] == (16, True)
