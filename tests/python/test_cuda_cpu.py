@@ -126,14 +126,16 @@ def test_vllm_cuda_caches_without_a_driver_get_the_probe_error(backend):
 
 
 @no_driver
-def test_trtllm_cuda_pool_without_a_driver_gets_the_probe_error():
+@pytest.mark.parametrize("index", [0, 1])
+def test_trtllm_cuda_pool_without_a_driver_gets_the_probe_error(index):
+    # Each rank's worker opens its own tensors' GPU (one rank per GPU in one process).
     w = trtllm_worker()
-    pool = CudaTensor((8, E.LAYERS, 2, E.BS * E.INNER), index=0)
+    pool = CudaTensor((8, E.LAYERS, 2, E.BS * E.INNER), index=index)
     with pytest.raises(KvbmError) as ei:
         w.register_kv_caches(pool)
     e = ei.value
     assert e.kind == "unsupported" and "libcuda.so" in e.message, str(e)
-    assert e.context["device"] == "cuda:0"
+    assert e.context["device"] == f"cuda:{index}"
 
 
 @pytest.mark.parametrize(
