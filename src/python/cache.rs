@@ -61,14 +61,16 @@ pub(crate) fn register_cache(
         #[cfg(feature = "cuda")]
         TensorDevice::Cuda(index) => super::cuda::register(py, index, layout, tensors),
         #[cfg(not(feature = "cuda"))]
-        TensorDevice::Cuda(index) => Err(to_py_err(
-            py,
-            Error::unsupported(format!(
-                "cache tensor {} is on cuda:{index}, but this build of kvbm_connector has no CUDA support (built without the `cuda` feature)",
-                tensors[0].name
+        TensorDevice::Cuda(index) => {
+            let name = tensors.first().map_or("", |t| t.name.as_str());
+            Err(to_py_err(
+                py,
+                Error::unsupported(format!(
+                    "cache tensor {name} is on cuda:{index}, but this build of kvbm_connector has no CUDA support (built without the `cuda` feature)"
+                ))
+                .with("tensor", name)
+                .with("device", format!("cuda:{index}")),
             ))
-            .with("tensor", &tensors[0].name)
-            .with("device", format!("cuda:{index}")),
-        )),
+        }
     }
 }
