@@ -50,6 +50,7 @@ step() { echo; echo "=== $* ($(($(date +%s) - start))s)"; }
 
 build() {
   mkdir -p "$stage"
+  rm -f "$stage/bench.json" # a previous run's figures
   step "build: kvbm (release, --features cuda)"
   timeout 1500 cargo build --release --features cuda --bin kvbm
   step "build: tests/cuda.rs (release, --features cuda)"
