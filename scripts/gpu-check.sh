@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
-# The CUDA backend's GPU check (issue 8), one script, under 6 minutes on one H200:
+# The GPU check (issues 8 and 14), one script, under 6 minutes on one H200. One run:
 #
-#   1. build with `--features cuda` (release): the `kvbm` binary and the tests/cuda.rs binary;
-#   2. run the CUDA tests with KVBM_REQUIRE_GPU=1, so a missing or unusable GPU fails them instead
-#      of skipping: round trips device <-> pinned/pageable host in every layout (bytes verified),
-#      merging of adjacent runs, store gating on an engine event, disk <-> device through the
-#      pinned bounce, and the connector (leader + worker) offloading and onboarding through a GPU
-#      device tier with every onboarded block verified;
-#   3. `kvbm bench --cuda`: device <-> pinned host against one plain cuMemcpy of the same bytes
-#      (contiguous D2H and H2D: target ratio >= 0.9), layer-separate gather and scatter, scattered
-#      blocks, and the transfer engine with its default batches.
+#   a. our Python wheel (abi3, features python + cuda, release, stripped): its extension loads
+#      with this machine's Python and glibc, installed into a temporary target dir
+#      (`pip install --no-index --no-deps --target`, PYTHONPATH), and `_kvbm.cuda_probe()` finds
+#      the driver and the GPU;
+#   b. the Rust CUDA tests with KVBM_REQUIRE_GPU=1 (a missing or unusable GPU fails them instead
+#      of skipping): round trips device <-> pinned/pageable host in every layout (bytes verified),
+#      merging, store gating on an engine event and on an engine stream, disk <-> device through
+#      the pinned bounce, the connector offloading and onboarding through a GPU device tier;
+#      then `kvbm replay --device cuda` for both engines (integrity errors must be 0);
+#   c. the Python GPU tests (tests/python/test_gpu.py, KVBM_REQUIRE_GPU=1) and the CPU-side CUDA
+#      tests (test_cuda_cpu.py) against that wheel: our vLLM and TensorRT-LLM classes with real
+#      CUDA tensors (torch) through the scripted engine loops -- stores, loads, byte comparison
+#      on the GPU, abort mid-load, stores behind a slow forward pass on the engine's stream and
+#      the control without the gate;
+#   d. `kvbm bench --cuda`: device <-> pinned host against one plain cuMemcpy of the same bytes
+#      (contiguous D2H and H2D: target ratio >= 0.9), layer-separate gather and scatter,
+#      scattered blocks, and the transfer engine with its default batches.
 #
-#   4. `kvbm replay --device cuda` for both engines: the replay's device cache in GPU memory, a
-#      pinned host tier, every onboarded block verified (integrity errors must be 0).
+# Every step runs even when an earlier one failed; each prints PASS or FAIL, a summary closes
+# the run, and the exit status is 1 if any step failed (or the run took over 6 minutes).
 #
 # Usage:
-#   scripts/gpu-check.sh               build here (needs the crates: network or a warm cargo
-#                                      cache), then run
-#   scripts/gpu-check.sh --build-only  build and stage the binaries in target/gpu-check/ (no GPU
-#                                      needed), e.g. on a machine with network
-#   scripts/gpu-check.sh --prebuilt    run the binaries staged in target/gpu-check/ (a GPU machine
-#                                      without network; about 30 s)
-# Environment: KVBM_CUDA_DEVICE (GPU ordinal, default 0); KVBM_GPU_CHECK_MIN_RATIO (default 0.9).
+#   scripts/gpu-check.sh               build here (needs the crates and maturin: network or warm
+#                                      caches), then run
+#   scripts/gpu-check.sh --build-only  build and stage in target/gpu-check/ (no GPU needed):
+#                                      kvbm, cuda-tests, wheel/kvbm_connector-*.whl
+#   scripts/gpu-check.sh --prebuilt    run what target/gpu-check/ holds (a GPU machine without
+#                                      network; needs python3 with torch, pytest and numpy)
+# Environment: KVBM_CUDA_DEVICE (GPU ordinal, default 0); KVBM_GPU_CHECK_MIN_RATIO (default 0.9);
+# KVBM_PYTHON (default python3); KVBM_PYVENV (the build's venv with maturin, default
+# target/py-venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +42,7 @@ case "$mode" in all | --build-only | --prebuilt) ;; *)
   ;;
 esac
 stage=target/gpu-check
+run_start=$(date +%s)
 gpu=${KVBM_CUDA_DEVICE:-0}
 min_ratio=${KVBM_GPU_CHECK_MIN_RATIO:-0.9}
 start=$(date +%s)
@@ -39,10 +50,11 @@ step() { echo; echo "=== $* ($(($(date +%s) - start))s)"; }
 
 build() {
   mkdir -p "$stage"
+  rm -f "$stage/bench.json" # a previous run's figures
   step "build: kvbm (release, --features cuda)"
-  timeout 300 cargo build --release --features cuda --bin kvbm
+  timeout 1500 cargo build --release --features cuda --bin kvbm
   step "build: tests/cuda.rs (release, --features cuda)"
-  timeout 240 cargo test --release --features cuda --test cuda --no-run 2>&1 | tee "$stage/build.log"
+  timeout 1500 cargo test --release --features cuda --test cuda --no-run 2>&1 | tee "$stage/build.log"
   local test_bin
   test_bin=$(sed -n 's/.*Executable tests\/cuda\.rs (\(.*\))$/\1/p' "$stage/build.log" | tail -n 1)
   if [ -z "$test_bin" ] || [ ! -x "$test_bin" ]; then
@@ -51,49 +63,136 @@ build() {
   fi
   cp "$test_bin" "$stage/cuda-tests"
   cp target/release/kvbm "$stage/kvbm"
-  echo "staged: $stage/kvbm $stage/cuda-tests"
+  strip "$stage/kvbm" "$stage/cuda-tests" 2>/dev/null || true
+
+  step "build: the Python wheel (abi3, features python + cuda from pyproject.toml, release, stripped)"
+  local venv=${KVBM_PYVENV:-target/py-venv}
+  if [ ! -x "$venv/bin/maturin" ]; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "maturin>=1.5,<2"
+  fi
+  rm -rf "$stage/wheel"
+  timeout 1500 "$venv/bin/maturin" build --release --strip --out "$stage/wheel"
+  local wheels=("$stage"/wheel/kvbm_connector-*.whl)
+  if [ ! -f "${wheels[0]}" ] || [ "${#wheels[@]}" -ne 1 ]; then
+    echo "expected one wheel in $stage/wheel, found: ${wheels[*]}" >&2
+    exit 1
+  fi
+  # The shipped wheel must carry CUDA (pyproject.toml's features), not the test hooks.
+  python3 - "${wheels[0]}" <<'PY'
+import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+so = [n for n in z.namelist() if n.startswith("kvbm_connector/_kvbm") and n.endswith(".so")]
+if len(so) != 1:
+    sys.exit(f"no extension module in {sys.argv[1]}: {z.namelist()}")
+data = z.read(so[0])
+for needle in (b"cuda_probe", b"GpuCache"):
+    if needle not in data:
+        sys.exit(f"{so[0]} lacks {needle.decode()}: built without the cuda feature?")
+print(f"wheel ok: {sys.argv[1]} ({so[0]}, {len(data) / 2**20:.1f} MiB unpacked)")
+PY
+  echo "staged:"
+  du -ah "$stage" | sort -k2
+  local total
+  total=$(du -sm "$stage" | cut -f1)
+  echo "total: ${total} MiB (limit to carry: 64 MiB)"
+  if [ "$total" -ge 60 ]; then
+    echo "$stage is ${total} MiB: too big to carry" >&2
+    exit 1
+  fi
 }
 
-run() {
-  for f in kvbm cuda-tests; do
-    if [ ! -x "$stage/$f" ]; then
-      echo "$stage/$f is missing: run $0 --build-only first" >&2
-      exit 1
-    fi
-  done
-  step "GPU"
-  if command -v nvidia-smi >/dev/null; then
-    nvidia-smi --query-gpu=index,name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
-      --format=csv || true
-  else
-    echo "(nvidia-smi not found; the probe below reports what the driver says)"
+results=()
+failed=0
+# result NAME STATUS: records and prints one step's PASS/FAIL line.
+result() {
+  local line
+  line=$(printf '%-4s %s (%ss)' "$2" "$1" "$(($(date +%s) - start))")
+  results+=("$line")
+  echo "$line"
+  if [ "$2" != PASS ]; then failed=1; fi
+}
+# check NAME CMD...: runs CMD, records PASS or FAIL; never stops the run.
+check() {
+  local name=$1
+  shift
+  if "$@"; then result "$name" PASS; else result "$name" "FAIL"; fi
+}
+
+py=${KVBM_PYTHON:-python3}
+pydir=""
+
+wheel_loads() {
+  local wheels=("$stage"/wheel/kvbm_connector-*.whl)
+  if [ ! -f "${wheels[0]}" ]; then
+    echo "no wheel in $stage/wheel: run $0 --build-only first" >&2
+    return 1
   fi
+  "$py" -c 'import platform, sys; print("python", sys.version.split()[0], "on", platform.platform(), "libc", " ".join(platform.libc_ver()))' || return 1
+  pydir=$(mktemp -d)
+  if ! "$py" -m pip install --quiet --no-index --no-deps --disable-pip-version-check \
+    --target "$pydir" "${wheels[0]}"; then
+    # A wheel is a zip: unpacking it is the install when pip refuses (e.g. a platform tag newer
+    # than this pip knows); the import below says whether the extension loads.
+    echo "pip install failed; unpacking the wheel instead"
+    "$py" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+      "${wheels[0]}" "$pydir" || return 1
+  fi
+  PYTHONPATH="$pydir" "$py" - <<'PY'
+import json
+import kvbm_connector
+from kvbm_connector import _kvbm
+print("kvbm_connector", _kvbm.__version__, "from", kvbm_connector.__file__, "HAVE_CUDA", _kvbm.HAVE_CUDA)
+if not _kvbm.HAVE_CUDA:
+    raise SystemExit("the wheel was built without the cuda feature")
+info = json.loads(_kvbm.cuda_probe())
+print("probe:", info["library"], "driver", info["driver_version"],
+      [f'{d["ordinal"]}: {d["name"]}' for d in info["devices"]])
+PY
+}
 
-  step "CUDA tests on GPU $gpu (KVBM_REQUIRE_GPU=1: no GPU is a failure here)"
-  # The probe's line (driver, GPUs) is printed past the capture; failures show their output.
-  KVBM_REQUIRE_GPU=1 KVBM_CUDA_DEVICE="$gpu" timeout 180 "$stage/cuda-tests" --test-threads 4
+python_gpu_tests() {
+  if [ -z "$pydir" ]; then
+    echo "the wheel did not install (step a): nothing to test" >&2
+    return 1
+  fi
+  if ! "$py" -c 'import torch, pytest, numpy; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'; then
+    echo "python3 here lacks torch, pytest or numpy" >&2
+    return 1
+  fi
+  KVBM_REQUIRE_GPU=1 KVBM_CUDA_DEVICE="$gpu" PYTHONPATH="$pydir" timeout 200 \
+    "$py" -m pytest tests/python/test_gpu.py tests/python/test_cuda_cpu.py \
+    -v -s -rs -p no:cacheprovider
+}
 
-  step "replay with a GPU device tier (both engines; integrity errors must be 0)"
-  local rdir
+replay() {
+  local rdir fw ok=0
   rdir=$(mktemp -d)
   for fw in trtllm vllm; do
     # exit 1 on any integrity error, 2 on any other failure
     KVBM_DISK_CACHE_DIR="$rdir" timeout 120 "$stage/kvbm" replay --device cuda --framework "$fw" \
-      --report "$rdir/replay-$fw.json"
+      --report "$rdir/replay-$fw.json" || ok=1
   done
   rm -rf "$rdir"
+  return $ok
+}
 
-  step "kvbm bench --cuda (device <-> pinned host vs one plain cuMemcpy of the same bytes)"
-  local tmp json
+bench() {
+  local tmp json rc=0
   tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"' EXIT
   json="$stage/bench.json"
   # --blocks/--rounds keep the non-CUDA paths (memory, disk, leader) short; the CUDA paths move
   # 256 blocks of 2 MiB (512 MiB) per transfer.
   timeout 240 "$stage/kvbm" bench --cuda --cuda-device "$gpu" --cuda-blocks 256 --blocks 16 \
-    --rounds 7 --dir "$tmp" --json >"$json"
-  if command -v python3 >/dev/null; then
-    python3 - "$json" "$min_ratio" <<'PY'
+    --rounds 7 --dir "$tmp" --json >"$json" || rc=1
+  rm -rf "$tmp"
+  [ "$rc" -eq 0 ] || return 1
+  if ! command -v "$py" >/dev/null; then
+    cat "$json"
+    echo "($py not found: ratios printed raw, not checked)"
+    return 0
+  fi
+  "$py" - "$json" "$min_ratio" <<'PY'
 import json, sys
 paths = json.load(open(sys.argv[1]))["paths"]
 floor = float(sys.argv[2])
@@ -116,11 +215,48 @@ if missing:
 if bad:
     sys.exit(f"below the {floor} target: {bad}")
 PY
-  else
-    cat "$json"
-    echo "(python3 not found: ratios printed raw, not checked)"
-  fi
+  local r=$?
   echo "bench JSON: $json"
+  return $r
+}
+
+run() {
+  run_start=$(date +%s)
+  for f in kvbm cuda-tests; do
+    if [ ! -x "$stage/$f" ]; then
+      echo "$stage/$f is missing: run $0 --build-only first" >&2
+      exit 1
+    fi
+  done
+  step "GPU"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
+      --format=csv || true
+  else
+    echo "(nvidia-smi not found; the probe below reports what the driver says)"
+  fi
+
+  step "a. our wheel's extension loads here (Python, glibc), installed into a temp dir"
+  check "a. wheel loads, cuda_probe finds the GPU" wheel_loads
+
+  step "b. Rust CUDA tests on GPU $gpu (KVBM_REQUIRE_GPU=1: no GPU is a failure here)"
+  # The probe's line (driver, GPUs) is printed past the capture; failures show their output.
+  check "b. Rust CUDA tests" env KVBM_REQUIRE_GPU=1 KVBM_CUDA_DEVICE="$gpu" \
+    timeout 180 "$stage/cuda-tests" --test-threads 4
+
+  step "b. replay with a GPU device tier (both engines; integrity errors must be 0)"
+  check "b. replay --device cuda (trtllm, vllm)" replay
+
+  step "c. Python GPU tests: our vLLM and TensorRT-LLM classes on CUDA tensors"
+  check "c. pytest test_gpu.py + test_cuda_cpu.py" python_gpu_tests
+
+  step "d. kvbm bench --cuda (device <-> pinned host vs one plain cuMemcpy of the same bytes)"
+  check "d. bench D2H/H2D >= $min_ratio of cuMemcpy" bench
+
+  if [ -n "$pydir" ]; then rm -rf "$pydir"; fi
+  echo
+  echo "=== summary"
+  printf '%s\n' "${results[@]}"
 }
 
 case "$mode" in
@@ -133,7 +269,13 @@ all)
 esac
 elapsed=$(($(date +%s) - start))
 step "done in ${elapsed}s"
-if [ "$elapsed" -gt 360 ]; then
-  echo "over the 6-minute budget" >&2
+# The budget is the GPU run's (builds take what they take on a shared machine).
+if [ "$mode" != --build-only ] && [ $(($(date +%s) - run_start)) -gt 360 ]; then
+  echo "FAIL: the GPU run took over the 6-minute budget" >&2
   exit 1
 fi
+if [ "$failed" -ne 0 ]; then
+  echo "FAIL: see the summary" >&2
+  exit 1
+fi
+if [ "$mode" != --build-only ]; then echo "PASS: every step"; fi

@@ -35,7 +35,7 @@ rm -rf target/wheels
 # The test hooks (`_kvbm._raise`, `_kvbm._PanicProbe`, feature python-test-hooks) are built into
 # this test wheel only; the shipped wheel (pyproject.toml's features) has none.
 "$PYVENV/bin/maturin" build --quiet --interpreter "$PYVENV/bin/python" --out target/wheels \
-  --features python-test-hooks
+  --features python-test-hooks,cuda
 "$PYVENV/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall \
   --no-deps target/wheels/kvbm_connector-*.whl
 "$PYVENV/bin/python" -c 'import kvbm_connector, sys; print("testing", kvbm_connector.__file__); sys.exit("/site-packages/" not in kvbm_connector.__file__)'

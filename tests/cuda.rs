@@ -674,13 +674,52 @@ fn gpu_merges_adjacent_runs() {
 }
 
 static HOLD: AtomicBool = AtomicBool::new(true);
+static HOLD_STREAMS: AtomicBool = AtomicBool::new(true);
 
-/// A host function on the engine's stream that keeps the stream busy until released.
-unsafe extern "C" fn hold_stream(_: *mut c_void) {
+/// A host function on the engine's stream that keeps the stream busy until `flag` (a
+/// `&'static AtomicBool`) is false. Each test has its own flag (tests run in parallel).
+unsafe extern "C" fn hold_stream(flag: *mut c_void) {
+    // SAFETY: callers pass a `&'static AtomicBool`.
+    let flag = unsafe { &*(flag as *const AtomicBool) };
     let start = Instant::now();
-    while HOLD.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(30) {
+    while flag.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(30) {
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+fn flag_ptr(flag: &'static AtomicBool) -> *mut c_void {
+    flag as *const AtomicBool as *mut c_void
+}
+
+/// The address of `tier`'s block `block` (one segment: a fully contiguous pinned tier).
+fn pinned_block_addr(tier: &PinnedHostTier, block: usize) -> usize {
+    let mut addr: Option<usize> = None;
+    tier.with_block(block, &mut |s| {
+        addr = Some(s[0].as_ptr() as usize);
+        Ok(())
+    })
+    .unwrap();
+    addr.unwrap()
+}
+
+/// The gating tests' tiers: an 8-block layer-separate device tier filled with salt 0xA0 ("before
+/// the forward pass") and an 8-block pinned host tier.
+fn gating_tiers(
+    dev: &Arc<CudaDevice>,
+) -> (
+    LayoutDims,
+    Arc<CudaDeviceTier>,
+    Vec<DeviceBuffer>,
+    PinnedHostTier,
+) {
+    let d = aligned();
+    let (tier, bufs) = device_tier(
+        dev,
+        Layout::layer_separate(d, 8, BlockOrder::OuterMajor).unwrap(),
+    );
+    fill(tier.as_ref(), 0xA0);
+    let host = PinnedHostTier::host(dev, Layout::fully_contiguous(d, 8).unwrap()).unwrap();
+    (d, tier, bufs, host)
 }
 
 #[test]
@@ -689,14 +728,8 @@ fn gpu_stores_wait_for_the_engine_event_without_blocking_the_cpu() {
         return;
     };
     use cuda::cudarc::driver::sys;
-    let d = aligned();
+    let (d, tier, _bufs, host) = gating_tiers(&dev);
     let bpb = d.bytes_per_block();
-    let (tier, _bufs) = device_tier(
-        &dev,
-        Layout::layer_separate(d, 8, BlockOrder::OuterMajor).unwrap(),
-    );
-    fill(tier.as_ref(), 0xA0); // "before the forward pass"
-    let host = PinnedHostTier::host(&dev, Layout::fully_contiguous(d, 8).unwrap()).unwrap();
     let ctx = dev.context().clone();
     // The engine: a stream that is busy (held by a host function), then writes block 0's final KV
     // ("the forward pass"), then records its event.
@@ -708,18 +741,11 @@ fn gpu_stores_wait_for_the_engine_event_without_blocking_the_cpu() {
     HOLD.store(true, Ordering::Release);
     dev.bind().unwrap();
     let runs = tier.device_runs(0).unwrap();
-    let mut src: Option<usize> = None;
-    staging
-        .with_block(0, &mut |s| {
-            src = Some(s[0].as_ptr() as usize);
-            Ok(())
-        })
-        .unwrap();
-    let src = src.unwrap();
+    let src = pinned_block_addr(&staging, 0);
     // SAFETY: the stream, the pinned staging block and the device runs are live until the stream
     // is synchronised below.
     unsafe {
-        sys::cuLaunchHostFunc(engine.cu_stream(), Some(hold_stream), std::ptr::null_mut())
+        sys::cuLaunchHostFunc(engine.cu_stream(), Some(hold_stream), flag_ptr(&HOLD))
             .result()
             .unwrap();
         for r in &runs {
@@ -762,6 +788,90 @@ fn gpu_stores_wait_for_the_engine_event_without_blocking_the_cpu() {
         "the store read the block before the forward pass finished"
     );
     assert_eq!(tier.read_block_to_vec(5).unwrap(), image(5, 0xC0, bpb));
+}
+
+#[test]
+fn gpu_stream_gating_orders_copies_against_the_engine_stream() {
+    let Some(dev) = gpu("gpu_stream_gating_orders_copies_against_the_engine_stream") else {
+        return;
+    };
+    use cuda::cudarc::driver::sys;
+    let (d, tier, _bufs, host) = gating_tiers(&dev);
+    let bpb = d.bytes_per_block();
+    host.write_block_from_slice(3, &image(3, 0xD0, bpb))
+        .unwrap(); // what the load brings
+    let ctx = dev.context().clone();
+    // The engine's stream, busy (held) as during a forward pass; what the Python classes call
+    // at their hooks: stores and loads gated on the engine's stream itself (no event given).
+    let engine = ctx.new_stream().unwrap();
+    dev.bind().unwrap();
+    // SAFETY: a live stream; the flag is static.
+    unsafe {
+        sys::cuLaunchHostFunc(
+            engine.cu_stream(),
+            Some(hold_stream),
+            flag_ptr(&HOLD_STREAMS),
+        )
+    }
+    .result()
+    .unwrap();
+    let t = Instant::now();
+    // SAFETY: a live stream of this GPU's primary context.
+    unsafe { tier.gate_stores_on_stream(engine.cu_stream()) }.unwrap();
+    // SAFETY: as above.
+    unsafe { tier.gate_loads_on_stream(engine.cu_stream()) }.unwrap();
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "gating blocked the CPU"
+    );
+    // Another engine stream that reads device block 3 once our loads are done.
+    let reader = ctx.new_stream().unwrap();
+    let staging = PinnedHostTier::host(&dev, Layout::fully_contiguous(d, 1).unwrap()).unwrap();
+    let dst = pinned_block_addr(&staging, 0);
+    std::thread::scope(|s| {
+        let store = s.spawn(|| TransferEngine::copy_blocking(tier.as_ref(), &host, &[(0, 0)]));
+        let load = s.spawn(|| TransferEngine::copy_blocking(&host, tier.as_ref(), &[(3, 3)]));
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            !store.is_finished(),
+            "the store did not wait for the engine's stream"
+        );
+        assert!(
+            !load.is_finished(),
+            "the load did not wait for the engine's earlier work"
+        );
+        // The load's copies are enqueued (behind the held engine stream): the reader waits for
+        // them on the GPU, then copies block 3 out.
+        // SAFETY: a live stream of this GPU's primary context.
+        unsafe { tier.order_stream_after_loads(reader.cu_stream()) }.unwrap();
+        for r in tier.device_runs(3).unwrap() {
+            // SAFETY: the staging block and the device run are live until `reader` is
+            // synchronised below.
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    (dst + r.canonical_offset) as *mut c_void,
+                    r.ptr,
+                    r.len,
+                    reader.cu_stream(),
+                )
+            }
+            .result()
+            .unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        HOLD_STREAMS.store(false, Ordering::Release);
+        assert_ok(store.join().unwrap().unwrap());
+        assert_ok(load.join().unwrap().unwrap());
+    });
+    reader.synchronize().unwrap();
+    engine.synchronize().unwrap();
+    assert_eq!(
+        staging.read_block_to_vec(0).unwrap(),
+        image(3, 0xD0, bpb),
+        "the engine's reader ran before our load"
+    );
+    assert_eq!(tier.read_block_to_vec(3).unwrap(), image(3, 0xD0, bpb));
+    assert_eq!(host.read_block_to_vec(0).unwrap(), image(0, 0xA0, bpb));
 }
 
 #[test]

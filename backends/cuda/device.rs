@@ -94,6 +94,9 @@ pub struct CudaDeviceTier {
     events: EventPool,
     bounce: Mutex<Vec<PinnedBuffer>>,
     counters: Counters,
+    /// Objects that own the registered memory (the engine's tensors, for the Python bindings),
+    /// kept until the tier drops. Declared last: dropped after the streams.
+    owners: Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>,
 }
 
 // SAFETY: device addresses are only used through driver calls, under the block locks; streams,
@@ -199,6 +202,7 @@ impl CudaDeviceTier {
             device,
             bounce: Mutex::new(Vec::new()),
             counters: Counters::default(),
+            owners: Mutex::new(Vec::new()),
         });
         registry()
             .lock()
@@ -270,6 +274,63 @@ impl CudaDeviceTier {
     /// As for [`CudaDeviceTier::gate_stores_on`].
     pub unsafe fn gate_loads_on(&self, event: sys::CUevent) -> Result<()> {
         self.wait_on(&self.load, event)
+    }
+
+    /// Store gating from the engine's stream itself: records an event on `stream` (the engine's
+    /// compute stream, e.g. `torch.cuda.current_stream().cuda_stream`; `0` is the legacy default
+    /// stream) and gates the store stream on it, as [`CudaDeviceTier::gate_stores_on`]. Every
+    /// device read enqueued afterwards runs after the work enqueued on `stream` so far. Returns at
+    /// once.
+    ///
+    /// # Safety
+    /// `stream` is `0` or a live `CUstream` of this GPU's primary context.
+    pub unsafe fn gate_stores_on_stream(&self, stream: sys::CUstream) -> Result<()> {
+        self.order(stream, self.store.raw)
+    }
+
+    /// Like [`CudaDeviceTier::gate_stores_on_stream`], for the load stream: every device write
+    /// enqueued afterwards runs after the work enqueued on `stream` so far (a load never writes a
+    /// block the engine's earlier kernels still touch).
+    ///
+    /// # Safety
+    /// As for [`CudaDeviceTier::gate_stores_on_stream`].
+    pub unsafe fn gate_loads_on_stream(&self, stream: sys::CUstream) -> Result<()> {
+        self.order(stream, self.load.raw)
+    }
+
+    /// The opposite direction: makes `stream` (the engine's) wait, on the GPU, for every load
+    /// copy enqueued on this tier so far. For engines that read loaded blocks without waiting for
+    /// the connector's completion report; returns at once.
+    ///
+    /// # Safety
+    /// As for [`CudaDeviceTier::gate_stores_on_stream`].
+    pub unsafe fn order_stream_after_loads(&self, stream: sys::CUstream) -> Result<()> {
+        self.order(self.load.raw, stream)
+    }
+
+    /// Keeps `owner` (whatever owns the registered memory) alive until the tier drops.
+    pub fn keep_alive(&self, owner: Box<dyn std::any::Any + Send + Sync>) {
+        self.owners.lock().push(owner);
+    }
+
+    /// `to` waits on the GPU for the work enqueued on `from` so far: a pooled event recorded on
+    /// `from`, `cuStreamWaitEvent(to, event)`. The event goes back to the pool at once (the wait
+    /// captured its state).
+    fn order(&self, from: sys::CUstream, to: sys::CUstream) -> Result<()> {
+        self.device.bind()?;
+        let ev = self.events.get()?;
+        // SAFETY: our pooled event; the streams are ours or vouched for by the caller.
+        let r = unsafe { sys::cuEventRecord(ev, from) }
+            .result()
+            .map_err(|e| cuda_err("cuEventRecord", e))
+            .and_then(|()| {
+                // SAFETY: as above.
+                unsafe { sys::cuStreamWaitEvent(to, ev, 0) }
+                    .result()
+                    .map_err(|e| cuda_err("cuStreamWaitEvent", e))
+            });
+        self.events.put(ev);
+        r
     }
 
     fn wait_on(&self, stream: &Stream, event: sys::CUevent) -> Result<()> {

@@ -31,7 +31,8 @@ What is read from TensorRT-LLM's objects (the shapes its ``KvCacheConnectorManag
   ``request_id``, ``new_tokens``, ``new_block_ids`` and ``computed_position`` (offload is by
   computed position; a ``num_scheduled_tokens`` field, in newer versions, is not needed);
 * ``register_kv_caches(kv_cache_tensor)``: one fully contiguous tensor
-  ``[num_blocks, num_layers, kv_factor, ...]``, CPU tensors only (CUDA is not wired in yet).
+  ``[num_blocks, num_layers, kv_factor, ...]``, CPU or CUDA; on a GPU, stores wait (on the GPU) for
+  the ``stream`` the hooks are given and loads for its earlier work (``kvbm_connector._streams``).
 
 The scheduler lives on rank 0 only and initialises non-blocking; every rank has a worker, whose
 ``register_kv_caches`` blocks until the start-up barrier completed (TensorRT-LLM builds both at
@@ -50,6 +51,7 @@ import importlib
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _kvbm
+from ._streams import StreamOrder
 from ._wiring import (
     as_bytes,
     env_rank,
@@ -415,9 +417,10 @@ class KvbmConnectorWorker(_WorkerBase):
         self._inner = _kvbm.TrtllmWorker(
             self._config, self.tokens_per_block, self.world_size, transport
         )
+        self._streams = StreamOrder(None)  # the engine's CUDA stream ordering (GPU caches)
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
-        self._inner.register_kv_caches(kv_cache_tensor)
+        self._streams = StreamOrder(self._inner.register_kv_caches(kv_cache_tensor))
 
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Newer TensorRT-LLM (``KvCacheLayout``, KV cache manager V2): a layout of one full-
@@ -486,15 +489,18 @@ class KvbmConnectorWorker(_WorkerBase):
         self._inner.bind_connector_meta(as_bytes(metadata, "metadata"))
 
     def start_load_kv(self, stream: Any) -> None:
+        self._streams.before_loads(stream)
         self._inner.start_load_kv()
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         self._inner.wait_for_layer_load(int(layer_idx))
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        self._streams.before_stores(stream)
         self._inner.save_kv_layer(int(layer_idx))
 
     def wait_for_save(self, stream: Any) -> None:
+        self._streams.before_stores(stream)
         self._inner.wait_for_save()
 
     def get_finished(

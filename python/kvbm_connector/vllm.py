@@ -26,7 +26,8 @@ What is read from vLLM's objects (vLLM v1):
 * ``register_kv_caches(kv_caches)``: a dict layer name -> tensor, each
   ``[2, num_blocks, block_size, heads, head_dim]`` (outer-major),
   ``[num_blocks, 2, block_size, ...]`` (block-major) or ``[num_blocks, block_size, ...]`` (MLA);
-  CPU tensors only (CUDA is not wired in yet).
+  CPU or CUDA tensors, all on one GPU per worker (see ``kvbm_connector._streams`` for how stores
+  and loads follow the engine's current CUDA stream).
 
 ``kv_connector_extra_config`` keys (all optional): ``config`` (a kvbm TOML file, else
 ``$KVBM_CONFIG``), ``transport`` (``rendezvous``, ``in_process`` or ``tcp``), ``leader_addr``
@@ -51,6 +52,7 @@ import json
 from typing import Any, Iterable, List, Optional, Set, Tuple
 
 from . import _kvbm
+from ._streams import StreamOrder
 from ._wiring import (
     as_bytes,
     env_rank,
@@ -228,6 +230,7 @@ class KvbmConnector(_Base):
         self._scheduler = None
         self._worker = None
         self._worker_ready = False
+        self._streams = StreamOrder(None)  # the engine's CUDA stream ordering (GPU caches)
         self._hit_split: dict = {}
         if self._kvbm_role == "SCHEDULER":
             self._scheduler = _kvbm.VllmScheduler(
@@ -349,11 +352,12 @@ class KvbmConnector(_Base):
         return self._worker
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        self._work("register_kv_caches").register_kv_caches(
+        gpu = self._work("register_kv_caches").register_kv_caches(
             kv_caches,
             None if self._num_blocks is None else int(self._num_blocks),
             self._layout,
         )
+        self._streams = StreamOrder(gpu)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -372,7 +376,9 @@ class KvbmConnector(_Base):
         self._work("clear_connector_metadata").clear_connector_metadata()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._work("start_load_kv").start_load_kv()
+        worker = self._work("start_load_kv")
+        self._streams.before_loads()
+        worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._work("wait_for_layer_load").wait_for_layer_load(str(layer_name))
@@ -380,10 +386,14 @@ class KvbmConnector(_Base):
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self._work("save_kv_layer").save_kv_layer(str(layer_name))
+        worker = self._work("save_kv_layer")
+        self._streams.before_stores()
+        worker.save_kv_layer(str(layer_name))
 
     def wait_for_save(self) -> None:
-        self._work("wait_for_save").wait_for_save()
+        worker = self._work("wait_for_save")
+        self._streams.before_stores()
+        worker.wait_for_save()
 
     def get_finished(
         self, finished_req_ids: Set[str]

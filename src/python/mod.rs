@@ -12,12 +12,15 @@
 //!   other Python threads; and inside `catch_unwind`, so a panic becomes a `KvbmError` of kind
 //!   `internal` and the object that panicked refuses further calls ([`Guarded`]);
 //! * cache tensors are read from any object with `data_ptr()`, `shape`, `dtype` and `device`
-//!   (torch tensors, or numpy-backed stand-ins); CPU memory only, until the CUDA tier exists
-//!   ([`tensor`]).
+//!   (torch tensors, or numpy-backed stand-ins) ([`tensor`]); CPU tensors become a tier over
+//!   their memory, CUDA tensors (feature `cuda`) the CUDA device tier ([`cache`], `cuda`).
 //!
 //! [`ErrorKind`]: crate::ErrorKind
 
+mod cache;
 mod common;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod tensor;
 mod transport;
@@ -256,6 +259,9 @@ fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     transport::register(m)?;
     tensor::register(m)?;
+    #[cfg(feature = "cuda")]
+    cuda::register_class(m)?;
+    m.add("HAVE_CUDA", cfg!(feature = "cuda"))?;
     trtllm::register(m)?;
     vllm::register(m)?;
     Ok(())

@@ -2,9 +2,10 @@
 //!
 //! A cache tensor is any object with `data_ptr()` (or numpy's `__array_interface__`), `shape`,
 //! an element size (`element_size()`, or `dtype.itemsize`), and optionally `device` and
-//! `is_contiguous()`: a torch tensor, a numpy array, or a numpy-backed stand-in. Refused: a
-//! device other than the CPU (CUDA tensors wait for the CUDA tier to be wired in), a non-contiguous or
-//! read-only tensor, a null pointer, tensors that overlap.
+//! `is_contiguous()` (else `stride()`): a torch tensor, a numpy array, or a numpy-backed stand-in.
+//! CPU tensors become a [`TensorTier`]; CUDA tensors (`device.type == "cuda"`, `device.index`)
+//! the CUDA device tier (`super::cache` picks). Refused: another device type, a CUDA device
+//! without an index, a non-contiguous or read-only tensor, a null pointer, tensors that overlap.
 //!
 //! The engine owns the memory. [`TensorTier`] keeps a reference to every tensor object it reads,
 //! so the memory outlives the tier; the engine keeps writing its blocks (that is its job), and
@@ -14,7 +15,7 @@
 use std::str::FromStr;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyString};
 
 use super::error::{bad_value, to_py_err};
 use crate::backends::memory::HostBlocks;
@@ -37,27 +38,61 @@ pub(crate) struct TensorInfo {
     pub itemsize: usize,
     /// `product(shape) × itemsize`.
     pub nbytes: usize,
+    /// Where the memory is.
+    pub device: TensorDevice,
     /// The tensor object, kept alive while the tier lives.
     pub owner: Py<PyAny>,
+}
+
+/// Where a cache tensor's memory is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TensorDevice {
+    /// Host memory (`device.type == "cpu"`, or no `device` attribute).
+    Cpu,
+    /// GPU `index` (`device.type == "cuda"`, `device.index`).
+    Cuda(usize),
+}
+
+impl std::fmt::Display for TensorDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
 }
 
 fn invalid(py: Python<'_>, name: &str, message: String) -> PyErr {
     to_py_err(py, Error::invalid_argument(message).with("tensor", name))
 }
 
-/// The device type of `obj`: `device.type` (torch), else `str(device)` (numpy 2 says `"cpu"`);
-/// `None` without a `device` attribute.
-fn device_type(obj: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+/// The device of `obj`: `device.type` and `device.index` (torch); without them (or without an
+/// index) `str(device)` read as `type[:index]` (numpy 2 says `"cpu"`, torch `"cuda:1"`); `None`
+/// without a `device` attribute.
+fn device_type(obj: &Bound<'_, PyAny>) -> PyResult<Option<(String, Option<usize>)>> {
     if !obj.hasattr("device")? {
         return Ok(None);
     }
     let device = obj.getattr("device")?;
-    let text = if device.hasattr("type")? {
+    let text = device.str()?.to_string();
+    let (parsed_ty, parsed_index) = match text.split_once(':') {
+        Some((ty, i)) => (ty.to_string(), i.parse::<usize>().ok()),
+        None => (text.clone(), None),
+    };
+    // A plain string (numpy's "cpu") has `index` and no `type`: only a device object's
+    // attributes are read.
+    let object = !device.is_instance_of::<PyString>();
+    let ty = if object && device.hasattr("type")? {
         device.getattr("type")?.str()?.to_string()
     } else {
-        device.str()?.to_string()
+        parsed_ty
     };
-    Ok(Some(text))
+    let index = if object && device.hasattr("index")? {
+        device.getattr("index")?.extract::<Option<usize>>()?
+    } else {
+        None
+    };
+    Ok(Some((ty, index.or(parsed_index))))
 }
 
 /// Reads one cache tensor; refuses what the connector cannot use, with the reason.
@@ -71,30 +106,28 @@ pub(crate) fn read_tensor(
         .name()
         .map(|n| n.to_string())
         .unwrap_or_default();
-    match device_type(obj).map_err(|e| bad_value(py, &format!("{name}.device"), e))? {
-        None => {}
-        Some(d) if d == "cpu" => {}
-        Some(d) if d.starts_with("cuda") => {
+    let device = match device_type(obj).map_err(|e| bad_value(py, &format!("{name}.device"), e))? {
+        None => TensorDevice::Cpu,
+        Some((d, _)) if d == "cpu" => TensorDevice::Cpu,
+        Some((d, Some(i))) if d == "cuda" => TensorDevice::Cuda(i),
+        Some((d, None)) if d == "cuda" => {
+            return Err(invalid(
+                py,
+                name,
+                format!("cache tensor {name} is on device cuda without an index; register tensors whose device.index names their GPU"),
+            ))
+        }
+        Some((d, _)) => {
             return Err(to_py_err(
                 py,
                 Error::unsupported(format!(
-                    "cache tensor {name} is on device {d}: the Python bindings do not register CUDA tensors yet (the CUDA tier is not wired into them); only CPU tensors are supported"
+                    "cache tensor {name} is on device {d}; only CPU and CUDA tensors are supported"
                 ))
                 .with("tensor", name)
                 .with("device", d),
             ))
         }
-        Some(d) => {
-            return Err(to_py_err(
-                py,
-                Error::unsupported(format!(
-                    "cache tensor {name} is on device {d}; only CPU tensors are supported"
-                ))
-                .with("tensor", name)
-                .with("device", d),
-            ))
-        }
-    }
+    };
 
     let shape_obj = obj.getattr("shape").map_err(|_| {
         invalid(
@@ -161,11 +194,18 @@ pub(crate) fn read_tensor(
         ));
     };
 
-    // Contiguity: the tensor's own answer when it has one, else numpy's strides.
+    // Contiguity: the tensor's own answer when it has one, else torch's element strides
+    // (`stride()`), else numpy's byte strides.
     let contiguous = if obj.hasattr("is_contiguous")? {
         obj.call_method0("is_contiguous")
             .and_then(|v| v.is_truthy())
             .map_err(|e| bad_value(py, &format!("{name}.is_contiguous()"), e))?
+    } else if obj.hasattr("stride")? {
+        let strides: Vec<isize> = obj
+            .call_method0("stride")
+            .and_then(|v| v.extract())
+            .map_err(|e| bad_value(py, &format!("{name}.stride()"), e))?;
+        c_strides(&shape, 1) == strides
     } else if let Some(ai) = &array_interface {
         let strides = ai.get_item("strides")?;
         if strides.is_none() {
@@ -228,6 +268,7 @@ pub(crate) fn read_tensor(
         shape,
         itemsize,
         nbytes,
+        device,
         owner: obj.clone().unbind(),
     })
 }
@@ -277,36 +318,7 @@ impl TensorTier {
     /// numpy guarantee this for their tensors; a stand-in object that reports another address is
     /// the caller's bug, as with `ctypes`).
     pub(crate) unsafe fn from_tensors(layout: Layout, tensors: Vec<TensorInfo>) -> Result<Self> {
-        if tensors.len() != layout.num_allocations() {
-            return Err(Error::internal(format!(
-                "{} tensors for a layout of {} allocations",
-                tensors.len(),
-                layout.num_allocations()
-            )));
-        }
-        let want = layout.allocation_bytes();
-        for t in &tensors {
-            if t.nbytes != want {
-                return Err(Error::invalid_layout(format!(
-                    "cache tensor {} holds {} bytes but its layout needs {want}",
-                    t.name, t.nbytes
-                ))
-                .with("tensor", &t.name));
-            }
-        }
-        let mut spans: Vec<(usize, usize, &str)> = tensors
-            .iter()
-            .map(|t| (t.ptr, t.nbytes, t.name.as_str()))
-            .collect();
-        spans.sort_unstable();
-        for w in spans.windows(2) {
-            if w[0].0 + w[0].1 > w[1].0 {
-                return Err(Error::invalid_layout(format!(
-                    "cache tensors {} and {} share memory; each layer needs its own tensor",
-                    w[0].2, w[1].2
-                )));
-            }
-        }
+        check_tensors(&layout, &tensors)?;
         let bases = tensors.iter().map(|t| t.ptr as *mut u8).collect();
         // SAFETY: this function's contract: each tensor's memory is valid while its owner lives,
         // and the owners are kept (dropped after `blocks`); sizes were checked above.
@@ -316,6 +328,42 @@ impl TensorTier {
             _owners: tensors.into_iter().map(|t| t.owner).collect(),
         })
     }
+}
+
+/// Checks `tensors` fit `layout`: one per allocation, in order, each exactly
+/// `layout.allocation_bytes()` long, no two overlapping (any device).
+pub(crate) fn check_tensors(layout: &Layout, tensors: &[TensorInfo]) -> Result<()> {
+    if tensors.len() != layout.num_allocations() {
+        return Err(Error::internal(format!(
+            "{} tensors for a layout of {} allocations",
+            tensors.len(),
+            layout.num_allocations()
+        )));
+    }
+    let want = layout.allocation_bytes();
+    for t in tensors {
+        if t.nbytes != want {
+            return Err(Error::invalid_layout(format!(
+                "cache tensor {} holds {} bytes but its layout needs {want}",
+                t.name, t.nbytes
+            ))
+            .with("tensor", &t.name));
+        }
+    }
+    let mut spans: Vec<(usize, usize, &str)> = tensors
+        .iter()
+        .map(|t| (t.ptr, t.nbytes, t.name.as_str()))
+        .collect();
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        if w[0].0 + w[0].1 > w[1].0 {
+            return Err(Error::invalid_layout(format!(
+                "cache tensors {} and {} share memory; each layer needs its own tensor",
+                w[0].2, w[1].2
+            )));
+        }
+    }
+    Ok(())
 }
 
 crate::backends::memory::host_blocks_tier!(TensorTier);

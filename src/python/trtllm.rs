@@ -1,12 +1,11 @@
 //! `TrtllmScheduler` and `TrtllmWorker`: [`crate::frameworks::trtllm`] over plain Python values.
 //! `kvbm_connector.trtllm` reads TensorRT-LLM's objects into these calls.
 
-use std::sync::Arc;
-
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::tensor::{read_tensor, TensorTier};
+use super::cache::register_cache;
+use super::tensor::read_tensor;
 use super::transport::{PyLeaderTransport, PyWorkerTransport};
 use super::{common, detached, to_py_err, Guarded, PyConfig};
 use crate::frameworks::trtllm::detect_trtllm;
@@ -215,12 +214,13 @@ impl PyTrtllmWorker {
     }
 
     /// Registers the one fully contiguous cache tensor `[num_blocks, num_layers, kv_factor, ...]`
-    /// (CPU memory; the tensor object is kept alive) and runs the start-up barrier.
+    /// (CPU or CUDA memory; the tensor object is kept alive) and runs the start-up barrier.
+    /// Returns the `GpuCache` handle for a CUDA tensor (the stream ordering), `None` for a CPU one.
     fn register_kv_caches(
         &self,
         py: Python<'_>,
         kv_cache_tensor: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<Py<PyAny>>> {
         let t = read_tensor(py, kv_cache_tensor, "kv_cache_tensor")?;
         let (shape, itemsize) = (t.shape.clone(), t.itemsize);
         let layout = detect_trtllm(
@@ -230,13 +230,12 @@ impl PyTrtllmWorker {
             Some(LayoutKind::FullyContiguous),
         )
         .map_err(|e| to_py_err(py, e.with("tensor", "kv_cache_tensor")))?;
-        // SAFETY: `read_tensor` took the address and size from the tensor object, which the tier
-        // keeps alive; see `TensorTier::from_tensors`.
-        let tier =
-            unsafe { TensorTier::from_tensors(layout, vec![t]) }.map_err(|e| to_py_err(py, e))?;
+        let cache = register_cache(py, layout, vec![t])?;
+        let tier = cache.tier;
         self.inner.call(py, "register_kv_caches", move |w| {
-            w.register_kv_caches(&shape, itemsize, Arc::new(tier))
-        })
+            w.register_kv_caches(&shape, itemsize, tier)
+        })?;
+        Ok(cache.gpu)
     }
 
     /// Takes this iteration's metadata bytes.

@@ -2,14 +2,14 @@
 //! `kvbm_connector.vllm` reads vLLM's objects into these calls.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::tensor::{parse_layout_kind, read_layer_tensors, vllm_layout, TensorTier};
+use super::cache::register_cache;
+use super::tensor::{parse_layout_kind, read_layer_tensors, vllm_layout};
 use super::transport::{PyLeaderTransport, PyWorkerTransport};
-use super::{common, detached, to_py_err, Guarded, PyConfig};
+use super::{common, detached, Guarded, PyConfig};
 use crate::frameworks::vllm::{
     CachedRequestData, NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
 };
@@ -258,10 +258,11 @@ impl PyVllmWorker {
         })
     }
 
-    /// Registers the per-layer cache tensors (a dict layer name → tensor, in model order; CPU
-    /// memory, kept alive). `num_blocks` (the engine's block count) settles which dimension is
-    /// the block dimension; `layout` overrides the reading of the shapes and is refused if it
-    /// contradicts them.
+    /// Registers the per-layer cache tensors (a dict layer name → tensor, in model order; CPU or
+    /// CUDA memory, all on one device, kept alive). `num_blocks` (the engine's block count)
+    /// settles which dimension is the block dimension; `layout` overrides the reading of the
+    /// shapes and is refused if it contradicts them. Returns the `GpuCache` handle for CUDA
+    /// tensors (the stream ordering), `None` for CPU tensors.
     #[pyo3(signature = (kv_caches, num_blocks=None, layout=None))]
     fn register_kv_caches(
         &self,
@@ -269,7 +270,7 @@ impl PyVllmWorker {
         kv_caches: &Bound<'_, PyAny>,
         num_blocks: Option<usize>,
         layout: Option<&str>,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<Py<PyAny>>> {
         let override_kind = parse_layout_kind(py, layout)?;
         let tensors = read_layer_tensors(py, kv_caches)?;
         let l = vllm_layout(py, &tensors, self.block_size, num_blocks, override_kind)?;
@@ -278,12 +279,12 @@ impl PyVllmWorker {
             .map(|t| (t.name.clone(), t.shape.clone()))
             .collect();
         let itemsize = tensors[0].itemsize;
-        // SAFETY: `read_tensor` took each address and size from its tensor object, which the
-        // tier keeps alive; see `TensorTier::from_tensors`.
-        let tier = unsafe { TensorTier::from_tensors(l, tensors) }.map_err(|e| to_py_err(py, e))?;
+        let cache = register_cache(py, l, tensors)?;
+        let tier = cache.tier;
         self.inner.call(py, "register_kv_caches", move |w| {
-            w.register_kv_caches(&layers, itemsize, num_blocks, override_kind, Arc::new(tier))
-        })
+            w.register_kv_caches(&layers, itemsize, num_blocks, override_kind, tier)
+        })?;
+        Ok(cache.gpu)
     }
 
     /// Takes this step's metadata bytes.

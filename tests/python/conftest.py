@@ -45,11 +45,12 @@ def trtllm_engine():
     non-blocking), the worker, then ``register_kv_caches`` (blocking until the barrier), then the
     scheduler's ``wait_for_initialization``."""
 
-    def make(num_blocks: int = 48, chunk=None) -> E.TrtllmEngine:
+    def make(num_blocks: int = 48, chunk=None, cache=None) -> E.TrtllmEngine:
+        # ``cache``: another cache with TrtllmCache's interface (test_gpu.py: on a GPU).
         args = E.TrtLlmArgs()
         sched = trtllm.KvbmConnectorScheduler(args)
         worker = trtllm.KvbmConnectorWorker(args)
-        cache = E.TrtllmCache(num_blocks)
+        cache = cache if cache is not None else E.TrtllmCache(num_blocks)
         worker.register_kv_caches(cache.tensor)
         assert worker.is_ready(), "blocking registration returned before the barrier completed"
         sched.wait_for_initialization()
@@ -65,12 +66,13 @@ def vllm_engine():
     caches (non-blocking), then the scheduler-role connector is built (blocking)."""
 
     def make(num_blocks: int = 32, backend: str = "flash_attn", budget: int = 32,
-             extra=None) -> E.VllmEngine:
+             extra=None, cache=None) -> E.VllmEngine:
+        # ``cache``: another cache with VllmCache's interface (test_gpu.py: on a GPU).
         cfg = E.VllmConfig()
         if extra:
             cfg.kv_transfer_config.kv_connector_extra_config.update(extra)
         worker = vllm.KvbmConnector(cfg, vllm.KVConnectorRole.WORKER)
-        cache = E.VllmCache(num_blocks, backend)
+        cache = cache if cache is not None else E.VllmCache(num_blocks, backend)
         worker.register_kv_caches(cache.tensors)
         sched = vllm.KvbmConnector(cfg, vllm.KVConnectorRole.SCHEDULER)
         assert sched.is_ready(), "blocking scheduler init returned before the barrier completed"
