@@ -159,8 +159,13 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
     let workload = match &a.trace {
         Some(p) => read_trace(p)?,
         None => {
-            if a.requests == 0 {
-                return Err(Error::invalid_argument("--requests must be at least 1"));
+            if a.requests == 0 || a.requests > workload::MAX_REQUESTS {
+                return Err(Error::invalid_argument(format!(
+                    "--requests is {}; it must be between 1 and {}",
+                    a.requests,
+                    workload::MAX_REQUESTS
+                ))
+                .with("flag", "--requests"));
             }
             generate_workload(
                 a.workload,

@@ -165,6 +165,7 @@ fn kill_all(children: &mut [Child]) {
 /// Runs a replay with one worker process per rank.
 pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> Result<Report> {
     opts.model_dims()?;
+    opts.check_workload(workload)?;
     let tp = opts.tp;
     let token = auth_token_from_env();
     let leader_transport = TcpLeader::bind(topo.leader_addr, tp, token)?;

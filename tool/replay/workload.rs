@@ -16,6 +16,28 @@ use serde::{Deserialize, Serialize};
 /// Tokens are drawn below this id.
 pub const VOCAB: u32 = 32_000;
 
+/// Most tokens one request may hold, prompt and output together: 2^24 = 16,777,216, above the
+/// context window of any model we imitate. The engine keeps each token and its prefix hash (12
+/// bytes), so the bound also caps one request's memory (about 200 MB) and keeps
+/// `prompt + max_tokens` far from overflowing.
+pub const MAX_REQUEST_TOKENS: usize = 1 << 24;
+
+/// Most requests in one workload (`--requests`, or lines of a trace): 1,000,000, fifty times the
+/// longest replay we run; a workload that large already takes gigabytes before its first step.
+pub const MAX_REQUESTS: usize = 1_000_000;
+
+/// Tokens a request holds at its end (`prompt_len + max_tokens`), or why it is too many: the sum
+/// checked against [`MAX_REQUEST_TOKENS`] without overflowing.
+pub fn request_tokens(prompt_len: usize, max_tokens: usize) -> Result<usize, String> {
+    match prompt_len.checked_add(max_tokens) {
+        Some(n) if n <= MAX_REQUEST_TOKENS => Ok(n),
+        _ => Err(format!(
+            "prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds \
+             {MAX_REQUEST_TOKENS} tokens per request"
+        )),
+    }
+}
+
 /// One request of a workload.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
