@@ -5,7 +5,7 @@
 //!
 //! Every run gets its own temporary directory (disk tier, reports, traces) and an environment
 //! without any configuration variable, except `KVBM_DISK_CACHE_DIR` pointing at that directory,
-//! so nothing lands in the shared `$TMPDIR/kvbm`.
+//! so nothing lands in the default `$TMPDIR/kvbm-<uid>`.
 
 #![cfg(feature = "cli")]
 
@@ -184,7 +184,7 @@ fn check_report_invariants(report: &Value, what: &str) -> Vec<Value> {
 #[test]
 fn default_replay_passes_integrity_and_hits_host_and_disk() {
     let dir = tmp();
-    // Truly no arguments (only the environment keeps the disk file out of the shared /tmp/kvbm).
+    // Truly no arguments (only the environment keeps the disk file out of the default $TMPDIR/kvbm-<uid>).
     let t = Instant::now();
     let out = kvbm(dir.path()).arg("replay").output().expect("run kvbm");
     let wall = t.elapsed();

@@ -176,9 +176,11 @@ pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> R
         .local_addr()
         .map_err(|e| Error::io("read the engine channel address", e))?;
     // The workers read the same configuration: write it to a file they are pointed at.
-    let config_path = std::env::temp_dir().join(format!("kvbm-replay-{}.toml", std::process::id()));
-    std::fs::write(&config_path, opts.config.to_toml()?)
-        .map_err(|e| Error::io("write the workers' configuration", e))?;
+    let config_path = write_private_file(
+        &std::env::temp_dir(),
+        "kvbm-replay",
+        opts.config.to_toml()?.as_bytes(),
+    )?;
     let mut children = Vec::new();
     if topo.external_workers {
         let m = opts.model;
@@ -230,6 +232,52 @@ pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> R
     let _ = std::fs::remove_file(&config_path);
     let engine = result?;
     engine.run()
+}
+
+/// How many names [`write_private_file`] tries before giving up.
+const PRIVATE_NAME_ATTEMPTS: u32 = 64;
+
+/// Writes `contents` to a new file `<stem>-<pid>-<n>.toml` in `dir`, created with
+/// `O_CREAT | O_EXCL | O_NOFOLLOW` and mode `0600`: a name planted by someone else (a symlink to
+/// a file of theirs or ours, a file) is never followed or written, another name is tried. Returns
+/// the path.
+fn write_private_file(dir: &std::path::Path, stem: &str, contents: &[u8]) -> Result<PathBuf> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let pid = std::process::id();
+    let mut last = None;
+    for n in 0..PRIVATE_NAME_ATTEMPTS {
+        let path = dir.join(format!("{stem}-{pid}-{n}.toml"));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path);
+        match file {
+            Ok(mut f) => {
+                return match f.write_all(contents) {
+                    Ok(()) => Ok(path),
+                    Err(e) => {
+                        let _ = std::fs::remove_file(&path);
+                        Err(Error::io("write the workers' configuration", e)
+                            .with("path", path.display()))
+                    }
+                };
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some((path, e)),
+            Err(e) => {
+                return Err(Error::io("create the workers' configuration", e)
+                    .with("path", path.display()))
+            }
+        }
+    }
+    Err(match last {
+        Some((path, e)) => {
+            Error::io("create the workers' configuration", e).with("path", path.display())
+        }
+        None => Error::internal("no configuration file name was tried"),
+    })
 }
 
 fn connect(
@@ -317,4 +365,30 @@ fn connect(
         .map(|r| Box::new(r) as Box<dyn RankDriver>)
         .collect();
     Simulator::assemble(opts, workload, sched, drivers, children)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 13, item 8: a symlink planted where the workers' configuration goes is not followed
+    /// (its target keeps its bytes); the file is written under another name, mode 0600.
+    #[test]
+    fn planted_symlink_is_not_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").expect("write victim");
+        let planted = dir
+            .path()
+            .join(format!("kvbm-replay-{}-0.toml", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &planted).expect("plant symlink");
+        let path = write_private_file(dir.path(), "kvbm-replay", b"hash = \"xxh3\"\n")
+            .expect("written elsewhere");
+        assert_ne!(path, planted);
+        assert_eq!(std::fs::read(&victim).expect("victim"), b"precious");
+        assert_eq!(std::fs::read(&path).expect("config"), b"hash = \"xxh3\"\n");
+        let mode = std::fs::metadata(&path).expect("stat").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
 }
