@@ -491,8 +491,9 @@ mod tests {
         let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
         while files.len() < 2 {
             let line = lines.next().expect("the child printed its files").unwrap();
-            if let Some(p) = line.strip_prefix("FILE ") {
-                files.push(PathBuf::from(p));
+            // libtest may print its "test ... " prefix on the same line.
+            if let Some(at) = line.find("FILE ") {
+                files.push(PathBuf::from(&line[at + 5..]));
             }
         }
         child.kill().unwrap(); // SIGKILL

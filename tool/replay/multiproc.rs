@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use kvbm_connector::config::auth_token_from_env;
 use kvbm_connector::config::Config;
 use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
-use kvbm_connector::error::{Error, ErrorKind, Result};
+use kvbm_connector::error::{Error, Result};
 
-use super::channel::{read_frame, serve, write_frame, RemoteRank};
+use super::channel::{accept_ranks, serve, write_frame};
 use super::engines::engine_of;
 use super::framework::Framework;
 use super::messages::RankDriver;
@@ -304,64 +304,20 @@ fn connect(
     // Each worker connects to the engine channel once its barrier finished. A little longer than
     // the barrier's own deadline, so its error (which names the missing ranks) comes first.
     let until = Instant::now() + timeout + Duration::from_secs(2);
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::io("configure the engine channel", e))?;
-    let mut ranks: Vec<Option<RemoteRank>> = (0..tp).map(|_| None).collect();
-    while ranks.iter().any(Option::is_none) {
-        match listener.accept() {
-            Ok((mut stream, peer)) => {
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_nodelay(true);
-                let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-                let rank: usize = match read_frame(&mut stream) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::warn!(%peer, error = %e, "engine channel: bad greeting; closed");
-                        continue;
-                    }
-                };
-                let _ = stream.set_read_timeout(None);
-                match ranks.get_mut(rank) {
-                    Some(slot @ None) => *slot = Some(RemoteRank::new(rank, stream)),
-                    _ => tracing::warn!(%peer, rank, "engine channel: unexpected rank; closed"),
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                // The barrier's own error (naming the ranks it misses) beats ours.
-                if let Some(e) = sched.leader().init_error() {
-                    kill_all(&mut children);
-                    return Err(e);
-                }
-                if Instant::now() > until {
-                    let missing: Vec<usize> = ranks
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, r)| r.is_none())
-                        .map(|(i, _)| i)
-                        .collect();
-                    kill_all(&mut children);
-                    return Err(Error::new(
-                        ErrorKind::Timeout,
-                        format!(
-                            "rank(s) {missing:?} did not join within {:.0}s",
-                            timeout.as_secs_f64()
-                        ),
-                    )
-                    .with("missing_ranks", format!("{missing:?}")));
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => {
-                kill_all(&mut children);
-                return Err(Error::io("accept on the engine channel", e));
-            }
+    // The barrier's own error (naming the ranks it misses) beats ours.
+    let ranks = accept_ranks(listener, tp, until, timeout, || {
+        sched.leader().init_error().map_or(Ok(()), Err)
+    });
+    let ranks = match ranks {
+        Ok(r) => r,
+        Err(e) => {
+            kill_all(&mut children);
+            return Err(e);
         }
-    }
+    };
     leader_transport.mark_session_started();
     let drivers: Vec<Box<dyn RankDriver>> = ranks
         .into_iter()
-        .flatten()
         .map(|r| Box::new(r) as Box<dyn RankDriver>)
         .collect();
     Simulator::assemble(opts, workload, sched, drivers, children)
