@@ -711,7 +711,7 @@ fn sized_blocks(key: &str, size: &TierSize, bytes_per_block: usize) -> Result<us
     }
     let (setting, value) = match (size.cache_blocks, size.cache_gb) {
         (Some(b), _) => ("cache_blocks", b.to_string()),
-        (None, Some(gb)) => ("cache_gb", gb.to_string()),
+        (None, Some(gb)) => ("cache_gb", format!("{gb:?}")),
         (None, None) => ("cache_blocks", n.to_string()),
     };
     Err(Error::invalid_config(

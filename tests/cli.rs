@@ -843,7 +843,65 @@ fn bad_config_cases() -> Vec<ConfigCase> {
             vec![("KVBM_HASH", "md5")],
             vec!["KVBM_HASH", "md5"],
         ),
+        // Issue 13, item 11: the TOML file refuses what the environment refuses.
+        (
+            "empty disk.dir in the file",
+            Some("[disk]\ndir = \"\"\n"),
+            vec![],
+            vec!["disk.dir", "must be a directory path"],
+        ),
+        (
+            "KVBM_DISK_CACHE_DIR empty",
+            Some(""),
+            vec![("KVBM_DISK_CACHE_DIR", "")],
+            vec!["KVBM_DISK_CACHE_DIR", "must be a directory path"],
+        ),
+        // Issue 13, item 11: a size no process can address names its setting.
+        (
+            "huge host.cache_gb",
+            Some("[host]\ncache_gb = 1e300\n"),
+            vec![],
+            vec!["host.cache_gb", "1e300"],
+        ),
+        (
+            "huge KVBM_DISK_CACHE_GB",
+            Some(""),
+            vec![("KVBM_DISK_CACHE_GB", "1e12")],
+            vec!["disk.cache_gb"],
+        ),
+        (
+            "huge disk.cache_blocks",
+            Some("[disk]\ncache_blocks = 9223372036854775807\n"),
+            vec![],
+            vec!["disk.cache_blocks"],
+        ),
     ]
+}
+
+/// Issue 13, item 11: `--disk-dir` creates only its last component (mode 0700); a missing
+/// parent is an error naming the path, and nothing is created.
+#[test]
+fn disk_dir_creates_only_its_last_component() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tmp();
+    let nested = dir.path().join("a").join("b");
+    let out = kvbm(dir.path())
+        .args(["replay", "--requests", "4", "--quiet", "--disk-dir"])
+        .arg(&nested)
+        .output()
+        .expect("run kvbm");
+    assert_clean_failure(&out, "nested --disk-dir", &["only the last component", "a/b"]);
+    assert!(!dir.path().join("a").exists(), "a parent was created");
+    let last = dir.path().join("new");
+    let out = kvbm(dir.path())
+        .args(["replay", "--requests", "4", "--quiet", "--disk-dir"])
+        .arg(&last)
+        .output()
+        .expect("run kvbm");
+    assert_ok(&out, "--disk-dir with a missing last component");
+    let mode = std::fs::metadata(&last).expect("created").permissions().mode();
+    assert_eq!(mode & 0o777, 0o700, "created with mode {mode:o}");
+    assert!(block_files(&last).is_empty(), "the disk file was left behind");
 }
 
 #[test]

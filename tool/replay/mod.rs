@@ -192,6 +192,10 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
         kill: a.kill_rank,
         device: a.device,
     };
+    // Tier sizes the configuration asks for, checked before anything starts (the error names
+    // the setting).
+    opts.config
+        .block_counts(opts.model_dims()?.bytes_per_block())?;
     let report = if a.tp > 1 || a.external_workers {
         let leader_addr = match a.leader_addr {
             Some(addr) => addr,
