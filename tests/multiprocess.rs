@@ -456,16 +456,20 @@ fn idle_engine_channel_clients_do_not_stall_start_up() {
     const DEADLINE_SECS: u64 = 10;
     let dir = tmp();
     let engine = free_port();
+    let leader = free_port();
     let mut cmd = replay(dir.path(), "trtllm", 20);
     cmd.args(["--engine-addr", &engine.to_string()])
+        .args(["--leader-addr", &leader.to_string()])
         .env("KVBM_INIT_TIMEOUT_SECS", DEADLINE_SECS.to_string());
     let mut run = Proc::start(cmd, dir.path(), "replay");
     // The idle clients connect as soon as the channel listens, before the workers (which join
-    // the barrier first).
+    // the barrier first). The connector's own leader gets as many (its handshakes already ran
+    // concurrently, each with its own timeout: this pins that).
     let mut idle = Vec::new();
     let end = Instant::now() + Duration::from_secs(DEADLINE_SECS);
-    while idle.len() < IDLE {
-        match TcpStream::connect_timeout(&engine, Duration::from_millis(200)) {
+    while idle.len() < 2 * IDLE {
+        let to = if idle.len() < IDLE { engine } else { leader };
+        match TcpStream::connect_timeout(&to, Duration::from_millis(200)) {
             Ok(s) => idle.push(s),
             Err(_) => {
                 assert!(run.running(), "the replay exited early\n{}", run.stderr());
