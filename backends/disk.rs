@@ -379,13 +379,13 @@ mod tests {
     fn only_the_last_component_is_created() {
         let dir = tempfile::tempdir().unwrap();
         let nested = dir.path().join("a/b");
-        let err = DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(&nested))
-            .unwrap_err();
+        let err =
+            DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(&nested)).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
         assert!(err.to_string().contains("only the last component"), "{err}");
         assert!(!dir.path().join("a").exists());
-        let err = DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(""))
-            .unwrap_err();
+        let err =
+            DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new("")).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     }
 
@@ -396,8 +396,8 @@ mod tests {
         let open = dir.path().join("open");
         std::fs::create_dir(&open).unwrap();
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let err = DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(&open))
-            .unwrap_err();
+        let err =
+            DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(&open)).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
         assert!(err.to_string().contains("writable by other users"), "{err}");
         assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0);
@@ -417,7 +417,10 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
         assert!(err.to_string().contains("owned by uid 54321"), "{err}");
-        assert!(err.to_string().contains(&*foreign.to_string_lossy()), "{err}");
+        assert!(
+            err.to_string().contains(&*foreign.to_string_lossy()),
+            "{err}"
+        );
     }
 
     /// Issue 13, item 8: the file is opened once. Replacing its path with a symlink after
@@ -450,7 +453,10 @@ mod tests {
         assert_eq!(tier.read_block_to_vec(1).unwrap(), image(1, bpb));
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
         let moved = std::fs::read(dir.path().join("moved")).unwrap();
-        assert_eq!(&moved[tier.slot_bytes()..tier.slot_bytes() + bpb], &image(1, bpb)[..]);
+        assert_eq!(
+            &moved[tier.slot_bytes()..tier.slot_bytes() + bpb],
+            &image(1, bpb)[..]
+        );
     }
 
     /// Issue 13, item 8: a run killed with SIGKILL leaves its file, and the next tier created in
@@ -500,7 +506,10 @@ mod tests {
         child.wait().unwrap();
         assert!(files.iter().all(|f| f.exists()), "the killed child's files");
         let tier = tier_in(dir.path(), false);
-        assert!(!files[0].exists(), "the killed child's file was left behind");
+        assert!(
+            !files[0].exists(),
+            "the killed child's file was left behind"
+        );
         assert!(files[1].exists(), "a persisted file was removed");
         assert!(tier.path().exists());
     }

@@ -519,7 +519,9 @@ fn dir_error(dir: &Path, what: impl std::fmt::Display) -> Error {
 pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     if dir.as_os_str().is_empty() {
-        return Err(Error::invalid_argument("the disk directory is an empty path"));
+        return Err(Error::invalid_argument(
+            "the disk directory is an empty path",
+        ));
     }
     let meta = match std::fs::metadata(dir) {
         Ok(m) => m,
@@ -633,9 +635,7 @@ fn remove_stale_files(dir: &Path) {
         else {
             continue;
         };
-        let ours = file
-            .metadata()
-            .is_ok_and(|m| m.is_file() && m.uid() == me);
+        let ours = file.metadata().is_ok_and(|m| m.is_file() && m.uid() == me);
         if ours && matches!(lock(&file, true), Ok(true)) {
             match std::fs::remove_file(&path) {
                 Ok(()) => tracing::info!(

@@ -746,10 +746,26 @@ fn block_files(dir: &Path) -> Vec<PathBuf> {
 #[test]
 fn sizes_from_input_are_bounded() {
     let huge: Vec<(&str, String, Vec<&str>)> = vec![
-        ("max_tokens 2^62", (1u64 << 62).to_string(), vec!["line 1", "max_tokens", "16777216"]),
-        ("max_tokens 1e12", "1000000000000".into(), vec!["line 1", "max_tokens"]),
-        ("max_tokens u64::MAX", u64::MAX.to_string(), vec!["line 1", "max_tokens"]),
-        ("prompt + max_tokens", "16777215".into(), vec!["line 1", "prompt", "max_tokens"]),
+        (
+            "max_tokens 2^62",
+            (1u64 << 62).to_string(),
+            vec!["line 1", "max_tokens", "16777216"],
+        ),
+        (
+            "max_tokens 1e12",
+            "1000000000000".into(),
+            vec!["line 1", "max_tokens"],
+        ),
+        (
+            "max_tokens u64::MAX",
+            u64::MAX.to_string(),
+            vec!["line 1", "max_tokens"],
+        ),
+        (
+            "prompt + max_tokens",
+            "16777215".into(),
+            vec!["line 1", "prompt", "max_tokens"],
+        ),
     ];
     for (what, max_tokens, needles) in huge {
         let dir = tmp();
@@ -771,8 +787,11 @@ fn sizes_from_input_are_bounded() {
     // Within the per-request limit but beyond the device: named, nothing started.
     let dir = tmp();
     let trace = dir.path().join("t.jsonl");
-    std::fs::write(&trace, r#"{"id":"a","arrival":0,"prompt":[1,2],"max_tokens":16000000}"#)
-        .expect("write trace");
+    std::fs::write(
+        &trace,
+        r#"{"id":"a","arrival":0,"prompt":[1,2],"max_tokens":16000000}"#,
+    )
+    .expect("write trace");
     let out = kvbm(dir.path())
         .args(["replay", "--trace"])
         .arg(&trace)
@@ -788,7 +807,10 @@ fn sizes_from_input_are_bounded() {
             .expect("run kvbm");
         assert_clean_failure(&out, &format!("--requests {n}"), &["--requests", "1000000"]);
         assert_eq!(out.status.code(), Some(2));
-        assert!(block_files(dir.path()).is_empty(), "--requests {n}: disk file left");
+        assert!(
+            block_files(dir.path()).is_empty(),
+            "--requests {n}: disk file left"
+        );
     }
 }
 
@@ -890,7 +912,11 @@ fn disk_dir_creates_only_its_last_component() {
         .arg(&nested)
         .output()
         .expect("run kvbm");
-    assert_clean_failure(&out, "nested --disk-dir", &["only the last component", "a/b"]);
+    assert_clean_failure(
+        &out,
+        "nested --disk-dir",
+        &["only the last component", "a/b"],
+    );
     assert!(!dir.path().join("a").exists(), "a parent was created");
     let last = dir.path().join("new");
     let out = kvbm(dir.path())
@@ -899,9 +925,15 @@ fn disk_dir_creates_only_its_last_component() {
         .output()
         .expect("run kvbm");
     assert_ok(&out, "--disk-dir with a missing last component");
-    let mode = std::fs::metadata(&last).expect("created").permissions().mode();
+    let mode = std::fs::metadata(&last)
+        .expect("created")
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o700, "created with mode {mode:o}");
-    assert!(block_files(&last).is_empty(), "the disk file was left behind");
+    assert!(
+        block_files(&last).is_empty(),
+        "the disk file was left behind"
+    );
 }
 
 #[test]
@@ -1297,4 +1329,3 @@ mod trace_parser {
         }
     }
 }
-

@@ -15,7 +15,10 @@ const BYTES_PER_BLOCK: [usize; 3] = [1, 65_536, usize::MAX / 2];
 /// What every configuration that loaded promises.
 fn check_loaded(c: &Config) {
     assert!(c.validate().is_ok());
-    assert!(!c.disk.dir.as_os_str().is_empty(), "empty disk.dir accepted");
+    assert!(
+        !c.disk.dir.as_os_str().is_empty(),
+        "empty disk.dir accepted"
+    );
     for gb in [c.host.cache_gb, c.disk.cache_gb].into_iter().flatten() {
         assert!(gb.is_finite() && gb >= 0.0, "cache_gb {gb}");
     }

@@ -106,7 +106,9 @@ impl Greeting {
             if self.buf.len() == want && want > 4 {
                 return serde_json::from_slice(&self.buf[4..])
                     .map(Some)
-                    .map_err(|e| Error::new(ErrorKind::Decode, format!("malformed greeting: {e}")));
+                    .map_err(|e| {
+                        Error::new(ErrorKind::Decode, format!("malformed greeting: {e}"))
+                    });
             }
             let mut chunk = [0u8; 4 + MAX_GREETING];
             let room = want - self.buf.len();
@@ -152,7 +154,9 @@ pub fn accept_ranks(
                     }
                     match Greeting::new(stream, peer) {
                         Ok(g) => pending.push_back(g),
-                        Err(e) => tracing::warn!(%peer, error = %e, "engine channel: cannot configure a connection; closed"),
+                        Err(e) => {
+                            tracing::warn!(%peer, error = %e, "engine channel: cannot configure a connection; closed")
+                        }
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -171,7 +175,9 @@ pub fn accept_ranks(
                         let _ = g.stream.set_nodelay(true);
                         *slot = Some(RemoteRank::new(rank, g.stream));
                     }
-                    _ => tracing::warn!(peer = %g.peer, rank, "engine channel: unexpected rank; closed"),
+                    _ => {
+                        tracing::warn!(peer = %g.peer, rank, "engine channel: unexpected rank; closed")
+                    }
                 },
                 Ok(None) if g.since.elapsed() > GREETING_TIMEOUT => {
                     tracing::warn!(peer = %g.peer, "engine channel: no greeting within {GREETING_TIMEOUT:?}; closed");

@@ -267,8 +267,9 @@ fn write_private_file(dir: &std::path::Path, stem: &str, contents: &[u8]) -> Res
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some((path, e)),
             Err(e) => {
-                return Err(Error::io("create the workers' configuration", e)
-                    .with("path", path.display()))
+                return Err(
+                    Error::io("create the workers' configuration", e).with("path", path.display())
+                )
             }
         }
     }

@@ -115,8 +115,9 @@ impl SimOptions {
         let block_size = self.block_size.max(1);
         let capacity = self.device_blocks.saturating_mul(block_size);
         for r in workload {
-            let tokens = request_tokens(r.prompt.len(), r.max_tokens)
-                .map_err(|e| sim_err(format!("request {:?}: {e}", r.id)).with("field", "max_tokens"))?;
+            let tokens = request_tokens(r.prompt.len(), r.max_tokens).map_err(|e| {
+                sim_err(format!("request {:?}: {e}", r.id)).with("field", "max_tokens")
+            })?;
             if tokens > capacity {
                 return Err(sim_err(format!(
                     "request {:?} needs {} device blocks but the device has {}; raise --device-blocks",

@@ -145,7 +145,11 @@ pub fn read_trace(path: &Path) -> Result<Vec<TraceRequest>> {
         )
     };
     let file = std::fs::File::open(path).map_err(|e| cannot(&e))?;
-    let too_large = || cannot(&format!("larger than {MAX_TRACE_BYTES} bytes (the most a trace may hold)"));
+    let too_large = || {
+        cannot(&format!(
+            "larger than {MAX_TRACE_BYTES} bytes (the most a trace may hold)"
+        ))
+    };
     if file.metadata().map_err(|e| cannot(&e))?.len() > MAX_TRACE_BYTES {
         return Err(too_large());
     }
