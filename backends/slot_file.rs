@@ -5,7 +5,9 @@
 //! A [`SlotFile`] owns one file in its directory, created with a unique name (process id +
 //! counter), mode `0600`, `O_EXCL | O_NOFOLLOW`, preallocated to its full size, switched to
 //! O_DIRECT when asked and the filesystem accepts it (checked with an aligned write and read), and
-//! removed when dropped unless persisted.
+//! removed when dropped unless persisted. Block `b` sits in a *slot* of
+//! `round_up(bytes_per_block, 4096)` bytes at byte offset `b × slot`, so every slot starts on a
+//! [`DISK_ALIGNMENT`] boundary.
 //!
 //! Files are handled so that nobody else can swap or plant them:
 //! * the file is opened exactly once: O_DIRECT is turned on with `fcntl(F_SETFL)` on that
@@ -18,8 +20,7 @@
 //!   SIGKILL cannot remove its file, so each new tier removes, in its directory, the files named
 //!   like a tier's (`kvbm-<tier>-<pid>-<n>.blocks`) whose process is gone and whose lock is free
 //!   (both checked, so a live tier's file, even from another pid namespace, is never removed).
-//!   A persisted file is named `kvbm-<tier>-<pid>-<n>.persist.blocks` and never removed. Block `b` sits in a *slot* of `round_up(bytes_per_block, 4096)` bytes
-//! at byte offset `b × slot`, so every slot starts on a [`DISK_ALIGNMENT`] boundary.
+//!   A persisted file is named `kvbm-<tier>-<pid>-<n>.persist.blocks` and never removed.
 //!
 //! The tiers do the I/O their own way; the protocol around it is here, in
 //! [`SlotFile::read_verified`] and [`SlotFile::write_recorded`]:
