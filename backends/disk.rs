@@ -421,6 +421,19 @@ mod tests {
             err.to_string().contains(&*foreign.to_string_lossy()),
             "{err}"
         );
+        // A stranger's symlink in the directory's place (as in a shared /tmp) is not followed.
+        let mine = dir.path().join("mine");
+        std::fs::create_dir(&mine).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&mine, &link).unwrap();
+        std::os::unix::fs::lchown(&link, Some(54_321), Some(54_321)).unwrap();
+        let err =
+            DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(&link)).unwrap_err();
+        assert!(
+            err.to_string().contains("symbolic link owned by uid 54321"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_dir(&mine).unwrap().count(), 0);
     }
 
     /// Issue 13, item 8: the file is opened once. Replacing its path with a symlink after

@@ -524,6 +524,21 @@ pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
             "the disk directory is an empty path",
         ));
     }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    // A symlink in the directory's place is followed only when this user or root made it (a
+    // stranger's link in a shared /tmp must not redirect the tier).
+    if let Ok(link) = std::fs::symlink_metadata(dir) {
+        if link.file_type().is_symlink() && link.uid() != me && link.uid() != 0 {
+            return Err(dir_error(
+                dir,
+                format_args!(
+                    "a symbolic link owned by uid {}; refusing to follow it",
+                    link.uid()
+                ),
+            ));
+        }
+    }
     let meta = match std::fs::metadata(dir) {
         Ok(m) => m,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -556,8 +571,6 @@ pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
     if !meta.is_dir() {
         return Err(dir_error(dir, "not a directory"));
     }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
     if meta.uid() != me && meta.uid() != 0 {
         return Err(dir_error(
             dir,

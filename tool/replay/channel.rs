@@ -144,7 +144,9 @@ pub fn accept_ranks(
     let mut ranks: Vec<Option<RemoteRank>> = (0..tp).map(|_| None).collect();
     let mut pending: std::collections::VecDeque<Greeting> = std::collections::VecDeque::new();
     while ranks.iter().any(Option::is_none) {
-        loop {
+        // At most a pending table's worth of accepts per round, so a flood of connections
+        // cannot keep the greetings from being read.
+        for _ in 0..MAX_PENDING_GREETINGS {
             match listener.accept() {
                 Ok((stream, peer)) => {
                     if pending.len() >= MAX_PENDING_GREETINGS {
