@@ -112,9 +112,9 @@ pub struct DiskConfig {
     /// Capacity in blocks; overrides `cache_gb`. Default: unset.
     pub cache_blocks: Option<usize>,
     /// Directory for the tier's file. Default: `$TMPDIR/kvbm-<uid>` (system temp dir; one per
-    /// user, created `0700`). Must not be empty; see
-    /// [`DiskTierOptions::dir`](crate::backends::disk::DiskTierOptions::dir) for what is created
-    /// and checked.
+    /// user, created `0700`). Must not be empty. Only its last component is created (`0700`);
+    /// a directory owned by another user (not root) or writable by others without the sticky
+    /// bit is refused (the disk tier's `DiskTierOptions::dir`).
     pub dir: PathBuf,
     /// Offload a block to disk only after it was seen this many times; 1 admits every block.
     /// Default: 1.
