@@ -799,6 +799,37 @@ fn sizes_from_input_are_bounded() {
         .expect("run kvbm");
     assert_clean_failure(&out, "beyond the device", &["\"a\"", "--device-blocks"]);
     assert!(block_files(dir.path()).is_empty());
+    // An arrival step past the limit (u64::MAX overflowed the step counter).
+    let dir = tmp();
+    let trace = dir.path().join("t.jsonl");
+    std::fs::write(
+        &trace,
+        format!(
+            "{}\n{}\n",
+            r#"{"id":"a","arrival":0,"prompt":[1,2],"max_tokens":2}"#,
+            r#"{"id":"b","arrival":18446744073709551615,"prompt":[1,2],"max_tokens":2}"#
+        ),
+    )
+    .expect("write trace");
+    let out = kvbm(dir.path())
+        .args(["replay", "--trace"])
+        .arg(&trace)
+        .output()
+        .expect("run kvbm");
+    assert_clean_failure(&out, "arrival u64::MAX", &["line 2", "arrival"]);
+    for (flag, value) in [
+        ("--arrival-gap", "18446744073709551615"),
+        ("--device-blocks", "100000000000000000"),
+    ] {
+        let dir = tmp();
+        let out = kvbm(dir.path())
+            .args(["replay", "--requests", "4", flag, value])
+            .output()
+            .expect("run kvbm");
+        assert_clean_failure(&out, flag, &[flag]);
+        assert_eq!(out.status.code(), Some(2), "{flag}");
+        assert!(block_files(dir.path()).is_empty(), "{flag}: disk file left");
+    }
     for n in ["1000000000000", "1000001", "0"] {
         let dir = tmp();
         let out = kvbm(dir.path())
@@ -1185,6 +1216,29 @@ mod generators {
         }
     }
 
+    /// The generator's arrivals stay within MAX_ARRIVAL at the largest gap and the most
+    /// requests (multi-turn: conversation c's turn t arrives at (c + 6t) × gap; the others at
+    /// i × gap), so a bounded `--arrival-gap` can never make an arrival the replay refuses.
+    #[test]
+    fn largest_generated_arrival_is_within_the_limit() {
+        let n = MAX_REQUESTS as u64;
+        let multi_turn = (n.div_ceil(4) + 6 * 3) * MAX_ARRIVAL_GAP;
+        let others = (n - 1) * MAX_ARRIVAL_GAP;
+        assert!(multi_turn.max(others) <= MAX_ARRIVAL);
+        for kind in [
+            WorkloadKind::MultiTurn,
+            WorkloadKind::SharedPrefix,
+            WorkloadKind::Random,
+        ] {
+            let size = WorkloadSize {
+                requests: 8,
+                arrival_gap: MAX_ARRIVAL_GAP,
+            };
+            let w = generate_workload(kind, 3, size);
+            assert!(w.iter().all(|r| r.arrival <= MAX_ARRIVAL), "{kind}");
+        }
+    }
+
     #[test]
     fn multi_turn_prompts_extend_with_the_models_answers() {
         let w = generate_workload(
@@ -1213,7 +1267,7 @@ mod generators {
 
 mod trace_parser {
     use super::trace::{parse_trace, read_trace, MAX_TRACE_BYTES};
-    use super::workload::{TraceRequest, MAX_REQUESTS, MAX_REQUEST_TOKENS};
+    use super::workload::{TraceRequest, MAX_ARRIVAL, MAX_REQUESTS, MAX_REQUEST_TOKENS};
     use kvbm_connector::error::ErrorKind;
     use proptest::prelude::*;
 
@@ -1255,6 +1309,7 @@ mod trace_parser {
         for r in reqs {
             assert!(!r.id.is_empty() && !r.prompt.is_empty() && r.max_tokens >= 1);
             assert!(r.prompt.len() + r.max_tokens <= MAX_REQUEST_TOKENS);
+            assert!(r.arrival <= MAX_ARRIVAL);
         }
         assert!(reqs.windows(2).all(|w| w[0].arrival <= w[1].arrival));
     }

@@ -167,6 +167,14 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
                 ))
                 .with("flag", "--requests"));
             }
+            if a.arrival_gap > workload::MAX_ARRIVAL_GAP {
+                return Err(Error::invalid_argument(format!(
+                    "--arrival-gap is {}; at most {}",
+                    a.arrival_gap,
+                    workload::MAX_ARRIVAL_GAP
+                ))
+                .with("flag", "--arrival-gap"));
+            }
             generate_workload(
                 a.workload,
                 a.seed,

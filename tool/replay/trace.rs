@@ -3,7 +3,8 @@
 //!
 //! Invariants of a parsed trace (every size that comes from the file is bounded before anything
 //! is sized by it): at most [`MAX_TRACE_BYTES`] read, at most [`MAX_REQUESTS`] requests, each
-//! with `prompt + max_tokens <= MAX_REQUEST_TOKENS` (checked without overflow), a non-empty id
+//! with `prompt + max_tokens <= MAX_REQUEST_TOKENS` (checked without overflow), an arrival at
+//! most [`MAX_ARRIVAL`], a non-empty id
 //! and prompt, `max_tokens >= 1`, unique ids; sorted by arrival. Any input gives `Ok` or an
 //! [`ErrorKind::InvalidArgument`] naming the line and field, never a panic.
 //!
@@ -15,7 +16,9 @@ use std::path::Path;
 
 use kvbm_connector::error::{Error, ErrorKind, Result};
 
-use super::workload::{request_tokens, TraceRequest, MAX_REQUESTS, MAX_REQUEST_TOKENS};
+use super::workload::{
+    request_tokens, TraceRequest, MAX_ARRIVAL, MAX_REQUESTS, MAX_REQUEST_TOKENS,
+};
 
 /// Largest trace file read: 1 GiB. Parsing holds the text and one line's JSON value at a time,
 /// so memory stays within a small multiple of this.
@@ -68,6 +71,11 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRequest>> {
                 Some(v) if key == "max_tokens" && v.as_u64().is_some_and(|m| m > MAX_REQUEST_TOKENS as u64) => {
                     return bad(&format!(
                         "field \"max_tokens\" is {v}; at most {MAX_REQUEST_TOKENS} tokens per request"
+                    ))
+                }
+                Some(v) if key == "arrival" && v.as_u64().is_some_and(|a| a > MAX_ARRIVAL) => {
+                    return bad(&format!(
+                        "field \"arrival\" is {v}; at most {MAX_ARRIVAL} (engine steps)"
                     ))
                 }
                 Some(v) if v.as_u64().is_some() => {}
