@@ -1,8 +1,10 @@
 //! The `disk` backend (G3): blocks in one preallocated file, O_DIRECT where the filesystem allows.
 //!
 //! A [`DiskTier`] owns exactly one file in its configured directory, created with a unique name
-//! (process id + counter), mode `0600` and `O_EXCL`, preallocated to its full size, and removed
-//! when the tier is dropped (unless [`DiskTierOptions::persist`] is set). The file holds canonical
+//! (process id + counter), mode `0600` and `O_EXCL | O_NOFOLLOW`, opened once, preallocated to
+//! its full size, and removed when the tier is dropped (unless [`DiskTierOptions::persist`] is
+//! set) or, after a SIGKILL, by the next tier created in that directory. The directory is kept
+//! private (see `slot_file.rs`: created `0700`, owner and mode checked). The file holds canonical
 //! block images (its [`Layout`] is always fully contiguous): block `b` sits in a *slot* of
 //! `round_up(bytes_per_block, 4096)` bytes at byte offset `b × slot`, so every slot starts on a
 //! [`DISK_ALIGNMENT`] boundary.
@@ -49,13 +51,16 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 4;
 /// How to create a [`DiskTier`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskTierOptions {
-    /// Directory for the tier's file; created (with parents) if missing.
+    /// Directory for the tier's file. When missing, its last component is created (mode `0700`;
+    /// the parent must exist); it must be owned by this user or root and not writable by others
+    /// unless sticky. Files of dead processes found in it are removed (see the module docs).
     pub dir: PathBuf,
     /// Use O_DIRECT when the filesystem accepts it. Default `true`; when refused the tier falls
     /// back to buffered I/O (see [`DiskTier::direct_io_fallback_reason`]).
     pub direct_io: bool,
-    /// Keep the file when the tier is dropped. Default `false`. A kept file cannot be reopened as a
-    /// tier (its checksums were in memory); it is for inspection only.
+    /// Keep the file when the tier is dropped (or its process is killed). Default `false`. A kept
+    /// file is named `kvbm-<tier>-<pid>-<n>.persist.blocks`; it cannot be reopened as a tier (its
+    /// checksums were in memory) and is for inspection only.
     pub persist: bool,
     /// Blocking calls the tier serves well in parallel, reported in [`Capability::max_in_flight`];
     /// also the number of bounce buffers kept for reuse. Default [`DEFAULT_MAX_IN_FLIGHT`] (4);
@@ -141,7 +146,7 @@ impl DiskTier {
         dims: LayoutDims,
         num_blocks: usize,
         opts: DiskTierOptions,
-        open_direct: impl FnOnce(&Path) -> std::result::Result<std::fs::File, String>,
+        open_direct: impl FnOnce(&std::fs::File) -> std::result::Result<(), String>,
     ) -> Result<Self> {
         let slots = SlotFile::create_with(kind, dims, num_blocks, &opts, open_direct)?;
         Self::from_slots(slots, &opts)
@@ -361,10 +366,165 @@ mod tests {
     #[test]
     fn two_tiers_get_distinct_files_and_missing_dir_is_created() {
         let dir = tempfile::tempdir().unwrap();
-        let nested = dir.path().join("a/b");
-        let a = tier_in(&nested, false);
-        let b = tier_in(&nested, false);
+        let created = dir.path().join("a");
+        let a = tier_in(&created, false);
+        let b = tier_in(&created, false);
         assert_ne!(a.path(), b.path());
+        let mode = std::fs::metadata(&created).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "created {mode:o}");
+    }
+
+    /// Issue 13, item 11: only the last component of the directory is created.
+    #[test]
+    fn only_the_last_component_is_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let nested = dir.path().join("a/b");
+        let err =
+            DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(&nested)).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+        assert!(err.to_string().contains("only the last component"), "{err}");
+        assert!(!dir.path().join("a").exists());
+        let err =
+            DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new("")).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    }
+
+    /// Issue 13, item 8: a directory another user controls is refused, naming the path.
+    #[test]
+    fn foreign_or_insecure_dir_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err =
+            DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(&open)).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+        assert!(err.to_string().contains("writable by other users"), "{err}");
+        assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0);
+        // Sticky (like /tmp) is fine.
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        drop(tier_in(&open, false));
+
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("skipped the foreign-owner case: needs root to chown");
+            return;
+        }
+        let foreign = dir.path().join("foreign");
+        std::fs::create_dir(&foreign).unwrap();
+        std::os::unix::fs::chown(&foreign, Some(54_321), Some(54_321)).unwrap();
+        let err = DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(&foreign))
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+        assert!(err.to_string().contains("owned by uid 54321"), "{err}");
+        assert!(
+            err.to_string().contains(&*foreign.to_string_lossy()),
+            "{err}"
+        );
+        // A stranger's symlink in the directory's place (as in a shared /tmp) is not followed.
+        let mine = dir.path().join("mine");
+        std::fs::create_dir(&mine).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&mine, &link).unwrap();
+        std::os::unix::fs::lchown(&link, Some(54_321), Some(54_321)).unwrap();
+        let err =
+            DiskTier::create(TierKind::Disk, dims(), 2, DiskTierOptions::new(&link)).unwrap_err();
+        assert!(
+            err.to_string().contains("symbolic link owned by uid 54321"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_dir(&mine).unwrap().count(), 0);
+    }
+
+    /// Issue 13, item 8: the file is opened once. Replacing its path with a symlink after
+    /// creation (where O_DIRECT used to reopen it by path) changes nothing: the tier keeps
+    /// writing the inode it created and the symlink's target is untouched.
+    #[test]
+    fn a_swapped_path_is_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let tier = DiskTier::create_with(
+            TierKind::Disk,
+            dims(),
+            2,
+            DiskTierOptions::new(dir.path()),
+            |file| {
+                let created = std::fs::read_dir(dir.path())
+                    .unwrap()
+                    .map(|e| e.unwrap().path())
+                    .find(|p| p.extension().is_some_and(|x| x == "blocks"))
+                    .unwrap();
+                std::fs::rename(&created, dir.path().join("moved")).unwrap();
+                std::os::unix::fs::symlink(&victim, &created).unwrap();
+                crate::backends::slot_file::open_direct(file)
+            },
+        )
+        .unwrap();
+        let bpb = tier.bytes_per_block();
+        tier.write_block_from_slice(1, &image(1, bpb)).unwrap();
+        assert_eq!(tier.read_block_to_vec(1).unwrap(), image(1, bpb));
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        let moved = std::fs::read(dir.path().join("moved")).unwrap();
+        assert_eq!(
+            &moved[tier.slot_bytes()..tier.slot_bytes() + bpb],
+            &image(1, bpb)[..]
+        );
+    }
+
+    /// Issue 13, item 8: a run killed with SIGKILL leaves its file, and the next tier created in
+    /// that directory removes it; a persisted file is kept. The killed run is this test binary
+    /// run again as a child (`KVBM_TEST_SIGKILL_CHILD` set), which creates a tier and waits.
+    #[test]
+    fn files_of_killed_processes_are_removed() {
+        use std::io::BufRead;
+        const CHILD: &str = "KVBM_TEST_SIGKILL_CHILD";
+        if let Some(dir) = std::env::var_os(CHILD) {
+            for persist in [false, true] {
+                let tier = DiskTier::create(
+                    TierKind::Disk,
+                    dims(),
+                    4,
+                    DiskTierOptions::new(&dir).with_persist(persist),
+                )
+                .unwrap();
+                println!("FILE {}", tier.path().display());
+                std::mem::forget(tier);
+            }
+            std::thread::sleep(std::time::Duration::from_secs(60));
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "backends::disk::tests::files_of_killed_processes_are_removed",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, dir.path())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut files = Vec::new();
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        while files.len() < 2 {
+            let line = lines.next().expect("the child printed its files").unwrap();
+            // libtest may print its "test ... " prefix on the same line.
+            if let Some(at) = line.find("FILE ") {
+                files.push(PathBuf::from(&line[at + 5..]));
+            }
+        }
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        assert!(files.iter().all(|f| f.exists()), "the killed child's files");
+        let tier = tier_in(dir.path(), false);
+        assert!(
+            !files[0].exists(),
+            "the killed child's file was left behind"
+        );
+        assert!(files[1].exists(), "a persisted file was removed");
+        assert!(tier.path().exists());
     }
 
     #[test]

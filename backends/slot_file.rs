@@ -3,10 +3,24 @@
 //! creation, its slots and the per-block checksum table that makes every read verified.
 //!
 //! A [`SlotFile`] owns one file in its directory, created with a unique name (process id +
-//! counter), mode `0600` and `O_EXCL`, preallocated to its full size, opened with O_DIRECT when
-//! asked and the filesystem accepts it (checked with an aligned write and read), and removed when
-//! dropped unless persisted. Block `b` sits in a *slot* of `round_up(bytes_per_block, 4096)` bytes
-//! at byte offset `b × slot`, so every slot starts on a [`DISK_ALIGNMENT`] boundary.
+//! counter), mode `0600`, `O_EXCL | O_NOFOLLOW`, preallocated to its full size, switched to
+//! O_DIRECT when asked and the filesystem accepts it (checked with an aligned write and read), and
+//! removed when dropped unless persisted. Block `b` sits in a *slot* of
+//! `round_up(bytes_per_block, 4096)` bytes at byte offset `b × slot`, so every slot starts on a
+//! [`DISK_ALIGNMENT`] boundary.
+//!
+//! Files are handled so that nobody else can swap or plant them:
+//! * the file is opened exactly once: O_DIRECT is turned on with `fcntl(F_SETFL)` on that
+//!   descriptor, never by reopening the path, so what is registered and written is the inode that
+//!   was created;
+//! * the directory ([`prepare_dir`]) is created only as its last component, mode `0700` (its
+//!   parent must exist); an existing directory must be owned by this user (or root) and not
+//!   writable by others unless sticky (like `/tmp`), else creation is refused naming the path;
+//! * while the tier lives its file is held under an exclusive `flock`. A process killed with
+//!   SIGKILL cannot remove its file, so each new tier removes, in its directory, the files named
+//!   like a tier's (`kvbm-<tier>-<pid>-<n>.blocks`) whose process is gone and whose lock is free
+//!   (both checked, so a live tier's file, even from another pid namespace, is never removed).
+//!   A persisted file is named `kvbm-<tier>-<pid>-<n>.persist.blocks` and never removed.
 //!
 //! The tiers do the I/O their own way; the protocol around it is here, in
 //! [`SlotFile::read_verified`] and [`SlotFile::write_recorded`]:
@@ -43,6 +57,10 @@ pub(crate) const IOV_MAX: usize = 1024;
 /// How many names to try when a generated file name already exists (a stale persisted file).
 const NAME_ATTEMPTS: u32 = 64;
 
+/// Most directory entries looked at for files of dead processes per tier created: keeps start-up
+/// bounded in a directory shared with much else.
+const MAX_STALE_SCAN: usize = 4096;
+
 /// Distinguishes the files of the tiers of one process.
 static NEXT_FILE_ID: AtomicU64 = AtomicU64::new(0);
 
@@ -75,8 +93,10 @@ impl std::fmt::Debug for SlotFile {
 }
 
 impl SlotFile {
-    /// Creates one preallocated file for `num_blocks` blocks of `dims` in `opts.dir` (created if
-    /// missing), opened again with O_DIRECT (and probed) when `opts.direct_io` is set.
+    /// Creates one preallocated file for `num_blocks` blocks of `dims` in `opts.dir` (its last
+    /// component created `0700` if missing; see [`prepare_dir`]), switched to O_DIRECT (and
+    /// probed) when `opts.direct_io` is set; files of dead processes in the directory are removed
+    /// first.
     ///
     /// Errors: `max_in_flight == 0` ([`ErrorKind::InvalidArgument`]), invalid dimensions or a
     /// file size that does not fit an `off_t` ([`ErrorKind::InvalidLayout`]), no room to
@@ -91,14 +111,14 @@ impl SlotFile {
         Self::create_with(kind, dims, num_blocks, opts, open_direct)
     }
 
-    /// [`Self::create`] with the O_DIRECT opener (open + probe) passed in, so tests can force a
-    /// fallback.
+    /// [`Self::create`] with the O_DIRECT switch (set + probe, on the open file) passed in, so
+    /// tests can force a fallback.
     pub(crate) fn create_with(
         kind: TierKind,
         dims: LayoutDims,
         num_blocks: usize,
         opts: &DiskTierOptions,
-        open_direct: impl FnOnce(&Path) -> std::result::Result<File, String>,
+        open_direct: impl FnOnce(&File) -> std::result::Result<(), String>,
     ) -> Result<Self> {
         if opts.max_in_flight == 0 {
             return Err(
@@ -123,12 +143,9 @@ impl SlotFile {
                 .with("tier", kind)
             })?;
 
-        std::fs::create_dir_all(&opts.dir).map_err(|e| {
-            Error::io("create_dir", e)
-                .with("tier", kind)
-                .with("path", opts.dir.display())
-        })?;
-        let (path, file) = create_file(kind, &opts.dir)?;
+        prepare_dir(&opts.dir).map_err(|e| e.with("tier", kind))?;
+        remove_stale_files(&opts.dir);
+        let (path, file) = create_file(kind, &opts.dir, opts.persist)?;
 
         if let Err(e) = preallocate(&file, file_bytes) {
             let err = if e.raw_os_error() == Some(libc::ENOSPC) {
@@ -144,21 +161,27 @@ impl SlotFile {
             return Err(err.with("tier", kind).with("path", path.display()));
         }
 
-        let (file, direct_io, fallback_reason) = if opts.direct_io {
-            match open_direct(&path) {
-                Ok(direct) => (direct, true, None),
+        let (direct_io, fallback_reason) = if opts.direct_io {
+            match open_direct(&file) {
+                Ok(()) => (true, None),
                 Err(reason) => {
+                    if let Err(e) = set_direct(&file, false) {
+                        remove_quietly(&path);
+                        return Err(Error::io("fcntl", e)
+                            .with("tier", kind)
+                            .with("path", path.display()));
+                    }
                     tracing::warn!(
                         tier = %kind,
                         path = %path.display(),
                         %reason,
                         "O_DIRECT unavailable; disk tier falls back to buffered I/O"
                     );
-                    (file, false, Some(reason))
+                    (false, Some(reason))
                 }
             }
         } else {
-            (file, false, None)
+            (false, None)
         };
         tracing::debug!(
             tier = %kind,
@@ -421,21 +444,32 @@ fn remove_quietly(path: &Path) {
     }
 }
 
-/// Creates a new file with a unique name in `dir`, mode 0600, readable and writable.
-fn create_file(kind: TierKind, dir: &Path) -> Result<(PathBuf, File)> {
+/// Creates a new file with a unique name in `dir` (`O_EXCL | O_NOFOLLOW`, mode 0600, readable
+/// and writable) and takes its exclusive `flock`, held as long as the file is open.
+fn create_file(kind: TierKind, dir: &Path, persist: bool) -> Result<(PathBuf, File)> {
     let pid = std::process::id();
+    let suffix = if persist { ".persist" } else { "" };
     let mut last_err = None;
     for _ in 0..NAME_ATTEMPTS {
         let id = NEXT_FILE_ID.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("kvbm-{kind}-{pid}-{id}.blocks"));
+        let path = dir.join(format!("kvbm-{kind}-{pid}-{id}{suffix}.blocks"));
         match OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
         {
-            Ok(file) => return Ok((path, file)),
+            Ok(file) => {
+                if let Err(e) = lock(&file, false) {
+                    remove_quietly(&path);
+                    return Err(Error::io("flock", e)
+                        .with("tier", kind)
+                        .with("path", path.display()));
+                }
+                return Ok((path, file));
+            }
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last_err = Some((path, e)),
             Err(e) => {
                 return Err(Error::io("create", e)
@@ -450,6 +484,187 @@ fn create_file(kind: TierKind, dir: &Path) -> Result<(PathBuf, File)> {
             .with("path", path.display()),
         None => Error::internal("no file name was tried"),
     })
+}
+
+/// `flock(LOCK_EX | LOCK_NB)` on `file`; `Ok(false)` when another open file holds it (only
+/// when `try_only`; otherwise that is an error too).
+fn lock(file: &File, try_only: bool) -> io::Result<bool> {
+    loop {
+        // SAFETY: plain syscall on a descriptor we own; no memory is passed.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) if try_only => return Ok(false),
+            _ => return Err(e),
+        }
+    }
+}
+
+/// The error for a disk directory that cannot be used safely or at all.
+fn dir_error(dir: &Path, what: impl std::fmt::Display) -> Error {
+    Error::invalid_argument(format!("disk directory {}: {what}", dir.display()))
+        .with("path", dir.display())
+}
+
+/// Makes `dir` ready for a tier's file: creates its last component (mode `0700`; the parent must
+/// exist, nothing else is created) when missing, and checks that the directory is owned by this
+/// user or root and is not writable by others unless sticky.
+///
+/// Errors ([`ErrorKind::InvalidArgument`] naming the path): an empty path, a missing parent, a
+/// path that is not a directory, a foreign owner, a group- or world-writable non-sticky
+/// directory; [`ErrorKind::Io`] for another failure to create it.
+pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    if dir.as_os_str().is_empty() {
+        return Err(Error::invalid_argument(
+            "the disk directory is an empty path",
+        ));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    // A symlink in the directory's place is followed only when this user or root made it (a
+    // stranger's link in a shared /tmp must not redirect the tier).
+    if let Ok(link) = std::fs::symlink_metadata(dir) {
+        if link.file_type().is_symlink() && link.uid() != me && link.uid() != 0 {
+            return Err(dir_error(
+                dir,
+                format_args!(
+                    "a symbolic link owned by uid {}; refusing to follow it",
+                    link.uid()
+                ),
+            ));
+        }
+    }
+    let meta = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let parent = match dir.parent() {
+                Some(p) if p.as_os_str().is_empty() => Path::new("."),
+                Some(p) => p,
+                None => Path::new("/"),
+            };
+            if !parent.is_dir() {
+                return Err(dir_error(
+                    dir,
+                    format_args!(
+                        "its parent {} is not an existing directory (only the last component \
+                         is created)",
+                        parent.display()
+                    ),
+                ));
+            }
+            match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(Error::io("create_dir", e).with("path", dir.display()));
+                }
+            }
+            std::fs::metadata(dir).map_err(|e| Error::io("stat", e).with("path", dir.display()))?
+        }
+        Err(e) => return Err(Error::io("stat", e).with("path", dir.display())),
+    };
+    if !meta.is_dir() {
+        return Err(dir_error(dir, "not a directory"));
+    }
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(dir_error(
+            dir,
+            format_args!(
+                "owned by uid {}, not by this user (uid {me}) or root; refusing to keep the disk \
+                 tier's file where another user controls it",
+                meta.uid()
+            ),
+        ));
+    }
+    let mode = meta.mode();
+    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        return Err(dir_error(
+            dir,
+            format_args!(
+                "writable by other users (mode {:o}) and not sticky; they could replace the disk \
+                 tier's file (use a directory of mode 0700)",
+                mode & 0o7777
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The process id in a non-persisted tier file's name (`kvbm-<tier>-<pid>-<n>.blocks`).
+fn stale_candidate_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix("kvbm-")?.strip_suffix(".blocks")?;
+    let mut parts = rest.rsplitn(3, '-');
+    let n = parts.next()?;
+    let pid = parts.next()?;
+    let kind = parts.next()?;
+    let numeric = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if kind.is_empty() || !numeric(n) || !numeric(pid) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Whether process `pid` exists (as far as this pid namespace can tell).
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return true;
+    }
+    // SAFETY: signal 0 only checks for the process; nothing is sent.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Removes the files of dead processes from `dir` (see the [module docs](self)): named like a
+/// non-persisted tier file, a regular file of this user, its process gone and its lock free.
+/// Failures are logged, never returned: a leftover file only costs space.
+fn remove_stale_files(dir: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let own = std::process::id();
+    for entry in entries.take(MAX_STALE_SCAN).flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(stale_candidate_pid) else {
+            continue;
+        };
+        if pid == own || process_alive(pid) {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+        else {
+            continue;
+        };
+        let ours = file.metadata().is_ok_and(|m| m.is_file() && m.uid() == me);
+        if ours && matches!(lock(&file, true), Ok(true)) {
+            match std::fs::remove_file(&path) {
+                Ok(()) => tracing::info!(
+                    path = %path.display(),
+                    pid,
+                    "removed a disk tier file left by a process that is gone"
+                ),
+                Err(e) => tracing::warn!(
+                    path = %path.display(),
+                    error = %e,
+                    "cannot remove a disk tier file left by a process that is gone"
+                ),
+            }
+        }
+    }
 }
 
 /// Gives the file its full length, with real blocks where the filesystem supports it.
@@ -476,34 +691,57 @@ fn preallocate(file: &File, len: u64) -> io::Result<()> {
     file.set_len(len)
 }
 
-/// Opens `path` again with O_DIRECT and checks that an aligned write and read at slot 0 work.
-/// `Err` carries the reason to report.
-fn open_direct(path: &Path) -> std::result::Result<File, String> {
+/// Sets (or clears) O_DIRECT on the open `file` with `fcntl(F_SETFL)`: the file is never
+/// reopened by path.
+fn set_direct(file: &File, on: bool) -> io::Result<()> {
     #[cfg(target_os = "linux")]
     {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-            .map_err(|e| format!("open with O_DIRECT failed: {e}"))?;
+        // SAFETY: plain syscalls on a descriptor we own; no memory is passed.
+        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+        if flags < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let flags = if on {
+            flags | libc::O_DIRECT
+        } else {
+            flags & !libc::O_DIRECT
+        };
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (file, on);
+        Ok(())
+    }
+}
+
+/// Turns O_DIRECT on for `file` and checks that an aligned write and read at slot 0 work. `Err`
+/// carries the reason to report (the caller clears O_DIRECT again).
+pub(crate) fn open_direct(file: &File) -> std::result::Result<(), String> {
+    #[cfg(target_os = "linux")]
+    {
+        set_direct(file, true).map_err(|e| format!("setting O_DIRECT failed: {e}"))?;
         let mut out = AlignedBuf::new(DISK_ALIGNMENT).map_err(|e| e.to_string())?;
         for (i, b) in out.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 251) as u8;
         }
         let mut back = AlignedBuf::new(DISK_ALIGNMENT).map_err(|e| e.to_string())?;
-        pwritev_all(&file, &[IoSlice::new(out.as_slice())], 0)
+        pwritev_all(file, &[IoSlice::new(out.as_slice())], 0)
             .map_err(|e| format!("O_DIRECT probe write failed: {e}"))?;
-        preadv_all(&file, &mut [IoSliceMut::new(back.as_mut_slice())], 0)
+        preadv_all(file, &mut [IoSliceMut::new(back.as_mut_slice())], 0)
             .map_err(|e| format!("O_DIRECT probe read failed: {e}"))?;
         if out.as_slice() != back.as_slice() {
             return Err("O_DIRECT probe read back different bytes".to_owned());
         }
-        Ok(file)
+        Ok(())
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = path;
+        let _ = file;
         Err("O_DIRECT is only used on Linux".to_owned())
     }
 }

@@ -112,7 +112,10 @@ pub struct DiskConfig {
     pub cache_gb: Option<f64>,
     /// Capacity in blocks; overrides `cache_gb`. Default: unset.
     pub cache_blocks: Option<usize>,
-    /// Directory for the tier's file. Default: `$TMPDIR/kvbm` (system temp dir).
+    /// Directory for the tier's file. Default: `$TMPDIR/kvbm-<uid>` (system temp dir; one per
+    /// user, created `0700`). Must not be empty. Only its last component is created (`0700`);
+    /// a directory owned by another user (not root) or writable by others without the sticky
+    /// bit is refused (the disk tier's `DiskTierOptions::dir`).
     pub dir: PathBuf,
     /// Offload a block to disk only after it was seen this many times; 1 admits every block.
     /// Default: 1.
@@ -132,7 +135,7 @@ impl Default for DiskConfig {
         Self {
             cache_gb: None,
             cache_blocks: None,
-            dir: std::env::temp_dir().join("kvbm"),
+            dir: default_disk_dir(),
             min_frequency: 1,
             direct_io: true,
             persist: false,
@@ -140,6 +143,14 @@ impl Default for DiskConfig {
             io: DiskIo::Builtin,
         }
     }
+}
+
+/// `$TMPDIR/kvbm-<uid>`: private to the user, so users of one machine never share (or fight
+/// over) the default directory.
+fn default_disk_dir() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    std::env::temp_dir().join(format!("kvbm-{uid}"))
 }
 
 /// The transfer engine.
@@ -676,6 +687,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         self.host.validate("host")?;
         self.disk_size().validate("disk")?;
+        self.disk.validate_dir()?;
         self.tcp.validate()?;
         if !(self.init_timeout_secs.is_finite()
             && self.init_timeout_secs > 0.0
@@ -719,10 +731,14 @@ impl Config {
     }
 
     /// Host and disk block counts for blocks of `bytes_per_block` (the leader's barrier answer).
+    ///
+    /// Errors: a size whose bytes (`blocks × bytes_per_block`) exceed `isize::MAX` (what one
+    /// allocation or file offset can address) is [`ErrorKind::InvalidConfig`] naming the setting
+    /// (`host.cache_gb`, `disk.cache_blocks`, ...), not a layout error later.
     pub fn block_counts(&self, bytes_per_block: usize) -> Result<(usize, usize)> {
         Ok((
-            self.host_size().blocks(bytes_per_block)?,
-            self.disk_size().blocks(bytes_per_block)?,
+            sized_blocks("host", &self.host_size(), bytes_per_block)?,
+            sized_blocks("disk", &self.disk_size(), bytes_per_block)?,
         ))
     }
 
@@ -730,6 +746,44 @@ impl Config {
     pub fn to_toml(&self) -> Result<String> {
         toml::to_string(self)
             .map_err(|e| Error::internal(format!("cannot render configuration as TOML: {e}")))
+    }
+}
+
+/// [`TierSize::blocks`] of tier `key`, refused (naming the setting that sized it) when the
+/// tier's bytes would not fit `isize::MAX`.
+fn sized_blocks(key: &str, size: &TierSize, bytes_per_block: usize) -> Result<usize> {
+    let n = size.blocks(bytes_per_block)?;
+    let fits = n
+        .checked_mul(bytes_per_block)
+        .is_some_and(|b| isize::try_from(b).is_ok());
+    if fits {
+        return Ok(n);
+    }
+    let (setting, value) = match (size.cache_blocks, size.cache_gb) {
+        (Some(b), _) => ("cache_blocks", b.to_string()),
+        (None, Some(gb)) => ("cache_gb", format!("{gb:?}")),
+        (None, None) => ("cache_blocks", n.to_string()),
+    };
+    Err(Error::invalid_config(
+        &format!("{key}.{setting}"),
+        value,
+        format_args!("{n} blocks of {bytes_per_block} bytes exceed what one process can address"),
+    ))
+}
+
+impl DiskConfig {
+    /// `disk.dir` must name a directory: the empty path (the current directory, by accident) is
+    /// refused from the TOML file as from the environment.
+    fn validate_dir(&self) -> Result<()> {
+        if self.dir.as_os_str().is_empty() || self.dir.to_str().is_some_and(|d| d.trim().is_empty())
+        {
+            return Err(Error::invalid_config(
+                "disk.dir",
+                self.dir.display(),
+                "must be a directory path",
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -5,7 +5,7 @@
 //!
 //! Every run gets its own temporary directory (disk tier, reports, traces) and an environment
 //! without any configuration variable, except `KVBM_DISK_CACHE_DIR` pointing at that directory,
-//! so nothing lands in the shared `$TMPDIR/kvbm`.
+//! so nothing lands in the default `$TMPDIR/kvbm-<uid>`.
 
 #![cfg(feature = "cli")]
 
@@ -23,6 +23,10 @@ use workload::{generate, generate_workload, WorkloadKind, WorkloadSize};
 /// unit tests are here, at the end of this file.
 #[path = "../tool/replay/workload.rs"]
 mod workload;
+
+/// The tool's trace parser, compiled from its source for the fuzz tests at the end of this file.
+#[path = "../tool/replay/trace.rs"]
+mod trace;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
 const FRAMEWORKS: [&str; 2] = ["trtllm", "vllm"];
@@ -180,7 +184,7 @@ fn check_report_invariants(report: &Value, what: &str) -> Vec<Value> {
 #[test]
 fn default_replay_passes_integrity_and_hits_host_and_disk() {
     let dir = tmp();
-    // Truly no arguments (only the environment keeps the disk file out of the shared /tmp/kvbm).
+    // Truly no arguments (only the environment keeps the disk file out of the default $TMPDIR/kvbm-<uid>).
     let t = Instant::now();
     let out = kvbm(dir.path()).arg("replay").output().expect("run kvbm");
     let wall = t.elapsed();
@@ -724,6 +728,123 @@ fn trace_type_errors_name_the_field() {
     }
 }
 
+/// Files the disk tier left in `dir` (`kvbm-*.blocks`).
+fn block_files(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "blocks"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Issue 13, item 1: sizes from a trace or a flag are bounded before anything is allocated; each
+/// is a clean input error (exit 2) naming the field, and no disk file is left behind. Before the
+/// fix `max_tokens` 2^62 panicked ("capacity overflow"), 1e12 aborted (SIGABRT) leaving its disk
+/// file, u64::MAX wrapped into "ran out of reserved blocks", `--requests 1e12` aborted.
+#[test]
+fn sizes_from_input_are_bounded() {
+    let huge: Vec<(&str, String, Vec<&str>)> = vec![
+        (
+            "max_tokens 2^62",
+            (1u64 << 62).to_string(),
+            vec!["line 1", "max_tokens", "16777216"],
+        ),
+        (
+            "max_tokens 1e12",
+            "1000000000000".into(),
+            vec!["line 1", "max_tokens"],
+        ),
+        (
+            "max_tokens u64::MAX",
+            u64::MAX.to_string(),
+            vec!["line 1", "max_tokens"],
+        ),
+        (
+            "prompt + max_tokens",
+            "16777215".into(),
+            vec!["line 1", "prompt", "max_tokens"],
+        ),
+    ];
+    for (what, max_tokens, needles) in huge {
+        let dir = tmp();
+        let trace = dir.path().join("t.jsonl");
+        std::fs::write(
+            &trace,
+            format!(r#"{{"id":"a","arrival":0,"prompt":[1,2],"max_tokens":{max_tokens}}}"#),
+        )
+        .expect("write trace");
+        let out = kvbm(dir.path())
+            .args(["replay", "--trace"])
+            .arg(&trace)
+            .output()
+            .expect("run kvbm");
+        assert_clean_failure(&out, what, &needles);
+        assert_eq!(out.status.code(), Some(2), "{what}");
+        assert!(block_files(dir.path()).is_empty(), "{what}: disk file left");
+    }
+    // Within the per-request limit but beyond the device: named, nothing started.
+    let dir = tmp();
+    let trace = dir.path().join("t.jsonl");
+    std::fs::write(
+        &trace,
+        r#"{"id":"a","arrival":0,"prompt":[1,2],"max_tokens":16000000}"#,
+    )
+    .expect("write trace");
+    let out = kvbm(dir.path())
+        .args(["replay", "--trace"])
+        .arg(&trace)
+        .output()
+        .expect("run kvbm");
+    assert_clean_failure(&out, "beyond the device", &["\"a\"", "--device-blocks"]);
+    assert!(block_files(dir.path()).is_empty());
+    // An arrival step past the limit (u64::MAX overflowed the step counter).
+    let dir = tmp();
+    let trace = dir.path().join("t.jsonl");
+    std::fs::write(
+        &trace,
+        format!(
+            "{}\n{}\n",
+            r#"{"id":"a","arrival":0,"prompt":[1,2],"max_tokens":2}"#,
+            r#"{"id":"b","arrival":18446744073709551615,"prompt":[1,2],"max_tokens":2}"#
+        ),
+    )
+    .expect("write trace");
+    let out = kvbm(dir.path())
+        .args(["replay", "--trace"])
+        .arg(&trace)
+        .output()
+        .expect("run kvbm");
+    assert_clean_failure(&out, "arrival u64::MAX", &["line 2", "arrival"]);
+    for (flag, value) in [
+        ("--arrival-gap", "18446744073709551615"),
+        ("--device-blocks", "100000000000000000"),
+    ] {
+        let dir = tmp();
+        let out = kvbm(dir.path())
+            .args(["replay", "--requests", "4", flag, value])
+            .output()
+            .expect("run kvbm");
+        assert_clean_failure(&out, flag, &[flag]);
+        assert_eq!(out.status.code(), Some(2), "{flag}");
+        assert!(block_files(dir.path()).is_empty(), "{flag}: disk file left");
+    }
+    for n in ["1000000000000", "1000001", "0"] {
+        let dir = tmp();
+        let out = kvbm(dir.path())
+            .args(["replay", "--requests", n])
+            .output()
+            .expect("run kvbm");
+        assert_clean_failure(&out, &format!("--requests {n}"), &["--requests", "1000000"]);
+        assert_eq!(out.status.code(), Some(2));
+        assert!(
+            block_files(dir.path()).is_empty(),
+            "--requests {n}: disk file left"
+        );
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // 6. Malformed and good configurations
 // ------------------------------------------------------------------------------------------------
@@ -775,7 +896,75 @@ fn bad_config_cases() -> Vec<ConfigCase> {
             vec![("KVBM_HASH", "md5")],
             vec!["KVBM_HASH", "md5"],
         ),
+        // Issue 13, item 11: the TOML file refuses what the environment refuses.
+        (
+            "empty disk.dir in the file",
+            Some("[disk]\ndir = \"\"\n"),
+            vec![],
+            vec!["disk.dir", "must be a directory path"],
+        ),
+        (
+            "KVBM_DISK_CACHE_DIR empty",
+            Some(""),
+            vec![("KVBM_DISK_CACHE_DIR", "")],
+            vec!["KVBM_DISK_CACHE_DIR", "must be a directory path"],
+        ),
+        // Issue 13, item 11: a size no process can address names its setting.
+        (
+            "huge host.cache_gb",
+            Some("[host]\ncache_gb = 1e300\n"),
+            vec![],
+            vec!["host.cache_gb", "1e300"],
+        ),
+        (
+            "huge KVBM_DISK_CACHE_GB",
+            Some(""),
+            vec![("KVBM_DISK_CACHE_GB", "1e12")],
+            vec!["disk.cache_gb"],
+        ),
+        (
+            "huge disk.cache_blocks",
+            Some("[disk]\ncache_blocks = 9223372036854775807\n"),
+            vec![],
+            vec!["disk.cache_blocks"],
+        ),
     ]
+}
+
+/// Issue 13, item 11: `--disk-dir` creates only its last component (mode 0700); a missing
+/// parent is an error naming the path, and nothing is created.
+#[test]
+fn disk_dir_creates_only_its_last_component() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tmp();
+    let nested = dir.path().join("a").join("b");
+    let out = kvbm(dir.path())
+        .args(["replay", "--requests", "4", "--quiet", "--disk-dir"])
+        .arg(&nested)
+        .output()
+        .expect("run kvbm");
+    assert_clean_failure(
+        &out,
+        "nested --disk-dir",
+        &["only the last component", "a/b"],
+    );
+    assert!(!dir.path().join("a").exists(), "a parent was created");
+    let last = dir.path().join("new");
+    let out = kvbm(dir.path())
+        .args(["replay", "--requests", "4", "--quiet", "--disk-dir"])
+        .arg(&last)
+        .output()
+        .expect("run kvbm");
+    assert_ok(&out, "--disk-dir with a missing last component");
+    let mode = std::fs::metadata(&last)
+        .expect("created")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700, "created with mode {mode:o}");
+    assert!(
+        block_files(&last).is_empty(),
+        "the disk file was left behind"
+    );
 }
 
 #[test]
@@ -1027,6 +1216,29 @@ mod generators {
         }
     }
 
+    /// The generator's arrivals stay within MAX_ARRIVAL at the largest gap and the most
+    /// requests (multi-turn: conversation c's turn t arrives at (c + 6t) × gap; the others at
+    /// i × gap), so a bounded `--arrival-gap` can never make an arrival the replay refuses.
+    #[test]
+    fn largest_generated_arrival_is_within_the_limit() {
+        let n = MAX_REQUESTS as u64;
+        let multi_turn = (n.div_ceil(4) + 6 * 3) * MAX_ARRIVAL_GAP;
+        let others = (n - 1) * MAX_ARRIVAL_GAP;
+        assert!(multi_turn.max(others) <= MAX_ARRIVAL);
+        for kind in [
+            WorkloadKind::MultiTurn,
+            WorkloadKind::SharedPrefix,
+            WorkloadKind::Random,
+        ] {
+            let size = WorkloadSize {
+                requests: 8,
+                arrival_gap: MAX_ARRIVAL_GAP,
+            };
+            let w = generate_workload(kind, 3, size);
+            assert!(w.iter().all(|r| r.arrival <= MAX_ARRIVAL), "{kind}");
+        }
+    }
+
     #[test]
     fn multi_turn_prompts_extend_with_the_models_answers() {
         let w = generate_workload(
@@ -1046,5 +1258,129 @@ mod generators {
             &t1.prompt[t0.prompt.len()..t0.prompt.len() + answer.len()],
             &answer[..]
         );
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The trace parser (tool/replay/trace.rs, compiled into this test): fixed cases and fuzzing
+// ------------------------------------------------------------------------------------------------
+
+mod trace_parser {
+    use super::trace::{parse_trace, read_trace, MAX_TRACE_BYTES};
+    use super::workload::{TraceRequest, MAX_ARRIVAL, MAX_REQUESTS, MAX_REQUEST_TOKENS};
+    use kvbm_connector::error::ErrorKind;
+    use proptest::prelude::*;
+
+    #[test]
+    fn malformed_traces_name_the_line() {
+        let cases = [
+            ("{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1}\nnot json", "line 2"),
+            ("{\"id\":\"a\",\"arrival\":0,\"prompt\":[],\"max_tokens\":1}", "empty prompt"),
+            ("{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":0}", "max_tokens"),
+            ("{\"id\":\"a\",\"arrival\":-1,\"prompt\":[1],\"max_tokens\":1}", "line 1"),
+            ("{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1,\"x\":2}", "unknown field"),
+            (
+                "{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1}\n{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1}",
+                "duplicate id",
+            ),
+            ("\n\n", "no requests"),
+            ("{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":18446744073709551615}", "max_tokens"),
+        ];
+        for (text, want) in cases {
+            let e = parse_trace(text).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+            assert!(e.to_string().contains(want), "{e} should mention {want}");
+        }
+    }
+
+    #[test]
+    fn oversized_trace_file_is_refused_unread() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let path = dir.path().join("big.jsonl");
+        let f = std::fs::File::create(&path).expect("create");
+        f.set_len(MAX_TRACE_BYTES + 1).expect("sparse file");
+        let e = read_trace(&path).unwrap_err();
+        assert!(e.to_string().contains("larger than"), "{e}");
+    }
+
+    /// What every parsed trace promises (see the module docs of trace.rs).
+    fn check_parsed(reqs: &[TraceRequest]) {
+        assert!(!reqs.is_empty() && reqs.len() <= MAX_REQUESTS);
+        for r in reqs {
+            assert!(!r.id.is_empty() && !r.prompt.is_empty() && r.max_tokens >= 1);
+            assert!(r.prompt.len() + r.max_tokens <= MAX_REQUEST_TOKENS);
+            assert!(r.arrival <= MAX_ARRIVAL);
+        }
+        assert!(reqs.windows(2).all(|w| w[0].arrival <= w[1].arrival));
+    }
+
+    fn check_error(e: &kvbm_connector::error::Error) {
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        let s = e.to_string();
+        assert!(s.contains("line") || s.contains("no requests"), "{s}");
+    }
+
+    /// One JSON value that is likely to be a near-valid field value.
+    fn json_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<u64>().prop_map(|n| n.to_string()),
+            any::<i64>().prop_map(|n| n.to_string()),
+            (0u64..40).prop_map(|n| n.to_string()),
+            Just("1e300".to_string()),
+            Just("-0".to_string()),
+            Just("null".to_string()),
+            "[a-z0-9\"]{0,6}".prop_map(|s| format!("{s:?}")),
+            proptest::collection::vec(any::<u64>(), 0..4).prop_map(|v| format!("{v:?}")),
+            proptest::collection::vec(0u32..5, 0..6).prop_map(|v| format!("{v:?}")),
+        ]
+    }
+
+    fn line() -> impl Strategy<Value = String> {
+        let key = prop_oneof![
+            Just("id"),
+            Just("arrival"),
+            Just("prompt"),
+            Just("max_tokens"),
+            Just("other")
+        ];
+        prop_oneof![
+            proptest::collection::vec((key, json_value()), 0..6).prop_map(|kv| {
+                let body: Vec<String> = kv.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+                format!("{{{}}}", body.join(","))
+            }),
+            (
+                "[a-c]{1,2}",
+                any::<u64>(),
+                proptest::collection::vec(any::<u32>(), 0..5),
+                prop_oneof![any::<u64>(), 0u64..40, Just(1u64 << 24), Just((1u64 << 24) - 2)],
+            )
+                .prop_map(|(id, arrival, prompt, max_tokens)| format!(
+                    r#"{{"id":"{id}","arrival":{arrival},"prompt":{prompt:?},"max_tokens":{max_tokens}}}"#
+                )),
+            ".{0,40}",
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        /// Arbitrary text: `Ok` with the promised invariants, or an error naming the line; never
+        /// a panic.
+        #[test]
+        fn arbitrary_text_never_panics(text in ".{0,200}") {
+            match parse_trace(&text) {
+                Ok(reqs) => check_parsed(&reqs),
+                Err(e) => check_error(&e),
+            }
+        }
+
+        /// Near-valid lines (every field present or not, of any type, sizes up to u64::MAX).
+        #[test]
+        fn near_valid_traces_are_ok_or_named(lines in proptest::collection::vec(line(), 0..6)) {
+            match parse_trace(&lines.join("\n")) {
+                Ok(reqs) => check_parsed(&reqs),
+                Err(e) => check_error(&e),
+            }
+        }
     }
 }

@@ -446,6 +446,49 @@ fn tp2_replay_passes_integrity_on_every_shard_vllm() {
     tp2_replay("vllm");
 }
 
+/// Issue 13, item 3: idle connections to the engine channel do not hold start-up past its
+/// deadline. Before the fix greetings were read one at a time with a 5 s timeout each, so 12
+/// idle clients made start-up take over 60 s with a 10 s deadline; now they are read at once and
+/// a silent client is dropped without blocking the real ranks.
+#[test]
+fn idle_engine_channel_clients_do_not_stall_start_up() {
+    const IDLE: usize = 12;
+    const DEADLINE_SECS: u64 = 10;
+    let dir = tmp();
+    let engine = free_port();
+    let leader = free_port();
+    let mut cmd = replay(dir.path(), "trtllm", 20);
+    cmd.args(["--engine-addr", &engine.to_string()])
+        .args(["--leader-addr", &leader.to_string()])
+        .env("KVBM_INIT_TIMEOUT_SECS", DEADLINE_SECS.to_string());
+    let mut run = Proc::start(cmd, dir.path(), "replay");
+    // The idle clients connect as soon as the channel listens, before the workers (which join
+    // the barrier first). The connector's own leader gets as many (its handshakes already ran
+    // concurrently, each with its own timeout: this pins that).
+    let mut idle = Vec::new();
+    let end = Instant::now() + Duration::from_secs(DEADLINE_SECS);
+    while idle.len() < 2 * IDLE {
+        let to = if idle.len() < IDLE { engine } else { leader };
+        match TcpStream::connect_timeout(&to, Duration::from_millis(200)) {
+            Ok(s) => idle.push(s),
+            Err(_) => {
+                assert!(run.running(), "the replay exited early\n{}", run.stderr());
+                assert!(Instant::now() < end, "the engine channel never listened");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+    let out = run.wait(REPLAY_LIMIT);
+    out.assert_ok("replay with idle engine-channel clients");
+    assert!(
+        out.elapsed < Duration::from_secs(DEADLINE_SECS),
+        "start-up took past its {DEADLINE_SECS}s deadline: {}",
+        out.describe()
+    );
+    check_clean_tp2_report(dir.path(), "idle clients");
+    drop(idle);
+}
+
 // ------------------------------------------------------------------------------------------------
 // 2. Workers started by hand, before and after the leader
 // ------------------------------------------------------------------------------------------------

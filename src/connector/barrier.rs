@@ -255,7 +255,17 @@ pub(crate) fn leader_barrier(
         .iter()
         .try_fold(0usize, |a, b| a.checked_add(*b))
         .ok_or_else(|| Error::invalid_argument("sum of bytes_per_block overflows"))?;
-    let (num_host_blocks, num_disk_blocks) = config.block_counts(total)?;
+    // A size that cannot be allocated is refused to every rank, so none waits for its counts
+    // until the deadline; the error names the setting.
+    let (num_host_blocks, num_disk_blocks) = match config.block_counts(total) {
+        Ok(counts) => counts,
+        Err(e) => {
+            for rank in 0..world {
+                let _ = transport.send(rank, LeaderMessage::Refused(e.message().to_string()));
+            }
+            return Err(e);
+        }
+    };
     let num_device_blocks = hellos
         .iter()
         .map(|h| h.num_device_blocks)

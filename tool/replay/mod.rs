@@ -159,8 +159,21 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
     let workload = match &a.trace {
         Some(p) => read_trace(p)?,
         None => {
-            if a.requests == 0 {
-                return Err(Error::invalid_argument("--requests must be at least 1"));
+            if a.requests == 0 || a.requests > workload::MAX_REQUESTS {
+                return Err(Error::invalid_argument(format!(
+                    "--requests is {}; it must be between 1 and {}",
+                    a.requests,
+                    workload::MAX_REQUESTS
+                ))
+                .with("flag", "--requests"));
+            }
+            if a.arrival_gap > workload::MAX_ARRIVAL_GAP {
+                return Err(Error::invalid_argument(format!(
+                    "--arrival-gap is {}; at most {}",
+                    a.arrival_gap,
+                    workload::MAX_ARRIVAL_GAP
+                ))
+                .with("flag", "--arrival-gap"));
             }
             generate_workload(
                 a.workload,
@@ -187,6 +200,10 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
         kill: a.kill_rank,
         device: a.device,
     };
+    // Tier sizes the configuration asks for, checked before anything starts (the error names
+    // the setting).
+    opts.config
+        .block_counts(opts.model_dims()?.bytes_per_block())?;
     let report = if a.tp > 1 || a.external_workers {
         let leader_addr = match a.leader_addr {
             Some(addr) => addr,

@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use kvbm_connector::config::auth_token_from_env;
 use kvbm_connector::config::Config;
 use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
-use kvbm_connector::error::{Error, ErrorKind, Result};
+use kvbm_connector::error::{Error, Result};
 
-use super::channel::{read_frame, serve, write_frame, RemoteRank};
+use super::channel::{accept_ranks, serve, write_frame};
 use super::engines::engine_of;
 use super::framework::Framework;
 use super::messages::RankDriver;
@@ -165,6 +165,7 @@ fn kill_all(children: &mut [Child]) {
 /// Runs a replay with one worker process per rank.
 pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> Result<Report> {
     opts.model_dims()?;
+    opts.check_workload(workload)?;
     let tp = opts.tp;
     let token = auth_token_from_env();
     let leader_transport = TcpLeader::bind(topo.leader_addr, tp, token)?;
@@ -175,9 +176,11 @@ pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> R
         .local_addr()
         .map_err(|e| Error::io("read the engine channel address", e))?;
     // The workers read the same configuration: write it to a file they are pointed at.
-    let config_path = std::env::temp_dir().join(format!("kvbm-replay-{}.toml", std::process::id()));
-    std::fs::write(&config_path, opts.config.to_toml()?)
-        .map_err(|e| Error::io("write the workers' configuration", e))?;
+    let config_path = write_private_file(
+        &std::env::temp_dir(),
+        "kvbm-replay",
+        opts.config.to_toml()?.as_bytes(),
+    )?;
     let mut children = Vec::new();
     if topo.external_workers {
         let m = opts.model;
@@ -231,6 +234,53 @@ pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> R
     engine.run()
 }
 
+/// How many names [`write_private_file`] tries before giving up.
+const PRIVATE_NAME_ATTEMPTS: u32 = 64;
+
+/// Writes `contents` to a new file `<stem>-<pid>-<n>.toml` in `dir`, created with
+/// `O_CREAT | O_EXCL | O_NOFOLLOW` and mode `0600`: a name planted by someone else (a symlink to
+/// a file of theirs or ours, a file) is never followed or written, another name is tried. Returns
+/// the path.
+fn write_private_file(dir: &std::path::Path, stem: &str, contents: &[u8]) -> Result<PathBuf> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let pid = std::process::id();
+    let mut last = None;
+    for n in 0..PRIVATE_NAME_ATTEMPTS {
+        let path = dir.join(format!("{stem}-{pid}-{n}.toml"));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path);
+        match file {
+            Ok(mut f) => {
+                return match f.write_all(contents) {
+                    Ok(()) => Ok(path),
+                    Err(e) => {
+                        let _ = std::fs::remove_file(&path);
+                        Err(Error::io("write the workers' configuration", e)
+                            .with("path", path.display()))
+                    }
+                };
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some((path, e)),
+            Err(e) => {
+                return Err(
+                    Error::io("create the workers' configuration", e).with("path", path.display())
+                )
+            }
+        }
+    }
+    Err(match last {
+        Some((path, e)) => {
+            Error::io("create the workers' configuration", e).with("path", path.display())
+        }
+        None => Error::internal("no configuration file name was tried"),
+    })
+}
+
 fn connect(
     opts: SimOptions,
     workload: &[TraceRequest],
@@ -255,65 +305,47 @@ fn connect(
     // Each worker connects to the engine channel once its barrier finished. A little longer than
     // the barrier's own deadline, so its error (which names the missing ranks) comes first.
     let until = Instant::now() + timeout + Duration::from_secs(2);
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::io("configure the engine channel", e))?;
-    let mut ranks: Vec<Option<RemoteRank>> = (0..tp).map(|_| None).collect();
-    while ranks.iter().any(Option::is_none) {
-        match listener.accept() {
-            Ok((mut stream, peer)) => {
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_nodelay(true);
-                let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-                let rank: usize = match read_frame(&mut stream) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::warn!(%peer, error = %e, "engine channel: bad greeting; closed");
-                        continue;
-                    }
-                };
-                let _ = stream.set_read_timeout(None);
-                match ranks.get_mut(rank) {
-                    Some(slot @ None) => *slot = Some(RemoteRank::new(rank, stream)),
-                    _ => tracing::warn!(%peer, rank, "engine channel: unexpected rank; closed"),
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                // The barrier's own error (naming the ranks it misses) beats ours.
-                if let Some(e) = sched.leader().init_error() {
-                    kill_all(&mut children);
-                    return Err(e);
-                }
-                if Instant::now() > until {
-                    let missing: Vec<usize> = ranks
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, r)| r.is_none())
-                        .map(|(i, _)| i)
-                        .collect();
-                    kill_all(&mut children);
-                    return Err(Error::new(
-                        ErrorKind::Timeout,
-                        format!(
-                            "rank(s) {missing:?} did not join within {:.0}s",
-                            timeout.as_secs_f64()
-                        ),
-                    )
-                    .with("missing_ranks", format!("{missing:?}")));
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => {
-                kill_all(&mut children);
-                return Err(Error::io("accept on the engine channel", e));
-            }
+    // The barrier's own error (naming the ranks it misses) beats ours.
+    let ranks = accept_ranks(listener, tp, until, timeout, || {
+        sched.leader().init_error().map_or(Ok(()), Err)
+    });
+    let ranks = match ranks {
+        Ok(r) => r,
+        Err(e) => {
+            kill_all(&mut children);
+            return Err(e);
         }
-    }
+    };
     leader_transport.mark_session_started();
     let drivers: Vec<Box<dyn RankDriver>> = ranks
         .into_iter()
-        .flatten()
         .map(|r| Box::new(r) as Box<dyn RankDriver>)
         .collect();
     Simulator::assemble(opts, workload, sched, drivers, children)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 13, item 8: a symlink planted where the workers' configuration goes is not followed
+    /// (its target keeps its bytes); the file is written under another name, mode 0600.
+    #[test]
+    fn planted_symlink_is_not_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").expect("write victim");
+        let planted = dir
+            .path()
+            .join(format!("kvbm-replay-{}-0.toml", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &planted).expect("plant symlink");
+        let path = write_private_file(dir.path(), "kvbm-replay", b"hash = \"xxh3\"\n")
+            .expect("written elsewhere");
+        assert_ne!(path, planted);
+        assert_eq!(std::fs::read(&victim).expect("victim"), b"precious");
+        assert_eq!(std::fs::read(&path).expect("config"), b"hash = \"xxh3\"\n");
+        let mode = std::fs::metadata(&path).expect("stat").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
 }

@@ -8,6 +8,7 @@ use kvbm_connector::layout::LayoutDims;
 
 use super::framework::Framework;
 use super::rank::DeviceKind;
+use super::workload::{request_tokens, TraceRequest, MAX_ARRIVAL, MAX_REQUESTS};
 
 /// Shape of the simulated model's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -98,5 +99,51 @@ impl SimOptions {
             inner_dim: d.inner_dim / self.tp,
             ..d
         })
+    }
+
+    /// Checks a workload against the limits and the device before anything is started: a device
+    /// whose bytes are addressable, at most [`MAX_REQUESTS`] requests, each arriving by
+    /// [`MAX_ARRIVAL`] and within
+    /// [`MAX_REQUEST_TOKENS`](super::workload::MAX_REQUEST_TOKENS) and the device's blocks (all
+    /// arithmetic checked). Errors name the request and the field.
+    pub fn check_workload(&self, workload: &[TraceRequest]) -> Result<()> {
+        if workload.len() > MAX_REQUESTS {
+            return Err(sim_err(format!(
+                "{} requests; at most {MAX_REQUESTS} in one replay",
+                workload.len()
+            )));
+        }
+        let bytes_per_block = self.shard_dims()?.bytes_per_block();
+        let device_bytes = self.device_blocks.checked_mul(bytes_per_block);
+        if device_bytes.is_none_or(|b| isize::try_from(b).is_err()) {
+            return Err(sim_err(format!(
+                "--device-blocks {} of {bytes_per_block} bytes exceed what one process can address",
+                self.device_blocks
+            ))
+            .with("flag", "--device-blocks"));
+        }
+        let block_size = self.block_size.max(1);
+        let capacity = self.device_blocks.saturating_mul(block_size);
+        for r in workload {
+            if r.arrival > MAX_ARRIVAL {
+                return Err(sim_err(format!(
+                    "request {:?}: arrival {} is past step {MAX_ARRIVAL}",
+                    r.id, r.arrival
+                ))
+                .with("field", "arrival"));
+            }
+            let tokens = request_tokens(r.prompt.len(), r.max_tokens).map_err(|e| {
+                sim_err(format!("request {:?}: {e}", r.id)).with("field", "max_tokens")
+            })?;
+            if tokens > capacity {
+                return Err(sim_err(format!(
+                    "request {:?} needs {} device blocks but the device has {}; raise --device-blocks",
+                    r.id,
+                    tokens.div_ceil(block_size),
+                    self.device_blocks
+                )));
+            }
+        }
+        Ok(())
     }
 }

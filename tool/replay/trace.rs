@@ -1,11 +1,28 @@
 //! JSONL traces for `kvbm replay --trace`: one request per line, checked field by field so that
 //! any defect is an error naming the line and the field.
+//!
+//! Invariants of a parsed trace (every size that comes from the file is bounded before anything
+//! is sized by it): at most [`MAX_TRACE_BYTES`] read, at most [`MAX_REQUESTS`] requests, each
+//! with `prompt + max_tokens <= MAX_REQUEST_TOKENS` (checked without overflow), an arrival at
+//! most [`MAX_ARRIVAL`], a non-empty id
+//! and prompt, `max_tokens >= 1`, unique ids; sorted by arrival. Any input gives `Ok` or an
+//! [`ErrorKind::InvalidArgument`] naming the line and field, never a panic.
+//!
+//! `tests/cli.rs` compiles this file too (its fuzz tests), so it uses nothing of the tool but
+//! [`super::workload`].
 
+use std::io::Read;
 use std::path::Path;
 
 use kvbm_connector::error::{Error, ErrorKind, Result};
 
-use super::workload::TraceRequest;
+use super::workload::{
+    request_tokens, TraceRequest, MAX_ARRIVAL, MAX_REQUESTS, MAX_REQUEST_TOKENS,
+};
+
+/// Largest trace file read: 1 GiB. Parsing holds the text and one line's JSON value at a time,
+/// so memory stays within a small multiple of this.
+pub const MAX_TRACE_BYTES: u64 = 1 << 30;
 
 /// Parses a JSONL trace: one request per non-empty line. Any defect is an error naming the line
 /// and what is wrong; nothing is returned partially.
@@ -44,8 +61,23 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRequest>> {
             Some(other) => return bad(&format!("field \"id\" must be a string, got {other}")),
             None => return bad("missing field \"id\""),
         }
+        if out.len() == MAX_REQUESTS {
+            return bad(&format!(
+                "more than {MAX_REQUESTS} requests (the most one replay takes)"
+            ));
+        }
         for key in ["arrival", "max_tokens"] {
             match obj.get(key) {
+                Some(v) if key == "max_tokens" && v.as_u64().is_some_and(|m| m > MAX_REQUEST_TOKENS as u64) => {
+                    return bad(&format!(
+                        "field \"max_tokens\" is {v}; at most {MAX_REQUEST_TOKENS} tokens per request"
+                    ))
+                }
+                Some(v) if key == "arrival" && v.as_u64().is_some_and(|a| a > MAX_ARRIVAL) => {
+                    return bad(&format!(
+                        "field \"arrival\" is {v}; at most {MAX_ARRIVAL} (engine steps)"
+                    ))
+                }
                 Some(v) if v.as_u64().is_some() => {}
                 Some(v) => {
                     return bad(&format!(
@@ -94,6 +126,9 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRequest>> {
         if r.max_tokens == 0 {
             return bad("max_tokens must be at least 1");
         }
+        if let Err(e) = request_tokens(r.prompt.len(), r.max_tokens) {
+            return bad(&format!("fields \"prompt\" and \"max_tokens\": {e}"));
+        }
         if !ids.insert(r.id.clone()) {
             return bad(&format!("duplicate id {:?}", r.id));
         }
@@ -109,38 +144,29 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRequest>> {
     Ok(out)
 }
 
-/// Reads and parses a trace file.
+/// Reads and parses a trace file (at most [`MAX_TRACE_BYTES`]).
 pub fn read_trace(path: &Path) -> Result<Vec<TraceRequest>> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    let cannot = |e: &dyn std::fmt::Display| {
         Error::new(
             ErrorKind::InvalidArgument,
             format!("cannot read trace {}: {e}", path.display()),
         )
-    })?;
-    parse_trace(&text).map_err(|e| e.with("path", path.display()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn malformed_traces_name_the_line() {
-        let cases = [
-            ("{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1}\nnot json", "line 2"),
-            ("{\"id\":\"a\",\"arrival\":0,\"prompt\":[],\"max_tokens\":1}", "empty prompt"),
-            ("{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":0}", "max_tokens"),
-            ("{\"id\":\"a\",\"arrival\":-1,\"prompt\":[1],\"max_tokens\":1}", "line 1"),
-            ("{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1,\"x\":2}", "unknown field"),
-            (
-                "{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1}\n{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1}",
-                "duplicate id",
-            ),
-            ("\n\n", "no requests"),
-        ];
-        for (text, want) in cases {
-            let e = parse_trace(text).unwrap_err();
-            assert!(e.to_string().contains(want), "{e} should mention {want}");
-        }
+    };
+    let file = std::fs::File::open(path).map_err(|e| cannot(&e))?;
+    let too_large = || {
+        cannot(&format!(
+            "larger than {MAX_TRACE_BYTES} bytes (the most a trace may hold)"
+        ))
+    };
+    if file.metadata().map_err(|e| cannot(&e))?.len() > MAX_TRACE_BYTES {
+        return Err(too_large());
     }
+    let mut text = String::new();
+    file.take(MAX_TRACE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| cannot(&e))?;
+    if text.len() as u64 > MAX_TRACE_BYTES {
+        return Err(too_large());
+    }
+    parse_trace(&text).map_err(|e| e.with("path", path.display()))
 }

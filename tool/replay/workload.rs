@@ -16,6 +16,36 @@ use serde::{Deserialize, Serialize};
 /// Tokens are drawn below this id.
 pub const VOCAB: u32 = 32_000;
 
+/// Most tokens one request may hold, prompt and output together: 2^24 = 16,777,216, above the
+/// context window of any model we imitate. The engine keeps each token and its prefix hash (12
+/// bytes), so the bound also caps one request's memory (about 200 MB) and keeps
+/// `prompt + max_tokens` far from overflowing.
+pub const MAX_REQUEST_TOKENS: usize = 1 << 24;
+
+/// Most requests in one workload (`--requests`, or lines of a trace): 1,000,000, fifty times the
+/// longest replay we run; a workload that large already takes gigabytes before its first step.
+pub const MAX_REQUESTS: usize = 1_000_000;
+
+/// Latest arrival step of a request: 2^40 (about 1.1e12 steps, years of simulated serving). The
+/// engine's step counter starts at most here and counts up from it, so it never nears `u64::MAX`.
+pub const MAX_ARRIVAL: u64 = 1 << 40;
+
+/// Largest `--arrival-gap` of a generated workload: 2^20 steps. With at most [`MAX_REQUESTS`]
+/// requests every generated arrival stays below [`MAX_ARRIVAL`].
+pub const MAX_ARRIVAL_GAP: u64 = 1 << 20;
+
+/// Tokens a request holds at its end (`prompt_len + max_tokens`), or why it is too many: the sum
+/// checked against [`MAX_REQUEST_TOKENS`] without overflowing.
+pub fn request_tokens(prompt_len: usize, max_tokens: usize) -> Result<usize, String> {
+    match prompt_len.checked_add(max_tokens) {
+        Some(n) if n <= MAX_REQUEST_TOKENS => Ok(n),
+        _ => Err(format!(
+            "prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds \
+             {MAX_REQUEST_TOKENS} tokens per request"
+        )),
+    }
+}
+
 /// One request of a workload.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -143,7 +173,10 @@ pub fn generate_workload(kind: WorkloadKind, seed: u64, size: WorkloadSize) -> V
                     let max_tokens = rng.range(8, 24);
                     // Turns of one conversation arrive far apart (the user reads and types),
                     // conversations interleave.
-                    let arrival = (c as u64) * gap + (t as u64) * gap * 6;
+                    // Saturating: the caller bounds `gap` (MAX_ARRIVAL_GAP); never a panic.
+                    let arrival = (c as u64)
+                        .saturating_mul(gap)
+                        .saturating_add((t as u64).saturating_mul(gap).saturating_mul(6));
                     out.push(TraceRequest {
                         id: format!("c{c}-t{t}"),
                         arrival,
@@ -165,7 +198,7 @@ pub fn generate_workload(kind: WorkloadKind, seed: u64, size: WorkloadSize) -> V
                     prompt.extend(rng.tokens_between(16, 64));
                     TraceRequest {
                         id: format!("s{i}"),
-                        arrival: i as u64 * gap,
+                        arrival: (i as u64).saturating_mul(gap),
                         prompt,
                         max_tokens: rng.range(4, 16),
                     }
@@ -177,7 +210,7 @@ pub fn generate_workload(kind: WorkloadKind, seed: u64, size: WorkloadSize) -> V
                 let n = rng.range(64, 384);
                 TraceRequest {
                     id: format!("r{i}"),
-                    arrival: i as u64 * gap,
+                    arrival: (i as u64).saturating_mul(gap),
                     prompt: rng.tokens(n),
                     max_tokens: rng.range(4, 16),
                 }
