@@ -86,19 +86,31 @@ fn the_core_names_no_backend_adapter_tool_or_bindings() {
     let mut skip = vec!["src/lib.rs"];
     skip.extend(TOOL_AND_BINDINGS);
     let v = violations("src", &skip, &["backends", "frameworks", "cli", "python"]);
-    assert!(v.is_empty(), "the core names an outer layer:\n{}", v.join("\n"));
+    assert!(
+        v.is_empty(),
+        "the core names an outer layer:\n{}",
+        v.join("\n")
+    );
 }
 
 #[test]
 fn backends_name_no_adapter_tool_or_bindings() {
     let v = violations("backends", &[], &["frameworks", "cli", "python"]);
-    assert!(v.is_empty(), "a backend names an outer layer:\n{}", v.join("\n"));
+    assert!(
+        v.is_empty(),
+        "a backend names an outer layer:\n{}",
+        v.join("\n")
+    );
 }
 
 #[test]
 fn adapters_name_neither_the_tool_nor_the_bindings() {
     let v = violations("frameworks", &[], &["cli", "python"]);
-    assert!(v.is_empty(), "an adapter names an outer layer:\n{}", v.join("\n"));
+    assert!(
+        v.is_empty(),
+        "an adapter names an outer layer:\n{}",
+        v.join("\n")
+    );
 }
 
 #[test]

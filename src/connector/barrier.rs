@@ -241,6 +241,9 @@ pub(crate) fn leader_barrier(
         .iter()
         .try_fold(0usize, |a, b| a.checked_add(*b))
         .ok_or_else(|| Error::invalid_argument("sum of bytes_per_block overflows"))?;
+    if let Some(warning) = config.tier_warning() {
+        tracing::warn!("kvbm: {warning}");
+    }
     let (num_host_blocks, num_disk_blocks) = config.block_counts(total)?;
     let num_device_blocks = hellos
         .iter()

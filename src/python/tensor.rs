@@ -321,7 +321,7 @@ impl TensorTier {
 crate::backends::memory::host_blocks_tier!(TensorTier);
 
 /// Parses a layout override name (`fully_contiguous`, `layer_separate_block_major`,
-/// `layer_separate_outer_major`).
+/// `layer_separate_outer_major`, `layer_separate_head_major`).
 pub(crate) fn parse_layout_kind(
     py: Python<'_>,
     name: Option<&str>,
@@ -331,7 +331,7 @@ pub(crate) fn parse_layout_kind(
             to_py_err(
                 py,
                 Error::invalid_argument(format!(
-                    "unknown layout {n:?}: expected fully_contiguous, layer_separate_block_major or layer_separate_outer_major"
+                    "unknown layout {n:?}: expected fully_contiguous, layer_separate_block_major, layer_separate_outer_major or layer_separate_head_major"
                 ))
                 .with("argument", "layout"),
             )
@@ -352,6 +352,9 @@ pub(crate) fn layout_dict<'py>(py: Python<'py>, layout: &Layout) -> PyResult<Bou
     d.set_item("inner_dim", dims.inner_dim)?;
     d.set_item("dtype_bytes", dims.dtype_bytes)?;
     d.set_item("bytes_per_block", layout.bytes_per_block())?;
+    if let Layout::LayerSeparateHeadMajor(h) = layout {
+        d.set_item("num_heads", h.num_heads())?;
+    }
     Ok(d)
 }
 
