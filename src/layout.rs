@@ -10,13 +10,11 @@
 //! * [`LayerSeparate`]: one allocation per layer, either block-major `[num_blocks][outer_dim][...]`
 //!   or outer-major `[outer_dim][num_blocks][...]`; a block is `num_layers × outer_dim` separate
 //!   runs.
-//! * [`LayerSeparateHeadMajor`]: one allocation per layer split by head inside each block,
+//!   Or head-major ([`BlockOrder::HeadMajor`]), split by head inside each block:
 //!   `[num_blocks][num_heads][outer_dim][page_size][head_dim]` (`inner_dim = num_heads ×
-//!   head_dim`): each (block, head) slab holds all of K for its tokens, then all of V. vLLM's CPU
-//!   attention backend keeps its cache so (a tensor of shape `[num_blocks, num_heads, page_size,
-//!   2 × head_dim]` that its kernels view as `[num_blocks, num_heads, 2 × page_size, head_dim]`).
-//!   A block is `num_layers × outer_dim × page_size × num_heads` runs of one head's `head_dim`
-//!   elements (`num_layers × outer_dim` runs when there is one head).
+//!   head_dim`), each (block, head) slab all of K for its tokens, then all of V (vLLM's CPU
+//!   attention); a block is then `num_layers × outer_dim × page_size × num_heads` runs of one
+//!   head's `head_dim` elements (`num_layers × outer_dim` when there is one head).
 //! * Any other arrangement: implement [`KvLayout`] and list each block's runs with
 //!   [`Regions::from_runs`]; [`check_layout`] verifies the invariants below.
 //!
@@ -171,8 +169,7 @@ pub struct Region {
 
 /// Where the bytes of each block of a cache live.
 ///
-/// Object safe; implemented by [`FullyContiguous`], [`LayerSeparate`], [`LayerSeparateHeadMajor`]
-/// and the serialisable
+/// Object safe; implemented by [`FullyContiguous`], [`LayerSeparate`] and the serialisable
 /// [`Layout`], and open to layouts defined elsewhere (an engine's own cache shape): such a layout
 /// lists its runs with [`Regions::from_runs`] and keeps the invariants below, which
 /// [`check_layout`] verifies. The transfer path reads and writes blocks as canonical images, so a
@@ -485,7 +482,7 @@ impl KvLayout for FullyContiguous {
     }
 }
 
-/// Whether a layer-separate allocation is indexed by block first or by K/V first.
+/// How a layer-separate allocation orders its blocks, K/V (outer) indices and heads.
 #[derive(
     Debug,
     Clone,
@@ -505,86 +502,54 @@ pub enum BlockOrder {
     BlockMajor,
     /// `[outer_dim][num_blocks][...]`.
     OuterMajor,
+    /// `[num_blocks][num_heads][outer_dim][page_size][head_dim]` (`inner_dim = num_heads ×
+    /// head_dim`): each block split by head, every (block, head) slab holding its outer indices
+    /// (K, then V) one after the other, `page_size × head_dim` elements each. vLLM's CPU
+    /// attention backend (`CPU_ATTN`) keeps its cache so: per layer a tensor of shape
+    /// `[num_blocks, num_heads, page_size, 2 × head_dim]` that its kernels view as `[num_blocks,
+    /// num_heads, 2 × page_size, head_dim]` and split in two along the page dimension (so the
+    /// last dimension does *not* hold a token's K and V side by side). A block is `num_layers ×
+    /// outer_dim × page_size × num_heads` runs of one head's elements of one token. With one head
+    /// it is block-major memory. Built with [`LayerSeparate::head_major`].
+    HeadMajor,
 }
 
-/// One allocation per layer, block-major or outer-major.
+/// One allocation per layer, block-major, outer-major or head-major.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LayerSeparate {
     dims: LayoutDims,
     num_blocks: usize,
     order: BlockOrder,
+    /// Heads a block is split by ([`BlockOrder::HeadMajor`]); 1 otherwise.
+    #[serde(default = "one")]
+    num_heads: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl LayerSeparate {
-    /// Validates and builds the layout.
+    /// Validates and builds a block-major or outer-major layout; head-major needs the head count
+    /// ([`LayerSeparate::head_major`]) and is refused here.
     pub fn new(dims: LayoutDims, num_blocks: usize, order: BlockOrder) -> Result<Self> {
+        if order == BlockOrder::HeadMajor {
+            return Err(Error::invalid_argument(
+                "a head-major layout needs its head count: use LayerSeparate::head_major",
+            ));
+        }
         dims.validate_cache(num_blocks)?;
         Ok(Self {
             dims,
             num_blocks,
             order,
+            num_heads: 1,
         })
     }
 
-    /// Block-major or outer-major.
-    pub fn order(&self) -> BlockOrder {
-        self.order
-    }
-
-    /// [`LayoutKind::LayerSeparateBlockMajor`] or [`LayoutKind::LayerSeparateOuterMajor`].
-    pub fn kind(&self) -> LayoutKind {
-        match self.order {
-            BlockOrder::BlockMajor => LayoutKind::LayerSeparateBlockMajor,
-            BlockOrder::OuterMajor => LayoutKind::LayerSeparateOuterMajor,
-        }
-    }
-}
-
-impl KvLayout for LayerSeparate {
-    fn dims(&self) -> &LayoutDims {
-        &self.dims
-    }
-    fn num_blocks(&self) -> usize {
-        self.num_blocks
-    }
-    fn num_allocations(&self) -> usize {
-        self.dims.num_layers
-    }
-    fn allocation_bytes(&self) -> usize {
-        self.num_blocks * self.dims.outer_dim * self.dims.region_bytes()
-    }
-    fn regions(&self, block: usize) -> Result<Regions> {
-        check_block(block, self.num_blocks)?;
-        Ok(Regions::computed(
-            self.kind(),
-            self.dims,
-            self.num_blocks,
-            1,
-            block,
-        ))
-    }
-}
-
-/// One allocation per layer, each block split by head:
-/// `[num_blocks][num_heads][outer_dim][page_size][head_dim]`, with `inner_dim = num_heads ×
-/// head_dim`. Every (block, head) slab holds the outer indices (K, then V) one after the other,
-/// each `page_size × head_dim` elements, token-major.
-///
-/// This is how vLLM's CPU attention backend (`CPU_ATTN`) keeps its cache: per layer a tensor of
-/// shape `[num_blocks, num_kv_heads, block_size, 2 × head_size]` that the kernels view as
-/// `[num_blocks, num_kv_heads, 2 × block_size, head_size]` and split in two along the block
-/// dimension (K block, then V block), so the last dimension does *not* hold a token's K and V
-/// side by side. With one head this is the same memory as block-major [`LayerSeparate`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LayerSeparateHeadMajor {
-    dims: LayoutDims,
-    num_blocks: usize,
-    num_heads: usize,
-}
-
-impl LayerSeparateHeadMajor {
-    /// Validates and builds the layout: `num_heads` must be non-zero and divide `inner_dim`.
-    pub fn new(dims: LayoutDims, num_blocks: usize, num_heads: usize) -> Result<Self> {
+    /// Validates and builds a head-major layout ([`BlockOrder::HeadMajor`]): `num_heads` must be
+    /// non-zero and divide `inner_dim`.
+    pub fn head_major(dims: LayoutDims, num_blocks: usize, num_heads: usize) -> Result<Self> {
         dims.validate_cache(num_blocks)?;
         if num_heads == 0 || dims.inner_dim % num_heads != 0 {
             return Err(Error::invalid_layout(format!(
@@ -596,27 +561,33 @@ impl LayerSeparateHeadMajor {
         Ok(Self {
             dims,
             num_blocks,
+            order: BlockOrder::HeadMajor,
             num_heads,
         })
     }
 
-    /// Heads per layer (the slabs of a block).
+    /// Block-major, outer-major or head-major.
+    pub fn order(&self) -> BlockOrder {
+        self.order
+    }
+
+    /// Heads each block is split by (1 unless head-major).
     pub fn num_heads(&self) -> usize {
         self.num_heads
     }
 
-    /// Elements per head per token (`inner_dim / num_heads`).
-    pub fn head_dim(&self) -> usize {
-        self.dims.inner_dim / self.num_heads
-    }
-
-    /// Always [`LayoutKind::LayerSeparateHeadMajor`].
+    /// [`LayoutKind::LayerSeparateBlockMajor`], [`LayoutKind::LayerSeparateOuterMajor`] or
+    /// [`LayoutKind::LayerSeparateHeadMajor`].
     pub fn kind(&self) -> LayoutKind {
-        LayoutKind::LayerSeparateHeadMajor
+        match self.order {
+            BlockOrder::BlockMajor => LayoutKind::LayerSeparateBlockMajor,
+            BlockOrder::OuterMajor => LayoutKind::LayerSeparateOuterMajor,
+            BlockOrder::HeadMajor => LayoutKind::LayerSeparateHeadMajor,
+        }
     }
 }
 
-impl KvLayout for LayerSeparateHeadMajor {
+impl KvLayout for LayerSeparate {
     fn dims(&self) -> &LayoutDims {
         &self.dims
     }
@@ -649,8 +620,6 @@ pub enum Layout {
     FullyContiguous(FullyContiguous),
     /// See [`LayerSeparate`].
     LayerSeparate(LayerSeparate),
-    /// See [`LayerSeparateHeadMajor`].
-    LayerSeparateHeadMajor(LayerSeparateHeadMajor),
 }
 
 impl Layout {
@@ -664,13 +633,13 @@ impl Layout {
         LayerSeparate::new(dims, num_blocks, order).map(Layout::LayerSeparate)
     }
 
-    /// A layer-separate layout split by head inside each block (see [`LayerSeparateHeadMajor`]).
+    /// A layer-separate layout split by head inside each block ([`BlockOrder::HeadMajor`]).
     pub fn layer_separate_head_major(
         dims: LayoutDims,
         num_blocks: usize,
         num_heads: usize,
     ) -> Result<Self> {
-        LayerSeparateHeadMajor::new(dims, num_blocks, num_heads).map(Layout::LayerSeparateHeadMajor)
+        LayerSeparate::head_major(dims, num_blocks, num_heads).map(Layout::LayerSeparate)
     }
 
     /// The same dimensions with another block count, fully contiguous (host and disk tiers).
@@ -683,7 +652,6 @@ impl Layout {
         match self {
             Layout::FullyContiguous(l) => l.kind(),
             Layout::LayerSeparate(l) => l.kind(),
-            Layout::LayerSeparateHeadMajor(l) => l.kind(),
         }
     }
 
@@ -691,7 +659,6 @@ impl Layout {
         match self {
             Layout::FullyContiguous(l) => l,
             Layout::LayerSeparate(l) => l,
-            Layout::LayerSeparateHeadMajor(l) => l,
         }
     }
 }

@@ -366,4 +366,10 @@ fn layouts_serialize_with_their_kind() {
     let l = Layout::layer_separate(llama_dims(), 8, BlockOrder::OuterMajor).unwrap();
     let json = toml::to_string(&l).unwrap();
     assert!(json.contains("kind = \"layer_separate\""), "{json}");
+    // Head-major keeps its head count; a layout written before heads existed reads as one head.
+    let h = Layout::layer_separate_head_major(llama_dims(), 8, 8).unwrap();
+    let text = toml::to_string(&h).unwrap();
+    assert_eq!(toml::from_str::<Layout>(&text).unwrap(), h, "{text}");
+    let old: Layout = toml::from_str(&json.replace("num_heads = 1\n", "")).unwrap();
+    assert_eq!(old, l);
 }

@@ -227,6 +227,10 @@ class KvbmConnector(_Base):
         self.world_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         instance = str(extra.get("instance") or getattr(ktc, "engine_id", None) or "default")
         self._config = load_config(extra.get("config"))
+        # TODO(rendezvous transport, another branch): vLLM's default multiprocess executor puts
+        # the worker in its own process; until the rendezvous transport lands, one rank defaults
+        # to the in-process transport and that executor needs an explicit transport/leader_addr
+        # (docs/python.md, "Executors"). Simplify here when it lands.
         transport = extra.get("transport")
         address = extra.get("leader_addr")
         self._num_blocks = extra.get("num_blocks")

@@ -352,8 +352,8 @@ pub(crate) fn layout_dict<'py>(py: Python<'py>, layout: &Layout) -> PyResult<Bou
     d.set_item("inner_dim", dims.inner_dim)?;
     d.set_item("dtype_bytes", dims.dtype_bytes)?;
     d.set_item("bytes_per_block", layout.bytes_per_block())?;
-    if let Layout::LayerSeparateHeadMajor(h) = layout {
-        d.set_item("num_heads", h.num_heads())?;
+    if let Layout::LayerSeparate(l) = layout {
+        d.set_item("num_heads", l.num_heads())?;
     }
     Ok(d)
 }
