@@ -40,7 +40,10 @@ rm -rf target/wheels
   --no-deps target/wheels/kvbm_connector-*.whl
 "$PYVENV/bin/python" -c 'import kvbm_connector, sys; print("testing", kvbm_connector.__file__); sys.exit("/site-packages/" not in kvbm_connector.__file__)'
 pytest_rc=0
-"$PYVENV/bin/python" -m pytest tests/python -q -p no:cacheprovider || pytest_rc=$?
+# test_vllm_forward.py needs vLLM's CPU build: it runs in the vLLM step below (under CI=true it
+# fails rather than skips where vLLM is missing, as here).
+"$PYVENV/bin/python" -m pytest tests/python -q -p no:cacheprovider \
+  --ignore=tests/python/test_vllm_forward.py || pytest_rc=$?
 if [ "$pytest_rc" -eq 5 ]; then
   echo "pytest collected no tests: the Python tests did not run" >&2
   exit 1
