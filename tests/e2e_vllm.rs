@@ -996,6 +996,15 @@ fn warm(e: &mut Engine, id: &str, prompt: &[u32]) {
     e.run_until_idle();
 }
 
+/// Runs `prompt` again as request `id` to completion; the connector's match for it.
+fn repeat(e: &mut Engine, id: &str, prompt: &[u32]) -> (usize, usize, bool) {
+    e.add(id, prompt.to_vec(), 1);
+    e.step();
+    let m = e.last_match(id);
+    e.run_until_idle();
+    m
+}
+
 // ------------------------------------------------------------------------------------------------
 // Scenarios
 // ------------------------------------------------------------------------------------------------
@@ -1089,10 +1098,7 @@ fn host_tier_smaller_than_a_request_streams_the_rest_to_disk() {
         m.transfer(TierKind::Device, TierKind::Disk).unwrap().blocks,
         5
     );
-    e.add("b", a.clone(), 1);
-    e.step();
-    assert_eq!(e.last_match("b"), (0, 28, true));
-    e.run_until_idle();
+    assert_eq!(repeat(&mut e, "b", &a), (0, 28, true));
     let m = e.metrics();
     assert_eq!(m.host_hit_tokens, 8);
     assert_eq!(m.disk_hit_tokens, 20);
@@ -1112,10 +1118,7 @@ fn host_tier_smaller_than_a_request_without_disk_counts_what_it_drops() {
     let a = tokens(600, 29);
     warm(&mut e, "a", &a);
     assert_eq!(e.metrics().offload_dropped_blocks, 5);
-    e.add("b", a.clone(), 1);
-    e.step();
-    assert_eq!(e.last_match("b"), (0, 8, true));
-    e.run_until_idle();
+    assert_eq!(repeat(&mut e, "b", &a), (0, 8, true));
 }
 
 #[test]
@@ -1127,10 +1130,7 @@ fn hit_from_disk_after_host_eviction() {
     let a = tokens(300, 17);
     warm(&mut e, "a", &a);
     warm(&mut e, "c", &tokens(400, 17)); // evicts a's 4 blocks from host
-    e.add("b", a.clone(), 1);
-    e.step();
-    assert_eq!(e.last_match("b"), (0, 16, true));
-    e.run_until_idle();
+    assert_eq!(repeat(&mut e, "b", &a), (0, 16, true));
     let m = e.metrics();
     assert_eq!(m.disk_hit_tokens, 16);
     assert_eq!(m.host_hit_tokens, 0);
