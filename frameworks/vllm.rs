@@ -431,12 +431,18 @@ impl VllmWorker {
 /// elements):
 /// * `[outer_dim, num_blocks, ...]` → outer-major (FlashAttention: `[2, N, page, heads, dim]`);
 /// * `[num_blocks, outer_dim, ...]` → block-major (FlashInfer: `[N, 2, page, heads, dim]`);
-/// * `[num_blocks, page_size, ...]` → block-major with `outer_dim = 1` (MLA latent).
+/// * `[num_blocks, page_size, ...]` → block-major with `outer_dim = 1` (MLA latent);
+/// * `[num_blocks, heads, page_size, 2 × head_dim]` → head-major
+///   ([`LayoutKind::LayerSeparateHeadMajor`]: vLLM's CPU attention, `CPU_ATTN`, whose
+///   `(block, head)` slabs hold all of K then all of V).
 ///
 /// The reading is taken from the dimension equal to `num_blocks` when it is given; without it,
-/// from which leading dimension can be an outer dim (1 or 2). When both readings fit the shape the
-/// caller must say which (`override_kind`); an override that contradicts the shape is refused,
-/// because both readings have the same byte size and a wrong one silently swaps K and V.
+/// from which leading dimension can be an outer dim (1 or 2). When several readings fit the shape
+/// the caller must say which (`override_kind`; the Python connector passes
+/// `layer_separate_head_major` when vLLM's attention backend is `CPU_ATTN`). An override that
+/// contradicts the shape is refused, because the readings have the same byte size and a wrong one
+/// silently mixes up K, V and heads. A 4-dim shape with 1 or 2 heads is always ambiguous without
+/// one (`[N, 2, page, C]` is also block-major K/V): the shape alone cannot tell.
 pub fn detect_vllm(
     layer_shapes: &[Vec<usize>],
     dtype_bytes: usize,
@@ -487,6 +493,10 @@ pub fn detect_vllm(
     candidates.retain(|c| {
         !(c.0 == LayoutKind::LayerSeparateOuterMajor && c.2 == 1 && shape[1] == page_size)
     });
+    // Head-major (CPU attention): [N, heads, page, 2 × head_dim].
+    if shape.len() == 4 && shape[2] == page_size && shape[3] % 2 == 0 && fits_blocks(shape[0]) {
+        candidates.push((LayoutKind::LayerSeparateHeadMajor, shape[0], 2, 1));
+    }
 
     let chosen = match override_kind {
         Some(LayoutKind::FullyContiguous) => {
@@ -518,20 +528,35 @@ pub fn detect_vllm(
             [one] => *one,
             [] => {
                 return Err(Error::invalid_layout(format!(
-                    "cannot read per-layer shape {} as [outer, blocks, ...], [blocks, outer, ...] or [blocks, page_size, ...]{}",
+                    "cannot read per-layer shape {} as [outer, blocks, ...], [blocks, outer, ...], [blocks, page_size, ...] or [blocks, heads, page_size, 2 × head_dim]{}",
                     fmt_shape(shape),
                     num_blocks.map_or(String::new(), |n| format!(" with num_blocks {n} and page_size {page_size}"))
                 )))
             }
             _ => {
+                let kinds: Vec<String> = candidates.iter().map(|c| c.0.to_string()).collect();
                 return Err(Error::invalid_layout(format!(
-                    "per-layer shape {} is ambiguous (block-major or outer-major); pass num_blocks or a layout override",
-                    fmt_shape(shape)
+                    "per-layer shape {} is ambiguous ({}); pass num_blocks or a layout override (layer_separate_head_major for vLLM's CPU attention backend)",
+                    fmt_shape(shape),
+                    kinds.join(" or ")
                 )))
             }
         },
     };
     let (kind, n, outer_dim, tail) = chosen;
+    if kind == LayoutKind::LayerSeparateHeadMajor {
+        let (heads, head_dim) = (shape[1], shape[3] / 2);
+        let dims = LayoutDims {
+            num_layers,
+            outer_dim,
+            page_size,
+            inner_dim: heads.checked_mul(head_dim).ok_or_else(|| {
+                Error::invalid_layout(format!("per-layer shape {} overflows", fmt_shape(shape)))
+            })?,
+            dtype_bytes,
+        };
+        return Layout::layer_separate_head_major(dims, n, heads);
+    }
     // vLLM keeps the page (block_size) as its own dimension right after the block/outer dims.
     if shape.get(tail) != Some(&page_size) {
         return Err(Error::invalid_layout(format!(

@@ -40,6 +40,27 @@ use crate::identity::HashAlgorithm;
 /// Decimal gigabyte.
 pub const GB: f64 = 1e9;
 
+/// The host tier's size in GB when no host or disk size is set at all (see
+/// [`Config::block_counts`]); [`default_host_cache_gb`] caps it at a quarter of the machine's
+/// memory.
+pub const DEFAULT_HOST_CACHE_GB: f64 = 4.0;
+
+/// [`DEFAULT_HOST_CACHE_GB`], or a quarter of the machine's memory (`MemTotal` of
+/// `/proc/meminfo`) when that is less; [`DEFAULT_HOST_CACHE_GB`] where it cannot be read.
+pub fn default_host_cache_gb() -> f64 {
+    let total_kb = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        });
+    match total_kb {
+        Some(kb) if kb > 0.0 => DEFAULT_HOST_CACHE_GB.min(kb * 1024.0 / 4.0 / GB),
+        _ => DEFAULT_HOST_CACHE_GB,
+    }
+}
+
 /// Size of one cache tier: GB or an explicit block count (which wins when both are set).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -732,14 +753,59 @@ impl Config {
 
     /// Host and disk block counts for blocks of `bytes_per_block` (the leader's barrier answer).
     ///
+    /// With no host or disk size set at all ([`Config::no_tier_sized`]) the host tier gets
+    /// [`default_host_cache_gb`]: the connector was loaded to offload, so doing nothing would
+    /// be a silent surprise. A size set to 0 is respected (that tier off).
+    ///
     /// Errors: a size whose bytes (`blocks × bytes_per_block`) exceed `isize::MAX` (what one
     /// allocation or file offset can address) is [`ErrorKind::InvalidConfig`] naming the setting
     /// (`host.cache_gb`, `disk.cache_blocks`, ...), not a layout error later.
     pub fn block_counts(&self, bytes_per_block: usize) -> Result<(usize, usize)> {
+        let host = if self.no_tier_sized() {
+            TierSize {
+                cache_gb: Some(default_host_cache_gb()),
+                cache_blocks: None,
+            }
+        } else {
+            self.host_size()
+        };
         Ok((
-            sized_blocks("host", &self.host_size(), bytes_per_block)?,
+            sized_blocks("host", &host, bytes_per_block)?,
             sized_blocks("disk", &self.disk_size(), bytes_per_block)?,
         ))
+    }
+
+    /// True when neither the host nor the disk tier has a size (GB or blocks, 0 included) from
+    /// any source: [`Config::block_counts`] then uses the default host tier.
+    pub fn no_tier_sized(&self) -> bool {
+        self.host.cache_gb.is_none()
+            && self.host.cache_blocks.is_none()
+            && self.disk.cache_gb.is_none()
+            && self.disk.cache_blocks.is_none()
+    }
+
+    /// What start-up should say loudly about the tier sizes, if anything: that the default host
+    /// tier is in use (no size set), or that every tier is sized 0 and the remote tier is off,
+    /// so the connector stores and loads nothing.
+    pub fn tier_warning(&self) -> Option<String> {
+        if self.no_tier_sized() {
+            return Some(format!(
+                "no host or disk tier size is set (KVBM_HOST_CACHE_GB, KVBM_DISK_CACHE_GB or a config file); using a default host tier of {:.2} GB ({} GB, at most a quarter of this machine's memory)",
+                default_host_cache_gb(),
+                DEFAULT_HOST_CACHE_GB
+            ));
+        }
+        let zero = |t: &TierSize| {
+            t.cache_blocks == Some(0)
+                || (t.cache_blocks.is_none() && t.cache_gb.is_none_or(|g| g * GB < 1.0))
+        };
+        if zero(&self.host_size()) && zero(&self.disk_size()) && !self.remote.enabled() {
+            return Some(
+                "the host and disk tiers are both sized 0 and the remote tier is off: the connector will store and load nothing (set KVBM_HOST_CACHE_GB or KVBM_DISK_CACHE_GB)"
+                    .to_string(),
+            );
+        }
+        None
     }
 
     /// The configuration as a TOML document.
@@ -798,6 +864,24 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn no_tier_sized_gets_the_default_host_tier_and_says_so() {
+        let c = Config::default();
+        assert!(c.no_tier_sized());
+        let gb = default_host_cache_gb();
+        assert!(gb > 0.0 && gb <= DEFAULT_HOST_CACHE_GB, "{gb}");
+        let (host, disk) = c.block_counts(1_000_000).unwrap();
+        assert_eq!((host, disk), ((gb * 1000.0).floor() as usize, 0));
+        assert!(c.tier_warning().unwrap().contains("default host tier"));
+        // Any size set, even 0, is respected: no default.
+        let c = Config::load_with(None, env(&[("KVBM_DISK_CACHE_GB", "1")])).unwrap();
+        assert_eq!(c.block_counts(1_000_000).unwrap(), (0, 1000));
+        assert_eq!(c.tier_warning(), None);
+        let c = Config::load_with(None, env(&[("KVBM_HOST_CACHE_GB", "0")])).unwrap();
+        assert_eq!(c.block_counts(1_000_000).unwrap(), (0, 0));
+        assert!(c.tier_warning().unwrap().contains("nothing"));
     }
 
     #[test]

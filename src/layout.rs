@@ -1,4 +1,4 @@
-//! How one KV block sits in memory: the [`KvLayout`] trait, its two built-in shapes, and the
+//! How one KV block sits in memory: the [`KvLayout`] trait, its built-in shapes, and the
 //! invariants any layout keeps.
 //!
 //! Dimensions ([`LayoutDims`]): `num_layers`, `outer_dim` (2 = K and V, 1 = an MLA latent),
@@ -10,6 +10,11 @@
 //! * [`LayerSeparate`]: one allocation per layer, either block-major `[num_blocks][outer_dim][...]`
 //!   or outer-major `[outer_dim][num_blocks][...]`; a block is `num_layers × outer_dim` separate
 //!   runs.
+//!   Or head-major ([`BlockOrder::HeadMajor`]), split by head inside each block:
+//!   `[num_blocks][num_heads][outer_dim][page_size][head_dim]` (`inner_dim = num_heads ×
+//!   head_dim`), each (block, head) slab all of K for its tokens, then all of V (vLLM's CPU
+//!   attention); a block is then `num_layers × outer_dim × page_size × num_heads` runs of one
+//!   head's `head_dim` elements (`num_layers × outer_dim` when there is one head).
 //! * Any other arrangement: implement [`KvLayout`] and list each block's runs with
 //!   [`Regions::from_runs`]; [`check_layout`] verifies the invariants below.
 //!
@@ -141,6 +146,8 @@ pub enum LayoutKind {
     LayerSeparateBlockMajor,
     /// Per layer `[outer_dim][num_blocks][...]`.
     LayerSeparateOuterMajor,
+    /// Per layer `[num_blocks][num_heads][outer_dim][page_size][head_dim]`.
+    LayerSeparateHeadMajor,
 }
 
 /// One run of a block's bytes inside one allocation.
@@ -220,6 +227,8 @@ enum Runs {
         kind: LayoutKind,
         dims: LayoutDims,
         num_blocks: usize,
+        /// Heads per (layer, outer) page: 1 except for [`LayoutKind::LayerSeparateHeadMajor`].
+        heads: usize,
         block: usize,
         next: usize,
         end: usize,
@@ -235,15 +244,25 @@ impl Regions {
         Self(Runs::Listed(runs.into_iter()))
     }
 
-    fn computed(kind: LayoutKind, dims: LayoutDims, num_blocks: usize, block: usize) -> Self {
+    fn computed(
+        kind: LayoutKind,
+        dims: LayoutDims,
+        num_blocks: usize,
+        heads: usize,
+        block: usize,
+    ) -> Self {
         let end = match kind {
             LayoutKind::FullyContiguous => 1,
+            LayoutKind::LayerSeparateHeadMajor if heads > 1 => {
+                dims.regions_per_block() * dims.page_size * heads
+            }
             _ => dims.regions_per_block(),
         };
         Self(Runs::Computed {
             kind,
             dims,
             num_blocks,
+            heads,
             block,
             next: 0,
             end,
@@ -255,12 +274,13 @@ impl Iterator for Regions {
     type Item = Region;
 
     fn next(&mut self) -> Option<Region> {
-        let (kind, d, num_blocks, block, r) = match &mut self.0 {
+        let (kind, d, num_blocks, heads, block, r) = match &mut self.0 {
             Runs::Listed(runs) => return runs.next(),
             Runs::Computed {
                 kind,
                 dims,
                 num_blocks,
+                heads,
                 block,
                 next,
                 end,
@@ -269,8 +289,13 @@ impl Iterator for Regions {
                     return None;
                 }
                 *next += 1;
-                (*kind, &*dims, *num_blocks, *block, *next - 1)
+                (*kind, &*dims, *num_blocks, *heads, *block, *next - 1)
             }
+        };
+        // One head: head-major is block-major memory, each (block, outer) page one run.
+        let kind = match kind {
+            LayoutKind::LayerSeparateHeadMajor if heads <= 1 => LayoutKind::LayerSeparateBlockMajor,
+            k => k,
         };
         Some(match kind {
             LayoutKind::FullyContiguous => Region {
@@ -297,6 +322,22 @@ impl Iterator for Regions {
                     offset: (outer * num_blocks + block) * rb,
                     len: rb,
                     canonical_offset: r * rb,
+                }
+            }
+            LayoutKind::LayerSeparateHeadMajor => {
+                // Run r is (layer, outer, token, head) in canonical order: one head's elements of
+                // one token, at [block][head][outer][token] of the layer's allocation.
+                let head = r % heads;
+                let token = (r / heads) % d.page_size;
+                let lo = r / heads / d.page_size;
+                let (layer, outer) = (lo / d.outer_dim, lo % d.outer_dim);
+                let hb = d.inner_dim / heads * d.dtype_bytes;
+                let row = ((block * heads + head) * d.outer_dim + outer) * d.page_size + token;
+                Region {
+                    allocation: layer,
+                    offset: row * hb,
+                    len: hb,
+                    canonical_offset: r * hb,
                 }
             }
         })
@@ -435,12 +476,13 @@ impl KvLayout for FullyContiguous {
             self.kind(),
             self.dims,
             self.num_blocks,
+            1,
             block,
         ))
     }
 }
 
-/// Whether a layer-separate allocation is indexed by block first or by K/V first.
+/// How a layer-separate allocation orders its blocks, K/V (outer) indices and heads.
 #[derive(
     Debug,
     Clone,
@@ -460,37 +502,87 @@ pub enum BlockOrder {
     BlockMajor,
     /// `[outer_dim][num_blocks][...]`.
     OuterMajor,
+    /// `[num_blocks][num_heads][outer_dim][page_size][head_dim]` (`inner_dim = num_heads ×
+    /// head_dim`): each block split by head, every (block, head) slab holding its outer indices
+    /// (K, then V) one after the other, `page_size × head_dim` elements each. vLLM's CPU
+    /// attention backend (`CPU_ATTN`) keeps its cache so: per layer a tensor of shape
+    /// `[num_blocks, num_heads, page_size, 2 × head_dim]` that its kernels view as `[num_blocks,
+    /// num_heads, 2 × page_size, head_dim]` and split in two along the page dimension (so the
+    /// last dimension does *not* hold a token's K and V side by side). A block is `num_layers ×
+    /// outer_dim × page_size × num_heads` runs of one head's elements of one token. With one head
+    /// it is block-major memory. Built with [`LayerSeparate::head_major`].
+    HeadMajor,
 }
 
-/// One allocation per layer, block-major or outer-major.
+/// One allocation per layer, block-major, outer-major or head-major.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LayerSeparate {
     dims: LayoutDims,
     num_blocks: usize,
     order: BlockOrder,
+    /// Heads a block is split by ([`BlockOrder::HeadMajor`]); 1 otherwise.
+    #[serde(default = "one")]
+    num_heads: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl LayerSeparate {
-    /// Validates and builds the layout.
+    /// Validates and builds a block-major or outer-major layout; head-major needs the head count
+    /// ([`LayerSeparate::head_major`]) and is refused here.
     pub fn new(dims: LayoutDims, num_blocks: usize, order: BlockOrder) -> Result<Self> {
+        if order == BlockOrder::HeadMajor {
+            return Err(Error::invalid_argument(
+                "a head-major layout needs its head count: use LayerSeparate::head_major",
+            ));
+        }
         dims.validate_cache(num_blocks)?;
         Ok(Self {
             dims,
             num_blocks,
             order,
+            num_heads: 1,
         })
     }
 
-    /// Block-major or outer-major.
+    /// Validates and builds a head-major layout ([`BlockOrder::HeadMajor`]): `num_heads` must be
+    /// non-zero and divide `inner_dim`.
+    pub fn head_major(dims: LayoutDims, num_blocks: usize, num_heads: usize) -> Result<Self> {
+        dims.validate_cache(num_blocks)?;
+        if num_heads == 0 || dims.inner_dim % num_heads != 0 {
+            return Err(Error::invalid_layout(format!(
+                "num_heads {num_heads} must be non-zero and divide inner_dim {}",
+                dims.inner_dim
+            ))
+            .with("dim", "num_heads"));
+        }
+        Ok(Self {
+            dims,
+            num_blocks,
+            order: BlockOrder::HeadMajor,
+            num_heads,
+        })
+    }
+
+    /// Block-major, outer-major or head-major.
     pub fn order(&self) -> BlockOrder {
         self.order
     }
 
-    /// [`LayoutKind::LayerSeparateBlockMajor`] or [`LayoutKind::LayerSeparateOuterMajor`].
+    /// Heads each block is split by (1 unless head-major).
+    pub fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    /// [`LayoutKind::LayerSeparateBlockMajor`], [`LayoutKind::LayerSeparateOuterMajor`] or
+    /// [`LayoutKind::LayerSeparateHeadMajor`].
     pub fn kind(&self) -> LayoutKind {
         match self.order {
             BlockOrder::BlockMajor => LayoutKind::LayerSeparateBlockMajor,
             BlockOrder::OuterMajor => LayoutKind::LayerSeparateOuterMajor,
+            BlockOrder::HeadMajor => LayoutKind::LayerSeparateHeadMajor,
         }
     }
 }
@@ -514,12 +606,13 @@ impl KvLayout for LayerSeparate {
             self.kind(),
             self.dims,
             self.num_blocks,
+            self.num_heads,
             block,
         ))
     }
 }
 
-/// Either built-in layout, as a value: what tiers hold and configs and wire messages carry.
+/// Any built-in layout, as a value: what tiers hold and configs and wire messages carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Layout {
@@ -538,6 +631,15 @@ impl Layout {
     /// A layer-separate layout.
     pub fn layer_separate(dims: LayoutDims, num_blocks: usize, order: BlockOrder) -> Result<Self> {
         LayerSeparate::new(dims, num_blocks, order).map(Layout::LayerSeparate)
+    }
+
+    /// A layer-separate layout split by head inside each block ([`BlockOrder::HeadMajor`]).
+    pub fn layer_separate_head_major(
+        dims: LayoutDims,
+        num_blocks: usize,
+        num_heads: usize,
+    ) -> Result<Self> {
+        LayerSeparate::head_major(dims, num_blocks, num_heads).map(Layout::LayerSeparate)
     }
 
     /// The same dimensions with another block count, fully contiguous (host and disk tiers).
@@ -614,6 +716,9 @@ mod tests {
             Layout::fully_contiguous(dims(), 5).unwrap(),
             Layout::layer_separate(dims(), 5, BlockOrder::BlockMajor).unwrap(),
             Layout::layer_separate(dims(), 5, BlockOrder::OuterMajor).unwrap(),
+            Layout::layer_separate_head_major(dims(), 5, 1).unwrap(),
+            Layout::layer_separate_head_major(dims(), 5, 2).unwrap(),
+            Layout::layer_separate_head_major(dims(), 5, 4).unwrap(),
         ] {
             let bpb = layout.bytes_per_block();
             // Canonical offsets tile [0, bpb) exactly.
@@ -625,6 +730,59 @@ mod tests {
             }
             assert_eq!(covered, bpb);
             check_layout(&layout).unwrap();
+        }
+    }
+
+    /// Head-major runs land where vLLM's CPU cache tensor `[blocks, heads, page, 2 × head_dim]`
+    /// (viewed `[blocks, heads, 2 × page, head_dim]`, K then V) holds each element, computed here
+    /// from that shape and not from the layout's own formula.
+    #[test]
+    fn head_major_runs_match_the_cpu_attention_tensor() {
+        let d = dims(); // 3 layers, 2 outer, 4 tokens, inner 8, 2 bytes
+        let heads = 2;
+        let hd = d.inner_dim / heads;
+        let blocks = 5;
+        let l = Layout::layer_separate_head_major(d, blocks, heads).unwrap();
+        assert_eq!(l.kind(), LayoutKind::LayerSeparateHeadMajor);
+        assert_eq!(l.num_allocations(), 3);
+        assert_eq!(
+            l.allocation_bytes(),
+            blocks * heads * d.page_size * 2 * hd * 2
+        );
+        for block in 0..blocks {
+            let runs: Vec<Region> = l.regions(block).unwrap().collect();
+            assert_eq!(runs.len(), 3 * 2 * d.page_size * heads);
+            let mut i = 0;
+            for layer in 0..3 {
+                for kv in 0..2 {
+                    for token in 0..d.page_size {
+                        for head in 0..heads {
+                            // Element [block, head, kv * page + token, 0] of the viewed tensor.
+                            let elem = ((block * heads + head) * 2 * d.page_size
+                                + kv * d.page_size
+                                + token)
+                                * hd;
+                            assert_eq!(runs[i].allocation, layer);
+                            assert_eq!(runs[i].offset, elem * 2, "run {i} of block {block}");
+                            assert_eq!(runs[i].len, hd * 2);
+                            i += 1;
+                        }
+                    }
+                }
+            }
+        }
+        // One head is block-major memory, in the same runs.
+        let one = Layout::layer_separate_head_major(d, blocks, 1).unwrap();
+        let bm = Layout::layer_separate(d, blocks, BlockOrder::BlockMajor).unwrap();
+        for b in 0..blocks {
+            assert_eq!(
+                one.regions(b).unwrap().collect::<Vec<_>>(),
+                bm.regions(b).unwrap().collect::<Vec<_>>()
+            );
+        }
+        for bad in [0, 3] {
+            let e = Layout::layer_separate_head_major(d, blocks, bad).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidLayout);
         }
     }
 

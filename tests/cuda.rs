@@ -96,6 +96,10 @@ fn layouts(d: LayoutDims, n: usize) -> Vec<(&'static str, Layout)> {
             "layer_separate_outer_major",
             Layout::layer_separate(d, n, BlockOrder::OuterMajor).unwrap(),
         ),
+        (
+            "layer_separate_head_major",
+            Layout::layer_separate_head_major(d, n, 2).unwrap(),
+        ),
     ]
 }
 

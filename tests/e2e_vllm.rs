@@ -233,6 +233,9 @@ enum Backend {
     FlashAttention,
     /// `[num_blocks, 2, page, heads, head_dim]` (block-major).
     FlashInfer,
+    /// vLLM's CPU attention: `[num_blocks, heads, page, 2 × head_dim]`, each (block, head) slab
+    /// all of K then all of V (head-major).
+    CpuAttention,
 }
 
 /// How a request preempted earlier reaches the worker when it is scheduled again *without* an
@@ -392,17 +395,26 @@ impl Engine {
         config.disk.cache_blocks = Some(opts.disk_blocks);
         config.disk.dir = dir.path().to_path_buf();
         let n = opts.device_blocks;
-        let (shape, order) = match opts.backend {
-            Backend::FlashAttention => (vec![2, n, BS, HEADS, HEAD_DIM], BlockOrder::OuterMajor),
-            Backend::FlashInfer => (vec![n, 2, BS, HEADS, HEAD_DIM], BlockOrder::BlockMajor),
+        let (shape, layout) = match opts.backend {
+            Backend::FlashAttention => (
+                vec![2, n, BS, HEADS, HEAD_DIM],
+                Layout::layer_separate(dims(), n, BlockOrder::OuterMajor),
+            ),
+            Backend::FlashInfer => (
+                vec![n, 2, BS, HEADS, HEAD_DIM],
+                Layout::layer_separate(dims(), n, BlockOrder::BlockMajor),
+            ),
+            Backend::CpuAttention => (
+                vec![n, HEADS, BS, 2 * HEAD_DIM],
+                Layout::layer_separate_head_major(dims(), n, HEADS),
+            ),
         };
-        let device = Arc::new(
-            MemoryTier::new(
-                TierKind::Device,
-                Layout::layer_separate(dims(), n, order).unwrap(),
-            )
-            .unwrap(),
-        );
+        let override_kind = match opts.backend {
+            // With 2 heads the shape also reads as block-major: the attention backend says which.
+            Backend::CpuAttention => Some(kvbm_connector::LayoutKind::LayerSeparateHeadMajor),
+            _ => None,
+        };
+        let device = Arc::new(MemoryTier::new(TierKind::Device, layout.unwrap()).unwrap());
         let gate = Arc::new(Gate::default());
         let cache: Arc<dyn StorageTier> = Arc::new(GatedDevice {
             inner: device.clone(),
@@ -418,7 +430,7 @@ impl Engine {
         let mut worker = VllmWorker::new(config.clone(), BS, 1, wts[0].clone()).unwrap();
         let started = Instant::now();
         worker
-            .register_kv_caches(&layers, DTYPE, Some(n), None, cache)
+            .register_kv_caches(&layers, DTYPE, Some(n), override_kind, cache)
             .unwrap();
         assert!(
             started.elapsed() < Duration::from_secs(1),
@@ -984,6 +996,15 @@ fn warm(e: &mut Engine, id: &str, prompt: &[u32]) {
     e.run_until_idle();
 }
 
+/// Runs `prompt` again as request `id` to completion; the connector's match for it.
+fn repeat(e: &mut Engine, id: &str, prompt: &[u32]) -> (usize, usize, bool) {
+    e.add(id, prompt.to_vec(), 1);
+    e.step();
+    let m = e.last_match(id);
+    e.run_until_idle();
+    m
+}
+
 // ------------------------------------------------------------------------------------------------
 // Scenarios
 // ------------------------------------------------------------------------------------------------
@@ -1047,6 +1068,59 @@ fn prefix_hit_from_host_flashinfer_layout() {
     );
 }
 
+/// vLLM's CPU attention layout (head-major): the same metadata as FlashAttention's, and the
+/// loaded bytes (checked by the engine against the canonical image) are right.
+#[test]
+fn prefix_hit_from_host_cpu_attention_layout() {
+    assert_eq!(
+        hit_from_host(Backend::CpuAttention).into_metadata(),
+        hit_from_host(Backend::FlashAttention).into_metadata()
+    );
+}
+
+/// A host tier smaller than a request: the blocks it cannot take stream straight from the
+/// device to disk, so the repeat is served every full block (host, then disk), none dropped.
+#[test]
+fn host_tier_smaller_than_a_request_streams_the_rest_to_disk() {
+    let mut e = Engine::new(Opts {
+        host_blocks: 2,
+        ..Opts::default()
+    });
+    let a = tokens(500, 29); // 7 full blocks, all computed by one prefill step
+    warm(&mut e, "a", &a);
+    let m = e.metrics();
+    assert_eq!(m.offload_dropped_blocks, 0);
+    assert_eq!(
+        m.transfer(TierKind::Device, TierKind::Host).unwrap().blocks,
+        2
+    );
+    assert_eq!(
+        m.transfer(TierKind::Device, TierKind::Disk).unwrap().blocks,
+        5
+    );
+    assert_eq!(repeat(&mut e, "b", &a), (0, 28, true));
+    let m = e.metrics();
+    assert_eq!(m.host_hit_tokens, 8);
+    assert_eq!(m.disk_hit_tokens, 20);
+    assert_eq!(m.load_error_blocks, 0);
+    e.finish_scenario("host_tier_smaller_than_a_request");
+}
+
+/// Without a disk tier the blocks the host cannot take are dropped, but counted (and logged),
+/// never silently.
+#[test]
+fn host_tier_smaller_than_a_request_without_disk_counts_what_it_drops() {
+    let mut e = Engine::new(Opts {
+        host_blocks: 2,
+        disk_blocks: 0,
+        ..Opts::default()
+    });
+    let a = tokens(600, 29);
+    warm(&mut e, "a", &a);
+    assert_eq!(e.metrics().offload_dropped_blocks, 5);
+    assert_eq!(repeat(&mut e, "b", &a), (0, 8, true));
+}
+
 #[test]
 fn hit_from_disk_after_host_eviction() {
     let mut e = Engine::new(Opts {
@@ -1056,10 +1130,7 @@ fn hit_from_disk_after_host_eviction() {
     let a = tokens(300, 17);
     warm(&mut e, "a", &a);
     warm(&mut e, "c", &tokens(400, 17)); // evicts a's 4 blocks from host
-    e.add("b", a.clone(), 1);
-    e.step();
-    assert_eq!(e.last_match("b"), (0, 16, true));
-    e.run_until_idle();
+    assert_eq!(repeat(&mut e, "b", &a), (0, 16, true));
     let m = e.metrics();
     assert_eq!(m.disk_hit_tokens, 16);
     assert_eq!(m.host_hit_tokens, 0);

@@ -1,15 +1,21 @@
 //! `KvLayout` implemented outside the crate, through its public API only.
 //!
-//! The layout is vLLM's CPU cache: one tensor per layer, `[num_blocks, num_kv_heads, block_size,
-//! 2 * head_size]`, K and V packed in the last dimension. The same K/V data is held once in a
-//! standard layout (vLLM FlashAttention, per layer `[2, num_blocks, block_size, num_kv_heads,
-//! head_size]`) and once in the CPU layout. The standard cache is stored into a fully contiguous
-//! host tier with the transfer engine; the CPU cache's blocks are stored into a second host tier
-//! by handing its runs to `write_block`. Both tiers must then hold the same canonical images, and
-//! loading the standard cache's images back into an empty CPU cache (the tier scattering straight
-//! into its runs) must rebuild the CPU cache byte for byte.
+//! The example layout: one tensor per layer, `[num_blocks, num_kv_heads, block_size,
+//! 2 * head_size]`, each token's K and V side by side in the last dimension (how kernels that
+//! split that logical shape per token, `split(head_size, dim=-1)`, read it). It is *not* vLLM's
+//! CPU cache: vLLM's CPU attention registers the same shape but keeps each (block, head) slab as
+//! all of K, then all of V, which is the built-in head-major `LayerSeparate` (`BlockOrder::HeadMajor`) (tests/layout_shapes.rs,
+//! tests/python/test_vllm_forward.py). The shape alone cannot tell the two apart; this one only
+//! shows how an arrangement the crate does not know is added from outside.
 //!
-//! The CPU cache is test-owned memory, not a tier: tiers hold the built-in `Layout`
+//! The same K/V data is held once in a standard layout (vLLM FlashAttention, per layer `[2,
+//! num_blocks, block_size, num_kv_heads, head_size]`) and once in the packed layout. The standard
+//! cache is stored into a fully contiguous host tier with the transfer engine; the packed cache's
+//! blocks are stored into a second host tier by handing its runs to `write_block`. Both tiers must
+//! then hold the same canonical images, and loading the standard cache's images back into an
+//! empty packed cache (the tier scattering straight into its runs) must rebuild it byte for byte.
+//!
+//! The packed cache is test-owned memory, not a tier: tiers hold the built-in `Layout`
 //! (`StorageTier::layout`), so a layout of one's own moves blocks through a tier's segment lists.
 
 use std::io::{IoSlice, IoSliceMut};
@@ -31,7 +37,8 @@ const HEAD_SIZE: usize = 4;
 /// bf16-sized elements; the values below are `u16`.
 const ELEM: usize = 2;
 
-/// vLLM's CPU cache: per layer `[num_blocks, num_kv_heads, block_size, 2 * head_size]`.
+/// Per layer `[num_blocks, num_kv_heads, block_size, 2 * head_size]`, K and V of a token side by
+/// side in the last dimension.
 ///
 /// Each layer's tensor gives a block the same span as block-major layer-separate
 /// (`[num_blocks][2][block_size × num_kv_heads × head_size]`), so this layout takes its sizes from
@@ -39,13 +46,13 @@ const ELEM: usize = 2;
 /// `[layer][K/V][token][head][head_size]` (the order of the standard layouts' runs), so every
 /// (layer, K/V, token, head) is one run of `head_size` elements.
 #[derive(Debug)]
-struct VllmCpuLayout {
+struct PackedLastDimLayout {
     spans: LayerSeparate,
     num_kv_heads: usize,
     head_size: usize,
 }
 
-impl VllmCpuLayout {
+impl PackedLastDimLayout {
     fn new(
         num_layers: usize,
         num_blocks: usize,
@@ -69,7 +76,7 @@ impl VllmCpuLayout {
     }
 }
 
-impl KvLayout for VllmCpuLayout {
+impl KvLayout for PackedLastDimLayout {
     fn dims(&self) -> &LayoutDims {
         self.spans.dims()
     }
@@ -133,9 +140,9 @@ fn elements() -> impl Iterator<Item = ([usize; 6], u16)> {
     })
 }
 
-/// The CPU cache as vLLM fills it: per layer `[blocks, heads, page, 2 * head_size]`, element
-/// positions computed here from the tensor shape, independently of `VllmCpuLayout::regions`.
-fn cpu_cache() -> Vec<Vec<u8>> {
+/// The packed cache as its kernels would fill it: per layer `[blocks, heads, page, 2 * head_size]`, element
+/// positions computed here from the tensor shape, independently of `PackedLastDimLayout::regions`.
+fn packed_cache() -> Vec<Vec<u8>> {
     let mut cache = vec![vec![0u8; BLOCKS * HEADS * PAGE * 2 * HEAD_SIZE * ELEM]; LAYERS];
     for ([l, kv, b, t, h, d], v) in elements() {
         let i = ((b * HEADS + h) * PAGE + t) * 2 * HEAD_SIZE + kv * HEAD_SIZE + d;
@@ -196,21 +203,21 @@ fn runs_mut<'a>(cache: &'a mut [Vec<u8>], regions: &[Region]) -> Vec<IoSliceMut<
 
 #[test]
 fn the_layout_keeps_the_kv_layout_invariants() {
-    let cpu = VllmCpuLayout::new(LAYERS, BLOCKS, HEADS, PAGE, HEAD_SIZE, ELEM).unwrap();
-    check_layout(&cpu).unwrap();
+    let packed = PackedLastDimLayout::new(LAYERS, BLOCKS, HEADS, PAGE, HEAD_SIZE, ELEM).unwrap();
+    check_layout(&packed).unwrap();
     assert_eq!(
-        cpu.bytes_per_block(),
+        packed.bytes_per_block(),
         LAYERS * 2 * PAGE * HEADS * HEAD_SIZE * ELEM
     );
-    assert_eq!(cpu.total_bytes(), LAYERS * cpu_cache()[0].len());
-    assert_eq!(cpu.regions(2).unwrap().len(), LAYERS * 2 * PAGE * HEADS);
+    assert_eq!(packed.total_bytes(), LAYERS * packed_cache()[0].len());
+    assert_eq!(packed.regions(2).unwrap().len(), LAYERS * 2 * PAGE * HEADS);
     assert_eq!(
-        cpu.regions(BLOCKS).unwrap_err().kind(),
+        packed.regions(BLOCKS).unwrap_err().kind(),
         ErrorKind::OutOfRange
     );
     // Zero heads is refused like any zero dimension.
     assert_eq!(
-        VllmCpuLayout::new(LAYERS, BLOCKS, 0, PAGE, HEAD_SIZE, ELEM)
+        PackedLastDimLayout::new(LAYERS, BLOCKS, 0, PAGE, HEAD_SIZE, ELEM)
             .unwrap_err()
             .kind(),
         ErrorKind::InvalidLayout
@@ -218,9 +225,9 @@ fn the_layout_keeps_the_kv_layout_invariants() {
 }
 
 #[test]
-fn blocks_round_trip_between_the_cpu_layout_and_a_contiguous_tier() {
-    let cpu = VllmCpuLayout::new(LAYERS, BLOCKS, HEADS, PAGE, HEAD_SIZE, ELEM).unwrap();
-    let dims = *cpu.dims();
+fn blocks_round_trip_between_the_packed_layout_and_a_contiguous_tier() {
+    let packed = PackedLastDimLayout::new(LAYERS, BLOCKS, HEADS, PAGE, HEAD_SIZE, ELEM).unwrap();
+    let dims = *packed.dims();
     let host = || MemoryTier::host(Layout::fully_contiguous(dims, BLOCKS).unwrap()).unwrap();
 
     // The standard cache, stored by the transfer engine.
@@ -229,31 +236,31 @@ fn blocks_round_trip_between_the_cpu_layout_and_a_contiguous_tier() {
     let out = TransferEngine::copy_blocking(&standard_tier(dims), &from_standard, &pairs).unwrap();
     assert!(out.is_ok(), "{:?}", out.failed);
 
-    // The CPU cache, stored block by block from its runs.
-    let cache = cpu_cache();
-    let from_cpu = host();
+    // The packed cache, stored block by block from its runs.
+    let cache = packed_cache();
+    let from_packed = host();
     for b in 0..BLOCKS {
-        let regions: Vec<Region> = cpu.regions(b).unwrap().collect();
-        from_cpu.write_block(b, &runs(&cache, &regions)).unwrap();
+        let regions: Vec<Region> = packed.regions(b).unwrap().collect();
+        from_packed.write_block(b, &runs(&cache, &regions)).unwrap();
     }
     for b in 0..BLOCKS {
         assert_eq!(
-            from_cpu.read_block_to_vec(b).unwrap(),
+            from_packed.read_block_to_vec(b).unwrap(),
             from_standard.read_block_to_vec(b).unwrap(),
             "canonical image of block {b}"
         );
     }
 
-    // Loading the standard cache's images into an empty CPU cache rebuilds it.
+    // Loading the standard cache's images into an empty packed cache rebuilds it.
     let mut loaded = vec![vec![0u8; cache[0].len()]; LAYERS];
     for b in 0..BLOCKS {
-        let regions: Vec<Region> = cpu.regions(b).unwrap().collect();
+        let regions: Vec<Region> = packed.regions(b).unwrap().collect();
         from_standard
             .read_block(b, &mut runs_mut(&mut loaded, &regions))
             .unwrap();
     }
     assert!(
         loaded == cache,
-        "the loaded CPU cache differs from the one stored"
+        "the loaded packed cache differs from the one stored"
     );
 }

@@ -250,6 +250,63 @@ fn vllm_mismatched_layers_and_bad_block_count() {
     );
 }
 
+/// vLLM's CPU attention (`CPU_ATTN`): per layer `[num_blocks, num_kv_heads, block_size,
+/// 2 × head_size]`, each (block, head) slab K then V. With 4 heads no other reading fits; with 1
+/// or 2 the shape also reads as block-major K/V, so it needs the override (which the Python
+/// connector passes when vLLM's backend is `CPU_ATTN`), and the override must fit the shape.
+#[cfg(feature = "vllm")]
+#[test]
+fn vllm_cpu_attention_is_head_major() {
+    // The shape the issue reports refused: [2048, 4, 32, 128] (4 KV heads, head size 64).
+    let shape = [2048, 4, 32, 128];
+    for (n, over) in [
+        (None, None),
+        (Some(2048), None),
+        (None, Some(LayoutKind::LayerSeparateHeadMajor)),
+    ] {
+        let l = detect_vllm(&layers(&shape), 4, 32, n, over).unwrap();
+        assert_eq!(l.kind(), LayoutKind::LayerSeparateHeadMajor);
+        assert_eq!(l.num_blocks(), 2048);
+        assert_eq!(l.dims().outer_dim, 2);
+        assert_eq!(l.dims().inner_dim, 4 * 64);
+        assert_eq!(l.allocation_bytes(), 2048 * 4 * 32 * 128 * 4);
+        // Block 3, layer 0, V (outer 1), token 5, head 2: element [3, 2, 32 + 5, 0] of the
+        // kernels' [blocks, heads, 2 × page, head_size] view.
+        let r: Vec<Region> = l.regions(3).unwrap().collect();
+        let i = (32 + 5) * 4 + 2;
+        assert_eq!(r[i].allocation, 0);
+        assert_eq!(r[i].offset, ((3 * 4 + 2) * 64 + 32 + 5) * 64 * 4);
+        assert_eq!(r[i].canonical_offset, i * 64 * 4);
+    }
+    // Two heads (what worked by luck, read as block-major): ambiguous without the override.
+    let two = [2048, 2, 32, 128];
+    let e = detect_vllm(&layers(&two), 4, 32, None, None).unwrap_err();
+    assert!(e.to_string().contains("ambiguous"), "{e}");
+    assert!(e.to_string().contains("layer_separate_head_major"), "{e}");
+    let l = detect_vllm(
+        &layers(&two),
+        4,
+        32,
+        Some(2048),
+        Some(LayoutKind::LayerSeparateHeadMajor),
+    )
+    .unwrap();
+    assert_eq!(l.kind(), LayoutKind::LayerSeparateHeadMajor);
+    assert_eq!(l.dims().inner_dim, 2 * 64);
+    // The override must fit: an odd last dim or a page that is not block_size is refused.
+    for bad in [[2048, 2, 32, 127], [2048, 2, 16, 128]] {
+        let e = detect_vllm(
+            &layers(&bad),
+            4,
+            32,
+            None,
+            Some(LayoutKind::LayerSeparateHeadMajor),
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidLayout, "{bad:?}");
+    }
+}
+
 #[test]
 fn zero_and_overflowing_dimensions_are_errors() {
     let mut d = llama_dims();
@@ -309,4 +366,10 @@ fn layouts_serialize_with_their_kind() {
     let l = Layout::layer_separate(llama_dims(), 8, BlockOrder::OuterMajor).unwrap();
     let json = toml::to_string(&l).unwrap();
     assert!(json.contains("kind = \"layer_separate\""), "{json}");
+    // Head-major keeps its head count; a layout written before heads existed reads as one head.
+    let h = Layout::layer_separate_head_major(llama_dims(), 8, 8).unwrap();
+    let text = toml::to_string(&h).unwrap();
+    assert_eq!(toml::from_str::<Layout>(&text).unwrap(), h, "{text}");
+    let old: Layout = toml::from_str(&json.replace("num_heads = 1\n", "")).unwrap();
+    assert_eq!(old, l);
 }

@@ -122,13 +122,7 @@ fn remote(dims: LayoutDims, layout: MemLayout) -> Option<Fixture<RemoteTier>> {
 }
 
 fn memory(dims: LayoutDims, which: MemLayout) -> MemoryTier {
-    let layout = match which {
-        MemLayout::Contiguous => Layout::fully_contiguous(dims, NUM_BLOCKS),
-        MemLayout::BlockMajor => Layout::layer_separate(dims, NUM_BLOCKS, BlockOrder::BlockMajor),
-        MemLayout::OuterMajor => Layout::layer_separate(dims, NUM_BLOCKS, BlockOrder::OuterMajor),
-    }
-    .expect("valid test layout");
-    MemoryTier::host(layout).expect("memory tier")
+    MemoryTier::host(which.layout(dims)).expect("memory tier")
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -163,6 +157,7 @@ conformance! {
     nixl_disk_buffered_aligned => nixl_disk(aligned_dims(), false);
     ucx_remote_contiguous_small => remote(small_dims(), MemLayout::Contiguous);
     ucx_remote_outer_major_aligned => remote(aligned_dims(), MemLayout::OuterMajor);
+    ucx_remote_head_major_small => remote(small_dims(), MemLayout::HeadMajor);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -288,7 +283,7 @@ fn transfer_engine_round_trip_through_nixl_disk() {
             let dir = tempfile::tempdir().expect("tempdir");
             let a = agent(&[NixlBackend::Posix]);
             let src: Arc<dyn StorageTier> = Arc::new(memory(dims, MemLayout::OuterMajor));
-            let dst: Arc<dyn StorageTier> = Arc::new(memory(dims, MemLayout::BlockMajor));
+            let dst: Arc<dyn StorageTier> = Arc::new(memory(dims, MemLayout::HeadMajor));
             let plain: Arc<dyn StorageTier> = Arc::new(memory(dims, MemLayout::Contiguous));
             a.register_host_tier(src.clone()).expect("register");
             a.register_host_tier(dst.clone()).expect("register");

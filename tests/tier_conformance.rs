@@ -6,7 +6,7 @@
 //! one `#[test]` per (backend, handle, check), so a failure names its case, e.g.
 //! `disk_direct_aligned::dyn_arc::overwrite_leaves_others_intact`.
 //!
-//! Backends: the memory tier in all three layouts and the disk tier with and without O_DIRECT,
+//! Backends: the memory tier in all four built-in layouts and the disk tier with and without O_DIRECT,
 //! each with a small block (384 bytes: regions not 4096-aligned, the disk bounces through its
 //! aligned buffers) and a block that is a multiple of 4096 (the disk's direct path when buffers are
 //! aligned, which these checks arrange where they can).
@@ -17,8 +17,7 @@ mod conformance;
 use conformance::*;
 use kvbm_connector::backends::disk::{DiskTier, DiskTierOptions};
 use kvbm_connector::backends::memory::MemoryTier;
-use kvbm_connector::layout::BlockOrder;
-use kvbm_connector::{Layout, LayoutDims, StorageTier, TierKind};
+use kvbm_connector::{LayoutDims, StorageTier, TierKind};
 
 // ------------------------------------------------------------------------------------------------
 // Fixtures
@@ -32,14 +31,8 @@ struct Fixture<T> {
 }
 
 fn memory(dims: LayoutDims, which: MemLayout) -> Fixture<MemoryTier> {
-    let layout = match which {
-        MemLayout::Contiguous => Layout::fully_contiguous(dims, NUM_BLOCKS),
-        MemLayout::BlockMajor => Layout::layer_separate(dims, NUM_BLOCKS, BlockOrder::BlockMajor),
-        MemLayout::OuterMajor => Layout::layer_separate(dims, NUM_BLOCKS, BlockOrder::OuterMajor),
-    }
-    .expect("valid test layout");
     Fixture {
-        tier: MemoryTier::host(layout).expect("memory tier"),
+        tier: MemoryTier::host(which.layout(dims)).expect("memory tier"),
         _dir: None,
     }
 }
@@ -72,6 +65,8 @@ conformance! {
     memory_contiguous_aligned => memory(aligned_dims(), MemLayout::Contiguous);
     memory_block_major_aligned => memory(aligned_dims(), MemLayout::BlockMajor);
     memory_outer_major_aligned => memory(aligned_dims(), MemLayout::OuterMajor);
+    memory_head_major_small => memory(small_dims(), MemLayout::HeadMajor);
+    memory_head_major_aligned => memory(aligned_dims(), MemLayout::HeadMajor);
     disk_direct_small => disk(small_dims(), true);
     disk_buffered_small => disk(small_dims(), false);
     disk_direct_aligned => disk(aligned_dims(), true);
@@ -102,7 +97,7 @@ fn disk_direct_io_is_active_or_explained() {
 fn memory_to_disk_via_lent_runs() {
     for dims in [small_dims(), aligned_dims()] {
         let src = memory(dims, MemLayout::OuterMajor);
-        let dst = memory(dims, MemLayout::BlockMajor);
+        let dst = memory(dims, MemLayout::HeadMajor);
         let disk = disk(dims, true);
         write_all_blocks(&src.tier, 11);
         for b in 0..NUM_BLOCKS {

@@ -51,6 +51,7 @@ fn layouts(d: LayoutDims, n: usize) -> Vec<Layout> {
         Layout::fully_contiguous(d, n).unwrap(),
         Layout::layer_separate(d, n, BlockOrder::BlockMajor).unwrap(),
         Layout::layer_separate(d, n, BlockOrder::OuterMajor).unwrap(),
+        Layout::layer_separate_head_major(d, n, 2).unwrap(),
     ]
 }
 

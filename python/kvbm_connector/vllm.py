@@ -25,16 +25,26 @@ What is read from vLLM's objects (vLLM v1):
   ``num_scheduled_tokens``, ``finished_req_ids`` and ``preempted_req_ids`` when present;
 * ``register_kv_caches(kv_caches)``: a dict layer name -> tensor, each
   ``[2, num_blocks, block_size, heads, head_dim]`` (outer-major),
-  ``[num_blocks, 2, block_size, ...]`` (block-major) or ``[num_blocks, block_size, ...]`` (MLA);
+  ``[num_blocks, 2, block_size, ...]`` (block-major), ``[num_blocks, block_size, ...]`` (MLA) or
+  ``[num_blocks, heads, block_size, 2 * head_dim]`` (CPU attention, head-major; see below);
   CPU or CUDA tensors, all on one GPU per worker (see ``kvbm_connector._streams`` for how stores
-  and loads follow the engine's current CUDA stream).
+  and loads follow the engine's current CUDA stream);
+* ``compilation_config.static_forward_context``: each registered layer's attention backend.
 
 ``kv_connector_extra_config`` keys (all optional): ``config`` (a kvbm TOML file, else
 ``$KVBM_CONFIG``), ``transport`` (``rendezvous``, ``in_process`` or ``tcp``), ``leader_addr``
 (else ``$KVBM_LEADER_ADDR``), ``instance`` (the rendezvous or in-process pairing name, else the
 engine id),
 ``rank`` (a worker's rank, else vLLM's tensor-parallel rank), ``num_blocks`` and ``layout``
-(how to read the cache shapes when they are ambiguous).
+(how to read the cache shapes when they are ambiguous: ``layer_separate_outer_major``,
+``layer_separate_block_major`` or ``layer_separate_head_major``).
+
+vLLM's CPU attention backend (``CPU_ATTN``) registers per layer
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` whose ``(block, head)`` slabs hold all
+of K, then all of V (``layer_separate_head_major``); with 1 or 2 KV heads that shape also reads as
+block-major K/V, so the worker reads each layer's attention backend from
+``vllm_config.compilation_config.static_forward_context`` and passes the layout when it is
+``CPU_ATTN`` (an explicit ``layout`` wins).
 
 With no ``transport`` and no address, the halves meet by *rendezvous* on the engine id (see
 ``kvbm_connector._wiring``): it works with vLLM's default multiprocess executor (scheduler in the
@@ -49,6 +59,7 @@ from __future__ import annotations
 import enum
 import inspect
 import json
+import logging
 from typing import Any, Iterable, List, Optional, Set, Tuple
 
 from . import _kvbm
@@ -62,6 +73,8 @@ from ._wiring import (
     load_config,
     worker_transport,
 )
+
+_log = logging.getLogger("kvbm_connector")
 
 try:  # pragma: no cover - exercised where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -227,12 +240,16 @@ class KvbmConnector(_Base):
         if self._num_blocks is None and kv_cache_config is not None:
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self._layout = extra.get("layout")
+        self._kvbm_vllm_config = vllm_config
         self._scheduler = None
         self._worker = None
         self._worker_ready = False
         self._streams = StreamOrder(None)  # the engine's CUDA stream ordering (GPU caches)
         self._hit_split: dict = {}
         if self._kvbm_role == "SCHEDULER":
+            warning = self._config.tier_warning()
+            if warning:
+                _log.warning("kvbm connector: %s", warning)
             self._scheduler = _kvbm.VllmScheduler(
                 self._config,
                 self.block_size,
@@ -352,10 +369,13 @@ class KvbmConnector(_Base):
         return self._worker
 
     def register_kv_caches(self, kv_caches: Any) -> None:
+        layout = self._layout
+        if layout is None:
+            layout = _backend_layout(self._kvbm_vllm_config, list(dict(kv_caches)))
         gpu = self._work("register_kv_caches").register_kv_caches(
             kv_caches,
             None if self._num_blocks is None else int(self._num_blocks),
-            self._layout,
+            layout,
         )
         self._streams = StreamOrder(gpu)
 
@@ -423,6 +443,34 @@ class KvbmConnector(_Base):
     def metrics(self) -> dict:
         """Scheduler: the leader's counters."""
         return json.loads(self._sched("metrics").metrics_json())
+
+
+# Attention backends whose per-layer cache is [num_blocks, num_kv_heads, block_size,
+# 2 * head_size] with each (block, head) slab K then V (cpu_attn.py views it as
+# [num_blocks, num_kv_heads, 2 * block_size, head_size] and chunks dim 2).
+_HEAD_MAJOR_BACKENDS = frozenset({"CPU_ATTN"})
+
+
+def _backend_layout(vllm_config: Any, layer_names: List[str]) -> Optional[str]:
+    """The layout the layers' attention backend implies, where the shapes alone are ambiguous:
+    ``layer_separate_head_major`` when every registered layer uses ``CPU_ATTN``; else None (the
+    shapes decide). Reads ``compilation_config.static_forward_context[name].get_attn_backend()``
+    (populated when the model is loaded, before the caches are registered)."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
+    if not ctx or not layer_names:
+        return None
+    names = set()
+    for name in layer_names:
+        get = getattr(ctx.get(name), "get_attn_backend", None)
+        if get is None:
+            return None
+        try:
+            names.add(str(get().get_name()))
+        except Exception:
+            return None
+    if names and names <= _HEAD_MAJOR_BACKENDS:
+        return "layer_separate_head_major"
+    return None
 
 
 def _tp_rank() -> int:

@@ -255,6 +255,9 @@ pub(crate) fn leader_barrier(
         .iter()
         .try_fold(0usize, |a, b| a.checked_add(*b))
         .ok_or_else(|| Error::invalid_argument("sum of bytes_per_block overflows"))?;
+    if let Some(warning) = config.tier_warning() {
+        tracing::warn!("kvbm: {warning}");
+    }
     // A size that cannot be allocated is refused to every rank, so none waits for its counts
     // until the deadline; the error names the setting.
     let (num_host_blocks, num_disk_blocks) = match config.block_counts(total) {

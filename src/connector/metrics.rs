@@ -87,6 +87,7 @@ pub struct Metrics {
     disk_hit_tokens: AtomicU64,
     remote_hit_tokens: AtomicU64,
     load_error_blocks: AtomicU64,
+    offload_dropped_blocks: AtomicU64,
     operations_submitted: AtomicU64,
     operations_completed: AtomicU64,
     operations_failed: AtomicU64,
@@ -133,6 +134,12 @@ impl Metrics {
         add(&self.load_error_blocks, blocks);
     }
 
+    /// `blocks` full blocks that were not offloaded because neither the host nor the disk tier had
+    /// a free block for them (every block in use by operations in flight).
+    pub fn record_offload_dropped(&self, blocks: u64) {
+        add(&self.offload_dropped_blocks, blocks);
+    }
+
     /// One operation (load or store) was submitted.
     pub fn record_operation_submitted(&self) {
         add(&self.operations_submitted, 1);
@@ -172,6 +179,7 @@ impl Metrics {
             disk_hit_tokens: get(&self.disk_hit_tokens),
             remote_hit_tokens: get(&self.remote_hit_tokens),
             load_error_blocks: get(&self.load_error_blocks),
+            offload_dropped_blocks: get(&self.offload_dropped_blocks),
             operations_submitted: get(&self.operations_submitted),
             operations_completed: get(&self.operations_completed),
             operations_failed: get(&self.operations_failed),
@@ -183,7 +191,8 @@ impl Metrics {
     ///
     /// Counters (`kvbm_` prefix, `_total` suffix): `kvbm_lookup_tokens_total`,
     /// `kvbm_matched_tokens_total`, `kvbm_hit_tokens_total{tier="host"|"disk"|"remote"}`,
-    /// `kvbm_load_error_blocks_total`, `kvbm_operations_submitted_total`,
+    /// `kvbm_load_error_blocks_total`, `kvbm_offload_dropped_blocks_total`,
+    /// `kvbm_operations_submitted_total`,
     /// `kvbm_operations_completed_total`, `kvbm_operations_failed_total`,
     /// `kvbm_transfer_blocks_total{src="device",dst="host"}` and `kvbm_transfer_bytes_total{...}`
     /// (the four offload/onboard paths always, other pairs once non-zero). Gauges:
@@ -209,6 +218,8 @@ pub struct MetricsSnapshot {
     pub remote_hit_tokens: u64,
     /// Device blocks whose load failed (recomputed instead).
     pub load_error_blocks: u64,
+    /// Full blocks not offloaded because neither tier had a free block for them.
+    pub offload_dropped_blocks: u64,
     /// Operations submitted.
     pub operations_submitted: u64,
     /// Operations finished successfully.
@@ -286,6 +297,11 @@ impl MetricsSnapshot {
             "kvbm_load_error_blocks_total",
             "Device blocks whose load failed and are recomputed.",
             self.load_error_blocks,
+        );
+        counter(
+            "kvbm_offload_dropped_blocks_total",
+            "Full blocks not offloaded because neither the host nor the disk tier had a free block.",
+            self.offload_dropped_blocks,
         );
         counter(
             "kvbm_operations_submitted_total",

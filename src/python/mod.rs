@@ -162,6 +162,12 @@ impl PyConfig {
     }
 
     /// The start-up barrier's deadline in seconds.
+    /// What start-up should say about the tier sizes (the default host tier is in use, or
+    /// every tier is 0), or None.
+    fn tier_warning(&self) -> Option<String> {
+        self.inner.tier_warning()
+    }
+
     #[getter]
     fn init_timeout_secs(&self) -> f64 {
         self.inner.init_timeout_secs

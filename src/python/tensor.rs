@@ -369,7 +369,7 @@ pub(crate) fn check_tensors(layout: &Layout, tensors: &[TensorInfo]) -> Result<(
 crate::backends::memory::host_blocks_tier!(TensorTier);
 
 /// Parses a layout override name (`fully_contiguous`, `layer_separate_block_major`,
-/// `layer_separate_outer_major`).
+/// `layer_separate_outer_major`, `layer_separate_head_major`).
 pub(crate) fn parse_layout_kind(
     py: Python<'_>,
     name: Option<&str>,
@@ -379,7 +379,7 @@ pub(crate) fn parse_layout_kind(
             to_py_err(
                 py,
                 Error::invalid_argument(format!(
-                    "unknown layout {n:?}: expected fully_contiguous, layer_separate_block_major or layer_separate_outer_major"
+                    "unknown layout {n:?}: expected fully_contiguous, layer_separate_block_major, layer_separate_outer_major or layer_separate_head_major"
                 ))
                 .with("argument", "layout"),
             )
@@ -400,6 +400,9 @@ pub(crate) fn layout_dict<'py>(py: Python<'py>, layout: &Layout) -> PyResult<Bou
     d.set_item("inner_dim", dims.inner_dim)?;
     d.set_item("dtype_bytes", dims.dtype_bytes)?;
     d.set_item("bytes_per_block", layout.bytes_per_block())?;
+    if let Layout::LayerSeparate(l) = layout {
+        d.set_item("num_heads", l.num_heads())?;
+    }
     Ok(d)
 }
 

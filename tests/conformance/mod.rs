@@ -11,7 +11,8 @@
 
 use std::io::{IoSlice, IoSliceMut};
 
-use kvbm_connector::{ErrorKind, KvLayout, LayoutDims, StorageTier, StorageTierExt};
+use kvbm_connector::layout::BlockOrder;
+use kvbm_connector::{ErrorKind, KvLayout, Layout, LayoutDims, StorageTier, StorageTierExt};
 
 // ------------------------------------------------------------------------------------------------
 // Fixtures
@@ -42,12 +43,34 @@ pub fn aligned_dims() -> LayoutDims {
     }
 }
 
-/// The memory tier's three layouts.
+/// The memory tier's built-in layouts.
 #[derive(Clone, Copy)]
 pub enum MemLayout {
     Contiguous,
     BlockMajor,
     OuterMajor,
+    /// Split by head inside each block, with [`HEADS`] heads (vLLM's CPU attention).
+    HeadMajor,
+}
+
+/// Heads of the head-major fixtures (divides both test dims' `inner_dim`).
+pub const HEADS: usize = 2;
+
+impl MemLayout {
+    /// This layout over `NUM_BLOCKS` blocks of `dims`.
+    pub fn layout(self, dims: LayoutDims) -> Layout {
+        match self {
+            MemLayout::Contiguous => Layout::fully_contiguous(dims, NUM_BLOCKS),
+            MemLayout::BlockMajor => {
+                Layout::layer_separate(dims, NUM_BLOCKS, BlockOrder::BlockMajor)
+            }
+            MemLayout::OuterMajor => {
+                Layout::layer_separate(dims, NUM_BLOCKS, BlockOrder::OuterMajor)
+            }
+            MemLayout::HeadMajor => Layout::layer_separate_head_major(dims, NUM_BLOCKS, HEADS),
+        }
+        .expect("valid test layout")
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -92,3 +92,26 @@ def test_vllm_extra_config_names_the_file(vllm_engine, tmp_path, monkeypatch):
     # Only 2 host blocks: the rest of the prefix comes from disk or not at all.
     assert e.matches["b"][0] <= 16
     assert as_dict(e.sched._config)["host"]["cache_blocks"] == 2
+
+
+def test_no_tier_sized_uses_the_default_host_tier_and_warns(monkeypatch, caplog, vllm_engine):
+    """Bug: with no host/disk size the connector silently did nothing. Now the host tier gets a
+    default size and start-up says so on the ``kvbm_connector`` logger; a 0 size is respected
+    and warned about (stores nothing)."""
+    for name in ("KVBM_HOST_CACHE_BLOCKS", "KVBM_DISK_CACHE_BLOCKS"):
+        monkeypatch.delenv(name)
+    assert "default host tier" in load_config().tier_warning()
+    with caplog.at_level("WARNING", logger="kvbm_connector"):
+        e = vllm_engine()
+    assert any("default host tier" in r.getMessage() for r in caplog.records), caplog.text
+    # The default host tier stores a prompt's full blocks (before the fix: none).
+    e.add("a", E.prompt(7, 16), max_tokens=2)
+    e.run()
+    assert sum(
+        t["blocks"] for t in e.sched.metrics()["transfers"]
+        if (t["src"], t["dst"]) == ("device", "host")
+    ) == 4
+    monkeypatch.setenv("KVBM_HOST_CACHE_GB", "0")
+    assert "nothing" in load_config().tier_warning()
+    monkeypatch.setenv("KVBM_HOST_CACHE_GB", "1")
+    assert load_config().tier_warning() is None

@@ -1,5 +1,5 @@
-"""Conformance against the real vLLM (run where ``vllm`` is importable; ``.ci/run`` installs it on
-CPU in a cached virtual environment, see docs/python.md).
+"""Conformance against the real vLLM (run where ``vllm`` is importable; ``scripts/test.sh`` installs
+vLLM's CPU build in a cached virtual environment, see docs/python.md).
 
 * ``KvbmConnector`` subclasses the real ``KVConnectorBase_V1`` and implements every abstract
   method with vLLM's parameters;
@@ -11,10 +11,8 @@ CPU in a cached virtual environment, see docs/python.md).
   A second request sharing a prefix is served by the connector, and the loaded blocks are
   compared byte for byte.
 
-Where it stops: the model forward itself. The vLLM wheel on PyPI is the CUDA build; its CPU
-kernels (``vllm._C`` for CPU) are not in it, so vLLM's CPU model runner cannot run a model
-here. The scheduler, the connector factory and the connector API are pure Python and are the
-real ones.
+The model forward itself is in tests/python/test_vllm_forward.py (vLLM's CPU build, vllm-cpu
+0.32, which scripts/test.sh installs and runs both files in).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 base = pytest.importorskip(
     "vllm.distributed.kv_transfer.kv_connector.v1.base",
-    reason="vllm is not installed; .ci/run installs it in $HOME/.cache/kvbm/vllm-venv",
+    reason="vllm is not installed; scripts/test.sh installs it in $HOME/.cache/kvbm/vllm-cpu-venv",
 )
 torch = pytest.importorskip("torch")
 
@@ -85,10 +83,13 @@ def cache_tensors(num_blocks):
 
 
 def test_the_factory_builds_both_roles_from_a_kv_transfer_config():
-    from vllm.config import VllmConfig
+    from vllm.config import CacheConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    vc = VllmConfig(kv_transfer_config=kv_transfer_config())
+    # The block size of the tensors below (the CPU platform's default is 128).
+    vc = VllmConfig(
+        kv_transfer_config=kv_transfer_config(), cache_config=CacheConfig(block_size=BLOCK)
+    )
     assert vc.scheduler_config.disable_hybrid_kv_cache_manager  # vLLM turned HMA off for us
     worker = KVConnectorFactory.create_connector(vc, base.KVConnectorRole.WORKER, None)
     assert isinstance(worker, kv.KvbmConnector) and worker.role is base.KVConnectorRole.WORKER

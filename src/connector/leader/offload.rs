@@ -19,7 +19,7 @@ use crate::connector::transport::{FinishWork, LeaderMessage};
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::{SequenceHash, Token};
-use crate::pool::ImmutableBlock;
+use crate::pool::{ImmutableBlock, MutableBlock};
 use crate::tier::TierKind;
 
 use super::completion::Holds;
@@ -271,9 +271,14 @@ impl<A: SchedulerAdapter> Leader<A> {
 
     /// Schedules device → host (or device → disk without a host tier) stores for every full block
     /// of `id` below `computed` tokens not considered before.
+    ///
+    /// A host tier too small for the request (every host block in use by stores in flight or held
+    /// by loads) does not drop the rest: they stream straight from the device to the disk tier
+    /// (through the disk admission filter). Only blocks neither tier can take now are dropped,
+    /// and they are counted (`offload_dropped_blocks`) and logged.
     fn offload(&mut self, id: &RequestId, computed: usize) {
         let bs = self.page_size;
-        let Some(tiers) = self.tiers.as_ref() else {
+        let Some(tiers) = self.tiers.as_mut() else {
             return;
         };
         let Some(slot) = self.slots.get_mut(id) else {
@@ -316,24 +321,63 @@ impl<A: SchedulerAdapter> Leader<A> {
         if wanted.is_empty() {
             return;
         }
-        // Take as many destination blocks as can be had; the rest are simply not stored.
-        let mut dst = Vec::with_capacity(wanted.len());
-        let mut pairs = Vec::with_capacity(wanted.len());
+        // Destination blocks: the first tier while it has any, then straight to disk.
+        let overflow = if kind == TierKind::Host {
+            tiers.disk.clone()
+        } else {
+            None
+        };
+        let mut first = Staging::default();
+        let mut spill = Staging::default();
+        let mut dropped = 0usize;
         for (device, hash) in wanted {
-            match pool.allocate(1) {
-                Ok(mut v) => {
-                    if let Some(b) = v.pop() {
-                        pairs.push((device, b.block_id()));
-                        dst.push((b, hash));
-                        self.pending_keys.insert((kind, hash));
-                    }
+            if let Some(b) = pool.allocate(1).ok().and_then(|mut v| v.pop()) {
+                first.add(device, b, hash);
+                self.pending_keys.insert((kind, hash));
+                continue;
+            }
+            let Some(disk) = overflow.as_ref() else {
+                dropped += 1;
+                continue;
+            };
+            if disk.contains(hash) || self.pending_keys.contains(&(TierKind::Disk, hash)) {
+                continue;
+            }
+            tiers.filter.record(hash);
+            if !tiers.filter.admit(hash) {
+                dropped += 1;
+                continue;
+            }
+            match disk.allocate(1).ok().and_then(|mut v| v.pop()) {
+                Some(b) => {
+                    spill.add(device, b, hash);
+                    self.pending_keys.insert((TierKind::Disk, hash));
                 }
-                Err(_) => break,
+                None => dropped += 1,
             }
         }
+        if dropped > 0 {
+            self.metrics.record_offload_dropped(dropped as u64);
+            tracing::warn!(
+                request = %id,
+                dropped,
+                "kvbm: host and disk tiers are full (every block in use by operations in flight): blocks not offloaded; size the tiers to hold the largest request (docs/deployment.md)"
+            );
+        }
+        for (dst_kind, staging) in [(kind, first), (TierKind::Disk, spill)] {
+            self.submit_store(id, dst_kind, staging);
+        }
+    }
+
+    /// Queues one device → `kind` store of `staging`'s pairs for request `id` (nothing if empty).
+    fn submit_store(&mut self, id: &RequestId, kind: TierKind, staging: Staging) {
+        let Staging { pairs, dst } = staging;
         if pairs.is_empty() {
             return;
         }
+        let Some(slot) = self.slots.get_mut(id) else {
+            return;
+        };
         slot.stores_in_flight += 1;
         let op = self.next_op_id();
         let transfer = BlockTransfer {
@@ -466,6 +510,21 @@ impl<A: SchedulerAdapter> Leader<A> {
         {
             self.disk_queue.push((block, hash));
         }
+    }
+}
+
+/// The (device, destination) pairs of one store being put together, with the destination blocks
+/// it holds and their keys.
+#[derive(Default)]
+struct Staging {
+    pairs: Vec<(usize, usize)>,
+    dst: Vec<(MutableBlock, SequenceHash)>,
+}
+
+impl Staging {
+    fn add(&mut self, device: usize, block: MutableBlock, hash: SequenceHash) {
+        self.pairs.push((device, block.block_id()));
+        self.dst.push((block, hash));
     }
 }
 
