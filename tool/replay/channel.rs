@@ -2,12 +2,24 @@
 //! worker`). A frame is a u32 big-endian length and a JSON [`RankRequest`] or [`RankResponse`],
 //! over loopback TCP. This is the simulated engine's own RPC (what TensorRT-LLM does with MPI and
 //! vLLM with its executor); the connector's leader ↔ worker traffic runs over its own transport.
+//!
+//! Deadlines: the engine's call to a rank ([`RemoteRank`]) must be answered within the call
+//! timeout (`KVBM_CALL_TIMEOUT_SECS`, `tcp.call_timeout_secs`), and fails sooner when the
+//! connector's transport lost the rank (its heartbeat timeout); either way the rank's connector
+//! connection is dropped too, so the leader treats the rank exactly as a killed worker. A rank
+//! waits for the engine's next request with no deadline (an engine may idle) but gives up as
+//! soon as its connector connection to the leader is lost. The channel has no authentication:
+//! it listens on loopback unless `KVBM_ALLOW_INSECURE` says otherwise.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use kvbm_connector::config::CALL_TIMEOUT_ENV;
+use kvbm_connector::connector::tcp::TcpLeader;
 use kvbm_connector::error::{Error, ErrorKind, Result};
 
 use super::messages::{
@@ -20,21 +32,21 @@ const MAX_FRAME: usize = 256 << 20;
 
 /// Writes one frame.
 pub fn write_frame<T: Serialize>(stream: &mut TcpStream, value: &T) -> Result<()> {
-    let body = serde_json::to_vec(value)
-        .map_err(|e| Error::internal(format!("cannot encode a frame: {e}")))?;
-    let len = u32::try_from(body.len()).map_err(|_| Error::invalid_argument("frame too large"))?;
     stream
-        .write_all(&len.to_be_bytes())
-        .and_then(|()| stream.write_all(&body))
+        .write_all(&encode(value)?)
         .map_err(|e| Error::io("write to the engine channel", e))
 }
 
-/// Reads one frame.
-pub fn read_frame<T: for<'de> Deserialize<'de>>(stream: &mut TcpStream) -> Result<T> {
+fn closed(e: std::io::Error) -> Error {
+    Error::new(ErrorKind::Cancelled, format!("engine channel closed: {e}"))
+}
+
+/// Decodes one frame whose bytes `fill` reads.
+fn decode_frame<T: for<'de> Deserialize<'de>>(
+    mut fill: impl FnMut(&mut [u8]) -> Result<()>,
+) -> Result<T> {
     let mut len = [0u8; 4];
-    stream
-        .read_exact(&mut len)
-        .map_err(|e| Error::new(ErrorKind::Cancelled, format!("engine channel closed: {e}")))?;
+    fill(&mut len)?;
     let n = u32::from_be_bytes(len) as usize;
     if n > MAX_FRAME {
         return Err(Error::new(
@@ -43,11 +55,119 @@ pub fn read_frame<T: for<'de> Deserialize<'de>>(stream: &mut TcpStream) -> Resul
         ));
     }
     let mut body = vec![0u8; n];
-    stream
-        .read_exact(&mut body)
-        .map_err(|e| Error::new(ErrorKind::Cancelled, format!("engine channel closed: {e}")))?;
+    fill(&mut body)?;
     serde_json::from_slice(&body)
         .map_err(|e| Error::new(ErrorKind::Decode, format!("malformed engine frame: {e}")))
+}
+
+/// Reads one frame.
+pub fn read_frame<T: for<'de> Deserialize<'de>>(stream: &mut TcpStream) -> Result<T> {
+    decode_frame(|buf| stream.read_exact(buf).map_err(closed))
+}
+
+/// How often a bounded wait on the channel looks at its deadline and at the peer's liveness.
+const POLL: Duration = Duration::from_millis(100);
+
+/// What a bounded wait gives up on: a deadline (`None`: none) and a liveness check that names
+/// why the peer is lost.
+struct Bound<'a> {
+    until: Option<Instant>,
+    what: &'a str,
+    lost: &'a dyn Fn() -> Option<String>,
+}
+
+impl Bound<'_> {
+    /// The next slice of waiting, or the error that ends the wait.
+    fn next_wait(&self, timeout: Duration) -> Result<Duration> {
+        if let Some(why) = (self.lost)() {
+            return Err(Error::new(
+                ErrorKind::Cancelled,
+                format!("{}: {why}", self.what),
+            ));
+        }
+        match self.until {
+            None => Ok(POLL),
+            Some(until) => {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "{}: no answer within {:.1}s ({CALL_TIMEOUT_ENV})",
+                            self.what,
+                            timeout.as_secs_f64()
+                        ),
+                    ));
+                }
+                Ok(left.min(POLL))
+            }
+        }
+    }
+}
+
+fn would_block(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock
+            | std::io::ErrorKind::TimedOut
+            | std::io::ErrorKind::Interrupted
+    )
+}
+
+/// Fills `buf` from `stream` within `bound` (keeping partial progress across polls).
+fn read_bounded(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    bound: &Bound<'_>,
+    timeout: Duration,
+) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let wait = bound.next_wait(timeout)?;
+        stream
+            .set_read_timeout(Some(wait))
+            .map_err(|e| Error::io("configure the engine channel", e))?;
+        match stream.read(&mut buf[done..]) {
+            Ok(0) => return Err(closed(std::io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => done += n,
+            Err(e) if would_block(&e) => {}
+            Err(e) => return Err(closed(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `bytes` to `stream` within `bound`.
+fn write_bounded(
+    stream: &mut TcpStream,
+    bytes: &[u8],
+    bound: &Bound<'_>,
+    timeout: Duration,
+) -> Result<()> {
+    let mut done = 0;
+    while done < bytes.len() {
+        let wait = bound.next_wait(timeout)?;
+        stream
+            .set_write_timeout(Some(wait))
+            .map_err(|e| Error::io("configure the engine channel", e))?;
+        match stream.write(&bytes[done..]) {
+            Ok(0) => return Err(closed(std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => done += n,
+            Err(e) if would_block(&e) => {}
+            Err(e) => return Err(closed(e)),
+        }
+    }
+    Ok(())
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+    let body = serde_json::to_vec(value)
+        .map_err(|e| Error::internal(format!("cannot encode a frame: {e}")))?;
+    let len = u32::try_from(body.len()).map_err(|_| Error::invalid_argument("frame too large"))?;
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(&body);
+    Ok(frame)
 }
 
 /// A rank in a child process, reached over the engine channel.
@@ -55,23 +175,59 @@ pub struct RemoteRank {
     /// The rank.
     pub rank: usize,
     stream: TcpStream,
+    /// The connector's leader transport: a rank it lost is lost here too, and a rank lost here
+    /// is dropped there.
+    leader: Arc<TcpLeader>,
+    /// Deadline of one call.
+    timeout: Duration,
 }
 
 impl RemoteRank {
-    /// Wraps an accepted connection.
-    pub fn new(rank: usize, stream: TcpStream) -> Self {
-        Self { rank, stream }
+    /// Wraps an accepted connection; each call must be answered within `timeout`.
+    pub fn new(rank: usize, stream: TcpStream, leader: Arc<TcpLeader>, timeout: Duration) -> Self {
+        Self {
+            rank,
+            stream,
+            leader,
+            timeout,
+        }
     }
 
     fn call(&mut self, req: &RankRequest) -> Result<RankResponse> {
-        write_frame(&mut self.stream, req)?;
-        match read_frame::<RankResponse>(&mut self.stream)? {
-            RankResponse::Error(e) => Err(Error::new(
-                ErrorKind::Internal,
-                format!("rank {}: {e}", self.rank),
-            )),
+        let rank = self.rank;
+        let answer = self.exchange(req);
+        if let Err(e) = &answer {
+            // Lost as a killed worker is: the leader fails its operations on this rank.
+            self.leader
+                .disconnect(rank, &format!("the engine lost rank {rank}: {e}"));
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
+        match answer? {
+            RankResponse::Error(e) => {
+                Err(Error::new(ErrorKind::Internal, format!("rank {rank}: {e}")))
+            }
             other => Ok(other),
         }
+    }
+
+    fn exchange(&mut self, req: &RankRequest) -> Result<RankResponse> {
+        let rank = self.rank;
+        let leader = self.leader.clone();
+        let lost = move || {
+            leader.peer_addr(rank).is_none().then(|| {
+                "the connector's transport lost it (heartbeat timeout or disconnect)".to_string()
+            })
+        };
+        let bound = Bound {
+            until: Some(Instant::now() + self.timeout),
+            what: &format!("rank {rank}"),
+            lost: &lost,
+        };
+        let frame = encode(req)?;
+        write_bounded(&mut self.stream, &frame, &bound, self.timeout)?;
+        let stream = &mut self.stream;
+        let timeout = self.timeout;
+        decode_frame(|buf| read_bounded(stream, buf, &bound, timeout))
     }
 }
 
@@ -103,12 +259,24 @@ impl RankDriver for RemoteRank {
     }
 }
 
-/// Serves engine requests on `stream` until the engine closes it or sends `Finish`.
-pub fn serve(mut exec: RankExecutor, mut stream: TcpStream) -> Result<()> {
+/// Serves engine requests on `stream` until the engine closes it or sends `Finish`, or `lost`
+/// names why the leader is gone (checked while waiting for a request).
+pub fn serve(
+    mut exec: RankExecutor,
+    mut stream: TcpStream,
+    lost: &dyn Fn() -> Option<String>,
+) -> Result<()> {
+    let bound = Bound {
+        until: None,
+        what: "waiting for the engine",
+        lost,
+    };
     loop {
-        let req: RankRequest = match read_frame(&mut stream) {
+        let next = decode_frame(|buf| read_bounded(&mut stream, buf, &bound, Duration::ZERO));
+        let req: RankRequest = match next {
             Ok(r) => r,
-            Err(e) if e.kind() == ErrorKind::Cancelled => return Ok(()),
+            // The engine closed the channel: the run is over. A lost leader is an error.
+            Err(e) if e.kind() == ErrorKind::Cancelled && lost().is_none() => return Ok(()),
             Err(e) => return Err(e),
         };
         let (resp, last) = match req {

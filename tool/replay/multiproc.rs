@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvbm_connector::config::auth_token_from_env;
-use kvbm_connector::config::Config;
+use kvbm_connector::config::{Config, TcpConfig};
 use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
 use kvbm_connector::error::{Error, ErrorKind, Result};
 
@@ -98,7 +98,7 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
     };
     dims.validate()?;
     let deadline = config.init_timeout();
-    let transport = TcpWorker::connect(
+    let transport: Arc<TcpWorker> = TcpWorker::connect(
         a.leader_addr,
         a.rank,
         a.world_size,
@@ -112,7 +112,7 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
         Shard { rank: a.rank, dims },
         a.device_blocks,
         a.world_size,
-        transport,
+        transport.clone(),
     )?;
     wait_for(&format!("rank {}", a.rank), deadline, || {
         match exec.init_error() {
@@ -123,7 +123,11 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
     let until = Instant::now() + deadline;
     let mut stream = connect_retry(a.engine_addr, until)?;
     write_frame(&mut stream, &a.rank)?;
-    serve(exec, stream)?;
+    let leader_lost = move || {
+        (!transport.is_connected())
+            .then(|| "the connection to the kvbm leader is lost (see its warning)".to_string())
+    };
+    serve(exec, stream, &leader_lost)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -166,8 +170,13 @@ fn kill_all(children: &mut [Child]) {
 pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> Result<Report> {
     opts.model_dims()?;
     let tp = opts.tp;
-    let token = auth_token_from_env();
-    let leader_transport = TcpLeader::bind(topo.leader_addr, tp, token)?;
+    let tcp = TcpConfig {
+        auth_token: auth_token_from_env(),
+        ..opts.config.tcp.clone()
+    };
+    // The engine channel has no authentication: loopback unless explicitly insecure.
+    tcp.check_listen("replay's engine channel", topo.engine_addr, false)?;
+    let leader_transport = TcpLeader::bind_with(topo.leader_addr, tp, &tcp)?;
     let leader_addr = leader_transport.local_addr();
     let listener = TcpListener::bind(topo.engine_addr)
         .map_err(|e| Error::io("bind the engine channel", e).with("addr", topo.engine_addr))?;
@@ -274,7 +283,14 @@ fn connect(
                 };
                 let _ = stream.set_read_timeout(None);
                 match ranks.get_mut(rank) {
-                    Some(slot @ None) => *slot = Some(RemoteRank::new(rank, stream)),
+                    Some(slot @ None) => {
+                        *slot = Some(RemoteRank::new(
+                            rank,
+                            stream,
+                            leader_transport.clone(),
+                            opts.config.tcp.call_timeout(),
+                        ))
+                    }
                     _ => tracing::warn!(%peer, rank, "engine channel: unexpected rank; closed"),
                 }
             }

@@ -5,7 +5,9 @@
 //! written here always carries [`MAGIC`], [`PROTOCOL_VERSION`] and a reserved byte of 0, and a
 //! payload of at most [`MAX_PAYLOAD`] bytes; a header is checked (magic, version, kind, length
 //! against the caller's limit) before any payload byte is read, so an oversized or foreign frame
-//! never makes the reader allocate its claimed length.
+//! never makes the reader allocate its claimed length; the payload buffer then grows in
+//! [`READ_BUFFER`] steps as bytes arrive, so a peer that claims a large payload and sends none
+//! costs at most one step, and a returned payload never holds more than the limit.
 
 use std::io::Read;
 
@@ -17,8 +19,9 @@ use crate::error::{Error, Result};
 
 /// The first four bytes of every frame.
 pub(super) const MAGIC: [u8; 4] = *b"KVBM";
-/// The protocol version this build speaks (bytes 4..6 of every frame, big-endian).
-pub(super) const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this build speaks (bytes 4..6 of every frame, big-endian). Version 2
+/// added heartbeats (the HEARTBEAT kind and the WELCOME fields announcing them).
+pub(super) const PROTOCOL_VERSION: u16 = 2;
 /// Bytes of a frame header.
 pub(super) const HEADER_LEN: usize = 12;
 /// Largest MSG payload (16 MiB); a larger length closes the connection.
@@ -41,6 +44,8 @@ pub(super) enum FrameKind {
     /// A [`WorkerMessage`](crate::connector::transport::WorkerMessage) or
     /// [`LeaderMessage`](crate::connector::transport::LeaderMessage), after the handshake.
     Msg = 4,
+    /// Either direction, after the handshake: "still here" (empty payload, ignored).
+    Heartbeat = 5,
 }
 
 impl FrameKind {
@@ -51,6 +56,7 @@ impl FrameKind {
             2 => Some(Self::Welcome),
             3 => Some(Self::Refused),
             4 => Some(Self::Msg),
+            5 => Some(Self::Heartbeat),
             _ => None,
         }
     }
@@ -63,6 +69,7 @@ impl std::fmt::Display for FrameKind {
             Self::Welcome => "WELCOME",
             Self::Refused => "REFUSED",
             Self::Msg => "MSG",
+            Self::Heartbeat => "HEARTBEAT",
         })
     }
 }
@@ -95,6 +102,10 @@ pub(super) struct Welcome {
     pub(super) rank: Rank,
     /// The leader's world size.
     pub(super) world_size: usize,
+    /// Milliseconds between two heartbeats the worker sends (and the leader sends it).
+    pub(super) heartbeat_ms: u64,
+    /// Milliseconds of silence after which either side counts the other as lost.
+    pub(super) heartbeat_timeout_ms: u64,
 }
 
 /// REFUSED payload: why the leader refused the worker.
@@ -205,9 +216,33 @@ pub(super) fn parse_header(h: &[u8; HEADER_LEN], max: u32) -> Result<(FrameKind,
     Ok((kind, len))
 }
 
-fn payload_buffer(len: u32) -> Result<Vec<u8>, FrameError> {
-    let n = usize::try_from(len).map_err(|_| FrameError::TooLarge { len, max: 0 })?;
-    Ok(vec![0u8; n])
+/// A payload being read: grows by at most [`READ_BUFFER`] bytes a step (exactly, never past
+/// its length), so its allocation follows the bytes that arrived.
+struct Payload {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+impl Payload {
+    fn new(len: u32) -> Result<Self, FrameError> {
+        let len = usize::try_from(len).map_err(|_| FrameError::TooLarge { len, max: 0 })?;
+        Ok(Self {
+            buf: Vec::new(),
+            len,
+        })
+    }
+
+    /// The next range to fill, or `None` when complete.
+    fn next_step(&mut self) -> Option<std::ops::Range<usize>> {
+        let start = self.buf.len();
+        let step = (self.len - start).min(READ_BUFFER);
+        if step == 0 {
+            return None;
+        }
+        self.buf.reserve_exact(step);
+        self.buf.resize(start + step, 0);
+        Some(start..start + step)
+    }
 }
 
 /// Reads one frame whose payload is at most `max` bytes (async: the leader's tasks).
@@ -218,11 +253,13 @@ pub(super) async fn read_frame_async<R: AsyncRead + Unpin>(
     let mut h = [0u8; HEADER_LEN];
     r.read_exact(&mut h).await.map_err(FrameError::from_io)?;
     let (kind, len) = parse_header(&h, max)?;
-    let mut payload = payload_buffer(len)?;
-    r.read_exact(&mut payload)
-        .await
-        .map_err(FrameError::from_io)?;
-    Ok((kind, payload))
+    let mut payload = Payload::new(len)?;
+    while let Some(range) = payload.next_step() {
+        r.read_exact(&mut payload.buf[range])
+            .await
+            .map_err(FrameError::from_io)?;
+    }
+    Ok((kind, payload.buf))
 }
 
 /// Reads one frame whose payload is at most `max` bytes (blocking: the worker's socket).
@@ -233,9 +270,12 @@ pub(super) fn read_frame_sync(
     let mut h = [0u8; HEADER_LEN];
     r.read_exact(&mut h).map_err(FrameError::from_io)?;
     let (kind, len) = parse_header(&h, max)?;
-    let mut payload = payload_buffer(len)?;
-    r.read_exact(&mut payload).map_err(FrameError::from_io)?;
-    Ok((kind, payload))
+    let mut payload = Payload::new(len)?;
+    while let Some(range) = payload.next_step() {
+        r.read_exact(&mut payload.buf[range])
+            .map_err(FrameError::from_io)?;
+    }
+    Ok((kind, payload.buf))
 }
 
 #[cfg(test)]
@@ -256,7 +296,7 @@ mod tests {
     fn frame_layout_is_as_documented() {
         let f = encode_frame(FrameKind::Msg, b"\"Ready\"").unwrap();
         assert_eq!(&f[..4], b"KVBM");
-        assert_eq!(&f[4..6], &[0, 1]);
+        assert_eq!(&f[4..6], &[0, 2]);
         assert_eq!(f[6], 4);
         assert_eq!(f[7], 0);
         assert_eq!(&f[8..12], &[0, 0, 0, 7]);
@@ -269,10 +309,10 @@ mod tests {
     fn bad_headers_are_rejected() {
         let cases = [
             (header(b"GET ", 1, 4, 0), "bad magic"),
-            (header(b"KVBM", 2, 4, 0), "version 2"),
-            (header(b"KVBM", 1, 9, 0), "kind 9"),
-            (header(b"KVBM", 1, 0, 0), "kind 0"),
-            (header(b"KVBM", 1, 4, MAX_PAYLOAD + 1), "exceeds"),
+            (header(b"KVBM", 1, 4, 0), "version 1"),
+            (header(b"KVBM", 2, 9, 0), "kind 9"),
+            (header(b"KVBM", 2, 0, 0), "kind 0"),
+            (header(b"KVBM", 2, 4, MAX_PAYLOAD + 1), "exceeds"),
         ];
         for (h, want) in cases {
             let e = parse_header(&h, MAX_PAYLOAD).unwrap_err().to_string();
