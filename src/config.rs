@@ -393,10 +393,16 @@ impl TcpConfig {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Checks the settings that constrain each other (once all are set: the environment may set
+    /// them in any order): the heartbeat timeout is at least twice the interval.
+    fn validate_relations(&self) -> Result<()> {
         let (beat, timeout) = (self.heartbeat(), self.heartbeat_timeout());
         if timeout < beat * 2 {
             return Err(Error::invalid_config(
-                "tcp.heartbeat_timeout_secs",
+                &format!("tcp.heartbeat_timeout_secs ({HEARTBEAT_TIMEOUT_ENV})"),
                 timeout.as_secs_f64(),
                 format!(
                     "must be at least twice the heartbeat interval (tcp.heartbeat_secs = {})",
@@ -459,6 +465,7 @@ pub fn tcp_config_from_env() -> Result<TcpConfig> {
             c.set(var.name, var.key, &raw)?;
         }
     }
+    c.tcp.validate_relations()?;
     Ok(c.tcp)
 }
 
@@ -824,12 +831,18 @@ impl Config {
             }
         }
         // Re-check the one key just set so the error names the variable, not the TOML key.
-        self.validate()
+        self.validate_values()
             .map_err(|e| Error::invalid_config(source, raw, e.message().to_string()))
     }
 
-    /// Checks every value's range.
+    /// Checks every value's range, and the settings that constrain each other.
     pub fn validate(&self) -> Result<()> {
+        self.validate_values()?;
+        self.tcp.validate_relations()
+    }
+
+    /// Checks every value's range on its own.
+    fn validate_values(&self) -> Result<()> {
         self.host.validate("host")?;
         self.disk_size().validate("disk")?;
         self.tcp.validate()?;
@@ -1047,5 +1060,72 @@ mod tests {
         assert_eq!(c.tcp.auth_token().as_deref(), Some("t"));
         let e = Config::from_toml_str("[tcp]\nleader_addr = \"nowhere\"\n").unwrap_err();
         assert!(e.to_string().contains("tcp.leader_addr"), "{e}");
+    }
+
+    #[test]
+    fn heartbeat_call_timeout_and_insecure_settings() {
+        let c = Config::default();
+        assert_eq!(c.tcp.heartbeat(), Duration::from_secs(1));
+        assert_eq!(c.tcp.heartbeat_timeout(), Duration::from_secs(10));
+        assert_eq!(c.tcp.call_timeout(), Duration::from_secs(60));
+        assert!(!c.tcp.allow_insecure);
+        let mut c = Config::default();
+        c.apply_env(env(&[
+            (HEARTBEAT_ENV, "0.25"),
+            (HEARTBEAT_TIMEOUT_ENV, "2"),
+            (CALL_TIMEOUT_ENV, "5"),
+            (ALLOW_INSECURE_ENV, "yes"),
+        ]))
+        .unwrap();
+        assert_eq!(c.tcp.heartbeat(), Duration::from_millis(250));
+        assert_eq!(c.tcp.heartbeat_timeout(), Duration::from_secs(2));
+        assert_eq!(c.tcp.call_timeout(), Duration::from_secs(5));
+        assert!(c.tcp.allow_insecure);
+        let toml = c.to_toml().unwrap();
+        assert!(toml.contains("allow_insecure = true"), "{toml}");
+        assert_eq!(Config::from_toml_str(&toml).unwrap(), c);
+        for (var, raw, why) in [
+            (HEARTBEAT_ENV, "0", "seconds"),
+            (HEARTBEAT_TIMEOUT_ENV, "-1", "seconds"),
+            (CALL_TIMEOUT_ENV, "soon", "seconds"),
+            (CALL_TIMEOUT_ENV, "inf", "seconds"),
+            (ALLOW_INSECURE_ENV, "maybe", "true/false"),
+            (HEARTBEAT_TIMEOUT_ENV, "1.5", "twice the heartbeat interval"),
+        ] {
+            let e = Config::default().apply_env(env(&[(var, raw)])).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{var}={raw}: {e}");
+            assert!(e.to_string().contains(var), "{var}={raw}: {e}");
+            assert!(
+                e.to_string().contains(&format!("{raw:?}")),
+                "{var}={raw}: {e}"
+            );
+            assert!(e.to_string().contains(why), "{var}={raw}: {e}");
+        }
+        // Both set, in either order: the pair is checked once both are in.
+        let mut c = Config::default();
+        c.apply_env(env(&[(HEARTBEAT_ENV, "20"), (HEARTBEAT_TIMEOUT_ENV, "60")]))
+            .unwrap();
+        assert_eq!(c.tcp.heartbeat_timeout(), Duration::from_secs(60));
+        let e = Config::from_toml_str("[tcp]\nheartbeat_secs = 6.0\n").unwrap_err();
+        assert!(e.to_string().contains("tcp.heartbeat_timeout_secs"), "{e}");
+        let e = Config::from_toml_str("[tcp]\ncall_timeout_secs = 0.0\n").unwrap_err();
+        assert!(e.to_string().contains("tcp.call_timeout_secs"), "{e}");
+        // Only non-loopback listening without a token needs the insecure setting.
+        let tcp = TcpConfig::default();
+        let lan: SocketAddr = "10.0.0.1:5557".parse().unwrap();
+        tcp.check_listen("kvbm leader", "127.0.0.1:1".parse().unwrap(), false)
+            .unwrap();
+        tcp.check_listen("kvbm leader", "[::1]:1".parse().unwrap(), false)
+            .unwrap();
+        tcp.check_listen("kvbm leader", lan, true).unwrap();
+        let e = tcp.check_listen("kvbm leader", lan, false).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert!(e.to_string().contains(ALLOW_INSECURE_ENV), "{e}");
+        assert!(e.to_string().contains(AUTH_TOKEN_ENV), "{e}");
+        let open = TcpConfig {
+            allow_insecure: true,
+            ..TcpConfig::default()
+        };
+        open.check_listen("kvbm leader", lan, false).unwrap();
     }
 }

@@ -326,4 +326,211 @@ mod tests {
         let e = encode_frame(FrameKind::Msg, &big).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     }
+
+    #[test]
+    fn a_claimed_length_is_not_allocated_up_front() {
+        let mut p = Payload::new(MAX_PAYLOAD).unwrap();
+        let first = p.next_step().unwrap();
+        assert_eq!(first, 0..READ_BUFFER);
+        assert!(p.buf.capacity() <= READ_BUFFER, "{}", p.buf.capacity());
+        // A peer that claims 16 MiB and sends 10 bytes: a typed error, nothing large held.
+        let mut bytes = header(b"KVBM", PROTOCOL_VERSION, 4, MAX_PAYLOAD).to_vec();
+        bytes.extend_from_slice(&[b'x'; 10]);
+        assert!(matches!(
+            read_frame_sync(&mut &bytes[..], MAX_PAYLOAD),
+            Err(FrameError::Closed)
+        ));
+    }
+}
+
+/// Fuzz tests of the frame decoder ("keep them fixed", issue 13): arbitrary bytes and headers
+/// into both frame readers and the payload decoders: a frame or a typed error, never a panic,
+/// never a payload (or its allocation) above the reader's limit, never a payload byte read
+/// before the header passed. Bounded (a few hundred cases) so they run in about a second.
+#[cfg(test)]
+mod fuzz {
+    use std::io::Cursor;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::connector::transport::{
+        Completion, FinishWork, LeaderMessage, TierCounts, WorkerMessage,
+    };
+
+    /// The limits the readers are called with, and a few others.
+    fn limit() -> impl Strategy<Value = u32> {
+        prop_oneof![
+            Just(0u32),
+            Just(16),
+            Just(MAX_HELLO_PAYLOAD),
+            Just(MAX_PAYLOAD),
+            0u32..1024,
+        ]
+    }
+
+    /// A header whose fields are each valid or not, then up to 300 payload bytes.
+    fn framed() -> impl Strategy<Value = Vec<u8>> {
+        (
+            prop_oneof![3 => Just(MAGIC), 1 => any::<[u8; 4]>()],
+            prop_oneof![3 => Just(PROTOCOL_VERSION), 1 => any::<u16>()],
+            prop_oneof![3 => 1u8..=5, 1 => any::<u8>()],
+            any::<u8>(),
+            prop_oneof![3 => 0u32..400, 1 => any::<u32>(), 1 => Just(u32::MAX)],
+            prop::collection::vec(any::<u8>(), 0..300),
+        )
+            .prop_map(|(magic, version, kind, reserved, len, payload)| {
+                let mut f = Vec::with_capacity(HEADER_LEN + payload.len());
+                f.extend_from_slice(&magic);
+                f.extend_from_slice(&version.to_be_bytes());
+                f.push(kind);
+                f.push(reserved);
+                f.extend_from_slice(&len.to_be_bytes());
+                f.extend_from_slice(&payload);
+                f
+            })
+    }
+
+    /// What a reader made of some bytes, comparable between the two readers.
+    fn summary(r: &Result<(FrameKind, Vec<u8>), FrameError>) -> String {
+        match r {
+            Ok((k, p)) => format!("ok {k} {}", p.len()),
+            Err(e) => format!("err {e}"),
+        }
+    }
+
+    /// The invariants every read must hold, whatever the bytes.
+    fn check(bytes: &[u8], max: u32) -> Result<(), TestCaseError> {
+        let mut cur = Cursor::new(bytes);
+        let got = read_frame_sync(&mut cur, max);
+        let header: Option<[u8; HEADER_LEN]> =
+            bytes.get(..HEADER_LEN).and_then(|h| h.try_into().ok());
+        match (&got, header) {
+            (Ok((kind, payload)), Some(h)) => {
+                let (k, len) =
+                    parse_header(&h, max).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(*kind, k);
+                prop_assert_eq!(payload.len(), len as usize);
+                prop_assert!(payload.len() <= max as usize);
+                prop_assert!(
+                    payload.capacity() <= (max as usize).max(1),
+                    "capacity {}",
+                    payload.capacity()
+                );
+                prop_assert_eq!(&payload[..], &bytes[HEADER_LEN..HEADER_LEN + len as usize]);
+            }
+            (Ok(_), None) => prop_assert!(false, "a frame from {} bytes", bytes.len()),
+            (Err(FrameError::Closed), _) => {
+                // Only when the bytes ran out: a short header, or a short payload.
+                if let Some(h) = header {
+                    let (_, len) =
+                        parse_header(&h, max).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    prop_assert!(bytes.len() < HEADER_LEN + len as usize);
+                }
+            }
+            (Err(FrameError::TooLarge { len, max: m }), Some(_)) => {
+                prop_assert!(len > m);
+                // Refused from the header alone: no payload byte was read.
+                prop_assert_eq!(cur.position(), HEADER_LEN as u64);
+            }
+            (Err(e), Some(h)) => {
+                prop_assert!(parse_header(&h, max).is_err(), "{}", e);
+                prop_assert_eq!(cur.position(), HEADER_LEN as u64);
+            }
+            (Err(e), None) => prop_assert!(false, "{} from a short header", e),
+        }
+        // The leader's async reader agrees with the worker's blocking one.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut rd = bytes;
+        let async_got = rt.block_on(read_frame_async(&mut rd, max));
+        prop_assert_eq!(summary(&got), summary(&async_got));
+        Ok(())
+    }
+
+    /// Every payload decoder the transport runs on received bytes: Ok or Err, never a panic.
+    fn decode_all(payload: &[u8]) {
+        let _ = serde_json::from_slice::<HandshakeHello>(payload);
+        let _ = serde_json::from_slice::<Welcome>(payload);
+        let _ = serde_json::from_slice::<Refusal>(payload);
+        let _ = serde_json::from_slice::<WorkerMessage>(payload);
+        let _ = serde_json::from_slice::<LeaderMessage>(payload);
+    }
+
+    fn valid_payloads() -> Vec<Vec<u8>> {
+        let msgs: Vec<Vec<u8>> = vec![
+            serde_json::to_vec(&WorkerMessage::Completed(vec![Completion {
+                op: crate::connector::metadata::OperationId(7),
+                failed_dst_blocks: vec![1, 2],
+                error: Some("why".into()),
+            }])),
+            serde_json::to_vec(&WorkerMessage::Ready),
+            serde_json::to_vec(&LeaderMessage::Allocate(TierCounts {
+                num_host_blocks: 8,
+                num_disk_blocks: 0,
+                num_device_blocks: 32,
+            })),
+            serde_json::to_vec(&LeaderMessage::Finish(FinishWork {
+                after_iteration: 3,
+                metadata: "{}".into(),
+            })),
+            serde_json::to_vec(&HandshakeHello {
+                rank: 1,
+                world_size: 2,
+                token: Some("t".into()),
+            }),
+            serde_json::to_vec(&Welcome {
+                rank: 1,
+                world_size: 2,
+                heartbeat_ms: 1000,
+                heartbeat_timeout_ms: 10_000,
+            }),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        msgs
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn arbitrary_bytes_are_a_frame_or_a_typed_error(
+            bytes in prop::collection::vec(any::<u8>(), 0..400),
+            max in limit(),
+        ) {
+            check(&bytes, max)?;
+        }
+
+        #[test]
+        fn arbitrary_headers_are_a_frame_or_a_typed_error(bytes in framed(), max in limit()) {
+            check(&bytes, max)?;
+            if bytes.len() > HEADER_LEN {
+                decode_all(&bytes[HEADER_LEN..]);
+            }
+        }
+
+        #[test]
+        fn mutated_payloads_decode_or_fail_cleanly(
+            which in any::<prop::sample::Index>(),
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..6),
+        ) {
+            let payloads = valid_payloads();
+            let mut p = payloads[which.index(payloads.len())].clone();
+            for (at, byte, op) in edits {
+                match op {
+                    0 if !p.is_empty() => { let i = at.index(p.len()); p[i] = byte; }
+                    1 => { let i = at.index(p.len() + 1); p.insert(i, byte); }
+                    _ if !p.is_empty() => { let i = at.index(p.len()); p.truncate(i); }
+                    _ => {}
+                }
+            }
+            decode_all(&p);
+            // And framed, through the reader.
+            let frame = encode_frame(FrameKind::Msg, &p).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            check(&frame, MAX_PAYLOAD)?;
+        }
+    }
 }
