@@ -28,6 +28,8 @@ use kvbm_connector::config::{AUTH_TOKEN_ENV, CONFIG_FILE_VAR, ENV_VARS, LEADER_A
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
+/// The wire protocol's version (`src/connector/tcp/mod.rs`; 2 since heartbeats).
+const PROTOCOL_VERSION: u16 = 2;
 const FRAMEWORKS: [&str; 2] = ["trtllm", "vllm"];
 /// Start-up deadline of every process unless a test sets another: long enough for a loaded
 /// 2-core machine, short enough that a broken barrier cannot stall the suite for long.
@@ -413,7 +415,7 @@ fn refused_reason(bytes: &[u8], what: &str) -> String {
     assert_eq!(&bytes[..4], b"KVBM", "{what}: magic");
     assert_eq!(
         u16::from_be_bytes([bytes[4], bytes[5]]),
-        1,
+        PROTOCOL_VERSION,
         "{what}: version"
     );
     assert_eq!(bytes[6], 3, "{what}: kind (3 = REFUSED)");
@@ -659,12 +661,12 @@ fn a_wrong_token_and_a_garbage_client_are_refused_while_workers_keep_working() {
 
     // (a) A HELLO built by hand with a wrong token: REFUSED with the reason, then closed.
     let hello = br#"{"rank":1,"world_size":2,"token":"not-the-secret"}"#;
-    let got = send_and_read_until_closed(leader, &hand_frame(2, 1, hello), limit, "wrong token");
+    let got = send_and_read_until_closed(leader, &hand_frame(PROTOCOL_VERSION, 1, hello), limit, "wrong token");
     let reason = refused_reason(&got, "wrong token");
     assert!(reason.contains("token mismatch"), "{reason}");
     // No token at all.
     let hello = br#"{"rank":0,"world_size":2,"token":null}"#;
-    let got = send_and_read_until_closed(leader, &hand_frame(2, 1, hello), limit, "no token");
+    let got = send_and_read_until_closed(leader, &hand_frame(PROTOCOL_VERSION, 1, hello), limit, "no token");
     let reason = refused_reason(&got, "no token");
     assert!(reason.contains("authentication required"), "{reason}");
     // A client that speaks the protocol but another version: REFUSED, naming the version.
