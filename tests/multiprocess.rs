@@ -661,12 +661,22 @@ fn a_wrong_token_and_a_garbage_client_are_refused_while_workers_keep_working() {
 
     // (a) A HELLO built by hand with a wrong token: REFUSED with the reason, then closed.
     let hello = br#"{"rank":1,"world_size":2,"token":"not-the-secret"}"#;
-    let got = send_and_read_until_closed(leader, &hand_frame(PROTOCOL_VERSION, 1, hello), limit, "wrong token");
+    let got = send_and_read_until_closed(
+        leader,
+        &hand_frame(PROTOCOL_VERSION, 1, hello),
+        limit,
+        "wrong token",
+    );
     let reason = refused_reason(&got, "wrong token");
     assert!(reason.contains("token mismatch"), "{reason}");
     // No token at all.
     let hello = br#"{"rank":0,"world_size":2,"token":null}"#;
-    let got = send_and_read_until_closed(leader, &hand_frame(PROTOCOL_VERSION, 1, hello), limit, "no token");
+    let got = send_and_read_until_closed(
+        leader,
+        &hand_frame(PROTOCOL_VERSION, 1, hello),
+        limit,
+        "no token",
+    );
     let reason = refused_reason(&got, "no token");
     assert!(reason.contains("authentication required"), "{reason}");
     // A client that speaks the protocol but another version: REFUSED, naming the version.
