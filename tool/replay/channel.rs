@@ -71,93 +71,84 @@ const POLL: Duration = Duration::from_millis(100);
 /// What a bounded wait gives up on: a deadline (`None`: none) and a liveness check that names
 /// why the peer is lost.
 struct Bound<'a> {
-    until: Option<Instant>,
+    /// The deadline, and the timeout it came from (for the message).
+    until: Option<(Instant, Duration)>,
     what: &'a str,
     lost: &'a dyn Fn() -> Option<String>,
 }
 
 impl Bound<'_> {
     /// The next slice of waiting, or the error that ends the wait.
-    fn next_wait(&self, timeout: Duration) -> Result<Duration> {
+    fn next_wait(&self) -> Result<Duration> {
         if let Some(why) = (self.lost)() {
             return Err(Error::new(
                 ErrorKind::Cancelled,
                 format!("{}: {why}", self.what),
             ));
         }
-        match self.until {
-            None => Ok(POLL),
-            Some(until) => {
-                let left = until.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(Error::new(
-                        ErrorKind::Timeout,
-                        format!(
-                            "{}: no answer within {:.1}s ({CALL_TIMEOUT_ENV})",
-                            self.what,
-                            timeout.as_secs_f64()
-                        ),
-                    ));
-                }
-                Ok(left.min(POLL))
+        let Some((until, timeout)) = self.until else {
+            return Ok(POLL);
+        };
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "{}: no answer within {:.1}s ({CALL_TIMEOUT_ENV})",
+                    self.what,
+                    timeout.as_secs_f64()
+                ),
+            ));
+        }
+        Ok(left.min(POLL))
+    }
+
+    /// Moves `len` bytes with `step` (a read or a write at an offset, under a socket timeout
+    /// that `arm` sets to the next slice), keeping partial progress across slices.
+    fn transfer(
+        &self,
+        stream: &mut TcpStream,
+        len: usize,
+        arm: fn(&TcpStream, Option<Duration>) -> std::io::Result<()>,
+        mut step: impl FnMut(&mut TcpStream, usize) -> std::io::Result<usize>,
+    ) -> Result<()> {
+        let mut done = 0;
+        while done < len {
+            arm(stream, Some(self.next_wait()?))
+                .map_err(|e| Error::io("configure the engine channel", e))?;
+            match step(stream, done) {
+                Ok(0) => return Err(closed(std::io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => done += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return Err(closed(e)),
             }
         }
+        Ok(())
     }
-}
 
-fn would_block(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::WouldBlock
-            | std::io::ErrorKind::TimedOut
-            | std::io::ErrorKind::Interrupted
-    )
-}
-
-/// Fills `buf` from `stream` within `bound` (keeping partial progress across polls).
-fn read_bounded(
-    stream: &mut TcpStream,
-    buf: &mut [u8],
-    bound: &Bound<'_>,
-    timeout: Duration,
-) -> Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        let wait = bound.next_wait(timeout)?;
-        stream
-            .set_read_timeout(Some(wait))
-            .map_err(|e| Error::io("configure the engine channel", e))?;
-        match stream.read(&mut buf[done..]) {
-            Ok(0) => return Err(closed(std::io::ErrorKind::UnexpectedEof.into())),
-            Ok(n) => done += n,
-            Err(e) if would_block(&e) => {}
-            Err(e) => return Err(closed(e)),
-        }
+    /// Fills `buf` from `stream`.
+    fn read(&self, stream: &mut TcpStream, buf: &mut [u8]) -> Result<()> {
+        let len = buf.len();
+        self.transfer(stream, len, TcpStream::set_read_timeout, |s, at| {
+            s.read(&mut buf[at..])
+        })
     }
-    Ok(())
-}
 
-/// Writes all of `bytes` to `stream` within `bound`.
-fn write_bounded(
-    stream: &mut TcpStream,
-    bytes: &[u8],
-    bound: &Bound<'_>,
-    timeout: Duration,
-) -> Result<()> {
-    let mut done = 0;
-    while done < bytes.len() {
-        let wait = bound.next_wait(timeout)?;
-        stream
-            .set_write_timeout(Some(wait))
-            .map_err(|e| Error::io("configure the engine channel", e))?;
-        match stream.write(&bytes[done..]) {
-            Ok(0) => return Err(closed(std::io::ErrorKind::WriteZero.into())),
-            Ok(n) => done += n,
-            Err(e) if would_block(&e) => {}
-            Err(e) => return Err(closed(e)),
-        }
+    /// Writes all of `bytes` to `stream`.
+    fn write(&self, stream: &mut TcpStream, bytes: &[u8]) -> Result<()> {
+        self.transfer(
+            stream,
+            bytes.len(),
+            TcpStream::set_write_timeout,
+            |s, at| s.write(&bytes[at..]),
+        )
     }
-    Ok(())
 }
 
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
@@ -219,15 +210,14 @@ impl RemoteRank {
             })
         };
         let bound = Bound {
-            until: Some(Instant::now() + self.timeout),
+            until: Some((Instant::now() + self.timeout, self.timeout)),
             what: &format!("rank {rank}"),
             lost: &lost,
         };
         let frame = encode(req)?;
-        write_bounded(&mut self.stream, &frame, &bound, self.timeout)?;
+        bound.write(&mut self.stream, &frame)?;
         let stream = &mut self.stream;
-        let timeout = self.timeout;
-        decode_frame(|buf| read_bounded(stream, buf, &bound, timeout))
+        decode_frame(|buf| bound.read(stream, buf))
     }
 }
 
@@ -272,7 +262,7 @@ pub fn serve(
         lost,
     };
     loop {
-        let next = decode_frame(|buf| read_bounded(&mut stream, buf, &bound, Duration::ZERO));
+        let next = decode_frame(|buf| bound.read(&mut stream, buf));
         let req: RankRequest = match next {
             Ok(r) => r,
             // The engine closed the channel: the run is over. A lost leader is an error.
