@@ -7,8 +7,8 @@
 //! timeout (`KVBM_CALL_TIMEOUT_SECS`, `tcp.call_timeout_secs`), and fails sooner when the
 //! connector's transport lost the rank (its heartbeat timeout); either way the rank's connector
 //! connection is dropped too, so the leader treats the rank exactly as a killed worker. A rank
-//! waits for the engine's next request with no deadline (an engine may idle) but gives up as
-//! soon as its connector connection to the leader is lost. The channel has no authentication:
+//! waits for the engine's next request, and writes its answer, with no deadline (an engine may
+//! idle) but gives up as soon as its connector connection to the leader is lost. The channel has no authentication:
 //! it listens on loopback unless `KVBM_ALLOW_INSECURE` says otherwise.
 
 use std::io::{Read, Write};
@@ -275,9 +275,82 @@ pub fn serve(
             RankRequest::Finish => (exec.finish().map(RankResponse::Finished), true),
         };
         let resp = resp.unwrap_or_else(|e| RankResponse::Error(e.to_string()));
-        write_frame(&mut stream, &resp)?;
+        bound.write(&mut stream, &encode(&resp)?)?;
         if last {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{SocketAddr, TcpListener};
+
+    use kvbm_connector::connector::tcp::TcpWorker;
+    use kvbm_connector::connector::transport::{LeaderTransport, WorkerMessage};
+
+    use super::*;
+
+    const LONG: Duration = Duration::from_secs(10);
+
+    /// A connector leader with rank 0 connected, and a rank on the engine channel that never
+    /// answers (the accepted end, and the silent peer's end to keep open).
+    fn silent_rank(timeout: Duration) -> (RemoteRank, Arc<TcpLeader>, Arc<TcpWorker>, TcpStream) {
+        let any: SocketAddr = ([127, 0, 0, 1], 0).into();
+        let leader = TcpLeader::bind(any, 1, None).unwrap();
+        let worker = TcpWorker::connect(leader.local_addr(), 0, 1, None, LONG).unwrap();
+        let engine = TcpListener::bind(any).unwrap();
+        let silent = TcpStream::connect(engine.local_addr().unwrap()).unwrap();
+        let (accepted, _) = engine.accept().unwrap();
+        let rank = RemoteRank::new(0, accepted, leader.clone(), timeout);
+        (rank, leader, worker, silent)
+    }
+
+    fn disconnected(leader: &TcpLeader) -> Option<String> {
+        let end = Instant::now() + LONG;
+        while Instant::now() < end {
+            if let Some((0, WorkerMessage::Disconnected(why))) =
+                leader.recv_timeout(Duration::from_millis(50)).unwrap()
+            {
+                return Some(why);
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn a_silent_rank_misses_the_call_deadline_and_is_dropped_from_the_connector() {
+        let (mut rank, leader, _worker, _silent) = silent_rank(Duration::from_millis(300));
+        let started = Instant::now();
+        let e = rank.finish().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(e.to_string().contains(CALL_TIMEOUT_ENV), "{e}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        // Lost as a killed worker is: the leader's transport reports it.
+        let why = disconnected(&leader).expect("Disconnected for rank 0");
+        assert!(why.contains("the engine lost rank 0"), "{why}");
+        assert!(leader.connected_ranks().is_empty());
+    }
+
+    #[test]
+    fn a_rank_the_connector_lost_fails_its_call_at_once() {
+        let (mut rank, _leader, worker, _silent) = silent_rank(Duration::from_secs(60));
+        worker.close();
+        let started = Instant::now();
+        let e = rank.finish().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Cancelled, "{e}");
+        assert!(
+            e.to_string().contains("connector's transport lost it"),
+            "{e}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }
