@@ -27,10 +27,15 @@
 //! leader_addr = "10.0.0.1:5557"
 //! auth_token = "s3cret"    # never written back out (to_toml, Debug)
 //! rendezvous_dir = "/run/user/1000/kvbm-1000"  # private (0700) directory of rendezvous files
+//! heartbeat_secs = 1.0     # leader <-> worker heartbeat interval
+//! heartbeat_timeout_secs = 10.0  # silence after which a peer counts as lost
+//! call_timeout_secs = 60.0 # deadline of one request/answer across processes
+//! allow_insecure = false   # allow listening on a non-loopback address without a token
 //! ```
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -255,6 +260,20 @@ pub const DEFAULT_LEADER_ADDR: &str = "127.0.0.1:5557";
 /// The environment variable naming the private directory of rendezvous files
 /// ([`TcpConfig::rendezvous_dir`]).
 pub const RENDEZVOUS_DIR_ENV: &str = "KVBM_RENDEZVOUS_DIR";
+/// The environment variable setting [`TcpConfig::heartbeat_secs`].
+pub const HEARTBEAT_ENV: &str = "KVBM_HEARTBEAT_SECS";
+/// The environment variable setting [`TcpConfig::heartbeat_timeout_secs`].
+pub const HEARTBEAT_TIMEOUT_ENV: &str = "KVBM_HEARTBEAT_TIMEOUT_SECS";
+/// The environment variable setting [`TcpConfig::call_timeout_secs`].
+pub const CALL_TIMEOUT_ENV: &str = "KVBM_CALL_TIMEOUT_SECS";
+/// The environment variable setting [`TcpConfig::allow_insecure`].
+pub const ALLOW_INSECURE_ENV: &str = "KVBM_ALLOW_INSECURE";
+/// Default of [`TcpConfig::heartbeat_secs`].
+pub const DEFAULT_HEARTBEAT_SECS: f64 = 1.0;
+/// Default of [`TcpConfig::heartbeat_timeout_secs`].
+pub const DEFAULT_HEARTBEAT_TIMEOUT_SECS: f64 = 10.0;
+/// Default of [`TcpConfig::call_timeout_secs`].
+pub const DEFAULT_CALL_TIMEOUT_SECS: f64 = 60.0;
 
 /// The network transport between the leader and its workers (`connector::tcp`).
 #[derive(Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -275,6 +294,34 @@ pub struct TcpConfig {
     /// others. Default: unset, meaning `$XDG_RUNTIME_DIR/kvbm-<uid>`, else
     /// `<temp dir>/kvbm-<uid>`.
     pub rendezvous_dir: Option<PathBuf>,
+    /// Seconds between two heartbeat frames on each leader <-> worker connection (both ways; the
+    /// leader announces its value to its workers in the handshake). Default: unset, meaning
+    /// [`DEFAULT_HEARTBEAT_SECS`] (1 s): 12 bytes a second per direction and rank, cheap enough
+    /// to send unconditionally, and ten of them fit in the default timeout.
+    pub heartbeat_secs: Option<f64>,
+    /// Seconds without any frame from a peer after which the connection counts as lost: the
+    /// leader treats the rank exactly as a killed worker ([`WorkerMessage::Disconnected`]), the
+    /// worker its leader as gone. At least twice `heartbeat_secs`. Heartbeats come from a thread
+    /// (worker) and a runtime task (leader) of their own, outside the engine's locks and Python's
+    /// GIL, so an idle or busy peer keeps beating; only a stopped, frozen or unreachable one
+    /// misses ten in a row. Default: unset, meaning [`DEFAULT_HEARTBEAT_TIMEOUT_SECS`] (10 s, the
+    /// order of vLLM's own RPC timeout; TCP itself would notice a silent peer only after its
+    /// retransmissions give up, about 15 minutes).
+    ///
+    /// [`WorkerMessage::Disconnected`]: crate::connector::transport::WorkerMessage::Disconnected
+    pub heartbeat_timeout_secs: Option<f64>,
+    /// Seconds one request/answer exchange across processes may take before the peer counts as
+    /// lost (the `kvbm` replay's engine channel: one rank's step, verification or final drain).
+    /// Covers a rank that is alive and heartbeating but stuck. Default: unset, meaning
+    /// [`DEFAULT_CALL_TIMEOUT_SECS`] (60 s: a rank's final drain waits for its background
+    /// transfers, which the replay itself allows 60 s).
+    pub call_timeout_secs: Option<f64>,
+    /// Allow the leader (and the `kvbm` replay's engine channel) to listen on a non-loopback
+    /// address without an auth token (the engine channel has no token at all). Without it, such
+    /// a bind is an [`ErrorKind::InvalidConfig`] error naming [`AUTH_TOKEN_ENV`] and
+    /// [`ALLOW_INSECURE_ENV`]: anyone who reaches the port could join as a worker. Default: false.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub allow_insecure: bool,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -286,6 +333,10 @@ impl std::fmt::Debug for TcpConfig {
                 &self.auth_token.as_ref().map(|_| "<redacted>"),
             )
             .field("rendezvous_dir", &self.rendezvous_dir)
+            .field("heartbeat_secs", &self.heartbeat_secs)
+            .field("heartbeat_timeout_secs", &self.heartbeat_timeout_secs)
+            .field("call_timeout_secs", &self.call_timeout_secs)
+            .field("allow_insecure", &self.allow_insecure)
             .finish()
     }
 }
@@ -310,14 +361,94 @@ impl TcpConfig {
             .unwrap_or_else(crate::connector::tcp::rendezvous::default_dir)
     }
 
-    /// True when nothing written out is set (the section is then left out of the TOML form).
-    fn nothing_to_write(&self) -> bool {
-        self.leader_addr.is_none() && self.rendezvous_dir.is_none()
+    /// The heartbeat interval ([`Self::heartbeat_secs`] or its default).
+    pub fn heartbeat(&self) -> Duration {
+        secs(self.heartbeat_secs, DEFAULT_HEARTBEAT_SECS)
     }
 
-    /// Checks the address's form (resolving it waits until it is used) and that the rendezvous
-    /// directory is absolute.
+    /// The heartbeat timeout ([`Self::heartbeat_timeout_secs`] or its default).
+    pub fn heartbeat_timeout(&self) -> Duration {
+        secs(self.heartbeat_timeout_secs, DEFAULT_HEARTBEAT_TIMEOUT_SECS)
+    }
+
+    /// The per-call deadline ([`Self::call_timeout_secs`] or its default).
+    pub fn call_timeout(&self) -> Duration {
+        secs(self.call_timeout_secs, DEFAULT_CALL_TIMEOUT_SECS)
+    }
+
+    /// Whether a listener may bind `addr`: a loopback address always; another one only with
+    /// `has_token` (an authenticated protocol) or [`Self::allow_insecure`]. The error, an
+    /// [`ErrorKind::InvalidConfig`], names `what` listens, the address and both settings.
+    pub fn check_listen(&self, what: &str, addr: SocketAddr, has_token: bool) -> Result<()> {
+        if addr.ip().is_loopback() || has_token || self.allow_insecure {
+            return Ok(());
+        }
+        let fix = if what.contains("engine channel") {
+            format!("it has no authentication; set {ALLOW_INSECURE_ENV}=1 (tcp.allow_insecure) to accept that")
+        } else {
+            format!("set {AUTH_TOKEN_ENV} (tcp.auth_token) on the leader and every worker, or {ALLOW_INSECURE_ENV}=1 (tcp.allow_insecure) to accept that")
+        };
+        Err(Error::new(
+            ErrorKind::InvalidConfig,
+            format!(
+                "refusing to listen for the {what} on the non-loopback address {addr} without authentication: anyone who reaches it could join; {fix}"
+            ),
+        )
+        .with("addr", addr)
+        .with("setting", ALLOW_INSECURE_ENV))
+    }
+
+    /// True when nothing written out is set (the section is then left out of the TOML form).
+    fn nothing_to_write(&self) -> bool {
+        self.leader_addr.is_none()
+            && self.rendezvous_dir.is_none()
+            && self.heartbeat_secs.is_none()
+            && self.heartbeat_timeout_secs.is_none()
+            && self.call_timeout_secs.is_none()
+            && !self.allow_insecure
+    }
+
+    /// Checks the deadlines' ranges (the timeout at least twice the interval).
+    fn validate_deadlines(&self) -> Result<()> {
+        for (key, v) in [
+            ("tcp.heartbeat_secs", self.heartbeat_secs),
+            ("tcp.heartbeat_timeout_secs", self.heartbeat_timeout_secs),
+            ("tcp.call_timeout_secs", self.call_timeout_secs),
+        ] {
+            if let Some(v) = v {
+                if !(v.is_finite() && (0.001..=1e6).contains(&v)) {
+                    return Err(Error::invalid_config(
+                        key,
+                        v,
+                        "must be a number of seconds from 0.001 to 1000000",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the settings that constrain each other (once all are set: the environment may set
+    /// them in any order): the heartbeat timeout is at least twice the interval.
+    fn validate_relations(&self) -> Result<()> {
+        let (beat, timeout) = (self.heartbeat(), self.heartbeat_timeout());
+        if timeout < beat * 2 {
+            return Err(Error::invalid_config(
+                &format!("tcp.heartbeat_timeout_secs ({HEARTBEAT_TIMEOUT_ENV})"),
+                timeout.as_secs_f64(),
+                format!(
+                    "must be at least twice the heartbeat interval (tcp.heartbeat_secs = {})",
+                    beat.as_secs_f64()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the address's form (resolving it waits until it is used), that the rendezvous
+    /// directory is absolute, and the deadlines.
     fn validate(&self) -> Result<()> {
+        self.validate_deadlines()?;
         if let Some(dir) = &self.rendezvous_dir {
             if !dir.is_absolute() {
                 return Err(Error::invalid_config(
@@ -350,6 +481,24 @@ impl TcpConfig {
             )),
         }
     }
+}
+
+fn secs(v: Option<f64>, default: f64) -> Duration {
+    Duration::from_secs_f64(v.filter(|v| v.is_finite() && *v > 0.0).unwrap_or(default))
+}
+
+/// The `[tcp]` settings of the environment alone (no file): defaults overridden by every
+/// `KVBM_*` variable of a `tcp.` key in [`ENV_VARS`]. An invalid value is an
+/// [`ErrorKind::InvalidConfig`] error naming the variable and value.
+pub fn tcp_config_from_env() -> Result<TcpConfig> {
+    let mut c = Config::default();
+    for var in ENV_VARS.iter().filter(|v| v.key.starts_with("tcp.")) {
+        if let Ok(raw) = std::env::var(var.name) {
+            c.set(var.name, var.key, &raw)?;
+        }
+    }
+    c.tcp.validate_relations()?;
+    Ok(c.tcp)
 }
 
 /// The leader's address from [`LEADER_ADDR_ENV`], or [`DEFAULT_LEADER_ADDR`] when it is unset or
@@ -517,6 +666,10 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours(LEADER_ADDR_ENV, "tcp.leader_addr"),
     secret(AUTH_TOKEN_ENV, "tcp.auth_token"),
     ours(RENDEZVOUS_DIR_ENV, "tcp.rendezvous_dir"),
+    ours(HEARTBEAT_ENV, "tcp.heartbeat_secs"),
+    ours(HEARTBEAT_TIMEOUT_ENV, "tcp.heartbeat_timeout_secs"),
+    ours(CALL_TIMEOUT_ENV, "tcp.call_timeout_secs"),
+    ours(ALLOW_INSECURE_ENV, "tcp.allow_insecure"),
 ];
 
 /// Names the configuration file when no path is given explicitly.
@@ -693,6 +846,16 @@ impl Config {
                     .filter(|s| !s.is_empty())
                     .map(PathBuf::from)
             }
+            "tcp.heartbeat_secs" => {
+                self.tcp.heartbeat_secs = Some(parse_num(source, raw, "seconds > 0")?)
+            }
+            "tcp.heartbeat_timeout_secs" => {
+                self.tcp.heartbeat_timeout_secs = Some(parse_num(source, raw, "seconds > 0")?)
+            }
+            "tcp.call_timeout_secs" => {
+                self.tcp.call_timeout_secs = Some(parse_num(source, raw, "seconds > 0")?)
+            }
+            "tcp.allow_insecure" => self.tcp.allow_insecure = parse_bool(source, raw)?,
             other => {
                 return Err(Error::internal(format!(
                     "environment table names unknown key {other}"
@@ -700,12 +863,18 @@ impl Config {
             }
         }
         // Re-check the one key just set so the error names the variable, not the TOML key.
-        self.validate()
+        self.validate_values()
             .map_err(|e| Error::invalid_config(source, raw, e.message().to_string()))
     }
 
-    /// Checks every value's range.
+    /// Checks every value's range, and the settings that constrain each other.
     pub fn validate(&self) -> Result<()> {
+        self.validate_values()?;
+        self.tcp.validate_relations()
+    }
+
+    /// Checks every value's range on its own.
+    fn validate_values(&self) -> Result<()> {
         self.host.validate("host")?;
         self.disk_size().validate("disk")?;
         self.disk.validate_dir()?;
@@ -1029,5 +1198,72 @@ mod tests {
         assert_eq!(c.tcp.auth_token().as_deref(), Some("t"));
         let e = Config::from_toml_str("[tcp]\nleader_addr = \"nowhere\"\n").unwrap_err();
         assert!(e.to_string().contains("tcp.leader_addr"), "{e}");
+    }
+
+    #[test]
+    fn heartbeat_call_timeout_and_insecure_settings() {
+        let c = Config::default();
+        assert_eq!(c.tcp.heartbeat(), Duration::from_secs(1));
+        assert_eq!(c.tcp.heartbeat_timeout(), Duration::from_secs(10));
+        assert_eq!(c.tcp.call_timeout(), Duration::from_secs(60));
+        assert!(!c.tcp.allow_insecure);
+        let mut c = Config::default();
+        c.apply_env(env(&[
+            (HEARTBEAT_ENV, "0.25"),
+            (HEARTBEAT_TIMEOUT_ENV, "2"),
+            (CALL_TIMEOUT_ENV, "5"),
+            (ALLOW_INSECURE_ENV, "yes"),
+        ]))
+        .unwrap();
+        assert_eq!(c.tcp.heartbeat(), Duration::from_millis(250));
+        assert_eq!(c.tcp.heartbeat_timeout(), Duration::from_secs(2));
+        assert_eq!(c.tcp.call_timeout(), Duration::from_secs(5));
+        assert!(c.tcp.allow_insecure);
+        let toml = c.to_toml().unwrap();
+        assert!(toml.contains("allow_insecure = true"), "{toml}");
+        assert_eq!(Config::from_toml_str(&toml).unwrap(), c);
+        for (var, raw, why) in [
+            (HEARTBEAT_ENV, "0", "seconds"),
+            (HEARTBEAT_TIMEOUT_ENV, "-1", "seconds"),
+            (CALL_TIMEOUT_ENV, "soon", "seconds"),
+            (CALL_TIMEOUT_ENV, "inf", "seconds"),
+            (ALLOW_INSECURE_ENV, "maybe", "true/false"),
+            (HEARTBEAT_TIMEOUT_ENV, "1.5", "twice the heartbeat interval"),
+        ] {
+            let e = Config::default().apply_env(env(&[(var, raw)])).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{var}={raw}: {e}");
+            assert!(e.to_string().contains(var), "{var}={raw}: {e}");
+            assert!(
+                e.to_string().contains(&format!("{raw:?}")),
+                "{var}={raw}: {e}"
+            );
+            assert!(e.to_string().contains(why), "{var}={raw}: {e}");
+        }
+        // Both set, in either order: the pair is checked once both are in.
+        let mut c = Config::default();
+        c.apply_env(env(&[(HEARTBEAT_ENV, "20"), (HEARTBEAT_TIMEOUT_ENV, "60")]))
+            .unwrap();
+        assert_eq!(c.tcp.heartbeat_timeout(), Duration::from_secs(60));
+        let e = Config::from_toml_str("[tcp]\nheartbeat_secs = 6.0\n").unwrap_err();
+        assert!(e.to_string().contains("tcp.heartbeat_timeout_secs"), "{e}");
+        let e = Config::from_toml_str("[tcp]\ncall_timeout_secs = 0.0\n").unwrap_err();
+        assert!(e.to_string().contains("tcp.call_timeout_secs"), "{e}");
+        // Only non-loopback listening without a token needs the insecure setting.
+        let tcp = TcpConfig::default();
+        let lan: SocketAddr = "10.0.0.1:5557".parse().unwrap();
+        tcp.check_listen("kvbm leader", "127.0.0.1:1".parse().unwrap(), false)
+            .unwrap();
+        tcp.check_listen("kvbm leader", "[::1]:1".parse().unwrap(), false)
+            .unwrap();
+        tcp.check_listen("kvbm leader", lan, true).unwrap();
+        let e = tcp.check_listen("kvbm leader", lan, false).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert!(e.to_string().contains(ALLOW_INSECURE_ENV), "{e}");
+        assert!(e.to_string().contains(AUTH_TOKEN_ENV), "{e}");
+        let open = TcpConfig {
+            allow_insecure: true,
+            ..TcpConfig::default()
+        };
+        open.check_listen("kvbm leader", lan, false).unwrap();
     }
 }

@@ -1,8 +1,10 @@
 //! Integration tests with real processes: `kvbm replay --tp 2` (the leader and the simulated
 //! engine in one process, one `kvbm worker` child process per rank, the connector's TCP transport
 //! between them), workers started by hand before and after the leader (`--external-workers`), a
-//! missing rank at the start-up deadline, a worker SIGKILLed mid-run (`--kill-rank`), and
-//! strangers (a wrong auth token, garbage bytes) refused while the real workers keep working.
+//! missing rank at the start-up deadline, a worker SIGKILLed mid-run (`--kill-rank`), a worker
+//! SIGSTOPped mid-run (lost at the heartbeat timeout, or at the engine's call deadline), strangers
+//! (a wrong auth token, garbage bytes) refused while the real workers keep working, and
+//! non-loopback listeners refused without a token unless `KVBM_ALLOW_INSECURE` is set.
 //!
 //! Conventions, as in `tests/cli.rs`: the binary is `CARGO_BIN_EXE_kvbm` (built in the test's
 //! profile); every run gets its own temporary directory (disk tier, reports, captured output) and
@@ -26,6 +28,8 @@ use kvbm_connector::config::{AUTH_TOKEN_ENV, CONFIG_FILE_VAR, ENV_VARS, LEADER_A
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
+/// The wire protocol's version (`src/connector/tcp/mod.rs`; 2 since heartbeats).
+const PROTOCOL_VERSION: u16 = 2;
 const FRAMEWORKS: [&str; 2] = ["trtllm", "vllm"];
 /// Start-up deadline of every process unless a test sets another: long enough for a loaded
 /// 2-core machine, short enough that a broken barrier cannot stall the suite for long.
@@ -411,7 +415,7 @@ fn refused_reason(bytes: &[u8], what: &str) -> String {
     assert_eq!(&bytes[..4], b"KVBM", "{what}: magic");
     assert_eq!(
         u16::from_be_bytes([bytes[4], bytes[5]]),
-        1,
+        PROTOCOL_VERSION,
         "{what}: version"
     );
     assert_eq!(bytes[6], 3, "{what}: kind (3 = REFUSED)");
@@ -700,12 +704,22 @@ fn a_wrong_token_and_a_garbage_client_are_refused_while_workers_keep_working() {
 
     // (a) A HELLO built by hand with a wrong token: REFUSED with the reason, then closed.
     let hello = br#"{"rank":1,"world_size":2,"token":"not-the-secret"}"#;
-    let got = send_and_read_until_closed(leader, &hand_frame(1, 1, hello), limit, "wrong token");
+    let got = send_and_read_until_closed(
+        leader,
+        &hand_frame(PROTOCOL_VERSION, 1, hello),
+        limit,
+        "wrong token",
+    );
     let reason = refused_reason(&got, "wrong token");
     assert!(reason.contains("token mismatch"), "{reason}");
     // No token at all.
     let hello = br#"{"rank":0,"world_size":2,"token":null}"#;
-    let got = send_and_read_until_closed(leader, &hand_frame(1, 1, hello), limit, "no token");
+    let got = send_and_read_until_closed(
+        leader,
+        &hand_frame(PROTOCOL_VERSION, 1, hello),
+        limit,
+        "no token",
+    );
     let reason = refused_reason(&got, "no token");
     assert!(reason.contains("authentication required"), "{reason}");
     // A client that speaks the protocol but another version: REFUSED, naming the version.
@@ -873,4 +887,200 @@ fn regression_unreachable_leader_error_keeps_the_last_attempt() {
         "the last attempt's error is lost: {}",
         out.describe()
     );
+}
+
+// ------------------------------------------------------------------------------------------------
+// A worker stopped mid-run (SIGSTOP), and insecure listening
+// ------------------------------------------------------------------------------------------------
+
+/// The pid of the replay's `kvbm worker --rank R` child, if it runs.
+fn worker_pid(replay_pid: u32, rank: usize) -> Option<i32> {
+    let rank = rank.to_string();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+        // Fields after the command name (in parentheses): state, ppid, ...
+        let ppid: u32 = stat[stat.rfind(')')? + 1..]
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let is_rank = args
+            .windows(2)
+            .any(|w| w[0] == b"--rank" && w[1] == rank.as_bytes());
+        (ppid == replay_pid && args.iter().any(|a| *a == b"worker") && is_rank).then_some(pid)
+    })
+}
+
+/// Established TCP connections whose local end is 127.0.0.1:`port` (accepted by a listener on
+/// it), from /proc/net/tcp.
+fn accepted_on(port: u16) -> usize {
+    let want = format!("0100007F:{port:04X}");
+    std::fs::read_to_string("/proc/net/tcp")
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(1) == Some(&want.as_str()) && f.get(3) == Some(&"01")
+        })
+        .count()
+}
+
+/// A stopped process: continued and killed when dropped, whichever way the test ends (a
+/// stopped orphan would otherwise stay forever).
+struct Stopped(i32);
+
+impl Stopped {
+    fn stop(pid: i32) -> Stopped {
+        // SAFETY: kill(2) with a pid this test found as its replay's child; no memory involved.
+        let rc = unsafe { libc::kill(pid, libc::SIGSTOP) };
+        assert_eq!(rc, 0, "SIGSTOP {pid}: {}", std::io::Error::last_os_error());
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // SAFETY: as above; a pid already gone makes kill fail harmlessly.
+        unsafe {
+            libc::kill(self.0, libc::SIGCONT);
+            libc::kill(self.0, libc::SIGKILL);
+        }
+    }
+}
+
+/// Runs a tp-2 replay, SIGSTOPs rank 1 once both ranks serve the engine, and checks that the
+/// run finishes on rank 0 with rank 1 lost, within `within` of the stop; `env` sets the
+/// deadlines; `cause` is what the loss names.
+fn stopped_rank(framework: &str, env: &[(&str, &str)], cause: &str, within: Duration) {
+    let what = format!("{framework}: rank 1 SIGSTOPped ({env:?})");
+    let dir = tmp();
+    let engine = free_port();
+    // Enough requests that the run is far from over when the stop lands.
+    let mut cmd = replay(dir.path(), framework, 400);
+    cmd.args(["--engine-addr", &engine.to_string()]);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut rep = Proc::start(cmd, dir.path(), "replay");
+    let end = Instant::now() + Duration::from_secs(60);
+    while accepted_on(engine.port()) < 2 {
+        assert!(
+            rep.running(),
+            "{what}: replay exited early\n{}",
+            rep.stderr()
+        );
+        assert!(
+            Instant::now() < end,
+            "{what}: ranks never joined\n{}",
+            rep.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Let the engine read both greetings.
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = worker_pid(rep.child.id(), 1).expect("rank 1's worker process");
+    let stopped = Stopped::stop(pid);
+    let at = Instant::now();
+    // Without a deadline the run waits for rank 1 until SIGCONT: `wait` fails it as a hang.
+    let out = rep.wait(REPLAY_LIMIT);
+    let took = at.elapsed();
+    drop(stopped);
+    out.assert_ok(&what);
+    assert!(
+        out.stderr.contains("rank 1 lost") && out.stderr.contains(cause),
+        "{what}: {}",
+        out.describe()
+    );
+    assert!(
+        took < within,
+        "{what}: finished {took:?} after the stop\n{}",
+        out.describe()
+    );
+    let s = &read_report(dir.path())["summary"];
+    assert_eq!(u(&s["rank_failures"]), 1, "{what}\n{s:#}");
+    assert_eq!(u(&s["integrity_errors"]), 0, "{what}\n{s:#}");
+}
+
+#[test]
+fn a_stopped_worker_is_lost_at_the_heartbeat_timeout_and_the_run_finishes() {
+    // The connector's heartbeat (2 s) notices first; the engine's call deadline is the default.
+    stopped_rank(
+        "trtllm",
+        &[
+            ("KVBM_HEARTBEAT_SECS", "0.2"),
+            ("KVBM_HEARTBEAT_TIMEOUT_SECS", "2"),
+        ],
+        "heartbeat timeout",
+        Duration::from_secs(2 + 20),
+    );
+}
+
+#[test]
+fn a_stuck_worker_is_lost_at_the_call_deadline_and_the_run_finishes() {
+    // Heartbeats would take 10 minutes: the engine's per-call deadline (2 s) notices first, and
+    // drops the rank from the connector too (else the leader's drain would wait for it).
+    stopped_rank(
+        "vllm",
+        &[
+            ("KVBM_HEARTBEAT_TIMEOUT_SECS", "600"),
+            ("KVBM_CALL_TIMEOUT_SECS", "2"),
+        ],
+        "KVBM_CALL_TIMEOUT_SECS",
+        Duration::from_secs(2 + 20),
+    );
+}
+
+#[test]
+fn non_loopback_listeners_are_refused_without_a_token_unless_insecure_is_set() {
+    let dir = tmp();
+    // The leader on all interfaces, no token: refused, naming both settings.
+    let mut cmd = replay(dir.path(), "trtllm", 40);
+    cmd.args(["--leader-addr", "0.0.0.0:0"]);
+    let out = Proc::start(cmd, dir.path(), "insecure-leader").wait(Duration::from_secs(30));
+    out.assert_clean_failure("leader on 0.0.0.0 without a token");
+    for needle in [
+        "0.0.0.0:0",
+        AUTH_TOKEN_ENV,
+        "KVBM_ALLOW_INSECURE",
+        "non-loopback",
+    ] {
+        assert!(out.stderr.contains(needle), "{needle}: {}", out.describe());
+    }
+    // The engine channel has no authentication: refused even with a token.
+    let mut cmd = replay(dir.path(), "trtllm", 40);
+    cmd.env(AUTH_TOKEN_ENV, "secret").args([
+        "--leader-addr",
+        "0.0.0.0:0",
+        "--engine-addr",
+        "0.0.0.0:0",
+    ]);
+    let out = Proc::start(cmd, dir.path(), "insecure-engine").wait(Duration::from_secs(30));
+    out.assert_clean_failure("engine channel on 0.0.0.0");
+    assert!(
+        out.stderr.contains("engine channel") && out.stderr.contains("KVBM_ALLOW_INSECURE"),
+        "{}",
+        out.describe()
+    );
+    // With the token, the leader alone may listen on all interfaces; with the explicit setting,
+    // both may. The runs complete.
+    let mut cmd = replay(dir.path(), "trtllm", 40);
+    cmd.env(AUTH_TOKEN_ENV, "secret")
+        .args(["--leader-addr", "0.0.0.0:0"]);
+    Proc::start(cmd, dir.path(), "leader-with-token")
+        .wait(REPLAY_LIMIT)
+        .assert_ok("leader on 0.0.0.0 with a token");
+    let mut cmd = replay(dir.path(), "trtllm", 40);
+    cmd.env("KVBM_ALLOW_INSECURE", "1").args([
+        "--leader-addr",
+        "0.0.0.0:0",
+        "--engine-addr",
+        "0.0.0.0:0",
+    ]);
+    Proc::start(cmd, dir.path(), "explicitly-insecure")
+        .wait(REPLAY_LIMIT)
+        .assert_ok("both on 0.0.0.0 with KVBM_ALLOW_INSECURE=1");
 }

@@ -375,4 +375,105 @@ mod tests {
         }
         assert!(ConnectorMetadata::decode(b"").unwrap().is_empty());
     }
+
+    /// Fuzz tests of the decoder ("keep them fixed", issue 13): arbitrary bytes and mutated valid
+    /// encodings are metadata or an [`ErrorKind::Decode`] error, never a panic; whatever decodes
+    /// encodes and decodes again to the same document. Bounded (256 cases each).
+    mod fuzz {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// A valid document with every operation kind and optional field.
+        fn rich() -> ConnectorMetadata {
+            let mut m = sample();
+            m.finished.push("c".into());
+            m.remote_instance = Some("peer-1".into());
+            let t = |id, src, dst| BlockTransfer {
+                id: OperationId(id),
+                request_id: Some("a".into()),
+                src,
+                dst,
+                pairs: vec![(0, 1), (2, 3)],
+            };
+            m.operations.push(Box::new(KeyedStore {
+                transfer: t(3, TierKind::Device, TierKind::Host),
+                keys: vec![11, 12],
+            }));
+            m.operations.push(Box::new(RemoteLoad {
+                transfer: t(4, TierKind::Remote, TierKind::Device),
+                instance: "peer-1".into(),
+                keys: vec![13, 14],
+            }));
+            m
+        }
+
+        fn decodes_cleanly(bytes: &[u8]) -> Result<(), TestCaseError> {
+            match ConnectorMetadata::decode(bytes) {
+                Ok(m) => {
+                    let again = m.encode().map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    let m2 = ConnectorMetadata::decode(&again)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    prop_assert_eq!(format!("{m:?}"), format!("{m2:?}"));
+                }
+                Err(e) => prop_assert_eq!(e.kind(), ErrorKind::Decode, "{}", e),
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+            #[test]
+            fn arbitrary_bytes_decode_or_fail_cleanly(
+                bytes in prop::collection::vec(any::<u8>(), 0..600),
+            ) {
+                decodes_cleanly(&bytes)?;
+            }
+
+            #[test]
+            fn mutated_encodings_decode_or_fail_cleanly(
+                edits in prop::collection::vec(
+                    (any::<prop::sample::Index>(), any::<u8>(), 0u8..5),
+                    1..8,
+                ),
+            ) {
+                let mut b = rich().encode().map_err(|e| TestCaseError::fail(e.to_string()))?;
+                // Bytes JSON gives meaning to, so mutations often stay well-formed.
+                const SIGNIFICANT: &[u8] = b"{}[]\",:0123456789-.eE tfn";
+                for (at, byte, op) in edits {
+                    match op {
+                        0 if !b.is_empty() => { let i = at.index(b.len()); b[i] = byte; }
+                        1 if !b.is_empty() => {
+                            let i = at.index(b.len());
+                            b[i] = SIGNIFICANT[byte as usize % SIGNIFICANT.len()];
+                        }
+                        2 => {
+                            let i = at.index(b.len() + 1);
+                            b.insert(i, SIGNIFICANT[byte as usize % SIGNIFICANT.len()]);
+                        }
+                        3 if !b.is_empty() => { let i = at.index(b.len()); b.remove(i); }
+                        _ if !b.is_empty() => { let i = at.index(b.len()); b.truncate(i); }
+                        _ => {}
+                    }
+                }
+                decodes_cleanly(&b)?;
+            }
+
+            #[test]
+            fn numbers_anywhere_decode_or_fail_cleanly(
+                at in any::<prop::sample::Index>(),
+                n in prop_oneof![any::<i64>().prop_map(|v| v.to_string()), any::<f64>().prop_map(|v| v.to_string()), Just("1e400".to_string()), Just("18446744073709551616".to_string())],
+            ) {
+                // Replace one number of a valid document (a block, an id, the iteration, ...).
+                let text = String::from_utf8(rich().encode().map_err(|e| TestCaseError::fail(e.to_string()))?)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let digits: Vec<usize> = text.match_indices(|c: char| c.is_ascii_digit()).map(|(i, _)| i).collect();
+                let i = digits[at.index(digits.len())];
+                let end = text[i..].find(|c: char| !c.is_ascii_digit()).map_or(text.len(), |e| i + e);
+                let mutated = format!("{}{}{}", &text[..i], n, &text[end..]);
+                decodes_cleanly(mutated.as_bytes())?;
+            }
+        }
+    }
 }

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvbm_connector::config::auth_token_from_env;
-use kvbm_connector::config::Config;
+use kvbm_connector::config::{Config, TcpConfig};
 use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
 use kvbm_connector::error::{Error, Result};
 
@@ -98,7 +98,7 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
     };
     dims.validate()?;
     let deadline = config.init_timeout();
-    let transport = TcpWorker::connect(
+    let transport: Arc<TcpWorker> = TcpWorker::connect(
         a.leader_addr,
         a.rank,
         a.world_size,
@@ -112,7 +112,7 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
         Shard { rank: a.rank, dims },
         a.device_blocks,
         a.world_size,
-        transport,
+        transport.clone(),
     )?;
     wait_for(&format!("rank {}", a.rank), deadline, || {
         match exec.init_error() {
@@ -123,7 +123,11 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
     let until = Instant::now() + deadline;
     let mut stream = connect_retry(a.engine_addr, until)?;
     write_frame(&mut stream, &a.rank)?;
-    serve(exec, stream)?;
+    let leader_lost = move || {
+        (!transport.is_connected())
+            .then(|| "the connection to the kvbm leader is lost (see its warning)".to_string())
+    };
+    serve(exec, stream, &leader_lost)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -167,8 +171,13 @@ pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> R
     opts.model_dims()?;
     opts.check_workload(workload)?;
     let tp = opts.tp;
-    let token = auth_token_from_env();
-    let leader_transport = TcpLeader::bind(topo.leader_addr, tp, token)?;
+    let tcp = TcpConfig {
+        auth_token: auth_token_from_env(),
+        ..opts.config.tcp.clone()
+    };
+    // The engine channel has no authentication: loopback unless explicitly insecure.
+    tcp.check_listen("replay's engine channel", topo.engine_addr, false)?;
+    let leader_transport = TcpLeader::bind_with(topo.leader_addr, tp, &tcp)?;
     let leader_addr = leader_transport.local_addr();
     let listener = TcpListener::bind(topo.engine_addr)
         .map_err(|e| Error::io("bind the engine channel", e).with("addr", topo.engine_addr))?;
@@ -306,9 +315,15 @@ fn connect(
     // the barrier's own deadline, so its error (which names the missing ranks) comes first.
     let until = Instant::now() + timeout + Duration::from_secs(2);
     // The barrier's own error (naming the ranks it misses) beats ours.
-    let ranks = accept_ranks(listener, tp, until, timeout, || {
-        sched.leader().init_error().map_or(Ok(()), Err)
-    });
+    let ranks = accept_ranks(
+        listener,
+        tp,
+        until,
+        timeout,
+        &leader_transport,
+        opts.config.tcp.call_timeout(),
+        || sched.leader().init_error().map_or(Ok(()), Err),
+    );
     let ranks = match ranks {
         Ok(r) => r,
         Err(e) => {

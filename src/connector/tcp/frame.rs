@@ -5,7 +5,9 @@
 //! written here always carries [`MAGIC`], [`PROTOCOL_VERSION`] and a reserved byte of 0, and a
 //! payload of at most [`MAX_PAYLOAD`] bytes; a header is checked (magic, version, kind, length
 //! against the caller's limit) before any payload byte is read, so an oversized or foreign frame
-//! never makes the reader allocate its claimed length.
+//! never makes the reader allocate its claimed length; the payload buffer then grows in
+//! [`READ_BUFFER`] steps as bytes arrive, so a peer that claims a large payload and sends none
+//! costs at most one step, and a returned payload never holds more than the limit.
 
 use std::io::Read;
 
@@ -17,8 +19,9 @@ use crate::error::{Error, Result};
 
 /// The first four bytes of every frame.
 pub(super) const MAGIC: [u8; 4] = *b"KVBM";
-/// The protocol version this build speaks (bytes 4..6 of every frame, big-endian).
-pub(super) const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this build speaks (bytes 4..6 of every frame, big-endian). Version 2
+/// added heartbeats (the HEARTBEAT kind and the WELCOME fields announcing them).
+pub(super) const PROTOCOL_VERSION: u16 = 2;
 /// Bytes of a frame header.
 pub(super) const HEADER_LEN: usize = 12;
 /// Largest MSG payload (16 MiB); a larger length closes the connection.
@@ -41,6 +44,8 @@ pub(super) enum FrameKind {
     /// A [`WorkerMessage`](crate::connector::transport::WorkerMessage) or
     /// [`LeaderMessage`](crate::connector::transport::LeaderMessage), after the handshake.
     Msg = 4,
+    /// Either direction, after the handshake: "still here" (empty payload, ignored).
+    Heartbeat = 5,
 }
 
 impl FrameKind {
@@ -51,6 +56,7 @@ impl FrameKind {
             2 => Some(Self::Welcome),
             3 => Some(Self::Refused),
             4 => Some(Self::Msg),
+            5 => Some(Self::Heartbeat),
             _ => None,
         }
     }
@@ -63,6 +69,7 @@ impl std::fmt::Display for FrameKind {
             Self::Welcome => "WELCOME",
             Self::Refused => "REFUSED",
             Self::Msg => "MSG",
+            Self::Heartbeat => "HEARTBEAT",
         })
     }
 }
@@ -95,6 +102,10 @@ pub(super) struct Welcome {
     pub(super) rank: Rank,
     /// The leader's world size.
     pub(super) world_size: usize,
+    /// Milliseconds between two heartbeats the worker sends (and the leader sends it).
+    pub(super) heartbeat_ms: u64,
+    /// Milliseconds of silence after which either side counts the other as lost.
+    pub(super) heartbeat_timeout_ms: u64,
 }
 
 /// REFUSED payload: why the leader refused the worker.
@@ -205,9 +216,33 @@ pub(super) fn parse_header(h: &[u8; HEADER_LEN], max: u32) -> Result<(FrameKind,
     Ok((kind, len))
 }
 
-fn payload_buffer(len: u32) -> Result<Vec<u8>, FrameError> {
-    let n = usize::try_from(len).map_err(|_| FrameError::TooLarge { len, max: 0 })?;
-    Ok(vec![0u8; n])
+/// A payload being read: grows by at most [`READ_BUFFER`] bytes a step (exactly, never past
+/// its length), so its allocation follows the bytes that arrived.
+struct Payload {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+impl Payload {
+    fn new(len: u32) -> Result<Self, FrameError> {
+        let len = usize::try_from(len).map_err(|_| FrameError::TooLarge { len, max: 0 })?;
+        Ok(Self {
+            buf: Vec::new(),
+            len,
+        })
+    }
+
+    /// The next range to fill, or `None` when complete.
+    fn next_step(&mut self) -> Option<std::ops::Range<usize>> {
+        let start = self.buf.len();
+        let step = (self.len - start).min(READ_BUFFER);
+        if step == 0 {
+            return None;
+        }
+        self.buf.reserve_exact(step);
+        self.buf.resize(start + step, 0);
+        Some(start..start + step)
+    }
 }
 
 /// Reads one frame whose payload is at most `max` bytes (async: the leader's tasks).
@@ -218,11 +253,13 @@ pub(super) async fn read_frame_async<R: AsyncRead + Unpin>(
     let mut h = [0u8; HEADER_LEN];
     r.read_exact(&mut h).await.map_err(FrameError::from_io)?;
     let (kind, len) = parse_header(&h, max)?;
-    let mut payload = payload_buffer(len)?;
-    r.read_exact(&mut payload)
-        .await
-        .map_err(FrameError::from_io)?;
-    Ok((kind, payload))
+    let mut payload = Payload::new(len)?;
+    while let Some(range) = payload.next_step() {
+        r.read_exact(&mut payload.buf[range])
+            .await
+            .map_err(FrameError::from_io)?;
+    }
+    Ok((kind, payload.buf))
 }
 
 /// Reads one frame whose payload is at most `max` bytes (blocking: the worker's socket).
@@ -233,9 +270,12 @@ pub(super) fn read_frame_sync(
     let mut h = [0u8; HEADER_LEN];
     r.read_exact(&mut h).map_err(FrameError::from_io)?;
     let (kind, len) = parse_header(&h, max)?;
-    let mut payload = payload_buffer(len)?;
-    r.read_exact(&mut payload).map_err(FrameError::from_io)?;
-    Ok((kind, payload))
+    let mut payload = Payload::new(len)?;
+    while let Some(range) = payload.next_step() {
+        r.read_exact(&mut payload.buf[range])
+            .map_err(FrameError::from_io)?;
+    }
+    Ok((kind, payload.buf))
 }
 
 #[cfg(test)]
@@ -256,7 +296,7 @@ mod tests {
     fn frame_layout_is_as_documented() {
         let f = encode_frame(FrameKind::Msg, b"\"Ready\"").unwrap();
         assert_eq!(&f[..4], b"KVBM");
-        assert_eq!(&f[4..6], &[0, 1]);
+        assert_eq!(&f[4..6], &[0, 2]);
         assert_eq!(f[6], 4);
         assert_eq!(f[7], 0);
         assert_eq!(&f[8..12], &[0, 0, 0, 7]);
@@ -269,10 +309,10 @@ mod tests {
     fn bad_headers_are_rejected() {
         let cases = [
             (header(b"GET ", 1, 4, 0), "bad magic"),
-            (header(b"KVBM", 2, 4, 0), "version 2"),
-            (header(b"KVBM", 1, 9, 0), "kind 9"),
-            (header(b"KVBM", 1, 0, 0), "kind 0"),
-            (header(b"KVBM", 1, 4, MAX_PAYLOAD + 1), "exceeds"),
+            (header(b"KVBM", 1, 4, 0), "version 1"),
+            (header(b"KVBM", 2, 9, 0), "kind 9"),
+            (header(b"KVBM", 2, 0, 0), "kind 0"),
+            (header(b"KVBM", 2, 4, MAX_PAYLOAD + 1), "exceeds"),
         ];
         for (h, want) in cases {
             let e = parse_header(&h, MAX_PAYLOAD).unwrap_err().to_string();
@@ -285,5 +325,212 @@ mod tests {
         let big = vec![0u8; MAX_PAYLOAD as usize + 1];
         let e = encode_frame(FrameKind::Msg, &big).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    }
+
+    #[test]
+    fn a_claimed_length_is_not_allocated_up_front() {
+        let mut p = Payload::new(MAX_PAYLOAD).unwrap();
+        let first = p.next_step().unwrap();
+        assert_eq!(first, 0..READ_BUFFER);
+        assert!(p.buf.capacity() <= READ_BUFFER, "{}", p.buf.capacity());
+        // A peer that claims 16 MiB and sends 10 bytes: a typed error, nothing large held.
+        let mut bytes = header(b"KVBM", PROTOCOL_VERSION, 4, MAX_PAYLOAD).to_vec();
+        bytes.extend_from_slice(&[b'x'; 10]);
+        assert!(matches!(
+            read_frame_sync(&mut &bytes[..], MAX_PAYLOAD),
+            Err(FrameError::Closed)
+        ));
+    }
+}
+
+/// Fuzz tests of the frame decoder ("keep them fixed", issue 13): arbitrary bytes and headers
+/// into both frame readers and the payload decoders: a frame or a typed error, never a panic,
+/// never a payload (or its allocation) above the reader's limit, never a payload byte read
+/// before the header passed. Bounded (a few hundred cases) so they run in about a second.
+#[cfg(test)]
+mod fuzz {
+    use std::io::Cursor;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::connector::transport::{
+        Completion, FinishWork, LeaderMessage, TierCounts, WorkerMessage,
+    };
+
+    /// The limits the readers are called with, and a few others.
+    fn limit() -> impl Strategy<Value = u32> {
+        prop_oneof![
+            Just(0u32),
+            Just(16),
+            Just(MAX_HELLO_PAYLOAD),
+            Just(MAX_PAYLOAD),
+            0u32..1024,
+        ]
+    }
+
+    /// A header whose fields are each valid or not, then up to 300 payload bytes.
+    fn framed() -> impl Strategy<Value = Vec<u8>> {
+        (
+            prop_oneof![3 => Just(MAGIC), 1 => any::<[u8; 4]>()],
+            prop_oneof![3 => Just(PROTOCOL_VERSION), 1 => any::<u16>()],
+            prop_oneof![3 => 1u8..=5, 1 => any::<u8>()],
+            any::<u8>(),
+            prop_oneof![3 => 0u32..400, 1 => any::<u32>(), 1 => Just(u32::MAX)],
+            prop::collection::vec(any::<u8>(), 0..300),
+        )
+            .prop_map(|(magic, version, kind, reserved, len, payload)| {
+                let mut f = Vec::with_capacity(HEADER_LEN + payload.len());
+                f.extend_from_slice(&magic);
+                f.extend_from_slice(&version.to_be_bytes());
+                f.push(kind);
+                f.push(reserved);
+                f.extend_from_slice(&len.to_be_bytes());
+                f.extend_from_slice(&payload);
+                f
+            })
+    }
+
+    /// What a reader made of some bytes, comparable between the two readers.
+    fn summary(r: &Result<(FrameKind, Vec<u8>), FrameError>) -> String {
+        match r {
+            Ok((k, p)) => format!("ok {k} {}", p.len()),
+            Err(e) => format!("err {e}"),
+        }
+    }
+
+    /// The invariants every read must hold, whatever the bytes.
+    fn check(bytes: &[u8], max: u32) -> Result<(), TestCaseError> {
+        let mut cur = Cursor::new(bytes);
+        let got = read_frame_sync(&mut cur, max);
+        let header: Option<[u8; HEADER_LEN]> =
+            bytes.get(..HEADER_LEN).and_then(|h| h.try_into().ok());
+        match (&got, header) {
+            (Ok((kind, payload)), Some(h)) => {
+                let (k, len) =
+                    parse_header(&h, max).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(*kind, k);
+                prop_assert_eq!(payload.len(), len as usize);
+                prop_assert!(payload.len() <= max as usize);
+                prop_assert!(
+                    payload.capacity() <= (max as usize).max(1),
+                    "capacity {}",
+                    payload.capacity()
+                );
+                prop_assert_eq!(&payload[..], &bytes[HEADER_LEN..HEADER_LEN + len as usize]);
+            }
+            (Ok(_), None) => prop_assert!(false, "a frame from {} bytes", bytes.len()),
+            (Err(FrameError::Closed), _) => {
+                // Only when the bytes ran out: a short header, or a short payload.
+                if let Some(h) = header {
+                    let (_, len) =
+                        parse_header(&h, max).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    prop_assert!(bytes.len() < HEADER_LEN + len as usize);
+                }
+            }
+            (Err(FrameError::TooLarge { len, max: m }), Some(_)) => {
+                prop_assert!(len > m);
+                // Refused from the header alone: no payload byte was read.
+                prop_assert_eq!(cur.position(), HEADER_LEN as u64);
+            }
+            (Err(e), Some(h)) => {
+                prop_assert!(parse_header(&h, max).is_err(), "{}", e);
+                prop_assert_eq!(cur.position(), HEADER_LEN as u64);
+            }
+            (Err(e), None) => prop_assert!(false, "{} from a short header", e),
+        }
+        // The leader's async reader agrees with the worker's blocking one.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut rd = bytes;
+        let async_got = rt.block_on(read_frame_async(&mut rd, max));
+        prop_assert_eq!(summary(&got), summary(&async_got));
+        Ok(())
+    }
+
+    /// Every payload decoder the transport runs on received bytes: Ok or Err, never a panic.
+    fn decode_all(payload: &[u8]) {
+        let _ = serde_json::from_slice::<HandshakeHello>(payload);
+        let _ = serde_json::from_slice::<Welcome>(payload);
+        let _ = serde_json::from_slice::<Refusal>(payload);
+        let _ = serde_json::from_slice::<WorkerMessage>(payload);
+        let _ = serde_json::from_slice::<LeaderMessage>(payload);
+    }
+
+    fn valid_payloads() -> Vec<Vec<u8>> {
+        let msgs: Vec<Vec<u8>> = vec![
+            serde_json::to_vec(&WorkerMessage::Completed(vec![Completion {
+                op: crate::connector::metadata::OperationId(7),
+                failed_dst_blocks: vec![1, 2],
+                error: Some("why".into()),
+            }])),
+            serde_json::to_vec(&WorkerMessage::Ready),
+            serde_json::to_vec(&LeaderMessage::Allocate(TierCounts {
+                num_host_blocks: 8,
+                num_disk_blocks: 0,
+                num_device_blocks: 32,
+            })),
+            serde_json::to_vec(&LeaderMessage::Finish(FinishWork {
+                after_iteration: 3,
+                metadata: "{}".into(),
+            })),
+            serde_json::to_vec(&HandshakeHello {
+                rank: 1,
+                world_size: 2,
+                token: Some("t".into()),
+            }),
+            serde_json::to_vec(&Welcome {
+                rank: 1,
+                world_size: 2,
+                heartbeat_ms: 1000,
+                heartbeat_timeout_ms: 10_000,
+            }),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        msgs
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn arbitrary_bytes_are_a_frame_or_a_typed_error(
+            bytes in prop::collection::vec(any::<u8>(), 0..400),
+            max in limit(),
+        ) {
+            check(&bytes, max)?;
+        }
+
+        #[test]
+        fn arbitrary_headers_are_a_frame_or_a_typed_error(bytes in framed(), max in limit()) {
+            check(&bytes, max)?;
+            if bytes.len() > HEADER_LEN {
+                decode_all(&bytes[HEADER_LEN..]);
+            }
+        }
+
+        #[test]
+        fn mutated_payloads_decode_or_fail_cleanly(
+            which in any::<prop::sample::Index>(),
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..6),
+        ) {
+            let payloads = valid_payloads();
+            let mut p = payloads[which.index(payloads.len())].clone();
+            for (at, byte, op) in edits {
+                match op {
+                    0 if !p.is_empty() => { let i = at.index(p.len()); p[i] = byte; }
+                    1 => { let i = at.index(p.len() + 1); p.insert(i, byte); }
+                    _ if !p.is_empty() => { let i = at.index(p.len()); p.truncate(i); }
+                    _ => {}
+                }
+            }
+            decode_all(&p);
+            // And framed, through the reader.
+            let frame = encode_frame(FrameKind::Msg, &p).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            check(&frame, MAX_PAYLOAD)?;
+        }
     }
 }

@@ -5,7 +5,11 @@
 //! per-rank connection table. Invariants: a rank has at most one admitted connection; the
 //! [`WorkerMessage::Disconnected`] of a rank's old connection is queued before anything its next
 //! connection delivers (both happen under the table's lock); once the session started no rank is
-//! admitted again; at most [`MAX_PENDING_HANDSHAKES`] handshakes run at once.
+//! admitted again; at most [`MAX_PENDING_HANDSHAKES`] handshakes run at once; a connection
+//! delivers a message only while it is its rank's current one (checked under the table's lock),
+//! so nothing arrives from it after its `Disconnected`; an admitted connection that delivers no
+//! frame (heartbeats included) for the heartbeat timeout is closed as lost, and the leader
+//! sends a HEARTBEAT whenever it has written nothing for the heartbeat interval.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -21,14 +25,14 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::config::AUTH_TOKEN_ENV;
+use crate::config::{tcp_config_from_env, TcpConfig, AUTH_TOKEN_ENV, HEARTBEAT_TIMEOUT_ENV};
 use crate::connector::transport::{LeaderMessage, LeaderTransport, Rank, WorkerMessage};
 use crate::error::{Error, Result};
 
 use super::cancelled;
 use super::frame::{
-    encode_json, read_frame_async, FrameKind, HandshakeHello, Refusal, Welcome, MAX_HELLO_PAYLOAD,
-    MAX_PAYLOAD, READ_BUFFER,
+    encode_frame, encode_json, read_frame_async, FrameKind, HandshakeHello, Refusal, Welcome,
+    MAX_HELLO_PAYLOAD, MAX_PAYLOAD, READ_BUFFER,
 };
 
 /// How long the leader waits for a HELLO after accepting a connection (by default).
@@ -75,6 +79,9 @@ struct Shared {
     world_size: usize,
     token: Option<[u8; 32]>,
     handshake_timeout_ms: AtomicU64,
+    /// Interval between heartbeats (both ways) and the silence after which a rank is lost.
+    heartbeat: Duration,
+    heartbeat_timeout: Duration,
     session_started: AtomicBool,
     next_conn: AtomicU64,
     ranks: Mutex<Ranks>,
@@ -207,6 +214,19 @@ impl Shared {
         current
     }
 
+    /// Queues `msg` from `conn` if it is still `rank`'s current connection (under the lock
+    /// `release` takes, so nothing follows the connection's `Disconnected`). Returns false when
+    /// the connection is no longer current or the leader is gone.
+    fn deliver(&self, rank: Rank, conn: u64, msg: WorkerMessage) -> bool {
+        let ranks = self.ranks.lock();
+        let current = ranks
+            .peers
+            .get(rank)
+            .and_then(Option::as_ref)
+            .is_some_and(|p| p.conn == conn);
+        current && self.incoming.send((rank, msg)).is_ok()
+    }
+
     fn note_joined(&self, rank: Rank) {
         if let Some(j) = self.ranks.lock().joined.get_mut(rank) {
             *j = true;
@@ -258,15 +278,35 @@ impl std::fmt::Debug for TcpLeader {
 impl TcpLeader {
     /// Listens on `addr` for `world_size` workers. `auth_token` (`Some("")` counts as none), when
     /// given, must be presented by every worker. Port 0 picks a free port ([`Self::local_addr`]).
+    /// The other settings (heartbeats, `allow_insecure`) come from the environment
+    /// ([`tcp_config_from_env`]); [`Self::bind_with`] takes them explicitly.
+    ///
+    /// A non-loopback `addr` without a token is refused unless `KVBM_ALLOW_INSECURE` is set (see
+    /// [`TcpConfig::check_listen`]).
     pub fn bind(
         addr: SocketAddr,
         world_size: usize,
         auth_token: Option<String>,
     ) -> Result<Arc<TcpLeader>> {
+        let tcp = TcpConfig {
+            auth_token,
+            ..tcp_config_from_env()?
+        };
+        Self::bind_with(addr, world_size, &tcp)
+    }
+
+    /// As [`Self::bind`], with every setting from `tcp`: its auth token, heartbeat interval and
+    /// timeout, and `allow_insecure` (its `leader_addr` is ignored: `addr` is used).
+    pub fn bind_with(
+        addr: SocketAddr,
+        world_size: usize,
+        tcp: &TcpConfig,
+    ) -> Result<Arc<TcpLeader>> {
         if world_size == 0 {
             return Err(Error::invalid_argument("world_size must be at least 1"));
         }
-        let token = auth_token.filter(|t| !t.is_empty());
+        let token = tcp.auth_token();
+        tcp.check_listen("kvbm leader", addr, token.is_some())?;
         let std_listener = std::net::TcpListener::bind(addr)
             .map_err(|e| Error::io("bind the kvbm leader socket", e).with("addr", addr))?;
         std_listener
@@ -292,6 +332,8 @@ impl TcpLeader {
             world_size,
             token: token.as_deref().map(digest),
             handshake_timeout_ms: AtomicU64::new(millis(HANDSHAKE_TIMEOUT)),
+            heartbeat: tcp.heartbeat(),
+            heartbeat_timeout: tcp.heartbeat_timeout(),
             session_started: AtomicBool::new(false),
             next_conn: AtomicU64::new(1),
             ranks: Mutex::new(Ranks {
@@ -313,7 +355,7 @@ impl TcpLeader {
         if token.is_none() && !local_addr.ip().is_loopback() {
             tracing::warn!(
                 addr = %local_addr,
-                "kvbm leader listens on a non-loopback address without {AUTH_TOKEN_ENV}: anyone who can reach it can join as a worker"
+                "kvbm leader listens on a non-loopback address without {AUTH_TOKEN_ENV} (allowed by KVBM_ALLOW_INSECURE): anyone who can reach it can join as a worker"
             );
         }
         Ok(Arc::new(TcpLeader {
@@ -359,6 +401,31 @@ impl TcpLeader {
     /// harmless.
     pub fn mark_session_started(&self) {
         self.shared.start_session("marked by the leader");
+    }
+
+    /// Closes `rank`'s connection as lost, saying `reason`: [`WorkerMessage::Disconnected`] is
+    /// queued for it (after everything it delivered, before anything a new connection would)
+    /// and nothing more arrives from that connection. For a caller that found the rank dead by
+    /// other means (a missed deadline of its own), so the leader's in-flight operations on the
+    /// rank fail as for a killed worker. Returns whether the rank was connected.
+    pub fn disconnect(&self, rank: Rank, reason: &str) -> bool {
+        let conn = {
+            let ranks = self.shared.ranks.lock();
+            ranks
+                .peers
+                .get(rank)
+                .and_then(Option::as_ref)
+                .map(|p| p.conn)
+        };
+        let Some(conn) = conn else {
+            return false;
+        };
+        // Dropping the peer's queue ends its writer, which closes the connection.
+        let done = self.shared.release(rank, conn, Some(reason.to_string()));
+        if done {
+            tracing::warn!(rank, reason, "kvbm leader dropped a worker");
+        }
+        done
     }
 
     /// Whether the session started (see [`Self::mark_session_started`]).
@@ -557,6 +624,8 @@ async fn handshake(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) -> 
     let welcome = Welcome {
         rank,
         world_size: shared.world_size,
+        heartbeat_ms: millis(shared.heartbeat).max(1),
+        heartbeat_timeout_ms: millis(shared.heartbeat_timeout).max(1),
     };
     let written = match encode_json(FrameKind::Welcome, &welcome) {
         Ok(frame) => tokio::time::timeout(timeout, stream.write_all(&frame))
@@ -599,7 +668,7 @@ async fn serve_connection(
     drop(permit);
     let (rd, wr) = stream.into_split();
     let live = LiveWriter::new(shared.clone());
-    let mut writer = tokio::spawn(write_loop(wr, out_rx, live));
+    let mut writer = tokio::spawn(write_loop(wr, out_rx, live, shared.heartbeat));
     let reason = tokio::select! {
         r = read_loop(&shared, rank, conn, rd) => r,
         w = &mut writer => w.unwrap_or_else(|e| format!("writer task ended: {e}")),
@@ -611,14 +680,25 @@ async fn serve_connection(
     }
 }
 
-/// Reads MSG frames until the connection ends; returns why it ended.
+/// Reads MSG and HEARTBEAT frames until the connection ends or stays silent for the heartbeat
+/// timeout; returns why it ended.
 async fn read_loop(shared: &Shared, rank: Rank, conn: u64, rd: OwnedReadHalf) -> String {
     let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
+    let timeout = shared.heartbeat_timeout;
     loop {
-        let payload = match read_frame_async(&mut rd, MAX_PAYLOAD).await {
-            Ok((FrameKind::Msg, payload)) => payload,
-            Ok((kind, _)) => return format!("unexpected {kind} frame after the handshake"),
-            Err(e) => return e.to_string(),
+        // Cancelling a read mid-frame loses its bytes; the connection is closed right after.
+        let read = tokio::time::timeout(timeout, read_frame_async(&mut rd, MAX_PAYLOAD)).await;
+        let payload = match read {
+            Err(_) => {
+                return format!(
+                    "no frame from rank {rank} for {:.1}s (heartbeat timeout, {HEARTBEAT_TIMEOUT_ENV}): the worker is stopped, hung or unreachable",
+                    timeout.as_secs_f64()
+                )
+            }
+            Ok(Ok((FrameKind::Msg, payload))) => payload,
+            Ok(Ok((FrameKind::Heartbeat, _))) => continue,
+            Ok(Ok((kind, _))) => return format!("unexpected {kind} frame after the handshake"),
+            Ok(Err(e)) => return e.to_string(),
         };
         let msg: WorkerMessage = match serde_json::from_slice(&payload) {
             Ok(m) => m,
@@ -631,22 +711,40 @@ async fn read_loop(shared: &Shared, rank: Rank, conn: u64, rd: OwnedReadHalf) ->
             WorkerMessage::Ready => shared.note_ready(rank, conn),
             _ => {}
         }
-        if shared.incoming.send((rank, msg)).is_err() {
-            return "the leader is shutting down".to_string();
+        if !shared.deliver(rank, conn, msg) {
+            return "the leader closed the connection".to_string();
         }
     }
 }
 
-/// Writes queued frames until the queue closes or a write fails; returns why it stopped.
+/// Writes queued frames, and a HEARTBEAT after each `heartbeat` with nothing written, until the
+/// queue closes or a write fails; returns why it stopped.
 async fn write_loop(
     mut wr: OwnedWriteHalf,
     mut out: UnboundedReceiver<Vec<u8>>,
     _live: LiveWriter,
+    heartbeat: Duration,
 ) -> String {
-    while let Some(frame) = out.recv().await {
+    let beat = match encode_frame(FrameKind::Heartbeat, &[]) {
+        Ok(f) => f,
+        Err(e) => return format!("cannot encode a heartbeat: {e}"),
+    };
+    let next_beat = tokio::time::sleep(heartbeat);
+    tokio::pin!(next_beat);
+    loop {
+        let frame = tokio::select! {
+            f = out.recv() => match f {
+                Some(f) => f,
+                None => break,
+            },
+            () = &mut next_beat => beat.clone(),
+        };
         if let Err(e) = wr.write_all(&frame).await {
             return format!("write failed: {e}");
         }
+        next_beat
+            .as_mut()
+            .reset(tokio::time::Instant::now() + heartbeat);
     }
     let _ = wr.shutdown().await;
     "the leader closed the connection".to_string()

@@ -9,21 +9,22 @@
 //!   under a name derived from an id both halves know) and [`LazyTcpWorker`] (finds its leader,
 //!   by address or rendezvous file, and connects on first use).
 //!
-//! Their settings (the leader's address, the auth token) are [`TcpConfig`], part of [`Config`].
+//! Their settings (the leader's address, the auth token, the heartbeat interval and timeout,
+//! `allow_insecure`) are [`TcpConfig`], part of [`Config`].
 //!
 //! [`TcpLeader`] implements [`LeaderTransport`] and [`TcpWorker`] implements [`WorkerTransport`],
 //! so the start-up barrier ([`barrier`](crate::connector::barrier)) and the leader's completion
 //! handling run over the network unchanged.
 //!
-//! # Wire protocol (version 1)
+//! # Wire protocol (version 2)
 //!
 //! Every message in either direction is one *frame*: a 12-byte header followed by a JSON payload.
 //!
 //! | offset | size | field    | value |
 //! |--------|------|----------|-------|
 //! | 0      | 4    | magic    | the ASCII bytes `KVBM` (`4B 56 42 4D`) |
-//! | 4      | 2    | version  | protocol version, `u16` big-endian; currently 1 |
-//! | 6      | 1    | kind     | `1` HELLO, `2` WELCOME, `3` REFUSED, `4` MSG |
+//! | 4      | 2    | version  | protocol version, `u16` big-endian; currently 2 (1 had no heartbeats) |
+//! | 6      | 1    | kind     | `1` HELLO, `2` WELCOME, `3` REFUSED, `4` MSG, `5` HEARTBEAT |
 //! | 7      | 1    | reserved | senders write `0`; receivers ignore it |
 //! | 8      | 4    | length   | payload length in bytes, `u32` big-endian |
 //! | 12     | n    | payload  | UTF-8 JSON, exactly `length` bytes |
@@ -33,7 +34,9 @@
 //! * **HELLO** (worker → leader, first frame only):
 //!   `{"rank":0,"world_size":2,"token":"secret"}` (`token` is `null` when the worker has none).
 //!   At most 64 KiB.
-//! * **WELCOME** (leader → worker, answers HELLO): `{"rank":0,"world_size":2}`.
+//! * **WELCOME** (leader → worker, answers HELLO):
+//!   `{"rank":0,"world_size":2,"heartbeat_ms":1000,"heartbeat_timeout_ms":10000}` (the leader's
+//!   heartbeat settings, which the worker follows; see [Heartbeats](self#heartbeats)).
 //! * **REFUSED** (leader → worker, answers HELLO, then the leader closes):
 //!   `{"reason":"authentication token mismatch"}`.
 //! * **MSG** (both directions, after WELCOME): from a worker a
@@ -48,6 +51,11 @@
 //!   16 MiB.
 //!   [`WorkerMessage::Disconnected`] is generated locally and never sent; a leader that receives
 //!   it from a peer closes that connection.
+//! * **HEARTBEAT** (both directions, after WELCOME): empty payload (a receiver ignores any).
+//!
+//! A payload is at most the limit of its kind; a header claiming more closes the connection
+//! before any payload byte is read, and a payload's buffer grows in 64 KiB steps as its bytes
+//! arrive, so a claimed length is never allocated up front.
 //!
 //! Unknown JSON fields are ignored (a later version may add fields without a version bump).
 //!
@@ -79,9 +87,26 @@
 //! connection is just closed. At most 64 handshakes are pending at once; more connections are
 //! closed at once.
 //!
+//! # Heartbeats
+//!
+//! A stopped (SIGSTOP), frozen or unreachable peer keeps its TCP connection open, so after
+//! WELCOME each side sends a HEARTBEAT whenever it has written nothing for the heartbeat interval
+//! ([`TcpConfig::heartbeat_secs`], `KVBM_HEARTBEAT_SECS`, default 1 s) and counts **no frame at
+//! all** for the heartbeat timeout ([`TcpConfig::heartbeat_timeout_secs`],
+//! `KVBM_HEARTBEAT_TIMEOUT_SECS`, default 10 s, at least twice the interval) as a lost peer: the
+//! leader closes that connection and delivers [`WorkerMessage::Disconnected`] for the rank,
+//! exactly as for a killed worker; the worker closes its connection, and its calls fail with
+//! [`ErrorKind::Cancelled`]. The leader's values rule: it announces them in WELCOME. Heartbeats
+//! are sent by the leader's per-connection writer task and by a worker thread of their own
+//! (`kvbm-tcp-heartbeat-N`), outside the engine's locks and Python's GIL, so an idle or busy
+//! worker is never declared lost; only a peer that stops running (or whose network does) is.
+//! A caller that finds a rank dead by a deadline of its own (e.g. `kvbm replay`'s per-call
+//! deadline) hands it to the same path with [`TcpLeader::disconnect`].
+//!
 //! # After the handshake
 //!
-//! A frame with a wrong magic or version, an unknown kind, a kind other than MSG, a length above
+//! A frame with a wrong magic or version, an unknown kind, a kind other than MSG or HEARTBEAT, a
+//! length above
 //! 16 MiB, or JSON that does not decode closes *that* connection with a logged reason
 //! (`tracing::warn!` with the peer address and rank); other connections are not affected. When an
 //! admitted worker's connection ends for any reason (end of stream, I/O error, a frame as above),
@@ -108,10 +133,14 @@
 //! # Deployment and threads
 //!
 //! The leader binds [`TcpConfig::leader_addr`] (`KVBM_LEADER_ADDR` or `tcp.leader_addr`, default
-//! `127.0.0.1:5557`, loopback only); a multi-node deployment sets it to an address the workers can reach, and
-//! should set `KVBM_AUTH_TOKEN` on leader and workers (without it anyone who reaches the port can
-//! join as a worker; the leader warns when it binds a non-loopback address without a token). The
-//! token is an authenticator only: traffic is not encrypted. With no address configured, the
+//! `127.0.0.1:5557`, loopback only); a multi-node deployment sets it to an address the workers
+//! can reach, and must then set `KVBM_AUTH_TOKEN` on leader and workers: the leader **refuses**
+//! to bind a non-loopback address without a token (an [`ErrorKind::InvalidConfig`] error naming
+//! the address, `KVBM_AUTH_TOKEN` and `KVBM_ALLOW_INSECURE`), since anyone who reaches the port
+//! could join as a worker, unless [`TcpConfig::allow_insecure`] (`KVBM_ALLOW_INSECURE=1`) says
+//! so explicitly (it then warns). [`TcpLeader::bind`] reads these settings from the environment;
+//! [`TcpLeader::bind_with`] takes them. The token is an authenticator only: traffic is not
+//! encrypted. With no address configured, the
 //! Python package's vLLM connector uses the [`rendezvous`] instead: an ephemeral loopback port,
 //! found through a private file, with a per-leader token.
 //!
@@ -121,13 +150,17 @@
 //! Dropping it gives the writers up to one second to send what is queued (so a refusal's reason
 //! reaches the worker), then stops the runtime and closes every connection; workers then see
 //! [`ErrorKind::Cancelled`]. Dropping it inside another tokio runtime skips the flush. [`TcpWorker`] uses blocking
-//! sockets: `send` writes the frame on the caller's thread, and one reader thread
-//! (`kvbm-tcp-worker-N`) feeds `recv_timeout`.
+//! sockets: `send` writes the frame on the caller's thread, one reader thread
+//! (`kvbm-tcp-worker-N`) feeds `recv_timeout`, and one heartbeat thread (`kvbm-tcp-heartbeat-N`)
+//! beats; frames are written whole under one lock.
 //!
 //! [`Config`]: crate::config::Config
 //! [`TcpConfig`]: crate::config::TcpConfig
 //! [`TcpConfig::leader_addr`]: crate::config::TcpConfig::leader_addr
 //! [`TcpConfig::auth_token`]: crate::config::TcpConfig::auth_token
+//! [`TcpConfig::heartbeat_secs`]: crate::config::TcpConfig::heartbeat_secs
+//! [`TcpConfig::heartbeat_timeout_secs`]: crate::config::TcpConfig::heartbeat_timeout_secs
+//! [`TcpConfig::allow_insecure`]: crate::config::TcpConfig::allow_insecure
 //! [`LeaderMessage`]: crate::connector::transport::LeaderMessage
 //! [`WorkerMessage`]: crate::connector::transport::WorkerMessage
 //! [`WorkerMessage::Disconnected`]: crate::connector::transport::WorkerMessage::Disconnected

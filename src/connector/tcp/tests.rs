@@ -1,7 +1,9 @@
 //! The network transport on loopback, from inside the crate (the frame and barrier functions are
 //! crate-private): the real barrier over TCP in both start orders, a missing rank, garbage
 //! clients, disconnects and the rejoin policy, message round trips, and a latency comparison
-//! with the in-process transport. The public leader and worker over TCP, and authentication, are
+//! with the in-process transport; heartbeats (a silent worker is lost, an idle one is not, a
+//! silent leader is lost), `disconnect`, and the refusal of insecure non-loopback listening.
+//! The public leader and worker over TCP, and authentication, are
 //! tested from outside in `tests/tcp_transport.rs`.
 //!
 //! Every wait is bounded; all traffic is on 127.0.0.1.
@@ -605,4 +607,139 @@ fn round_trip_latency_tcp_vs_in_process() {
     let local = measure(il, iw[0].clone());
     summary("tcp", &tcp);
     summary("in-process", &local);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Heartbeats, deadlines and insecure listening
+// ------------------------------------------------------------------------------------------------
+
+/// Transport settings with a fast heartbeat: every 50 ms, lost after 400 ms of silence.
+fn fast_heartbeat() -> crate::config::TcpConfig {
+    crate::config::TcpConfig {
+        heartbeat_secs: Some(0.05),
+        heartbeat_timeout_secs: Some(0.4),
+        ..Default::default()
+    }
+}
+
+fn next_disconnect(leader: &TcpLeader, within: Duration) -> Option<(usize, String)> {
+    recv_from(leader, within, |r, m| match m {
+        WorkerMessage::Disconnected(why) => Some((r, why)),
+        _ => None,
+    })
+}
+
+#[test]
+fn a_silent_worker_is_lost_at_the_heartbeat_timeout_while_an_idle_one_stays() {
+    let leader = TcpLeader::bind_with(any_port(), 2, &fast_heartbeat()).unwrap();
+    let addr = leader.local_addr();
+    // Rank 0: the real worker, idle (sends nothing) but alive: its heartbeat thread keeps it.
+    let idle = TcpWorker::connect(addr, 0, 2, None, LONG).unwrap();
+    // Rank 1: completes the handshake by hand, then never sends anything (a stopped process).
+    let silent = raw_worker(addr, 1, 2);
+    let started = Instant::now();
+    let (rank, why) = next_disconnect(&leader, LONG).expect("the silent rank is reported lost");
+    let took = started.elapsed();
+    assert_eq!(rank, 1, "{why}");
+    assert!(why.contains("heartbeat timeout"), "{why}");
+    assert!(why.contains("KVBM_HEARTBEAT_TIMEOUT_SECS"), "{why}");
+    assert!(
+        took >= Duration::from_millis(300),
+        "lost too early: {took:?}"
+    );
+    assert!(took < Duration::from_secs(3), "lost too late: {took:?}");
+    expect_closed(silent, LONG, "silent worker");
+    // The idle worker outlives several timeouts.
+    std::thread::sleep(Duration::from_millis(1200));
+    assert!(next_disconnect(&leader, Duration::from_millis(10)).is_none());
+    assert_eq!(leader.connected_ranks(), vec![0]);
+    assert!(idle.is_connected());
+    idle.send(WorkerMessage::Ready).unwrap();
+    assert_eq!(
+        recv_from(&leader, LONG, |r, m| Some((r, m))),
+        Some((0, WorkerMessage::Ready))
+    );
+}
+
+#[test]
+fn a_worker_loses_a_silent_leader_at_the_announced_timeout() {
+    // A fake leader: answers HELLO with a WELCOME announcing a 400 ms timeout, then goes silent.
+    let listener = std::net::TcpListener::bind(any_port()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut h = [0u8; HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let len = u32::from_be_bytes([h[8], h[9], h[10], h[11]]) as usize;
+        let mut p = vec![0u8; len];
+        s.read_exact(&mut p).unwrap();
+        let welcome = br#"{"rank":0,"world_size":1,"heartbeat_ms":50,"heartbeat_timeout_ms":400}"#;
+        s.write_all(&encode_frame(FrameKind::Welcome, welcome).unwrap())
+            .unwrap();
+        // Keep the socket open (and unread: the worker's heartbeats pile up) for a while.
+        std::thread::sleep(Duration::from_secs(3));
+        s
+    });
+    let w = TcpWorker::connect(addr, 0, 1, None, LONG).unwrap();
+    let started = Instant::now();
+    let e = w.recv_timeout(LONG).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Cancelled, "{e}");
+    assert!(e.to_string().contains("heartbeat timeout"), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(!w.is_connected());
+    let _ = fake.join();
+}
+
+#[test]
+fn disconnect_loses_a_rank_as_a_dropped_connection_does() {
+    let leader = TcpLeader::bind(any_port(), 1, None).unwrap();
+    let w = TcpWorker::connect(leader.local_addr(), 0, 1, None, LONG).unwrap();
+    assert!(leader.disconnect(0, "missed the engine's deadline"));
+    assert_eq!(
+        next_disconnect(&leader, LONG),
+        Some((0, "missed the engine's deadline".to_string()))
+    );
+    assert!(leader.connected_ranks().is_empty());
+    assert!(!leader.disconnect(0, "again"));
+    // The worker sees its connection closed; what it sends no longer arrives.
+    wait_for("worker to notice", LONG, || !w.is_connected());
+    let _ = w.send(WorkerMessage::Ready);
+    assert!(leader
+        .recv_timeout(Duration::from_millis(200))
+        .unwrap()
+        .is_none());
+}
+
+#[test]
+fn non_loopback_listening_needs_a_token_or_an_explicit_insecure_setting() {
+    let any_ip: SocketAddr = "0.0.0.0:0".parse().unwrap();
+    let e = TcpLeader::bind_with(any_ip, 1, &crate::config::TcpConfig::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{e}");
+    for needle in [
+        "0.0.0.0:0",
+        "KVBM_AUTH_TOKEN",
+        "KVBM_ALLOW_INSECURE",
+        "non-loopback",
+    ] {
+        assert!(e.to_string().contains(needle), "{needle}: {e}");
+    }
+    let with_token = crate::config::TcpConfig {
+        auth_token: Some("s3cret".into()),
+        ..Default::default()
+    };
+    let l = TcpLeader::bind_with(any_ip, 1, &with_token).unwrap();
+    assert!(l.local_addr().ip().is_unspecified());
+    drop(l);
+    let insecure = crate::config::TcpConfig {
+        allow_insecure: true,
+        ..Default::default()
+    };
+    let l = TcpLeader::bind_with(any_ip, 1, &insecure).unwrap();
+    assert!(l.local_addr().ip().is_unspecified());
+    // Loopback needs neither.
+    TcpLeader::bind_with(any_port(), 1, &crate::config::TcpConfig::default()).unwrap();
 }

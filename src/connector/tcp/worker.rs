@@ -1,14 +1,17 @@
 //! The worker's end: one blocking socket to the leader, connected with retries until a
-//! deadline, and one reader thread.
+//! deadline, one reader thread and one heartbeat thread.
 //!
 //! Owns connecting, the worker's half of the handshake and the connection's closed state.
 //! Invariants: the first reason the connection closed is the one every later call reports; a
 //! failed write closes the connection (a partial frame may be on the wire);
-//! [`WorkerMessage::Disconnected`] is never sent.
+//! [`WorkerMessage::Disconnected`] is never sent; frames are written whole under one lock
+//! (heartbeats and messages never interleave); a HEARTBEAT goes out every interval the leader
+//! announced in its WELCOME, from a thread of its own (so an idle or busy worker keeps
+//! beating), and a leader silent for the announced timeout closes the connection.
 
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream as StdTcpStream};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,8 +22,8 @@ use crate::error::{Error, ErrorKind, Result};
 
 use super::cancelled;
 use super::frame::{
-    encode_json, read_frame_sync, FrameError, FrameKind, HandshakeHello, Refusal, Welcome,
-    MAX_HELLO_PAYLOAD, MAX_PAYLOAD, READ_BUFFER,
+    encode_frame, encode_json, read_frame_sync, FrameError, FrameKind, HandshakeHello, Refusal,
+    Welcome, MAX_HELLO_PAYLOAD, MAX_PAYLOAD, READ_BUFFER,
 };
 
 /// Worker socket write timeout: a leader that stops reading for this long counts as gone.
@@ -56,11 +59,13 @@ pub struct TcpWorker {
     rank: Rank,
     world_size: usize,
     leader: SocketAddr,
-    stream: Mutex<StdTcpStream>,
+    stream: Arc<Mutex<StdTcpStream>>,
     /// Another handle on the socket, to shut it down while a send holds `stream`.
     control: StdTcpStream,
     rx: Mutex<Receiver<LeaderMessage>>,
     closed: Arc<Closed>,
+    /// Dropping it stops the heartbeat thread at once.
+    _stop_heartbeat: SyncSender<()>,
 }
 
 enum Attempt {
@@ -187,8 +192,7 @@ impl TcpWorker {
                         w.rank
                     )));
                 }
-                let world_size = w.world_size;
-                Self::start(stream, addr, rank, world_size).map_err(Attempt::Fail)
+                Self::start(stream, addr, rank, &w).map_err(Attempt::Fail)
             }
             FrameKind::Refused => {
                 let reason = serde_json::from_slice::<Refusal>(&payload)
@@ -215,12 +219,15 @@ impl TcpWorker {
         stream: StdTcpStream,
         addr: SocketAddr,
         rank: Rank,
-        world_size: usize,
+        welcome: &Welcome,
     ) -> Result<TcpWorker> {
         let err =
             |what: &'static str, e| Error::io(what, e).with("rank", rank).with("leader", addr);
+        let heartbeat = Duration::from_millis(welcome.heartbeat_ms.max(1));
+        let silence = Duration::from_millis(welcome.heartbeat_timeout_ms).max(heartbeat * 2);
+        // The reader's idle limit: no byte from the leader for this long closes the connection.
         stream
-            .set_read_timeout(None)
+            .set_read_timeout(Some(silence))
             .map_err(|e| err("configure the leader connection", e))?;
         let reader = stream
             .try_clone()
@@ -233,16 +240,32 @@ impl TcpWorker {
         let c = closed.clone();
         std::thread::Builder::new()
             .name(format!("kvbm-tcp-worker-{rank}"))
-            .spawn(move || worker_reader(reader, addr, rank, tx, c))
+            .spawn(move || worker_reader(reader, addr, rank, tx, c, silence))
             .map_err(|e| err("spawn the worker reader thread", e))?;
+        let stream = Arc::new(Mutex::new(stream));
+        let (stop, stopped) = std::sync::mpsc::sync_channel(0);
+        let beat = Heartbeat {
+            stream: stream.clone(),
+            closed: closed.clone(),
+            every: heartbeat,
+            stopped,
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name(format!("kvbm-tcp-heartbeat-{rank}"))
+            .spawn(move || beat.run())
+        {
+            let _ = control.shutdown(Shutdown::Both);
+            return Err(err("spawn the worker heartbeat thread", e));
+        }
         Ok(TcpWorker {
             rank,
-            world_size,
+            world_size: welcome.world_size,
             leader: addr,
-            stream: Mutex::new(stream),
+            stream,
             control,
             rx: Mutex::new(rx),
             closed,
+            _stop_heartbeat: stop,
         })
     }
 
@@ -283,16 +306,57 @@ impl TcpWorker {
     }
 }
 
+/// The heartbeat thread: a HEARTBEAT frame every `every` until the worker is dropped or the
+/// connection closes.
+struct Heartbeat {
+    stream: Arc<Mutex<StdTcpStream>>,
+    closed: Arc<Closed>,
+    every: Duration,
+    stopped: Receiver<()>,
+}
+
+impl Heartbeat {
+    fn run(self) {
+        let Ok(beat) = encode_frame(FrameKind::Heartbeat, &[]) else {
+            return;
+        };
+        while let Err(RecvTimeoutError::Timeout) = self.stopped.recv_timeout(self.every) {
+            if self.closed.reason().is_some() {
+                return;
+            }
+            let mut stream = self.stream.lock();
+            if let Err(e) = stream.write_all(&beat) {
+                self.closed.close(format!("heartbeat write failed: {e}"));
+                let _ = stream.shutdown(Shutdown::Both);
+                return;
+            }
+        }
+    }
+}
+
 fn worker_reader(
     stream: StdTcpStream,
     addr: SocketAddr,
     rank: Rank,
     tx: Sender<LeaderMessage>,
     closed: Arc<Closed>,
+    silence: Duration,
 ) {
     let mut rd = std::io::BufReader::with_capacity(READ_BUFFER, &stream);
     let reason = loop {
         match read_frame_sync(&mut rd, MAX_PAYLOAD) {
+            Ok((FrameKind::Heartbeat, _)) => {}
+            Err(FrameError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                break format!(
+                    "nothing from the leader for {:.1}s (the heartbeat timeout it announced): it is stopped, hung or unreachable",
+                    silence.as_secs_f64()
+                );
+            }
             Ok((FrameKind::Msg, payload)) => {
                 match serde_json::from_slice::<LeaderMessage>(&payload) {
                     Ok(m) => {

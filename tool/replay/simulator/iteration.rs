@@ -131,6 +131,11 @@ impl Simulator {
         tracing::error!(rank, error = %e, "rank lost; its loads are recomputed");
         eprintln!("kvbm: rank {rank} lost: {e}");
         self.ranks[rank] = None;
+        // A lost rank's process may be stopped or stuck rather than dead: end it, so the
+        // run's final wait for its children cannot hang on it.
+        if let Some(child) = self.children.get_mut(rank) {
+            let _ = child.kill();
+        }
         self.rank_failures += 1;
         let loading: Vec<usize> = (0..self.reqs.len())
             .filter(|&i| self.reqs[i].phase == Phase::Loading)
