@@ -305,13 +305,17 @@ impl FaultyTier {
             FaultOp::Write => 1,
         };
         let n = self.calls[side].fetch_add(1, Ordering::Relaxed);
-        let rule = self.rules.iter().filter(|r| r.op == op).find(|r| match &r.when {
-            FaultWhen::Always => true,
-            FaultWhen::Blocks(b) => b.contains(&block),
-            FaultWhen::Calls { from, count } => n >= *from && n - from < *count,
-            FaultWhen::Every(k) => (n + 1) % k == 0,
-            FaultWhen::Probability(p) => self.draw() < *p,
-        })?;
+        let rule = self
+            .rules
+            .iter()
+            .filter(|r| r.op == op)
+            .find(|r| match &r.when {
+                FaultWhen::Always => true,
+                FaultWhen::Blocks(b) => b.contains(&block),
+                FaultWhen::Calls { from, count } => n >= *from && n - from < *count,
+                FaultWhen::Every(k) => (n + 1) % k == 0,
+                FaultWhen::Probability(p) => self.draw() < *p,
+            })?;
         match rule.action {
             FaultAction::Stall(d) => {
                 self.stalled.fetch_add(1, Ordering::Relaxed);
@@ -500,7 +504,10 @@ mod tests {
         .unwrap();
         assert_eq!(p.seed, 7);
         assert_eq!(p.rules.len(), 5);
-        assert_eq!(p.rules[1].action, FaultAction::Stall(Duration::from_millis(20)));
+        assert_eq!(
+            p.rules[1].action,
+            FaultAction::Stall(Duration::from_millis(20))
+        );
         assert_eq!(p.rules[2].when, FaultWhen::Blocks(vec![4, 5]));
         assert_eq!(p.rules[3].when, FaultWhen::Calls { from: 2, count: 3 });
         assert_eq!(p.rules[4].when, FaultWhen::Always);

@@ -147,7 +147,9 @@ impl Default for DiskConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TransferConfig {
-    /// Batches of block copies running at once, over all transfers. Default: 4.
+    /// Batches of block copies running at once, over all transfers of one kind: a worker bounds
+    /// its memory copies (device ↔ host) and its I/O copies (disk, remote) separately, so stuck
+    /// I/O never holds up memory copies. Default: 4.
     pub max_concurrency: usize,
     /// Blocks per batch (one blocking task). Default: 16.
     pub batch_blocks: usize,

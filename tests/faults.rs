@@ -19,8 +19,8 @@ use common::*;
 use kvbm_connector::backends::faults::{FaultPlan, FaultyTiers};
 use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::SchedulerStep;
-use kvbm_connector::connector::transport::in_process;
-use kvbm_connector::connector::{Blocking, NonBlocking, RequestId};
+use kvbm_connector::connector::leader::MatchResult;
+use kvbm_connector::connector::RequestId;
 use kvbm_connector::{Config, StorageTierExt, TierKind};
 
 /// A rig whose worker's host and disk tiers inject `plan`'s faults.
@@ -28,21 +28,20 @@ fn faulty_rig(host: usize, disk: usize, plan: &str, tweak: impl FnOnce(&mut Conf
     let dir = tempfile::tempdir().unwrap();
     let mut config = config(dir.path(), host, disk);
     tweak(&mut config);
-    let (lt, wts) = in_process(1);
-    let device = device();
-    let mut worker = new_worker(config.clone(), 1, wts[0].clone(), NonBlocking).unwrap();
     let factory = FaultyTiers::new(StandardTiers::shared(), FaultPlan::parse(plan).unwrap());
-    worker.set_tier_factory(Arc::new(factory)).unwrap();
-    worker.register(device.clone()).unwrap();
-    let mut leader = new_leader(config, BS, lt, Blocking).unwrap();
-    assert!(leader.is_ready());
-    wait_until("worker ready", || worker.is_ready());
-    Rig {
-        leader,
-        worker,
-        device,
-        dir,
-    }
+    rig_with_factory(config, dir, Arc::new(factory))
+}
+
+/// Matches `tokens` as `who` and schedules its load into `blocks`; the match.
+fn start_load(r: &mut Rig, who: &RequestId, tokens: &[u32], blocks: &[usize]) -> MatchResult {
+    let m = r
+        .leader
+        .get_num_new_matched_tokens(info(who, tokens), 0)
+        .unwrap();
+    r.leader
+        .update_state_after_alloc(who, blocks, m.external_tokens)
+        .unwrap();
+    m
 }
 
 fn id(s: &str) -> RequestId {
@@ -169,14 +168,8 @@ fn a_stalled_load_becomes_load_errors_at_its_deadline_and_never_writes_later() {
         r.device.write_block_from_slice(b, &vec![0xEE; n]).unwrap();
     }
     let b = id("b");
-    let m = r
-        .leader
-        .get_num_new_matched_tokens(info(&b, &tokens), 0)
-        .unwrap();
+    let m = start_load(&mut r, &b, &tokens, &[5, 6, 7, 8]);
     assert_eq!(m.disk_tokens, 3 * BS, "{m:?}");
-    r.leader
-        .update_state_after_alloc(&b, &[5, 6, 7, 8], m.external_tokens)
-        .unwrap();
     let start = Instant::now();
     let errors = until_loaded(&mut r, &b, Duration::from_millis(STALL_MS / 2));
     assert_eq!(errors, vec![5, 6, 7], "every stalled block is a load error");
@@ -185,7 +178,9 @@ fn a_stalled_load_becomes_load_errors_at_its_deadline_and_never_writes_later() {
     assert!(start.elapsed() < Duration::from_millis(STALL_MS / 2));
     // The engine reuses the blocks at once (here: for another request's KV).
     for blk in [5, 6, 7] {
-        r.device.write_block_from_slice(blk, &vec![0x11; n]).unwrap();
+        r.device
+            .write_block_from_slice(blk, &vec![0x11; n])
+            .unwrap();
     }
     r.leader.process_completions();
     assert_eq!(r.leader.metrics().snapshot().load_error_blocks, 3);
@@ -209,17 +204,13 @@ fn a_corrupt_disk_read_is_a_load_error_and_never_reaches_the_device() {
     r.offload(&id("a"), &tokens, &[0, 1, 2, 3]);
     let n = dims().bytes_per_block();
     for blk in [5, 6, 7, 8] {
-        r.device.write_block_from_slice(blk, &vec![0xEE; n]).unwrap();
+        r.device
+            .write_block_from_slice(blk, &vec![0xEE; n])
+            .unwrap();
     }
     let b = id("b");
-    let m = r
-        .leader
-        .get_num_new_matched_tokens(info(&b, &tokens), 0)
-        .unwrap();
+    let m = start_load(&mut r, &b, &tokens, &[5, 6, 7, 8]);
     assert_eq!(m.disk_tokens, 3 * BS, "{m:?}");
-    r.leader
-        .update_state_after_alloc(&b, &[5, 6, 7, 8], m.external_tokens)
-        .unwrap();
     let errors = until_loaded(&mut r, &b, Duration::from_secs(5));
     assert_eq!(errors, vec![6]);
     assert_eq!(r.device.read_block_to_vec(5).unwrap(), image(&tokens, 0));
@@ -241,14 +232,8 @@ fn a_corrupt_host_read_is_a_load_error_and_withdrawn() {
     let tokens = prompt();
     r.offload(&id("a"), &tokens, &[0, 1, 2, 3]);
     let b = id("b");
-    let m = r
-        .leader
-        .get_num_new_matched_tokens(info(&b, &tokens), 0)
-        .unwrap();
+    let m = start_load(&mut r, &b, &tokens, &[5, 6, 7, 8]);
     assert_eq!(m.host_tokens, 3 * BS, "{m:?}");
-    r.leader
-        .update_state_after_alloc(&b, &[5, 6, 7, 8], m.external_tokens)
-        .unwrap();
     let errors = until_loaded(&mut r, &b, Duration::from_secs(5));
     assert_eq!(errors, vec![5, 6, 7]);
     r.leader.process_completions();
@@ -281,9 +266,16 @@ mod replay {
             c.env(k, v);
         }
         let report = dir.join("report.json");
-        c.args(["replay", "--requests", "60", "--host-blocks", "24", "--report"])
-            .arg(&report)
-            .args(args);
+        c.args([
+            "replay",
+            "--requests",
+            "60",
+            "--host-blocks",
+            "24",
+            "--report",
+        ])
+        .arg(&report)
+        .args(args);
         c.output().expect("run kvbm replay")
     }
 
@@ -300,7 +292,10 @@ mod replay {
         let v: Value = serde_json::from_str(&text).expect("report JSON");
         let s = v["summary"].clone();
         assert_eq!(s["integrity_errors"].as_u64(), Some(0), "{what}: {s}");
-        assert!(s["blocks_verified"].as_u64().unwrap_or(0) > 0, "{what}: {s}");
+        assert!(
+            s["blocks_verified"].as_u64().unwrap_or(0) > 0,
+            "{what}: {s}"
+        );
         s
     }
 

@@ -36,8 +36,8 @@ use crate::config::Config;
 use crate::connector::adapter::Engine;
 use crate::connector::barrier::{initialise, worker_barrier, InitCell, InitMode, InitStatus};
 use crate::connector::fence::FencedDevice;
-use crate::connector::metrics::WarnLimiter;
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
+use crate::connector::metrics::WarnLimiter;
 use crate::connector::remote::WorkerRemote;
 use crate::connector::transport::{
     Completion, FinishWork, LeaderMessage, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,

@@ -25,11 +25,11 @@ pub mod vllm;
 
 use std::sync::Arc;
 
+use kvbm_connector::backends::faults::{FaultPlan, FaultyTiers, FAULTS_ENV};
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::config::Config;
 use kvbm_connector::connector::adapter::SchedulerAdapter;
 use kvbm_connector::connector::leader::{Leader, LeaderStatus, MatchResult};
-use kvbm_connector::backends::faults::{FaultPlan, FaultyTiers, FAULTS_ENV};
-use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::lifecycle::RequestState;
 use kvbm_connector::connector::metrics::MetricsSnapshot;
 use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
