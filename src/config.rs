@@ -891,6 +891,28 @@ mod tests {
     }
 
     #[test]
+    fn load_timeout_from_env_and_toml() {
+        let mut c = Config::default();
+        assert_eq!(c.transfer.load_timeout_secs, DEFAULT_LOAD_TIMEOUT_SECS);
+        c.apply_env(env(&[("KVBM_LOAD_TIMEOUT_SECS", "0.25")]))
+            .unwrap();
+        assert_eq!(
+            c.transfer.load_timeout(),
+            std::time::Duration::from_millis(250)
+        );
+        assert_eq!(Config::from_toml_str(&c.to_toml().unwrap()).unwrap(), c);
+        for bad in ["0", "-1", "nan", "inf", "soon"] {
+            let e = Config::default()
+                .apply_env(env(&[("KVBM_LOAD_TIMEOUT_SECS", bad)]))
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{bad}");
+            assert!(e.to_string().contains("KVBM_LOAD_TIMEOUT_SECS"), "{e}");
+        }
+        let e = Config::from_toml_str("[transfer]\nload_timeout_secs = 0\n").unwrap_err();
+        assert!(e.to_string().contains("transfer.load_timeout_secs"), "{e}");
+    }
+
+    #[test]
     fn tcp_settings_from_env_and_toml() {
         let mut c = Config::default();
         assert_eq!(
