@@ -615,6 +615,7 @@ impl Worker {
         } else {
             &self.engine
         };
+        let bytes_per_block = dst.bytes_per_block();
         // A load from a tier doing I/O writes the device through a fence, and has a deadline.
         let fence = (direction == Direction::Load
             && t.dst == TierKind::Device
@@ -625,7 +626,12 @@ impl Worker {
             None => dst,
         };
         let (src_kind, dst_kind) = (t.src, t.dst);
-        let pairs = t.pairs.clone();
+        // Kept only for a fenced load, to name its failed pairs if it is abandoned.
+        let pairs = if fence.is_some() {
+            t.pairs.clone()
+        } else {
+            Vec::new()
+        };
         let handle = {
             let _enter = self.runtime.enter();
             engine.submit(src, target, t.pairs)
@@ -641,8 +647,8 @@ impl Worker {
                             // The transfer runs on (dropping its handle does not stop it), but
                             // nothing it reads reaches the device any more.
                             Err(_) => Ok(abandoned(
-                                src_kind,
-                                dst_kind,
+                                (src_kind, dst_kind),
+                                bytes_per_block,
                                 &pairs,
                                 &fence.close(),
                                 deadline,
@@ -879,8 +885,8 @@ fn complete(
 /// The outcome of a load abandoned at its `deadline`: the device blocks in `written` are loaded,
 /// every other pair failed with [`ErrorKind::Timeout`].
 fn abandoned(
-    src: TierKind,
-    dst: TierKind,
+    (src, dst): (TierKind, TierKind),
+    bytes_per_block: usize,
     pairs: &[(usize, usize)],
     written: &HashSet<usize>,
     deadline: Duration,
@@ -903,11 +909,12 @@ fn abandoned(
             .with("dst_block", d),
         })
         .collect();
+    let blocks = pairs.len() - failed.len();
     TransferOutcome {
         src,
         dst,
-        blocks: pairs.len() - failed.len(),
-        bytes: 0,
+        blocks,
+        bytes: blocks as u64 * bytes_per_block as u64,
         failed,
         elapsed: deadline,
     }
