@@ -243,6 +243,54 @@ fn a_corrupt_host_read_is_a_load_error_and_withdrawn() {
     assert_eq!(registered(&r), (0, 0));
 }
 
+#[test]
+fn a_stuck_disk_write_is_not_waited_for_past_the_grace() {
+    const STALL_MS: u64 = 3000;
+    let mut r = faulty_rig(8, 16, &format!("disk.write:stall={STALL_MS}"), |_| {});
+    let tokens = prompt();
+    let a = id("a");
+    let m = start_load(&mut r, &a, &tokens, &[0, 1, 2, 3]);
+    assert_eq!(m.external_tokens, 0);
+    let writes: Vec<(&[u32], usize, usize)> = (0..3).map(|b| (&tokens[..], b, b)).collect();
+    let step = SchedulerStep {
+        requests: vec![prefill(&a, 0, tokens.len())],
+        ..Default::default()
+    };
+    r.step(step, &writes, &[]);
+    assert_eq!(registered(&r), (3, 0));
+    r.leader.request_finished(&a, None, None).unwrap();
+    // This iteration carries the host -> disk copy, which sticks on the frozen disk.
+    let bytes = r
+        .leader
+        .build_connector_meta(&SchedulerStep::default())
+        .unwrap();
+    r.worker.bind_metadata(&bytes).unwrap();
+    r.worker.start_load().unwrap();
+    r.worker.save().unwrap();
+    let start = Instant::now();
+    let grace = Duration::from_millis(200);
+    r.worker
+        .wait_idle_or_stuck(Duration::from_secs(10), grace)
+        .unwrap();
+    let waited = start.elapsed();
+    assert!(
+        waited >= grace && waited < Duration::from_millis(STALL_MS / 2),
+        "{waited:?}"
+    );
+    // Later iterations do not wait for it again while it is stuck.
+    let start = Instant::now();
+    r.worker
+        .wait_idle_or_stuck(Duration::from_secs(10), grace)
+        .unwrap();
+    assert!(start.elapsed() < grace, "{:?}", start.elapsed());
+    r.leader.process_completions();
+    assert!(r.leader.num_operations_in_flight() > 0);
+    // Once the disk thaws the copy completes and is matchable from disk.
+    r.worker.wait_idle(Duration::from_secs(10)).unwrap();
+    r.leader.process_completions();
+    assert_eq!(registered(&r), (3, 3));
+}
+
 /// `kvbm replay` under injected faults: the run finishes (exit 0), nothing wrong is served, and
 /// the report counts the failures.
 #[cfg(feature = "cli")]
@@ -327,6 +375,23 @@ mod replay {
         );
         let s = summary(dir.path(), &out, "corrupt reads");
         assert!(s["load_errors"].as_u64().unwrap_or(0) > 0, "{s}");
+    }
+
+    #[test]
+    fn stalled_disk_writes_do_not_stall_every_step() {
+        let dir = tempfile::tempdir().unwrap();
+        // Every other disk write sticks for 1 s. Waiting for them every step took 137 s here;
+        // waiting at most the grace (the load deadline) while the disk is stuck takes ~7 s.
+        let out = run(
+            dir.path(),
+            "disk.write:stall=1000:every=2",
+            &[("KVBM_LOAD_TIMEOUT_SECS", "0.2")],
+            &["--framework", "vllm"],
+        );
+        let s = summary(dir.path(), &out, "stalled writes");
+        let wall = s["wall_s"].as_f64().unwrap_or(f64::MAX);
+        assert!(wall < 45.0, "{s}");
+        assert!(s["offloaded"].to_string().contains("host->disk"), "{s}");
     }
 
     #[test]

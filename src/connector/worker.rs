@@ -24,7 +24,8 @@
 //! failed — its unwritten device blocks are load errors the engine recomputes, reported to the
 //! leader as failed blocks — while the stuck I/O finishes in the background through a closed
 //! fence (see `fence`): the device blocks are never written by it. [`Worker::wait_idle`] does
-//! not wait for such abandoned I/O.
+//! not wait for such abandoned I/O, and [`Worker::wait_idle_or_stuck`] not for host → disk copies
+//! once one of them is stuck past a grace.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -161,9 +162,19 @@ struct Shared {
     device_reads: Mutex<usize>,
     device_reads_done: Condvar,
     /// Operations submitted and not completed (abandoned loads count as completed).
-    active: Mutex<usize>,
+    active: Mutex<Active>,
     /// Rate-limits the warning about failed operations.
     failure_warn: Mutex<WarnLimiter>,
+}
+
+/// Operations in flight on a worker.
+#[derive(Debug, Default)]
+struct Active {
+    /// All of them.
+    all: usize,
+    /// Those touching no device block (host → disk copies: nothing the engine waits for), with
+    /// when each was submitted.
+    off_device: HashMap<OperationId, Instant>,
 }
 
 impl Default for Shared {
@@ -173,7 +184,7 @@ impl Default for Shared {
             paths: Mutex::default(),
             device_reads: Mutex::default(),
             device_reads_done: Condvar::new(),
-            active: Mutex::new(0),
+            active: Mutex::new(Active::default()),
             failure_warn: Mutex::new(WarnLimiter::new(WarnLimiter::INTERVAL)),
         }
     }
@@ -549,11 +560,17 @@ impl Worker {
 
     /// Submits one operation; an `orphan` (naming a request no metadata announced) is refused.
     fn submit(&self, tiers: &WorkerTiers, op: Box<dyn Operation>, orphan: bool) {
-        // Counted until `complete` (every path below ends there).
-        *self.shared.active.lock() += 1;
         let t = op.transfer().clone();
         let direction = op.direction();
         let touches_device = t.reads_device() || t.writes_device();
+        // Counted until `complete` (every path below ends there).
+        {
+            let mut active = self.shared.active.lock();
+            active.all += 1;
+            if !touches_device {
+                active.off_device.insert(t.id, Instant::now());
+            }
+        }
         if t.reads_device() {
             *self.shared.device_reads.lock() += 1;
         }
@@ -562,6 +579,7 @@ impl Worker {
             request: t.request_id.clone(),
             direction,
             touches_device,
+            off_device: !touches_device,
             reads_device: t.reads_device(),
             writes_device: t.writes_device(),
             dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
@@ -698,11 +716,42 @@ impl Worker {
                 let st = self.shared.state.lock();
                 st.slots.values().any(|s| s.device_ops > 0 || s.loads > 0)
             } || *self.shared.device_reads.lock() > 0
-                || *self.shared.active.lock() > 0;
+                || self.shared.active.lock().all > 0;
             if !busy {
                 return Ok(());
             }
             if Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    "operations still running at the deadline",
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// As [`Worker::wait_idle`], except for copies touching no device block (host → disk): once
+    /// everything else is done, they are not waited for while any of them has been running for
+    /// `grace` or more (the disk is stuck: they finish in the background). For callers that wait
+    /// every iteration, like `kvbm replay`: a frozen disk then delays one iteration by `grace`,
+    /// not every iteration by the freeze, while healthy runs stay reproducible.
+    pub fn wait_idle_or_stuck(&self, timeout: Duration, grace: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let device_busy = {
+                let st = self.shared.state.lock();
+                st.slots.values().any(|s| s.device_ops > 0 || s.loads > 0)
+            } || *self.shared.device_reads.lock() > 0;
+            let (all, off_device, stuck) = {
+                let a = self.shared.active.lock();
+                let stuck = a.off_device.values().any(|t| t.elapsed() >= grace);
+                (a.all, a.off_device.len(), stuck)
+            };
+            let waited = start.elapsed();
+            if !device_busy && (all == 0 || (all == off_device && stuck)) {
+                return Ok(());
+            }
+            if waited >= timeout {
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     "operations still running at the deadline",
@@ -804,6 +853,8 @@ struct OpDone {
     request: Option<RequestId>,
     direction: Direction,
     touches_device: bool,
+    /// Counted as off-device in [`Active`] at submission (kept as submitted).
+    off_device: bool,
     reads_device: bool,
     writes_device: bool,
     dst_blocks: Vec<usize>,
@@ -879,7 +930,10 @@ fn complete(
         shared.device_reads_done.notify_all();
     }
     let mut active = shared.active.lock();
-    *active = active.saturating_sub(1);
+    active.all = active.all.saturating_sub(1);
+    if done.off_device {
+        active.off_device.remove(&done.op);
+    }
 }
 
 /// The outcome of a load abandoned at its `deadline`: the device blocks in `written` are loaded,
