@@ -3,6 +3,7 @@
 //! * [`memory`] — page-aligned host RAM (always built);
 //! * [`disk`] — one preallocated file per tier, O_DIRECT where possible (always built);
 //! * `nixl` — disk I/O through NIXL's POSIX plugin and remote host tiers over UCX (feature `nixl`);
+//! * [`faults`] — a wrapper tier that fails, stalls or corrupts on a schedule (tests, the replay);
 //! * [`standard`] — the [`TierFactory`](crate::connector::worker::TierFactory) that builds a
 //!   worker's tiers from the configuration with the backends above ([`StandardTiers`]).
 //!
@@ -12,6 +13,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod disk;
+pub mod faults;
 pub mod memory;
 #[cfg(feature = "nixl")]
 pub mod nixl;

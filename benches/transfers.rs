@@ -247,6 +247,7 @@ fn bench_disk(c: &mut Criterion) {
     let engine = TransferEngine::new(&TransferConfig {
         max_concurrency: IN_FLIGHT,
         batch_blocks: 1,
+        ..Default::default()
     })
     .unwrap();
     let pairs: Vec<(usize, usize)> = (0..n).map(|b| (b, b)).collect();

@@ -22,6 +22,7 @@
 //! [transfer]
 //! max_concurrency = 4
 //! batch_blocks = 16
+//! load_timeout_secs = 10.0 # a load from disk/remote past this is a load error
 //!
 //! [tcp]                    # the network transport (connector::tcp)
 //! leader_addr = "10.0.0.1:5557"
@@ -183,18 +184,53 @@ fn default_disk_dir() -> PathBuf {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TransferConfig {
-    /// Batches of block copies running at once, over all transfers. Default: 4.
+    /// Batches of block copies running at once, over all transfers of one kind: a worker bounds
+    /// its memory copies (device ↔ host) and its I/O copies (disk, remote) separately, so stuck
+    /// I/O never holds up memory copies. Default: 4.
     pub max_concurrency: usize,
     /// Blocks per batch (one blocking task). Default: 16.
     pub batch_blocks: usize,
+    /// Deadline of one load from a tier that does I/O (disk, remote), in seconds
+    /// (`KVBM_LOAD_TIMEOUT_SECS`). A load still running then is reported as failed — its device
+    /// blocks are load errors the engine recomputes — while the stuck I/O finishes in the
+    /// background into a buffer that is dropped. Default: [`DEFAULT_LOAD_TIMEOUT_SECS`] (10 s): a
+    /// healthy load of even a long prefix (gigabytes at disk bandwidth) takes well under that,
+    /// while recomputing a prefill takes seconds at most — past 10 s waiting costs more than it
+    /// saves, and a frozen or failing disk must not hold a request (and its batch) longer.
+    pub load_timeout_secs: f64,
 }
+
+/// [`TransferConfig::load_timeout_secs`] when unset.
+pub const DEFAULT_LOAD_TIMEOUT_SECS: f64 = 10.0;
 
 impl Default for TransferConfig {
     fn default() -> Self {
         Self {
             max_concurrency: 4,
             batch_blocks: 16,
+            load_timeout_secs: DEFAULT_LOAD_TIMEOUT_SECS,
         }
+    }
+}
+
+impl TransferConfig {
+    /// The load deadline ([`TransferConfig::load_timeout_secs`]).
+    pub fn load_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.load_timeout_secs)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !(self.load_timeout_secs.is_finite()
+            && self.load_timeout_secs > 0.0
+            && self.load_timeout_secs <= 1e6)
+        {
+            return Err(Error::invalid_config(
+                "transfer.load_timeout_secs",
+                self.load_timeout_secs,
+                "must be a number of seconds > 0 (at most 1e6)",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -659,6 +695,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_DISK_IO", "disk.io"),
     ours("KVBM_TRANSFER_CONCURRENCY", "transfer.max_concurrency"),
     ours("KVBM_TRANSFER_BATCH_BLOCKS", "transfer.batch_blocks"),
+    ours("KVBM_LOAD_TIMEOUT_SECS", "transfer.load_timeout_secs"),
     ours("KVBM_INIT_TIMEOUT_SECS", "init_timeout_secs"),
     ours("KVBM_REMOTE_DIR", "remote.dir"),
     ours("KVBM_REMOTE_INSTANCE", "remote.instance"),
@@ -810,6 +847,9 @@ impl Config {
                 self.transfer.batch_blocks = parse_num(source, raw, "a count >= 1")?
             }
             "init_timeout_secs" => self.init_timeout_secs = parse_num(source, raw, "seconds > 0")?,
+            "transfer.load_timeout_secs" => {
+                self.transfer.load_timeout_secs = parse_num(source, raw, "seconds > 0")?
+            }
             "remote.dir" => {
                 self.remote.dir = Some(raw.trim())
                     .filter(|s| !s.is_empty())
@@ -879,6 +919,7 @@ impl Config {
         self.disk_size().validate("disk")?;
         self.disk.validate_dir()?;
         self.tcp.validate()?;
+        self.transfer.validate()?;
         if !(self.init_timeout_secs.is_finite()
             && self.init_timeout_secs > 0.0
             && self.init_timeout_secs <= 1e9)
@@ -1154,6 +1195,28 @@ mod tests {
         assert!(e.to_string().contains(RENDEZVOUS_DIR_ENV), "{e}");
         let e = Config::from_toml_str("[tcp]\nrendezvous_dir = \"rel\"\n").unwrap_err();
         assert!(e.to_string().contains("tcp.rendezvous_dir"), "{e}");
+    }
+
+    #[test]
+    fn load_timeout_from_env_and_toml() {
+        let mut c = Config::default();
+        assert_eq!(c.transfer.load_timeout_secs, DEFAULT_LOAD_TIMEOUT_SECS);
+        c.apply_env(env(&[("KVBM_LOAD_TIMEOUT_SECS", "0.25")]))
+            .unwrap();
+        assert_eq!(
+            c.transfer.load_timeout(),
+            std::time::Duration::from_millis(250)
+        );
+        assert_eq!(Config::from_toml_str(&c.to_toml().unwrap()).unwrap(), c);
+        for bad in ["0", "-1", "nan", "inf", "soon"] {
+            let e = Config::default()
+                .apply_env(env(&[("KVBM_LOAD_TIMEOUT_SECS", bad)]))
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{bad}");
+            assert!(e.to_string().contains("KVBM_LOAD_TIMEOUT_SECS"), "{e}");
+        }
+        let e = Config::from_toml_str("[transfer]\nload_timeout_secs = 0\n").unwrap_err();
+        assert!(e.to_string().contains("transfer.load_timeout_secs"), "{e}");
     }
 
     #[test]

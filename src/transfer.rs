@@ -320,7 +320,8 @@ fn copy_batch(
     let mut record = |s: usize, d: usize, r: Result<()>| match r {
         Ok(()) => result.copied += 1,
         Err(error) => {
-            tracing::warn!(src_tier = %src.kind(), dst_tier = %dst.kind(), src_block = s, dst_block = d, %error, "block copy failed");
+            // Per block at debug level: the caller reports the operation (rate-limited).
+            tracing::debug!(src_tier = %src.kind(), dst_tier = %dst.kind(), src_block = s, dst_block = d, %error, "block copy failed");
             result.failed.push(BlockFailure {
                 src_block: s,
                 dst_block: d,

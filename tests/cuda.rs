@@ -620,6 +620,7 @@ fn gpu_async_transfers_on_a_runtime() {
     let engine = TransferEngine::new(&kvbm_connector::config::TransferConfig {
         max_concurrency: 4,
         batch_blocks: 8,
+        ..Default::default()
     })
     .unwrap();
     let device: Arc<dyn StorageTier> = tier.clone();

@@ -276,6 +276,7 @@ fn transfer_engine_round_trip_through_nixl_disk() {
     let engine = TransferEngine::new(&TransferConfig {
         max_concurrency: 4,
         batch_blocks: 2,
+        ..Default::default()
     })
     .expect("engine");
     for dims in [small_dims(), aligned_dims()] {
@@ -382,6 +383,7 @@ fn verified_remote_reads_refuse_rewritten_blocks() {
     let engine = TransferEngine::new(&TransferConfig {
         max_concurrency: 2,
         batch_blocks: 1,
+        ..Default::default()
     })
     .expect("engine");
     let src: Arc<dyn StorageTier> =

@@ -72,6 +72,7 @@ fn engine() -> TransferEngine {
     TransferEngine::new(&TransferConfig {
         max_concurrency: 3,
         batch_blocks: 2,
+        ..Default::default()
     })
     .unwrap()
 }

@@ -286,6 +286,7 @@ impl DiskRig {
         let engine = TransferEngine::new(&TransferConfig {
             max_concurrency: in_flight,
             batch_blocks: 1,
+            ..Default::default()
         })?;
         Ok(Self {
             ptrs,

@@ -1,7 +1,7 @@
 //! The connector's counters, exposed as a [`MetricsSnapshot`] or in Prometheus text format.
 //!
 //! [`Metrics`] owns a fixed set of monotonic `u64` counters: lookup and matched tokens, hit
-//! tokens per tier, failed-load blocks, operations submitted/completed/failed, and blocks and
+//! tokens per tier, failed-load blocks, failed-store blocks per destination tier, operations submitted/completed/failed, and blocks and
 //! bytes moved per (source, destination) tier pair (a fixed 4 × 4 table indexed by
 //! [`TierKind`]). Every `record_*` call is one or two relaxed atomic adds: no lock, no
 //! allocation, safe to call on the hot path from any thread.
@@ -88,6 +88,8 @@ pub struct Metrics {
     remote_hit_tokens: AtomicU64,
     load_error_blocks: AtomicU64,
     offload_dropped_blocks: AtomicU64,
+    host_store_error_blocks: AtomicU64,
+    disk_store_error_blocks: AtomicU64,
     operations_submitted: AtomicU64,
     operations_completed: AtomicU64,
     operations_failed: AtomicU64,
@@ -140,6 +142,16 @@ impl Metrics {
         add(&self.offload_dropped_blocks, blocks);
     }
 
+    /// `blocks` blocks whose store into `dst` failed (never registered, never matched). Counted
+    /// for [`TierKind::Host`] and [`TierKind::Disk`]; other tiers are not store destinations.
+    pub fn record_store_error(&self, dst: TierKind, blocks: u64) {
+        match dst {
+            TierKind::Host => add(&self.host_store_error_blocks, blocks),
+            TierKind::Disk => add(&self.disk_store_error_blocks, blocks),
+            TierKind::Device | TierKind::Remote => {}
+        }
+    }
+
     /// One operation (load or store) was submitted.
     pub fn record_operation_submitted(&self) {
         add(&self.operations_submitted, 1);
@@ -180,6 +192,8 @@ impl Metrics {
             remote_hit_tokens: get(&self.remote_hit_tokens),
             load_error_blocks: get(&self.load_error_blocks),
             offload_dropped_blocks: get(&self.offload_dropped_blocks),
+            host_store_error_blocks: get(&self.host_store_error_blocks),
+            disk_store_error_blocks: get(&self.disk_store_error_blocks),
             operations_submitted: get(&self.operations_submitted),
             operations_completed: get(&self.operations_completed),
             operations_failed: get(&self.operations_failed),
@@ -192,6 +206,7 @@ impl Metrics {
     /// Counters (`kvbm_` prefix, `_total` suffix): `kvbm_lookup_tokens_total`,
     /// `kvbm_matched_tokens_total`, `kvbm_hit_tokens_total{tier="host"|"disk"|"remote"}`,
     /// `kvbm_load_error_blocks_total`, `kvbm_offload_dropped_blocks_total`,
+    /// `kvbm_store_error_blocks_total{tier="host"|"disk"}`,
     /// `kvbm_operations_submitted_total`,
     /// `kvbm_operations_completed_total`, `kvbm_operations_failed_total`,
     /// `kvbm_transfer_blocks_total{src="device",dst="host"}` and `kvbm_transfer_bytes_total{...}`
@@ -220,6 +235,10 @@ pub struct MetricsSnapshot {
     pub load_error_blocks: u64,
     /// Full blocks not offloaded because neither tier had a free block for them.
     pub offload_dropped_blocks: u64,
+    /// Blocks whose store into the host tier failed (never matched).
+    pub host_store_error_blocks: u64,
+    /// Blocks whose store into the disk tier failed (never matched).
+    pub disk_store_error_blocks: u64,
     /// Operations submitted.
     pub operations_submitted: u64,
     /// Operations finished successfully.
@@ -262,6 +281,12 @@ impl MetricsSnapshot {
             .saturating_add(self.disk_hit_tokens)
             .saturating_add(self.remote_hit_tokens);
         ratio(hits, self.lookup_tokens)
+    }
+
+    /// Blocks whose store failed, host and disk together.
+    pub fn store_error_blocks(&self) -> u64 {
+        self.host_store_error_blocks
+            .saturating_add(self.disk_store_error_blocks)
     }
 
     /// Operations submitted but not yet finished (0 if the counters were read mid-update).
@@ -334,6 +359,20 @@ impl MetricsSnapshot {
             line(&mut out, name, &format!("tier=\"{tier}\""), value);
         }
 
+        let name = "kvbm_store_error_blocks_total";
+        header(
+            &mut out,
+            name,
+            "Blocks whose store into an offload tier failed (never matched), by tier.",
+            "counter",
+        );
+        for (tier, value) in [
+            (TierKind::Host, self.host_store_error_blocks),
+            (TierKind::Disk, self.disk_store_error_blocks),
+        ] {
+            line(&mut out, name, &format!("tier=\"{tier}\""), value);
+        }
+
         let pairs = self.rendered_pairs();
         for (name, help, bytes) in [
             (
@@ -395,6 +434,43 @@ impl MetricsSnapshot {
     }
 }
 
+/// Rate-limits a warning: the first event warns at once, later ones at most once per `interval`,
+/// each warning carrying how many events happened since the previous one (none is lost, none
+/// floods the log: a full disk fails thousands of blocks a second).
+#[derive(Debug)]
+pub(crate) struct WarnLimiter {
+    interval: std::time::Duration,
+    last: Option<std::time::Instant>,
+    pending: u64,
+}
+
+impl WarnLimiter {
+    /// How often a rate-limited warning repeats at most.
+    pub(crate) const INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+
+    pub(crate) const fn new(interval: std::time::Duration) -> Self {
+        Self {
+            interval,
+            last: None,
+            pending: 0,
+        }
+    }
+
+    /// Counts `n` events; answers the count to warn about now, if it is time to warn.
+    pub(crate) fn event(&mut self, n: u64) -> Option<u64> {
+        self.pending = self.pending.saturating_add(n);
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|l| now.duration_since(l) < self.interval)
+        {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.pending))
+    }
+}
+
 /// Appends the `# HELP` and `# TYPE` lines of one metric.
 fn header(out: &mut String, name: &str, help: &str, kind: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
@@ -427,6 +503,10 @@ mod tests {
         m.record_hit(TierKind::Device, 1000); // ignored
         m.record_load_error(2);
         m.record_load_error(1);
+        m.record_store_error(TierKind::Host, 3);
+        m.record_store_error(TierKind::Disk, 5);
+        m.record_store_error(TierKind::Disk, 1);
+        m.record_store_error(TierKind::Device, 100); // ignored
         m.record_operation_submitted();
         m.record_operation_submitted();
         m.record_operation_submitted();
@@ -444,6 +524,9 @@ mod tests {
         assert_eq!(s.disk_hit_tokens, 16);
         assert_eq!(s.remote_hit_tokens, 8);
         assert_eq!(s.load_error_blocks, 3);
+        assert_eq!(s.host_store_error_blocks, 3);
+        assert_eq!(s.disk_store_error_blocks, 6);
+        assert_eq!(s.store_error_blocks(), 9);
         assert_eq!(s.operations_submitted, 3);
         assert_eq!(s.operations_completed, 1);
         assert_eq!(s.operations_failed, 1);
@@ -517,6 +600,7 @@ mod tests {
         m.record_transfer(TierKind::Remote, TierKind::Host, 1, 7);
         m.record_operation_submitted();
         m.record_operation_completed(true);
+        m.record_store_error(TierKind::Disk, 4);
         let text = m.render_prometheus();
         let lines: Vec<&str> = text.lines().collect();
         for want in [
@@ -536,6 +620,9 @@ mod tests {
             "kvbm_operations_completed_total 1",
             "kvbm_operations_failed_total 0",
             "kvbm_load_error_blocks_total 0",
+            "# TYPE kvbm_store_error_blocks_total counter",
+            "kvbm_store_error_blocks_total{tier=\"host\"} 0",
+            "kvbm_store_error_blocks_total{tier=\"disk\"} 4",
             "# TYPE kvbm_host_hit_rate gauge",
             "kvbm_host_hit_rate 0.5",
             "kvbm_disk_hit_rate 0.25",
@@ -620,6 +707,7 @@ mod tests {
             "kvbm_matched_tokens_total",
             "kvbm_hit_tokens_total",
             "kvbm_load_error_blocks_total",
+            "kvbm_store_error_blocks_total",
             "kvbm_operations_submitted_total",
             "kvbm_operations_completed_total",
             "kvbm_operations_failed_total",
@@ -695,6 +783,17 @@ mod tests {
             pair.map(|p| (p.blocks, p.bytes)),
             Some((THREADS * N, THREADS * N * 4096))
         );
+    }
+
+    #[test]
+    fn warnings_are_rate_limited_and_counted() {
+        let mut w = WarnLimiter::new(std::time::Duration::from_secs(3600));
+        assert_eq!(w.event(5), Some(5));
+        assert_eq!(w.event(3), None);
+        assert_eq!(w.event(2), None);
+        let mut w = WarnLimiter::new(std::time::Duration::ZERO);
+        assert_eq!(w.event(1), Some(1));
+        assert_eq!(w.event(4), Some(4));
     }
 
     #[test]

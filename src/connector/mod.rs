@@ -18,6 +18,7 @@
 
 pub mod adapter;
 pub mod barrier;
+mod fence;
 pub mod leader;
 pub mod lifecycle;
 pub mod metadata;

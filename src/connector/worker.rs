@@ -17,6 +17,15 @@
 //! until its load is reported). Stores are submitted after the forward pass (`save`) and must
 //! have read their device blocks before the next iteration writes them: the next `bind_metadata`
 //! waits for those reads.
+//!
+//! Stuck storage: transfers that touch a tier doing I/O (disk, remote) run on their own transfer
+//! engine, so a frozen disk never takes the permits of memory copies (device ↔ host). A load from
+//! such a tier has a deadline (`transfer.load_timeout_secs`): past it, the load completes as
+//! failed — its unwritten device blocks are load errors the engine recomputes, reported to the
+//! leader as failed blocks — while the stuck I/O finishes in the background through a closed
+//! fence (see `fence`): the device blocks are never written by it. [`Worker::wait_idle`] does
+//! not wait for such abandoned I/O, and [`Worker::wait_idle_or_stuck`] not for host → disk copies
+//! once one of them is stuck past a grace.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -27,7 +36,9 @@ use parking_lot::{Condvar, Mutex};
 use crate::config::Config;
 use crate::connector::adapter::Engine;
 use crate::connector::barrier::{initialise, worker_barrier, InitCell, InitMode, InitStatus};
+use crate::connector::fence::FencedDevice;
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
+use crate::connector::metrics::WarnLimiter;
 use crate::connector::remote::WorkerRemote;
 use crate::connector::transport::{
     Completion, FinishWork, LeaderMessage, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
@@ -36,7 +47,7 @@ use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvLayout;
 use crate::tier::{StorageTier, TierKind};
-use crate::transfer::{TransferEngine, TransferOutcome};
+use crate::transfer::{BlockFailure, TransferEngine, TransferOutcome};
 
 /// How long `bind_metadata` waits for the previous iteration's stores to finish reading the
 /// device before it gives up with an error.
@@ -144,12 +155,39 @@ impl PathStats {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shared {
     state: Mutex<State>,
     paths: Mutex<Vec<PathStats>>,
     device_reads: Mutex<usize>,
     device_reads_done: Condvar,
+    /// Operations submitted and not completed (abandoned loads count as completed).
+    active: Mutex<Active>,
+    /// Rate-limits the warning about failed operations.
+    failure_warn: Mutex<WarnLimiter>,
+}
+
+/// Operations in flight on a worker.
+#[derive(Debug, Default)]
+struct Active {
+    /// All of them.
+    all: usize,
+    /// Those touching no device block (host → disk copies: nothing the engine waits for), with
+    /// when each was submitted.
+    off_device: HashMap<OperationId, Instant>,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            paths: Mutex::default(),
+            device_reads: Mutex::default(),
+            device_reads_done: Condvar::new(),
+            active: Mutex::new(Active::default()),
+            failure_warn: Mutex::new(WarnLimiter::new(WarnLimiter::INTERVAL)),
+        }
+    }
 }
 
 /// The worker-side connector.
@@ -161,7 +199,11 @@ pub struct Worker {
     transport: Arc<dyn WorkerTransport>,
     factory: Arc<dyn TierFactory>,
     runtime: tokio::runtime::Runtime,
+    /// Copies between tiers in memory (device ↔ host).
     engine: TransferEngine,
+    /// Copies that touch a tier doing I/O (disk, remote): their own permits, so stuck I/O never
+    /// holds up memory copies.
+    io_engine: TransferEngine,
     init: Option<Arc<InitCell<WorkerTiers>>>,
     shared: Arc<Shared>,
     current: Option<ConnectorMetadata>,
@@ -212,6 +254,7 @@ impl Worker {
             .build()
             .map_err(|e| Error::io("start the worker runtime", e))?;
         let engine = TransferEngine::new(&config.transfer)?;
+        let io_engine = TransferEngine::new(&config.transfer)?;
         Ok(Self {
             config,
             world_size,
@@ -220,6 +263,7 @@ impl Worker {
             factory,
             runtime,
             engine,
+            io_engine,
             init: None,
             shared: Arc::new(Shared::default()),
             current: None,
@@ -519,6 +563,14 @@ impl Worker {
         let t = op.transfer().clone();
         let direction = op.direction();
         let touches_device = t.reads_device() || t.writes_device();
+        // Counted until `complete` (every path below ends there).
+        {
+            let mut active = self.shared.active.lock();
+            active.all += 1;
+            if !touches_device {
+                active.off_device.insert(t.id, Instant::now());
+            }
+        }
         if t.reads_device() {
             *self.shared.device_reads.lock() += 1;
         }
@@ -527,6 +579,7 @@ impl Worker {
             request: t.request_id.clone(),
             direction,
             touches_device,
+            off_device: !touches_device,
             reads_device: t.reads_device(),
             writes_device: t.writes_device(),
             dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
@@ -574,14 +627,52 @@ impl Worker {
         // A host block being rewritten is first withdrawn from remote readers; once written, the
         // blocks whose keys the leader named are published again.
         let publish = publish_after(tiers, op.as_ref());
+        let does_io = |k: TierKind| matches!(k, TierKind::Disk | TierKind::Remote);
+        let engine = if does_io(t.src) || does_io(t.dst) {
+            &self.io_engine
+        } else {
+            &self.engine
+        };
+        let bytes_per_block = dst.bytes_per_block();
+        // A load from a tier doing I/O writes the device through a fence, and has a deadline.
+        let fence = (direction == Direction::Load
+            && t.dst == TierKind::Device
+            && !src.capability().host_addressable)
+            .then(|| Arc::new(FencedDevice::new(dst.clone())));
+        let target = match &fence {
+            Some(f) => f.clone() as Arc<dyn StorageTier>,
+            None => dst,
+        };
+        let (src_kind, dst_kind) = (t.src, t.dst);
+        // Kept only for a fenced load, to name its failed pairs if it is abandoned.
+        let pairs = if fence.is_some() {
+            t.pairs.clone()
+        } else {
+            Vec::new()
+        };
         let handle = {
             let _enter = self.runtime.enter();
-            self.engine.submit(src, dst, t.pairs)
+            engine.submit(src, target, t.pairs)
         };
+        let deadline = self.config.transfer.load_timeout();
         match handle {
             Ok(h) => {
                 self.runtime.spawn(async move {
-                    let outcome = h.await;
+                    let outcome = match fence {
+                        None => h.await,
+                        Some(fence) => match tokio::time::timeout(deadline, h).await {
+                            Ok(outcome) => outcome,
+                            // The transfer runs on (dropping its handle does not stop it), but
+                            // nothing it reads reaches the device any more.
+                            Err(_) => Ok(abandoned(
+                                (src_kind, dst_kind),
+                                bytes_per_block,
+                                &pairs,
+                                &fence.close(),
+                                deadline,
+                            )),
+                        },
+                    };
                     if let Some(publish) = publish {
                         publish(&outcome);
                     }
@@ -616,7 +707,8 @@ impl Worker {
         Ok(())
     }
 
-    /// Waits until every submitted operation has completed (for shutdown and tests).
+    /// Waits until every submitted operation has completed (for shutdown and tests). A load
+    /// abandoned at its deadline is complete: its stuck I/O is not waited for.
     pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -624,11 +716,42 @@ impl Worker {
                 let st = self.shared.state.lock();
                 st.slots.values().any(|s| s.device_ops > 0 || s.loads > 0)
             } || *self.shared.device_reads.lock() > 0
-                || self.runtime.metrics().num_alive_tasks() > 0;
+                || self.shared.active.lock().all > 0;
             if !busy {
                 return Ok(());
             }
             if Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    "operations still running at the deadline",
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// As [`Worker::wait_idle`], except for copies touching no device block (host → disk): once
+    /// everything else is done, they are not waited for while any of them has been running for
+    /// `grace` or more (the disk is stuck: they finish in the background). For callers that wait
+    /// every iteration, like `kvbm replay`: a frozen disk then delays one iteration by `grace`,
+    /// not every iteration by the freeze, while healthy runs stay reproducible.
+    pub fn wait_idle_or_stuck(&self, timeout: Duration, grace: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let device_busy = {
+                let st = self.shared.state.lock();
+                st.slots.values().any(|s| s.device_ops > 0 || s.loads > 0)
+            } || *self.shared.device_reads.lock() > 0;
+            let (all, off_device, stuck) = {
+                let a = self.shared.active.lock();
+                let stuck = a.off_device.values().any(|t| t.elapsed() >= grace);
+                (a.all, a.off_device.len(), stuck)
+            };
+            let waited = start.elapsed();
+            if !device_busy && (all == 0 || (all == off_device && stuck)) {
+                return Ok(());
+            }
+            if waited >= timeout {
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     "operations still running at the deadline",
@@ -730,6 +853,8 @@ struct OpDone {
     request: Option<RequestId>,
     direction: Direction,
     touches_device: bool,
+    /// Counted as off-device in [`Active`] at submission (kept as submitted).
+    off_device: bool,
     reads_device: bool,
     writes_device: bool,
     dst_blocks: Vec<usize>,
@@ -767,7 +892,10 @@ fn complete(
         Err(e) => (done.dst_blocks.clone(), Some(e.to_string())),
     };
     if let Some(e) = &error {
-        tracing::warn!(op = %done.op, failed = failed.len(), error = %e, "operation failed");
+        tracing::debug!(op = %done.op, failed = failed.len(), error = %e, "operation failed");
+        if let Some(n) = shared.failure_warn.lock().event(failed.len() as u64) {
+            tracing::warn!(op = %done.op, direction = ?done.direction, blocks = n, error = %e, "kvbm: block transfers failed (rate-limited; count since the last warning)");
+        }
     }
     // Tell the leader first: once the engine learns the operation is done (below), a later
     // match must already be able to find what it stored.
@@ -800,6 +928,49 @@ fn complete(
         let mut n = shared.device_reads.lock();
         *n = n.saturating_sub(1);
         shared.device_reads_done.notify_all();
+    }
+    let mut active = shared.active.lock();
+    active.all = active.all.saturating_sub(1);
+    if done.off_device {
+        active.off_device.remove(&done.op);
+    }
+}
+
+/// The outcome of a load abandoned at its `deadline`: the device blocks in `written` are loaded,
+/// every other pair failed with [`ErrorKind::Timeout`].
+fn abandoned(
+    (src, dst): (TierKind, TierKind),
+    bytes_per_block: usize,
+    pairs: &[(usize, usize)],
+    written: &HashSet<usize>,
+    deadline: Duration,
+) -> TransferOutcome {
+    let failed: Vec<BlockFailure> = pairs
+        .iter()
+        .filter(|(_, d)| !written.contains(d))
+        .map(|&(s, d)| BlockFailure {
+            src_block: s,
+            dst_block: d,
+            error: Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "load missed its deadline of {:.1}s (transfer.load_timeout_secs); the engine recomputes the block",
+                    deadline.as_secs_f64()
+                ),
+            )
+            .with("src_tier", src)
+            .with("src_block", s)
+            .with("dst_block", d),
+        })
+        .collect();
+    let blocks = pairs.len() - failed.len();
+    TransferOutcome {
+        src,
+        dst,
+        blocks,
+        bytes: blocks as u64 * bytes_per_block as u64,
+        failed,
+        elapsed: deadline,
     }
 }
 

@@ -12,7 +12,7 @@ use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, Sche
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
 use kvbm_connector::connector::transport::LeaderTransport;
 use kvbm_connector::connector::transport::{in_process, WorkerTransport};
-use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::connector::worker::{TierFactory, Worker};
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::connector::{Blocking, InitMode, NonBlocking};
 use kvbm_connector::layout::BlockOrder;
@@ -121,9 +121,19 @@ pub fn rig(host: usize, disk: usize) -> Rig {
 
 /// A rig over `config`; `dir` (the disk tier's directory) lives as long as the rig.
 pub fn rig_with(config: Config, dir: tempfile::TempDir) -> Rig {
+    rig_with_factory(config, dir, StandardTiers::shared())
+}
+
+/// A rig over `config` whose worker's tiers `factory` builds.
+pub fn rig_with_factory(
+    config: Config,
+    dir: tempfile::TempDir,
+    factory: Arc<dyn TierFactory>,
+) -> Rig {
     let (lt, wts) = in_process(1);
     let device = device();
     let mut worker = new_worker(config.clone(), 1, wts[0].clone(), NonBlocking).unwrap();
+    worker.set_tier_factory(factory).unwrap();
     worker.register(device.clone()).unwrap();
     let mut leader = new_leader(config, BS, lt, Blocking).unwrap();
     assert!(leader.is_ready());

@@ -110,6 +110,9 @@ pub struct RankExecutor {
     device: Arc<dyn StorageTier>,
     worker: Box<dyn WorkerSide>,
     scratch: Vec<u8>,
+    /// How long a step waits for host → disk copies (`transfer.load_timeout_secs`): a stuck disk
+    /// slows a step by at most this, never by the whole freeze.
+    io_grace: Duration,
     /// Declared last: dropped after the worker and the device tier that use it.
     _gpu: GpuBuffers,
 }
@@ -128,11 +131,13 @@ impl RankExecutor {
         transport: Arc<dyn WorkerTransport>,
     ) -> Result<Self> {
         let engine = engine_of(framework);
+        let io_grace = config.transfer.load_timeout();
         let d = shard.dims;
         let (device, gpu) = device_tier(device_kind, engine.cache_layout(d, num_blocks)?)?;
         let worker = engine.worker(config, d, num_blocks, world_size, transport, device.clone())?;
         Ok(Self {
             scratch: vec![0u8; shard.token_bytes()],
+            io_grace,
             shard,
             device,
             worker,
@@ -214,8 +219,11 @@ impl RankExecutor {
         }
         // The replay is deterministic: what this iteration (or, in an iteration that only
         // reports, the last `get_finished`) submitted finishes, and its completions are on their
-        // way to the leader, before the engine finishes requests or hears what finished.
-        self.worker.worker().wait_idle(Duration::from_secs(60))?;
+        // way to the leader, before the engine finishes requests or hears what finished — except
+        // a host → disk copy stuck past the load deadline, which finishes in the background.
+        self.worker
+            .worker()
+            .wait_idle_or_stuck(Duration::from_secs(60), self.io_grace)?;
         if !cmd.report {
             return Ok(StepReply::default());
         }

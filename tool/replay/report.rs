@@ -99,6 +99,8 @@ pub struct Summary {
     pub blocks_verified: usize,
     /// Device blocks whose load failed (recomputed, never used).
     pub load_errors: usize,
+    /// Blocks whose store into the host or disk tier failed (not cached, never matched).
+    pub store_errors: u64,
     /// Preemptions.
     pub preemptions: usize,
     /// Tensor-parallel ranks.
@@ -229,6 +231,7 @@ pub fn render_table(r: &Report) -> String {
         s.integrity_errors, s.blocks_verified
     );
     let _ = writeln!(out, "  load errors           {:>10}", s.load_errors);
+    let _ = writeln!(out, "  store errors          {:>10}", s.store_errors);
     let _ = writeln!(out, "  preemptions           {:>10}", s.preemptions);
     let _ = writeln!(out, "  mean TTFT (simulated) {:>10.2} ms", s.mean_ttft_ms);
     let _ = writeln!(out, "  wall time             {:>10.2} s", s.wall_s);

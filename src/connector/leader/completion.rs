@@ -5,7 +5,9 @@
 //! Invariants: an operation acts only when all ranks reported it (a lost rank counts as having
 //! reported it with every block failed); a block that failed on any rank is never registered and
 //! never counted as a hit; completions that arrive together are applied in operation order, so
-//! a replay is reproducible.
+//! a replay is reproducible. Every block whose store failed (device → host, device → disk, host →
+//! disk) is counted in the metrics' store errors and warned about, rate-limited (a full disk fails
+//! thousands of blocks: one warning per 30 s with the count since the last).
 
 use std::collections::HashSet;
 
@@ -268,9 +270,11 @@ impl<A: SchedulerAdapter> Leader<A> {
                     TierKind::Host
                 };
                 let mut stored = 0u64;
+                let mut failed = 0u64;
                 for (block, hash) in dst {
                     self.pending_keys.remove(&(tier, hash));
                     if track.failed.contains(&block.block_id()) {
+                        failed += 1;
                         continue; // dropped: back to the free list, never matchable
                     }
                     let pool = self.tiers.as_ref().and_then(|t| match tier {
@@ -291,6 +295,16 @@ impl<A: SchedulerAdapter> Leader<A> {
                 }
                 self.metrics
                     .record_transfer(src_tier, tier, stored, stored * bpb);
+                if failed > 0 {
+                    self.metrics.record_store_error(tier, failed);
+                    if let Some(n) = self.store_warn.event(failed) {
+                        tracing::warn!(
+                            src = %src_tier, dst = %tier, blocks = n,
+                            total = self.metrics.snapshot().store_error_blocks(),
+                            "kvbm: blocks failed to store (not cached; see kvbm_store_error_blocks_total)"
+                        );
+                    }
+                }
                 drop(src);
                 self.request_op_done(track.request.as_ref(), false);
             }

@@ -162,6 +162,8 @@ pub struct Leader<A: SchedulerAdapter> {
     next_op: u64,
     metrics: Arc<Metrics>,
     failure_logged: bool,
+    /// Rate-limits the warning about failed stores (see `completion`).
+    store_warn: crate::connector::metrics::WarnLimiter,
     last_match: MatchResult,
     /// Ranks whose connection was lost. While any is dead the leader is degraded: it matches
     /// nothing and stores nothing, and operations count as failed on the dead ranks.
@@ -217,6 +219,9 @@ impl<A: SchedulerAdapter> Leader<A> {
             next_op: 0,
             metrics: Arc::new(Metrics::new()),
             failure_logged: false,
+            store_warn: crate::connector::metrics::WarnLimiter::new(
+                crate::connector::metrics::WarnLimiter::INTERVAL,
+            ),
             last_match: MatchResult::NONE,
             dead: Vec::new(),
             remote: None,

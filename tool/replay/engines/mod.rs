@@ -25,12 +25,15 @@ pub mod vllm;
 
 use std::sync::Arc;
 
+use kvbm_connector::backends::faults::{FaultPlan, FaultyTiers, FAULTS_ENV};
+use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::config::Config;
 use kvbm_connector::connector::adapter::SchedulerAdapter;
 use kvbm_connector::connector::leader::{Leader, LeaderStatus, MatchResult};
 use kvbm_connector::connector::lifecycle::RequestState;
+use kvbm_connector::connector::metrics::MetricsSnapshot;
 use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
-use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::connector::worker::{TierFactory, Worker};
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::error::{Error, Result};
 use kvbm_connector::layout::{Layout, LayoutDims};
@@ -191,6 +194,8 @@ pub trait LeaderCalls {
     fn state_of(&self, id: &RequestId) -> Option<RequestState>;
     /// The last match's split by tier.
     fn match_split(&self) -> MatchResult;
+    /// The leader's counters.
+    fn metrics(&self) -> MetricsSnapshot;
 }
 
 impl<A: SchedulerAdapter> LeaderCalls for Leader<A> {
@@ -214,5 +219,21 @@ impl<A: SchedulerAdapter> LeaderCalls for Leader<A> {
     }
     fn match_split(&self) -> MatchResult {
         self.last_match()
+    }
+    fn metrics(&self) -> MetricsSnapshot {
+        Leader::metrics(self).snapshot()
+    }
+}
+
+/// The factory of a rank's tiers: the standard one, wrapped in fault injection when
+/// [`FAULTS_ENV`] (`KVBM_REPLAY_FAULTS`, a test hook) holds a fault plan
+/// ([`FaultPlan::parse`]); a bad plan is an error naming the variable.
+pub fn tier_factory() -> Result<Arc<dyn TierFactory>> {
+    match std::env::var(FAULTS_ENV) {
+        Ok(spec) if !spec.trim().is_empty() => Ok(Arc::new(FaultyTiers::new(
+            StandardTiers::shared(),
+            FaultPlan::parse(&spec)?,
+        ))),
+        _ => Ok(StandardTiers::shared()),
     }
 }

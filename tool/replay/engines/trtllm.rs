@@ -60,6 +60,7 @@ impl SimEngine for TensorRtLlm {
         device: Arc<dyn StorageTier>,
     ) -> Result<Box<dyn WorkerSide>> {
         let mut w = TrtllmWorker::new(config, d.page_size, world_size, transport)?;
+        w.worker_mut().set_tier_factory(super::tier_factory()?)?;
         w.register_kv_caches(
             &[blocks, d.num_layers, 2, d.page_size * d.inner_dim],
             d.dtype_bytes,

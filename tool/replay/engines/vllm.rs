@@ -67,6 +67,7 @@ impl SimEngine for Vllm {
     ) -> Result<Box<dyn WorkerSide>> {
         let layer_names: Vec<String> = (0..d.num_layers).map(layer_name).collect();
         let mut w = VllmWorker::new(config, d.page_size, world_size, transport)?;
+        w.worker_mut().set_tier_factory(super::tier_factory()?)?;
         let layers: Vec<(String, Vec<usize>)> = layer_names
             .iter()
             .map(|n| (n.clone(), vec![2, blocks, d.page_size, d.inner_dim]))

@@ -456,6 +456,7 @@ impl Simulator {
                 integrity_errors: self.integrity_errors,
                 blocks_verified: self.blocks_verified,
                 load_errors: self.load_errors,
+                store_errors: self.sched.leader().metrics().store_error_blocks(),
                 preemptions: self.preemptions,
                 tp: self.ranks.len(),
                 rank_failures: self.rank_failures,
