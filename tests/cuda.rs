@@ -7,7 +7,10 @@
 //! * GPU tests, which need a CUDA GPU. Without one each prints `SKIP <test>: <reason>` to stderr
 //!   (written past the test harness's capture, so `cargo test` shows it) and passes. With
 //!   `KVBM_REQUIRE_GPU=1` (as `scripts/gpu-check.sh` sets) a missing GPU fails them instead.
-//!   `KVBM_CUDA_DEVICE` picks the GPU (default 0).
+//!   `KVBM_CUDA_DEVICE` picks the GPU (default 0). Run the GPU tests with `--test-threads 1` (as
+//!   `scripts/gpu-check.sh` does): the gating tests hold an engine stream with a blocking host
+//!   function, and CUDA runs a context's host functions on one driver thread, so a held stream
+//!   stalls the other tests' host functions and synchronising calls when they run in parallel.
 
 #![cfg(feature = "cuda")]
 
