@@ -381,7 +381,9 @@ mod replay {
     fn stalled_disk_writes_do_not_stall_every_step() {
         let dir = tempfile::tempdir().unwrap();
         // Every other disk write sticks for 1 s. Waiting for them every step took 137 s here;
-        // waiting at most the grace (the load deadline) while the disk is stuck takes ~7 s.
+        // waiting at most the grace (the load deadline) while the disk is stuck takes ~7 s on an
+        // idle machine and 57 s on a 2-core CI machine under full load. The bound sits between
+        // the two behaviours; the waiting one only gets slower under load.
         let out = run(
             dir.path(),
             "disk.write:stall=1000:every=2",
@@ -390,7 +392,7 @@ mod replay {
         );
         let s = summary(dir.path(), &out, "stalled writes");
         let wall = s["wall_s"].as_f64().unwrap_or(f64::MAX);
-        assert!(wall < 45.0, "{s}");
+        assert!(wall < 100.0, "{s}");
         assert!(s["offloaded"].to_string().contains("host->disk"), "{s}");
     }
 
