@@ -7,7 +7,7 @@
 //! the variable (or file key) and the value.
 //!
 //! ```toml
-//! hash = "xxh3"            # or "sha256"
+//! hash = "sha256"          # or "xxh3" (trusted single-tenant deployments only)
 //!
 //! [host]
 //! cache_gb = 4.0           # or cache_blocks = 1024 (a block count wins over GB)
@@ -586,7 +586,8 @@ pub fn auth_token_from_env() -> Option<String> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// Hash of block keys. Default: xxh3 (compatible with Dynamo's KVBM).
+    /// Hash of block keys. Default: SHA-256 (collision-resistant 128-bit keys); xxh3 (xxh3-128)
+    /// is forgeable: only for trusted single-tenant deployments.
     pub hash: HashAlgorithm,
     /// Host tier size.
     pub host: TierSize,
@@ -1137,10 +1138,10 @@ mod tests {
     #[test]
     fn toml_round_trip_and_unknown_keys() {
         let c = Config::from_toml_str(
-            "hash = \"sha256\"\n[host]\ncache_blocks = 4\n[disk]\ncache_gb = 0.5\nmin_frequency = 2\n",
+            "hash = \"xxh3\"\n[host]\ncache_blocks = 4\n[disk]\ncache_gb = 0.5\nmin_frequency = 2\n",
         )
         .unwrap();
-        assert_eq!(c.hash, HashAlgorithm::Sha256);
+        assert_eq!(c.hash, HashAlgorithm::Xxh3);
         assert_eq!(c.block_counts(1_000_000).unwrap(), (4, 500));
         let again = Config::from_toml_str(&c.to_toml().unwrap()).unwrap();
         assert_eq!(again, c);

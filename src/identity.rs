@@ -5,10 +5,16 @@
 //! * block hash `b(i)` = H(seed = salt, bytes = the block's token ids as little-endian `u32`);
 //! * sequence hash `s(0) = b(0)`, `s(i)` = H(seed = salt, bytes = `s(i-1)` LE ‖ `b(i)` LE).
 //!
-//! With [`HashAlgorithm::Xxh3`] (the default, compatible with Dynamo's KVBM) H is xxh3-64 seeded with
-//! the salt. With [`HashAlgorithm::Sha256`] H is SHA-256 over `salt LE ‖ bytes`, truncated to its
-//! first 8 bytes read little-endian: collision-resistant for users who cannot trust the prompts
-//! their tenants send.
+//! Keys and block hashes are 128 bits (`u128`; 16 bytes little-endian wherever they are hashed or
+//! stored). With [`HashAlgorithm::Sha256`] (the default, as vLLM's) H is SHA-256 over
+//! `salt LE ‖ bytes`, truncated to its first 16 bytes read little-endian: collision-resistant, so
+//! a tenant cannot craft a prompt whose key equals another request's (finding any collision takes
+//! about 2^64 SHA-256 evaluations, and a billion cached blocks collide by accident with a chance
+//! near 2^-68). H is not keyed: collision resistance needs no secret, so instances that share a
+//! cache share nothing but the algorithm. With [`HashAlgorithm::Xxh3`] (an explicit opt-in for
+//! trusted single-tenant deployments) H is xxh3-128 seeded with the salt: as wide, several times
+//! cheaper, but not collision-resistant: anyone who knows the seed (the salt is derived from
+//! public inputs) can forge a key.
 //!
 //! The salt ([`Salt`]) separates tenants: it is derived from the request's cache salt and LoRA name
 //! (see [`Salt::new`]); two requests with different salts never share a key.
@@ -18,7 +24,7 @@
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 use crate::error::{Error, Result};
 
@@ -28,16 +34,16 @@ pub type Token = u32;
 /// Hash of one block's tokens alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct BlockHash(pub u64);
+pub struct BlockHash(pub u128);
 
 /// The key of a full block: names the whole prefix up to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct SequenceHash(pub u64);
+pub struct SequenceHash(pub u128);
 
 impl std::fmt::Display for SequenceHash {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:016x}", self.0)
+        write!(f, "{:032x}", self.0)
     }
 }
 
@@ -59,11 +65,12 @@ impl std::fmt::Display for SequenceHash {
 #[serde(rename_all = "lowercase")]
 #[strum(serialize_all = "lowercase", ascii_case_insensitive)]
 pub enum HashAlgorithm {
-    /// xxh3-64, seeded with the salt. Fast; compatible with Dynamo's KVBM keys.
+    /// SHA-256 over `salt ‖ input`, truncated to 128 bits. Collision-resistant: the default.
     #[default]
-    Xxh3,
-    /// SHA-256 over `salt ‖ input`, truncated to 64 bits. Collision-resistant.
     Sha256,
+    /// xxh3-128, seeded with the salt. Several times cheaper but forgeable by anyone who can
+    /// choose prompts: only for trusted single-tenant deployments.
+    Xxh3,
 }
 
 /// The per-tenant seed of every hash of a request.
@@ -103,22 +110,23 @@ impl Salt {
                 }
             }
         }
-        Salt(hash_bytes(algorithm, 0, &buf))
+        // The salt is a 64-bit seed (xxh3's seed width): the low 64 bits of the 128-bit hash.
+        Salt(hash_bytes(algorithm, 0, &buf) as u64)
     }
 }
 
 #[inline(always)]
-fn hash_bytes(algorithm: HashAlgorithm, seed: u64, bytes: &[u8]) -> u64 {
+fn hash_bytes(algorithm: HashAlgorithm, seed: u64, bytes: &[u8]) -> u128 {
     match algorithm {
-        HashAlgorithm::Xxh3 => xxh3_64_with_seed(bytes, seed),
+        HashAlgorithm::Xxh3 => xxh3_128_with_seed(bytes, seed),
         HashAlgorithm::Sha256 => {
             let mut h = Sha256::new();
             h.update(seed.to_le_bytes());
             h.update(bytes);
             let digest = h.finalize();
-            let mut first = [0u8; 8];
-            first.copy_from_slice(&digest[..8]);
-            u64::from_le_bytes(first)
+            let mut first = [0u8; 16];
+            first.copy_from_slice(&digest[..16]);
+            u128::from_le_bytes(first)
         }
     }
 }
@@ -167,9 +175,9 @@ impl BlockHasher {
         match parent {
             None => SequenceHash(block.0),
             Some(p) => {
-                let mut buf = [0u8; 16];
-                buf[..8].copy_from_slice(&p.0.to_le_bytes());
-                buf[8..].copy_from_slice(&block.0.to_le_bytes());
+                let mut buf = [0u8; 32];
+                buf[..16].copy_from_slice(&p.0.to_le_bytes());
+                buf[16..].copy_from_slice(&block.0.to_le_bytes());
                 SequenceHash(hash_bytes(self.algorithm, self.salt.0, &buf))
             }
         }

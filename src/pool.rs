@@ -60,7 +60,7 @@ const NIL: u32 = u32::MAX;
 
 // --- hashing -------------------------------------------------------------------------------------
 
-/// Hasher for keys that are already 64-bit hashes: one folded multiply instead of SipHash.
+/// Hasher for keys that are already 128-bit hashes: one folded multiply instead of SipHash.
 ///
 /// A pure pass-through would be enough for real keys (xxh3 / SHA-256 outputs), but the fold also
 /// spreads low-entropy keys (tests, small integers) over the top bits the map uses for its tags.
@@ -75,7 +75,7 @@ impl Hasher for SeqHasher {
     }
 
     fn write(&mut self, bytes: &[u8]) {
-        // Not reached for `SequenceHash` (it hashes as one `write_u64`); kept total for safety.
+        // Not reached for `SequenceHash` (it hashes as one `write_u128`); kept total for safety.
         for &b in bytes {
             self.0 = self.0.rotate_left(8) ^ u64::from(b);
         }
@@ -83,6 +83,11 @@ impl Hasher for SeqHasher {
 
     fn write_u64(&mut self, i: u64) {
         self.0 ^= i;
+    }
+
+    fn write_u128(&mut self, i: u128) {
+        // Both halves feed the map's hash: keys that differ only in their high half still spread.
+        self.0 ^= (i as u64) ^ ((i >> 64) as u64).rotate_left(32);
     }
 }
 
@@ -838,7 +843,7 @@ mod tests {
     use crate::ErrorKind;
 
     fn h(i: u64) -> SequenceHash {
-        SequenceHash(i)
+        SequenceHash(u128::from(i))
     }
 
     fn pool(n: usize) -> BlockPool {
@@ -1217,7 +1222,7 @@ mod tests {
         let n = 8192;
         let p = BlockPool::new(TierKind::Host, n).unwrap();
         let hashes: Vec<SequenceHash> = (0..n as u64)
-            .map(|i| SequenceHash(i.wrapping_mul(0xA24B_AED4_963E_E407)))
+            .map(|i| SequenceHash(u128::from(i.wrapping_mul(0xA24B_AED4_963E_E407))))
             .collect();
         for &hash in &hashes {
             cache(&p, hash);

@@ -1010,7 +1010,7 @@ fn config_prints_the_effective_configuration() {
     let path = dir.path().join("kvbm.toml");
     std::fs::write(
         &path,
-        "hash = \"sha256\"\n\n[host]\ncache_gb = 9.0\n\n[disk]\ncache_gb = 1.5\nmin_frequency = 2\n",
+        "hash = \"xxh3\"\n\n[host]\ncache_gb = 9.0\n\n[disk]\ncache_gb = 1.5\nmin_frequency = 2\n",
     )
     .expect("write config");
     let out = kvbm(dir.path())
@@ -1027,7 +1027,7 @@ fn config_prints_the_effective_configuration() {
     for want in [
         "host_blocks = 2000",
         "disk_blocks = 1500",
-        "hash = \"sha256\"",
+        "hash = \"xxh3\"",
         "cache_gb = 2.0",
         "cache_gb = 1.5",
         "min_frequency = 2",

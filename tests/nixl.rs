@@ -342,8 +342,8 @@ fn verified_remote_reads_refuse_rewritten_blocks() {
         Arc::new(RemoteTier::connect(&importer, &export, REMOTE_MAX_IN_FLIGHT).expect("connect"));
     assert!(remote.has_headers());
     let bpb = dims.bytes_per_block();
-    let (k1, k2) = (0x1111_u64, 0x2222_u64);
-    let read = |block: usize, key: u64| {
+    let (k1, k2) = (0x1111_u128 << 64 | 0x1111, 0x2222_u128);
+    let read = |block: usize, key: u128| {
         let mut buf = vec![0u8; bpb];
         remote
             .read_verified(block, key, &mut [IoSliceMut::new(&mut buf)])

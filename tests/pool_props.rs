@@ -45,8 +45,9 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// The model's key `h` as a 128-bit key with both halves set (keys are 128 bits wide).
 fn sh(h: u64) -> SequenceHash {
-    SequenceHash(h)
+    SequenceHash(u128::from(h) << 64 | u128::from(h))
 }
 
 /// What the pool should look like.
@@ -289,7 +290,7 @@ impl World {
             let again = self.pool.match_prefix(&[h]);
             prop_assert_eq!(again.len(), 1);
             prop_assert_eq!(again[0].block_id(), b.block_id());
-            prop_assert_eq!(m.registered.get(&h.0), Some(&b.block_id()));
+            prop_assert_eq!(m.registered.get(&(h.0 as u64)), Some(&b.block_id()));
         }
 
         // The registered set is the model's.

@@ -7,7 +7,8 @@
 //!   requests in flight (on a virtual disk, other buffers or files were seen to differ by 2×, so
 //!   only the same memory and file make a fair limit);
 //! * the leader's hot path: matches of an 8-block request per second (vs the reference's figure
-//!   for Dynamo's leader, quoted, not measured).
+//!   for Dynamo's leader, quoted, not measured), and the cost of the default key hash (SHA-256)
+//!   on that path: the same path with the xxh3 opt-in, measured in the same run.
 //!
 //! With the `nixl` feature (and NIXL loadable, see `docs/nixl.md`), also:
 //!
@@ -38,6 +39,7 @@ use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::error::{Error, ErrorKind, Result};
 use kvbm_connector::frameworks::vllm::Vllm;
+use kvbm_connector::identity::HashAlgorithm;
 use kvbm_connector::layout::{BlockOrder, Layout, LayoutDims};
 use kvbm_connector::tier::{StorageTier, TierKind};
 use kvbm_connector::transfer::TransferEngine;
@@ -373,54 +375,111 @@ fn disk_paths(
 /// Dynamo KVBM's leader lookup path, requests/s (reference §8, upper end; quoted, not measured).
 pub const DYNAMO_LOOKUP_PER_SEC: f64 = 21_000.0;
 
-fn leader_path(rounds: usize) -> Result<PathResult> {
-    let dir = std::env::temp_dir();
-    let mut config = Config::default();
-    config.host.cache_blocks = Some(4096);
-    config.disk.cache_blocks = Some(0);
-    config.disk.dir = dir;
-    let d = LayoutDims {
-        num_layers: 2,
-        outer_dim: 2,
-        page_size: 16,
-        inner_dim: 8,
-        dtype_bytes: 2,
-    };
-    let (lt, wts) = in_process(1);
-    let wt = wts
-        .into_iter()
-        .next()
-        .ok_or_else(|| Error::internal("no worker end"))?;
-    let device: Arc<dyn StorageTier> = Arc::new(MemoryTier::new(
-        TierKind::Device,
-        Layout::fully_contiguous(d, 64)?,
-    )?);
-    let mut worker = Worker::new::<Vllm>(config.clone(), 1, wt, StandardTiers::shared())?;
-    worker.register(device)?;
-    let mut leader = Leader::new::<Vllm>(ScheduledTokens, config, 16, lt)?;
-    let prompt: Vec<u32> = (0..8 * 16 + 1).collect();
-    let calls = 20_000 * rounds.max(1);
-    let t = Instant::now();
-    for k in 0..calls {
-        let id = RequestId::from(k as u64);
-        let info = RequestInfo {
-            id: &id,
-            tokens: &prompt,
-            cache_salt: None,
-            lora_name: None,
+/// A leader (with its in-process worker) matching and releasing 8-block requests with `hash`.
+struct LeaderRig {
+    leader: Leader<ScheduledTokens>,
+    _worker: Worker,
+    prompt: Vec<u32>,
+    next: u64,
+}
+
+impl LeaderRig {
+    fn new(hash: HashAlgorithm) -> Result<Self> {
+        let mut config = Config {
+            hash,
+            ..Config::default()
         };
-        leader.get_num_new_matched_tokens(info, 0)?;
-        leader.request_finished(&id, None, Some(0))?;
+        config.host.cache_blocks = Some(4096);
+        config.disk.cache_blocks = Some(0);
+        config.disk.dir = std::env::temp_dir();
+        let d = LayoutDims {
+            num_layers: 2,
+            outer_dim: 2,
+            page_size: 16,
+            inner_dim: 8,
+            dtype_bytes: 2,
+        };
+        let (lt, wts) = in_process(1);
+        let wt = wts
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::internal("no worker end"))?;
+        let device: Arc<dyn StorageTier> = Arc::new(MemoryTier::new(
+            TierKind::Device,
+            Layout::fully_contiguous(d, 64)?,
+        )?);
+        let mut worker = Worker::new::<Vllm>(config.clone(), 1, wt, StandardTiers::shared())?;
+        worker.register(device)?;
+        let leader = Leader::new::<Vllm>(ScheduledTokens, config, 16, lt)?;
+        Ok(Self {
+            leader,
+            _worker: worker,
+            prompt: (0..8 * 16 + 1).collect(),
+            next: 0,
+        })
     }
-    let per_sec = calls as f64 / t.elapsed().as_secs_f64().max(1e-12);
-    Ok(PathResult {
-        path: "leader match (8-block request) + release".into(),
-        ours: per_sec,
-        limit: DYNAMO_LOOKUP_PER_SEC,
-        ratio: per_sec / DYNAMO_LOOKUP_PER_SEC,
-        unit: "calls/s".into(),
-        limit_source: "Dynamo KVBM lookup path, 21k requests/s (reference §8, quoted)".into(),
-    })
+
+    /// Time of `calls` match + release calls.
+    fn run(&mut self, calls: usize) -> Result<Duration> {
+        let t = Instant::now();
+        for _ in 0..calls {
+            let id = RequestId::from(self.next);
+            self.next += 1;
+            let info = RequestInfo {
+                id: &id,
+                tokens: &self.prompt,
+                cache_salt: None,
+                lora_name: None,
+            };
+            self.leader.get_num_new_matched_tokens(info, 0)?;
+            self.leader.request_finished(&id, None, Some(0))?;
+        }
+        Ok(t.elapsed())
+    }
+}
+
+/// The leader's hot path with the default hash, against Dynamo's quoted figure, and the cost of
+/// the default (SHA-256) against the xxh3 opt-in on the same path in the same run (rounds
+/// alternate; medians).
+fn leader_paths(rounds: usize) -> Result<Vec<PathResult>> {
+    const CALLS: usize = 20_000;
+    let mut default = LeaderRig::new(HashAlgorithm::default())?;
+    let mut xxh3 = LeaderRig::new(HashAlgorithm::Xxh3)?;
+    let (mut d, mut x) = (Vec::new(), Vec::new());
+    for _ in 0..rounds.max(1) {
+        d.push(default.run(CALLS)?);
+        x.push(xxh3.run(CALLS)?);
+    }
+    let rate = |v: &mut Vec<Duration>| {
+        v.sort();
+        CALLS as f64 / v[v.len() / 2].as_secs_f64().max(1e-12)
+    };
+    let (d, x) = (rate(&mut d), rate(&mut x));
+    Ok(vec![
+        PathResult {
+            path: format!(
+                "leader match (8-block request) + release, {} keys",
+                HashAlgorithm::default()
+            ),
+            ours: d,
+            limit: DYNAMO_LOOKUP_PER_SEC,
+            ratio: d / DYNAMO_LOOKUP_PER_SEC,
+            unit: "calls/s".into(),
+            limit_source: "Dynamo KVBM lookup path, 21k requests/s (reference §8, quoted)".into(),
+        },
+        PathResult {
+            path: format!(
+                "leader match (8-block request) + release, {} (default) vs xxh3 keys",
+                HashAlgorithm::default()
+            ),
+            ours: d,
+            limit: x,
+            ratio: d / x.max(1e-12),
+            unit: "calls/s".into(),
+            limit_source: "the same path with hash = xxh3 (trusted single-tenant opt-in), same run"
+                .into(),
+        },
+    ])
 }
 
 /// Runs `kvbm bench`.
@@ -470,7 +529,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     if progress {
         eprintln!("bench: leader hot path…");
     }
-    results.push(leader_path(a.rounds)?);
+    results.extend(leader_paths(a.rounds)?);
     if a.json {
         #[cfg_attr(not(feature = "nixl"), expect(unused_mut))]
         let mut v = serde_json::json!({ "paths": results, "disk_note": note });

@@ -1,5 +1,5 @@
 //! Block headers: what makes a remote block verifiable. One sealed entry per block of an
-//! exported host tier (`[key, checksum, sequence, seal]`), in memory registered with UCX; the
+//! exported host tier (`[key (2 words), checksum, sequence, seal]`), in memory registered with UCX; the
 //! exporter invalidates an entry before it rewrites the block and publishes it after, and an
 //! importer reads it before it trusts a block's bytes ([`RemoteTier::read_verified`]).
 //!
@@ -16,11 +16,16 @@ use crate::backends::slot_file::hash_segments;
 use crate::error::{Error, Result};
 use crate::tier::StorageTier;
 
-/// Bytes of one block header entry: `[key, checksum, sequence, seal]`, four little-endian u64.
-pub const BLOCK_HEADER_BYTES: usize = 32;
+/// Little-endian u64 words of one block header entry: `[key low, key high, checksum, sequence,
+/// seal]` (the key is the 128-bit block key).
+const WORDS: usize = 5;
 
-/// The seal of a header entry: a hash of its three fields, never 0 (0 marks "being written").
-fn seal(key: u64, checksum: u64, seq: u64) -> u64 {
+/// Bytes of one block header entry (see [`WORDS`]).
+pub const BLOCK_HEADER_BYTES: usize = WORDS * 8;
+
+/// The seal of a header entry: a hash of its fields, never 0 (0 marks "being written"). It
+/// detects torn and invalidated entries; it is no authenticator.
+fn seal(key: u128, checksum: u64, seq: u64) -> u64 {
     let mut h = Xxh3::new();
     h.update(b"kvbm-block-header");
     h.update(&key.to_le_bytes());
@@ -31,7 +36,7 @@ fn seal(key: u64, checksum: u64, seq: u64) -> u64 {
 
 /// Decodes one header entry read from an exporter: `(key, checksum)` when it is valid (a
 /// non-zero key and a matching seal), `None` when invalidated, being written or torn.
-pub fn decode_header(bytes: &[u8]) -> Option<(u64, u64)> {
+pub fn decode_header(bytes: &[u8]) -> Option<(u128, u64)> {
     if bytes.len() < BLOCK_HEADER_BYTES {
         return None;
     }
@@ -40,7 +45,8 @@ pub fn decode_header(bytes: &[u8]) -> Option<(u64, u64)> {
         b.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
         u64::from_le_bytes(b)
     };
-    let (key, checksum, seq, sealed) = (w(0), w(1), w(2), w(3));
+    let key = u128::from(w(0)) | (u128::from(w(1)) << 64);
+    let (checksum, seq, sealed) = (w(2), w(3), w(4));
     (key != 0 && sealed == seal(key, checksum, seq)).then_some((key, checksum))
 }
 
@@ -50,7 +56,7 @@ pub fn decode_header(bytes: &[u8]) -> Option<(u64, u64)> {
 pub struct BlockHeaders {
     /// Deregistered (dropped) before `words` is freed (fields drop in order).
     _handle: RegistrationHandle,
-    /// Four words per block: key, checksum, sequence, seal.
+    /// [`WORDS`] words per block: key (low, high), checksum, sequence, seal.
     words: Box<[AtomicU64]>,
     seq: AtomicU64,
 }
@@ -65,7 +71,7 @@ impl std::fmt::Debug for BlockHeaders {
 
 impl BlockHeaders {
     pub(super) fn new(agent: &NixlAgent, num_blocks: usize) -> Result<Self> {
-        let words: Box<[AtomicU64]> = (0..num_blocks * 4).map(|_| AtomicU64::new(0)).collect();
+        let words: Box<[AtomicU64]> = (0..num_blocks * WORDS).map(|_| AtomicU64::new(0)).collect();
         let handle = agent.register(
             &RawRegion {
                 addr: words.as_ptr() as usize,
@@ -88,25 +94,26 @@ impl BlockHeaders {
 
     /// Blocks covered.
     pub fn num_blocks(&self) -> usize {
-        self.words.len() / 4
+        self.words.len() / WORDS
     }
 
     fn entry(&self, block: usize) -> Result<&[AtomicU64]> {
         self.words
-            .get(block * 4..block * 4 + 4)
+            .get(block * WORDS..block * WORDS + WORDS)
             .ok_or_else(|| Error::out_of_range("block header", block, self.num_blocks()))
     }
 
     /// Marks `block` as holding nothing verifiable. Call it **before** overwriting the block.
     pub fn invalidate(&self, block: usize) -> Result<()> {
         let e = self.entry(block)?;
-        e[3].store(0, Ordering::SeqCst);
+        e[4].store(0, Ordering::SeqCst);
         e[0].store(0, Ordering::SeqCst);
+        e[1].store(0, Ordering::SeqCst);
         Ok(())
     }
 
     /// Publishes that `block` holds `key` (non-zero) with image checksum `checksum`.
-    pub fn publish(&self, block: usize, key: u64, checksum: u64) -> Result<()> {
+    pub fn publish(&self, block: usize, key: u128, checksum: u64) -> Result<()> {
         if key == 0 {
             return Err(Error::invalid_argument(
                 "key 0 marks an invalid block header",
@@ -114,17 +121,18 @@ impl BlockHeaders {
         }
         let e = self.entry(block)?;
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        e[3].store(0, Ordering::SeqCst);
-        e[0].store(key, Ordering::SeqCst);
-        e[1].store(checksum, Ordering::SeqCst);
-        e[2].store(seq, Ordering::SeqCst);
-        e[3].store(seal(key, checksum, seq), Ordering::SeqCst);
+        e[4].store(0, Ordering::SeqCst);
+        e[0].store(key as u64, Ordering::SeqCst);
+        e[1].store((key >> 64) as u64, Ordering::SeqCst);
+        e[2].store(checksum, Ordering::SeqCst);
+        e[3].store(seq, Ordering::SeqCst);
+        e[4].store(seal(key, checksum, seq), Ordering::SeqCst);
         Ok(())
     }
 
     /// Hashes `block` of `tier` (the registered tier these headers describe; no write to the
     /// block may run meanwhile) and publishes it as holding `key`. Returns the checksum.
-    pub fn publish_from(&self, tier: &dyn StorageTier, block: usize, key: u64) -> Result<u64> {
+    pub fn publish_from(&self, tier: &dyn StorageTier, block: usize, key: u128) -> Result<u64> {
         let mut checksum = 0;
         tier.with_block(block, &mut |runs| {
             checksum = hash_segments(runs);
@@ -135,7 +143,7 @@ impl BlockHeaders {
     }
 
     /// `(key, checksum)` of `block` when valid.
-    pub fn get(&self, block: usize) -> Option<(u64, u64)> {
+    pub fn get(&self, block: usize) -> Option<(u128, u64)> {
         let e = self.entry(block).ok()?;
         let mut b = [0u8; BLOCK_HEADER_BYTES];
         for (i, w) in e.iter().enumerate() {
@@ -151,8 +159,8 @@ mod tests {
 
     #[test]
     fn header_seal_detects_invalid_and_torn_entries() {
-        let enc = |k: u64, c: u64, s: u64, x: u64| {
-            [k, c, s, x]
+        let enc = |k: u128, c: u64, s: u64, x: u64| {
+            [k as u64, (k >> 64) as u64, c, s, x]
                 .iter()
                 .flat_map(|w| w.to_le_bytes())
                 .collect::<Vec<u8>>()
@@ -164,5 +172,15 @@ mod tests {
         assert_eq!(decode_header(&enc(7, 10, 1, seal(7, 9, 1))), None);
         assert_eq!(decode_header(&enc(7, 9, 2, seal(7, 9, 1))), None);
         assert_eq!(decode_header(&[0u8; 8]), None);
+        // Both halves of the 128-bit key are stored and sealed: keys that differ only in the
+        // high half are told apart, and a key of 0 in the low half alone is still valid.
+        let k = (5u128 << 64) | 7;
+        assert_eq!(decode_header(&enc(k, 9, 1, seal(k, 9, 1))), Some((k, 9)));
+        assert_eq!(decode_header(&enc(k, 9, 1, seal(7, 9, 1))), None);
+        let high = 5u128 << 64;
+        assert_eq!(
+            decode_header(&enc(high, 9, 1, seal(high, 9, 1))),
+            Some((high, 9))
+        );
     }
 }

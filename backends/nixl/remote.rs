@@ -181,7 +181,12 @@ impl RemoteTier {
     /// Errors: no headers in the export ([`ErrorKind::Unsupported`]); header invalid or naming
     /// another key ([`ErrorKind::NotFound`]); checksum mismatch ([`ErrorKind::Corrupt`]);
     /// transfer failures ([`ErrorKind::Io`]); `dst` of the wrong length.
-    pub fn read_verified(&self, block: usize, key: u64, dst: &mut [IoSliceMut<'_>]) -> Result<u64> {
+    pub fn read_verified(
+        &self,
+        block: usize,
+        key: u128,
+        dst: &mut [IoSliceMut<'_>],
+    ) -> Result<u64> {
         check_io(
             TierKind::Remote,
             "read_verified",
@@ -201,7 +206,7 @@ impl RemoteTier {
             e.with("tier", TierKind::Remote)
                 .with("block", block)
                 .with("remote_agent", &self.remote)
-                .with("key", format!("{key:#018x}"))
+                .with("key", format!("{key:#034x}"))
         };
         let _guard = self.lock("read_verified", block)?.read();
         let mut bg = self.bounce.take();
@@ -230,7 +235,7 @@ impl RemoteTier {
         if found != key {
             return Err(ctx(Error::new(
                 ErrorKind::NotFound,
-                format!("remote block holds key {found:#018x}, not the expected one"),
+                format!("remote block holds key {found:#034x}, not the expected one"),
             )));
         }
         let bpb = self.bytes_per_block();
@@ -348,12 +353,12 @@ impl StorageTier for RemoteTier {
 #[derive(Debug)]
 pub struct VerifiedRemote {
     tier: Arc<RemoteTier>,
-    keys: std::collections::HashMap<usize, u64>,
+    keys: std::collections::HashMap<usize, u128>,
 }
 
 impl VerifiedRemote {
     /// `keys`: `(remote block, expected key)`.
-    pub fn new(tier: Arc<RemoteTier>, keys: impl IntoIterator<Item = (usize, u64)>) -> Self {
+    pub fn new(tier: Arc<RemoteTier>, keys: impl IntoIterator<Item = (usize, u128)>) -> Self {
         Self {
             tier,
             keys: keys.into_iter().collect(),

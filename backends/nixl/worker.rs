@@ -201,7 +201,7 @@ impl WorkerRemote for NixlWorkerRemote {
     }
 
     /// Publishes that host block `b` now holds `key` (after its write completed).
-    fn publish(&self, blocks: &[(usize, u64)]) {
+    fn publish(&self, blocks: &[(usize, u128)]) {
         if let Some((tier, headers, _)) = &self.host {
             for &(b, key) in blocks {
                 if let Err(e) = headers.publish_from(tier.as_ref(), b, key) {
@@ -213,7 +213,7 @@ impl WorkerRemote for NixlWorkerRemote {
 
     /// The source tier of one remote load from `instance`: its host tier, each block read
     /// only if it holds the expected key.
-    fn source(&self, instance: &str, keys: &[(usize, u64)]) -> Result<Arc<dyn StorageTier>> {
+    fn source(&self, instance: &str, keys: &[(usize, u128)]) -> Result<Arc<dyn StorageTier>> {
         let tier = self.peer(instance)?;
         Ok(Arc::new(VerifiedRemote::new(tier, keys.iter().copied())))
     }

@@ -23,7 +23,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::tier::TierKind;
 
 /// Version of the metadata format; a worker refuses any other.
-pub const METADATA_VERSION: u32 = 1;
+pub const METADATA_VERSION: u32 = 2;
 
 /// Largest metadata document a worker accepts (bytes).
 pub const MAX_METADATA_BYTES: usize = 64 << 20;
@@ -115,7 +115,7 @@ pub trait Operation: Debug + Send + Sync {
     /// The key (sequence hash) of each pair's block, in pair order, when the operation carries
     /// them (remote tier only: stores into host publish them, remote loads expect them); empty
     /// otherwise.
-    fn block_keys(&self) -> &[u64] {
+    fn block_keys(&self) -> &[u128] {
         &[]
     }
     /// For a load from the remote tier: the instance whose host tier holds the source blocks.
@@ -132,7 +132,7 @@ pub struct KeyedStore {
     /// The copies (`dst` is the host tier).
     pub transfer: BlockTransfer,
     /// The key of each pair's block, in pair order.
-    pub keys: Vec<u64>,
+    pub keys: Vec<u128>,
 }
 
 /// A [`Load`] from another instance's host tier (the remote, G4, tier): each pair's source block
@@ -145,7 +145,7 @@ pub struct RemoteLoad {
     /// The exporting instance.
     pub instance: String,
     /// The key each pair's source block must hold, in pair order.
-    pub keys: Vec<u64>,
+    pub keys: Vec<u128>,
 }
 
 #[typetag::serde(name = "keyed_store")]
@@ -159,7 +159,7 @@ impl Operation for KeyedStore {
     fn clone_op(&self) -> Box<dyn Operation> {
         Box::new(self.clone())
     }
-    fn block_keys(&self) -> &[u64] {
+    fn block_keys(&self) -> &[u128] {
         &self.keys
     }
 }
@@ -175,7 +175,7 @@ impl Operation for RemoteLoad {
     fn clone_op(&self) -> Box<dyn Operation> {
         Box::new(self.clone())
     }
-    fn block_keys(&self) -> &[u64] {
+    fn block_keys(&self) -> &[u128] {
         &self.keys
     }
     fn remote_instance(&self) -> Option<&str> {
@@ -361,7 +361,7 @@ mod tests {
                 .into_bytes(),
             String::from_utf8(good.clone())
                 .unwrap()
-                .replace("\"version\":1", "\"version\":99")
+                .replace("\"version\":2", "\"version\":99")
                 .into_bytes(),
             String::from_utf8(good.clone())
                 .unwrap()

@@ -38,8 +38,16 @@ pub struct HostIndex {
     pub bytes_per_block: usize,
     /// Hash of the block keys.
     pub hash: HashAlgorithm,
+    /// Width of the keys in bits ([`HostIndex::KEY_BITS`]). Indexes of older versions (64-bit
+    /// keys, no such field) do not parse, and are skipped.
+    pub key_bits: u32,
     /// `(key, host block)` of every registered host block.
-    pub blocks: Vec<(u64, usize)>,
+    pub blocks: Vec<(u128, usize)>,
+}
+
+impl HostIndex {
+    /// The key width this version writes and reads.
+    pub const KEY_BITS: u32 = 128;
 }
 
 /// `<dir>/<instance>.index.json`.
@@ -145,7 +153,10 @@ impl LeaderRemote {
                     continue;
                 }
             };
-            if peer.instance == self.instance || !compatible(&peer) {
+            if peer.instance == self.instance
+                || peer.key_bits != HostIndex::KEY_BITS
+                || !compatible(&peer)
+            {
                 continue;
             }
             let name: Arc<str> = Arc::from(peer.instance.as_str());
@@ -171,12 +182,12 @@ pub trait WorkerRemote: Send + Sync + std::fmt::Debug {
     /// The source tier of one load from `instance`'s host tier: `keys` are `(peer host block,
     /// expected key)`, and a block is read only if verified to hold its key (a block whose check
     /// fails is a failed block, never served).
-    fn source(&self, instance: &str, keys: &[(usize, u64)]) -> Result<Arc<dyn StorageTier>>;
+    fn source(&self, instance: &str, keys: &[(usize, u128)]) -> Result<Arc<dyn StorageTier>>;
 
     /// Marks host blocks as holding nothing verifiable: called before they are written.
     fn invalidate(&self, blocks: &[usize]);
 
     /// Publishes that host block `b` now holds `key`, for each `(b, key)`: called once their
     /// writes completed.
-    fn publish(&self, blocks: &[(usize, u64)]);
+    fn publish(&self, blocks: &[(usize, u128)]);
 }

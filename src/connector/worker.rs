@@ -1000,7 +1000,7 @@ fn remote_source(tiers: &WorkerTiers, op: &dyn Operation) -> Result<Arc<dyn Stor
             t.pairs.len()
         )));
     }
-    let keys: Vec<(usize, u64)> = t
+    let keys: Vec<(usize, u128)> = t
         .pairs
         .iter()
         .map(|p| p.0)
@@ -1025,11 +1025,11 @@ fn publish_after(tiers: &WorkerTiers, op: &dyn Operation) -> Option<Publish> {
     if keys.len() != t.pairs.len() {
         return None; // no keys: withdrawn, never served
     }
-    let blocks: Vec<(usize, u64)> = dst.into_iter().zip(keys.iter().copied()).collect();
+    let blocks: Vec<(usize, u128)> = dst.into_iter().zip(keys.iter().copied()).collect();
     Some(Box::new(move |outcome: &Result<TransferOutcome>| {
         let Ok(o) = outcome else { return };
         let failed: HashSet<usize> = o.failed.iter().map(|f| f.dst_block).collect();
-        let written: Vec<(usize, u64)> = blocks
+        let written: Vec<(usize, u128)> = blocks
             .into_iter()
             .filter(|(b, _)| !failed.contains(b))
             .collect();

@@ -18,12 +18,14 @@ def as_dict(c: Config) -> dict:
 def test_environment_variables_apply(monkeypatch):
     monkeypatch.setenv("KVBM_HOST_CACHE_GB", "2.5")
     monkeypatch.setenv("KVBM_DISK_MIN_FREQUENCY", "3")
-    monkeypatch.setenv("KVBM_HASH", "sha256")
+    # The default is SHA-256 (collision-resistant keys); the variable opts into xxh3.
+    assert as_dict(load_config())["hash"] == "sha256"
+    monkeypatch.setenv("KVBM_HASH", "xxh3")
     c = as_dict(load_config())
     assert c["host"]["cache_gb"] == 2.5
     assert c["host"]["cache_blocks"] == 16  # from the fixture
     assert c["disk"]["min_frequency"] == 3
-    assert c["hash"] == "sha256"
+    assert c["hash"] == "xxh3"
 
 
 def test_dynamo_names_are_accepted_and_ours_win(monkeypatch):
@@ -36,11 +38,11 @@ def test_dynamo_names_are_accepted_and_ours_win(monkeypatch):
 
 def test_config_file_then_environment(monkeypatch, tmp_path):
     f = tmp_path / "kvbm.toml"
-    f.write_text('hash = "sha256"\n[host]\ncache_blocks = 99\n[transfer]\nbatch_blocks = 5\n')
+    f.write_text('hash = "xxh3"\n[host]\ncache_blocks = 99\n[transfer]\nbatch_blocks = 5\n')
     monkeypatch.delenv("KVBM_HOST_CACHE_BLOCKS")
     monkeypatch.setenv("KVBM_CONFIG", str(f))
     c = as_dict(load_config())
-    assert (c["hash"], c["host"]["cache_blocks"], c["transfer"]["batch_blocks"]) == ("sha256", 99, 5)
+    assert (c["hash"], c["host"]["cache_blocks"], c["transfer"]["batch_blocks"]) == ("xxh3", 99, 5)
     monkeypatch.setenv("KVBM_TRANSFER_BATCH_BLOCKS", "7")
     assert as_dict(load_config())["transfer"]["batch_blocks"] == 7
     g = tmp_path / "other.toml"

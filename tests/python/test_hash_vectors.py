@@ -1,6 +1,6 @@
 """The cross-check behind tests/hash_vectors.rs: the frozen keys there are recomputed here by an
 independent implementation of the key definition (src/identity.rs, docs/architecture.md) on
-Python's ``xxhash`` and ``hashlib``, sharing no code with the crate. The expected values are read
+Python's ``xxhash`` (xxh3-128) and ``hashlib`` (SHA-256), sharing no code with the crate. The expected values are read
 out of the Rust test file itself, so the two cannot drift apart unnoticed: change a vector there
 without changing the definition and this test fails; change the definition and both fail."""
 
@@ -19,11 +19,19 @@ RUST_VECTORS = Path(__file__).resolve().parents[1] / "hash_vectors.rs"
 NONE_TAG = struct.pack("<I", 0xFFFFFFFF)
 
 
+MASK64 = (1 << 64) - 1
+
+
 def h(alg: str, seed: int, data: bytes) -> int:
+    """The 128-bit H of the key definition."""
     if alg == "xxh3":
-        return xxhash.xxh3_64_intdigest(data, seed=seed)
+        return xxhash.xxh3_128_intdigest(data, seed=seed)
     digest = hashlib.sha256(struct.pack("<Q", seed) + data).digest()
-    return struct.unpack("<Q", digest[:8])[0]
+    return int.from_bytes(digest[:16], "little")
+
+
+def le128(x: int) -> bytes:
+    return x.to_bytes(16, "little")
 
 
 def salt(alg: str, cache_salt: str | None, lora: str | None) -> int:
@@ -36,7 +44,8 @@ def salt(alg: str, cache_salt: str | None, lora: str | None) -> int:
         else:
             raw = field.encode()
             buf += struct.pack("<I", len(raw)) + raw
-    return h(alg, 0, buf)
+    # The salt is a 64-bit seed: the low half of H.
+    return h(alg, 0, buf) & MASK64
 
 
 def keys(alg: str, cache_salt: str | None, lora: str | None) -> list[int]:
@@ -46,7 +55,7 @@ def keys(alg: str, cache_salt: str | None, lora: str | None) -> list[int]:
     tokens = list(range(64))
     for i in range(0, 64, 16):
         b = h(alg, s, struct.pack("<16I", *tokens[i : i + 16]))
-        out.append(b if not out else h(alg, s, struct.pack("<QQ", out[-1], b)))
+        out.append(b if not out else h(alg, s, le128(out[-1]) + le128(b)))
     return out
 
 
@@ -76,9 +85,12 @@ def parse_args(args: str) -> tuple[str, str | None, str | None]:
 
 def test_the_rust_file_holds_the_vectors_we_expect():
     found = rust_assertions()
-    # 3 key lists and 2 salts for xxh3, 3 key lists and 1 salt for SHA-256.
+    # 3 key lists and 2 salts for SHA-256, 3 key lists and 1 salt for xxh3.
     assert len(found) == 9, found
     assert sum(1 for call, _, _ in found if call == "keys") == 6
+    # Keys are 128 bits: at least one frozen key uses the high half.
+    keys_found = [v for call, _, vs in found if call == "keys" for v in vs]
+    assert any(v >> 64 for v in keys_found), keys_found
 
 
 @pytest.mark.parametrize("call,args,expected", rust_assertions())
@@ -93,5 +105,6 @@ def test_independent_implementation_gives_the_frozen_keys(call, args, expected):
 def test_the_check_can_fail():
     # One token changed: the same definition must give other keys, so equality above is not
     # vacuous.
-    s = salt("xxh3", None, None)
-    assert h("xxh3", s, struct.pack("<16I", *range(1, 17))) != keys("xxh3", None, None)[0]
+    for alg in ("sha256", "xxh3"):
+        s = salt(alg, None, None)
+        assert h(alg, s, struct.pack("<16I", *range(1, 17))) != keys(alg, None, None)[0]

@@ -11,8 +11,8 @@ pub struct DevicePool {
     free: Vec<usize>,
     refs: Vec<u32>,
     /// Prefix cache: key → block, and each cached block's key.
-    cached: HashMap<u64, usize>,
-    key_of: Vec<Option<u64>>,
+    cached: HashMap<u128, usize>,
+    key_of: Vec<Option<u128>>,
     /// Cached blocks with no reference, oldest first; each block at most once (`queued`), and
     /// entries referenced again since are skipped when popped.
     evictable: VecDeque<usize>,
@@ -63,7 +63,7 @@ impl DevicePool {
     }
 
     /// Longest cached prefix of `keys`, referenced.
-    pub fn lookup(&mut self, keys: &[u64]) -> Vec<usize> {
+    pub fn lookup(&mut self, keys: &[u128]) -> Vec<usize> {
         let mut out = Vec::new();
         if !self.enabled {
             return out;
@@ -84,7 +84,7 @@ impl DevicePool {
     }
 
     /// Releases a request's blocks; full computed blocks are kept for reuse under their keys.
-    pub fn release(&mut self, blocks: &[usize], keys: &[u64]) {
+    pub fn release(&mut self, blocks: &[usize], keys: &[u128]) {
         for (i, &b) in blocks.iter().enumerate() {
             self.refs[b] = self.refs[b].saturating_sub(1);
             if self.enabled && self.key_of[b].is_none() {

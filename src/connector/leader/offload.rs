@@ -476,6 +476,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             page_size: self.page_size,
             bytes_per_block: tiers.readiness.total_bytes_per_block(),
             hash: self.config.hash,
+            key_bits: HostIndex::KEY_BITS,
             blocks: tiers
                 .host
                 .as_ref()

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use kvbm_connector::connector::transport::in_process;
 use kvbm_connector::error::{Error, ErrorKind, Result};
-use kvbm_connector::identity::{BlockHasher, HashAlgorithm, Salt};
+use kvbm_connector::identity::{BlockHasher, Salt};
 use kvbm_connector::tier::TierKind;
 
 use super::engines::{engine_of, CallOrder, SchedulerSide};
@@ -138,7 +138,7 @@ impl Simulator {
         let n = opts.device_blocks;
         let mut engine = Self {
             pool: DevicePool::new(n, opts.device_prefix_cache),
-            hasher: BlockHasher::new(HashAlgorithm::Xxh3, Salt::NONE),
+            hasher: BlockHasher::new(opts.config.hash, Salt::NONE),
             sched,
             ranks: ranks.into_iter().map(Some).collect(),
             children,
@@ -221,7 +221,7 @@ impl Simulator {
         })
     }
 
-    fn keys(&self, i: usize, blocks: usize) -> Vec<u64> {
+    fn keys(&self, i: usize, blocks: usize) -> Vec<u128> {
         let bs = self.opts.block_size;
         let r = &self.reqs[i];
         let n = (blocks * bs).min(r.tokens.len());
