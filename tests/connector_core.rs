@@ -22,6 +22,32 @@ fn store_then_hit_from_host_then_from_disk() {
     assert_eq!(snap.load_error_blocks, 0);
 }
 
+/// `tcp.metrics_addr` (`KVBM_METRICS_ADDR`): the leader serves its counters at `GET /metrics`;
+/// after a prefix reuse a scrape shows the hits. Without the endpoint nothing listens.
+#[test]
+fn metrics_are_served_over_http_after_a_prefix_reuse() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 16, 64);
+    cfg.tcp.metrics_addr = Some("127.0.0.1:0".parse().unwrap());
+    let mut r = rig_with(cfg, dir);
+    let addr = r.leader.metrics_addr().expect("the endpoint is on");
+    let prompt: Vec<u32> = (0..24).collect();
+    r.offload(&"a".into(), &prompt, &(0..6).collect::<Vec<_>>());
+    r.onboard(&"b".into(), &prompt, &(6..12).collect::<Vec<_>>());
+    r.leader.process_completions();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvbm\r\n\r\n").unwrap();
+    let mut page = String::new();
+    s.read_to_string(&mut page).unwrap();
+    assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
+    assert!(
+        page.contains("kvbm_hit_tokens_total{tier=\"host\"} 20"),
+        "{page}"
+    );
+    assert!(rig(16, 64).leader.metrics_addr().is_none(), "off by default");
+}
+
 #[test]
 fn metrics_render_in_prometheus_format() {
     let mut r = rig(16, 64);
