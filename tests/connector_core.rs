@@ -37,7 +37,8 @@ fn metrics_are_served_over_http_after_a_prefix_reuse() {
     r.onboard(&"b".into(), &prompt, &(6..12).collect::<Vec<_>>());
     r.leader.process_completions();
     let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvbm\r\n\r\n").unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvbm\r\n\r\n")
+        .unwrap();
     let mut page = String::new();
     s.read_to_string(&mut page).unwrap();
     assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
@@ -45,7 +46,10 @@ fn metrics_are_served_over_http_after_a_prefix_reuse() {
         page.contains("kvbm_hit_tokens_total{tier=\"host\"} 20"),
         "{page}"
     );
-    assert!(rig(16, 64).leader.metrics_addr().is_none(), "off by default");
+    assert!(
+        rig(16, 64).leader.metrics_addr().is_none(),
+        "off by default"
+    );
 }
 
 #[test]

@@ -121,7 +121,10 @@ pub(crate) fn drain(py: Python<'_>) {
         if q.records.is_empty() && q.dropped == 0 {
             return;
         }
-        (std::mem::take(&mut q.records), std::mem::take(&mut q.dropped))
+        (
+            std::mem::take(&mut q.records),
+            std::mem::take(&mut q.dropped),
+        )
     };
     let Ok(logger) = py
         .import("logging")
@@ -130,7 +133,9 @@ pub(crate) fn drain(py: Python<'_>) {
         return;
     };
     if dropped > 0 {
-        let text = format!("{dropped} kvbm log records were dropped (more than {QUEUE_CAP} between calls)");
+        let text = format!(
+            "{dropped} kvbm log records were dropped (more than {QUEUE_CAP} between calls)"
+        );
         let _ = logger.call_method1("log", (30, "%s", text));
     }
     for r in records {
