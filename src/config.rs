@@ -362,8 +362,9 @@ pub struct TcpConfig {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub allow_insecure: bool,
     /// Where the leader serves its counters over HTTP (`GET /metrics`, Prometheus text;
-    /// `connector::metrics_server`): `ip:port`. Default: unset, meaning no endpoint (nothing
-    /// listens unless asked). A non-loopback address follows the rule of [`Self::check_listen`]
+    /// `connector::metrics_server`): `ip:port`; each worker serves its own transfer counters on
+    /// the same IP at port + 1 + rank. Default: unset, meaning no endpoint (nothing listens
+    /// unless asked). A non-loopback address follows the rule of [`Self::check_listen`]
     /// with no token (the endpoint has none): refused unless [`Self::allow_insecure`]. Port 0
     /// picks a free port ([`Leader::metrics_addr`] says which).
     ///

@@ -1,7 +1,8 @@
-//! The leader's counters over HTTP: `GET /metrics` answers [`Metrics::render_prometheus`]
-//! (Prometheus text format 0.0.4), anything else 404 (405 for another method). Started by
-//! [`Leader::new`](crate::connector::leader::Leader::new) when
-//! [`TcpConfig::metrics_addr`] (`KVBM_METRICS_ADDR`) is set; off otherwise.
+//! Counters over HTTP: `GET /metrics` answers [`Metrics::render_prometheus`] (Prometheus text
+//! format 0.0.4), anything else 404 (405 for another method). Started by
+//! [`Leader::new`](crate::connector::leader::Leader::new) at [`TcpConfig::metrics_addr`]
+//! (`KVBM_METRICS_ADDR`) and by [`Worker::new`](crate::connector::worker::Worker::new) for its
+//! own transfer counters at that port + 1 + rank; off when the setting is unset.
 //!
 //! A small responder of our own on one std thread rather than an HTTP stack: the endpoint is one
 //! read-only page a scraper fetches every few seconds, and hyper/axum would bring dozens of
