@@ -33,7 +33,7 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest request head read; a longer one gets a 400.
 pub const MAX_REQUEST: usize = 8 * 1024;
 /// How often the idle listener checks whether it should stop.
-const POLL: Duration = Duration::from_millis(100);
+pub const POLL: Duration = Duration::from_millis(100);
 
 /// A running metrics endpoint; dropping it stops the thread (within [`POLL`] plus a request in
 /// progress) and closes the port.
