@@ -32,6 +32,7 @@
 //! heartbeat_timeout_secs = 10.0  # silence after which a peer counts as lost
 //! call_timeout_secs = 60.0 # deadline of one request/answer across processes
 //! allow_insecure = false   # allow listening on a non-loopback address without a token
+//! metrics_addr = "127.0.0.1:9400"  # serve GET /metrics (Prometheus text); workers: port + 1 + rank
 //! ```
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -291,6 +292,8 @@ impl RemoteConfig {
 pub const LEADER_ADDR_ENV: &str = "KVBM_LEADER_ADDR";
 /// The environment variable holding the shared secret workers present ([`TcpConfig::auth_token`]).
 pub const AUTH_TOKEN_ENV: &str = "KVBM_AUTH_TOKEN";
+/// The environment variable naming where the metrics endpoint listens ([`TcpConfig::metrics_addr`]).
+pub const METRICS_ADDR_ENV: &str = "KVBM_METRICS_ADDR";
 /// The leader's address when none is set (loopback).
 pub const DEFAULT_LEADER_ADDR: &str = "127.0.0.1:5557";
 /// The environment variable naming the private directory of rendezvous files
@@ -358,6 +361,15 @@ pub struct TcpConfig {
     /// [`ALLOW_INSECURE_ENV`]: anyone who reaches the port could join as a worker. Default: false.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub allow_insecure: bool,
+    /// Where the leader serves its counters over HTTP (`GET /metrics`, Prometheus text;
+    /// `connector::metrics_server`): `ip:port`; each worker serves its own transfer counters on
+    /// the same IP at port + 1 + rank. Default: unset, meaning no endpoint (nothing listens
+    /// unless asked). A non-loopback address follows the rule of [`Self::check_listen`]
+    /// with no token (the endpoint has none): refused unless [`Self::allow_insecure`]. Port 0
+    /// picks a free port ([`Leader::metrics_addr`] says which).
+    ///
+    /// [`Leader::metrics_addr`]: crate::connector::leader::Leader::metrics_addr
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -373,6 +385,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("heartbeat_timeout_secs", &self.heartbeat_timeout_secs)
             .field("call_timeout_secs", &self.call_timeout_secs)
             .field("allow_insecure", &self.allow_insecure)
+            .field("metrics_addr", &self.metrics_addr)
             .finish()
     }
 }
@@ -442,6 +455,7 @@ impl TcpConfig {
             && self.heartbeat_timeout_secs.is_none()
             && self.call_timeout_secs.is_none()
             && !self.allow_insecure
+            && self.metrics_addr.is_none()
     }
 
     /// Checks the deadlines' ranges (the timeout at least twice the interval).
@@ -708,6 +722,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours(HEARTBEAT_TIMEOUT_ENV, "tcp.heartbeat_timeout_secs"),
     ours(CALL_TIMEOUT_ENV, "tcp.call_timeout_secs"),
     ours(ALLOW_INSECURE_ENV, "tcp.allow_insecure"),
+    ours(METRICS_ADDR_ENV, "tcp.metrics_addr"),
 ];
 
 /// Names the configuration file when no path is given explicitly.
@@ -897,6 +912,16 @@ impl Config {
                 self.tcp.call_timeout_secs = Some(parse_num(source, raw, "seconds > 0")?)
             }
             "tcp.allow_insecure" => self.tcp.allow_insecure = parse_bool(source, raw)?,
+            "tcp.metrics_addr" => {
+                let raw = raw.trim();
+                self.tcp.metrics_addr = if raw.is_empty() {
+                    None
+                } else {
+                    Some(raw.parse().map_err(|e| {
+                        Error::invalid_config(source, raw, format!("expected ip:port ({e})"))
+                    })?)
+                }
+            }
             other => {
                 return Err(Error::internal(format!(
                     "environment table names unknown key {other}"

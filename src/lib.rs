@@ -59,6 +59,8 @@ pub mod connector;
 pub mod error;
 pub mod identity;
 pub mod layout;
+#[cfg(any(feature = "cli", feature = "python"))]
+pub mod log;
 pub mod pool;
 pub mod tier;
 pub mod transfer;

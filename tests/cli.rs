@@ -15,6 +15,7 @@ use std::process::{Command, Output};
 use std::time::Instant;
 
 use kvbm_connector::config::{CONFIG_FILE_VAR, ENV_VARS};
+use kvbm_connector::log::LOG_ENV;
 use serde_json::{json, Value};
 use workload::{generate, generate_workload, WorkloadKind, WorkloadSize};
 
@@ -42,6 +43,7 @@ fn kvbm(dir: &Path) -> Command {
         c.env_remove(v.name);
     }
     c.env_remove(CONFIG_FILE_VAR);
+    c.env_remove(LOG_ENV);
     c.env("KVBM_DISK_CACHE_DIR", dir);
     c
 }
@@ -1188,6 +1190,39 @@ fn help_and_unknown_flags() {
     assert_clean_failure(&out, "bad framework", &["sglang", "trtllm", "vllm"]);
     let out = kvbm(dir.path()).output().expect("run");
     assert_clean_failure(&out, "no subcommand", &["Usage"]);
+}
+
+/// Warnings reach stderr by default (`KVBM_LOG` unset); `KVBM_LOG=error` silences them; a filter
+/// that does not parse is named on stderr and the default used. The warning is the barrier's "both
+/// tiers sized 0" one.
+#[test]
+fn warnings_show_on_stderr_filtered_by_kvbm_log() {
+    let dir = tmp();
+    let needle = "will store and load nothing";
+    let replay = |log: Option<&str>| {
+        let mut c = kvbm(dir.path());
+        c.args(["replay", "--requests", "4", "--quiet"])
+            .env("KVBM_HOST_CACHE_GB", "0")
+            .env("KVBM_DISK_CACHE_GB", "0");
+        if let Some(v) = log {
+            c.env(LOG_ENV, v);
+        }
+        let out = c.output().expect("run");
+        assert_ok(&out, "replay with both tiers sized 0");
+        text(&out.stderr)
+    };
+    let err = replay(None);
+    assert!(
+        err.contains(needle) && err.contains("WARN"),
+        "default: the warning on stderr:\n{err}"
+    );
+    let err = replay(Some("error"));
+    assert!(!err.contains(needle), "KVBM_LOG=error: no warning:\n{err}");
+    let err = replay(Some("kvbm_connector=[["));
+    assert!(
+        err.contains(needle) && err.contains(LOG_ENV),
+        "bad KVBM_LOG: named, default used:\n{err}"
+    );
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -22,6 +22,58 @@ fn store_then_hit_from_host_then_from_disk() {
     assert_eq!(snap.load_error_blocks, 0);
 }
 
+/// `tcp.metrics_addr` (`KVBM_METRICS_ADDR`): the leader serves its counters at `GET /metrics`
+/// and each worker its own transfer counters (port + 1 + rank; here port 0: any free port);
+/// after a prefix reuse a scrape shows the hits and the worker's copies. Without the setting
+/// nothing listens.
+#[test]
+fn metrics_are_served_over_http_after_a_prefix_reuse() {
+    use std::io::{Read, Write};
+    fn scrape(addr: std::net::SocketAddr) -> String {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvbm\r\n\r\n")
+            .unwrap();
+        let mut page = String::new();
+        s.read_to_string(&mut page).unwrap();
+        assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
+        page
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 16, 64);
+    cfg.tcp.metrics_addr = Some("127.0.0.1:0".parse().unwrap());
+    let mut r = rig_with(cfg, dir);
+    let leader = r
+        .leader
+        .metrics_addr()
+        .expect("the leader's endpoint is on");
+    let worker = r
+        .worker
+        .metrics_addr()
+        .expect("the worker's endpoint is on");
+    assert_ne!(leader, worker);
+    let prompt: Vec<u32> = (0..24).collect();
+    r.offload(&"a".into(), &prompt, &(0..6).collect::<Vec<_>>());
+    r.onboard(&"b".into(), &prompt, &(6..12).collect::<Vec<_>>());
+    r.leader.process_completions();
+    let page = scrape(leader);
+    assert!(
+        page.contains("kvbm_hit_tokens_total{tier=\"host\"} 20"),
+        "{page}"
+    );
+    let page = scrape(worker);
+    for pair in [
+        "{src=\"device\",dst=\"host\"} 6",
+        "{src=\"host\",dst=\"device\"} 5",
+    ] {
+        assert!(
+            page.contains(&format!("kvbm_transfer_blocks_total{pair}")),
+            "worker page has {pair}:\n{page}"
+        );
+    }
+    let off = rig(16, 64);
+    assert!(off.leader.metrics_addr().is_none() && off.worker.metrics_addr().is_none());
+}
+
 #[test]
 fn metrics_render_in_prometheus_format() {
     let mut r = rig(16, 64);

@@ -108,6 +108,8 @@ impl ModelArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Warnings on stderr (KVBM_LOG filters; default `warn`).
+    kvbm_connector::log::init_stderr();
     match run(cli) {
         Ok(code) => code,
         Err(e) => {

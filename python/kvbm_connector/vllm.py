@@ -127,6 +127,85 @@ except Exception:  # ImportError, or anything a partial install raises on import
             return None
 
 
+try:  # pragma: no cover - vLLM's connector-stats classes (0.11+)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics as _PromMetricsBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats as _StatsBase,
+    )
+    from vllm.v1.metrics.utils import create_metric_per_engine as _per_engine
+except Exception:
+    _PromMetricsBase = None
+
+    class _StatsBase:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorStats``."""
+
+        def __init__(self, data: Optional[dict] = None) -> None:
+            self.data = dict(data or {})
+
+
+# The leader's counters vLLM's stats carry (deltas per interval), and their Prometheus names
+# (``vllm:kvbm_<name>_total`` once prometheus_client adds the suffix).
+STAT_COUNTERS = (
+    "lookup_tokens",
+    "matched_tokens",
+    "host_hit_tokens",
+    "disk_hit_tokens",
+    "remote_hit_tokens",
+    "load_error_blocks",
+    "host_store_error_blocks",
+    "disk_store_error_blocks",
+    "offload_dropped_blocks",
+)
+
+
+class KvbmConnectorStats(_StatsBase):
+    """The connector's counters as vLLM's ``KVConnectorStats``: ``data`` maps each name of
+    ``STAT_COUNTERS`` to how much it grew since the previous interval."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: Any) -> "KvbmConnectorStats":
+        for k, v in (getattr(other, "data", None) or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict:
+        return {k: self.data.get(k, 0) for k in STAT_COUNTERS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+if _PromMetricsBase is not None:
+
+    class KvbmPromMetrics(_PromMetricsBase):
+        """One Prometheus counter per ``STAT_COUNTERS`` name in vLLM's own registry
+        (``vllm:kvbm_host_hit_tokens_total``, ...), per engine."""
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = {
+                name: _per_engine(
+                    self._counter_cls(
+                        name=f"vllm:kvbm_{name}",
+                        documentation=f"kvbm connector: {name.replace('_', ' ')}",
+                        labelnames=labelnames,
+                    ),
+                    self.per_engine_labelvalues,
+                )
+                for name in STAT_COUNTERS
+            }
+
+        def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
+            for name, per_engine in self._counters.items():
+                delta = (transfer_stats_data or {}).get(name, 0)
+                if delta > 0 and engine_idx in per_engine:
+                    per_engine[engine_idx].inc(delta)
+
+
 try:  # pragma: no cover - newer vLLM
     from vllm.v1.metrics.cache_hit_source import CacheHitSource as _CacheHitSource
 
@@ -246,6 +325,7 @@ class KvbmConnector(_Base):
         self._worker_ready = False
         self._streams = StreamOrder(None)  # the engine's CUDA stream ordering (GPU caches)
         self._hit_split: dict = {}
+        self._stats_last: dict = {}  # the counters at the last get_kv_connector_stats
         if self._kvbm_role == "SCHEDULER":
             warning = self._config.tier_warning()
             if warning:
@@ -443,6 +523,29 @@ class KvbmConnector(_Base):
     def metrics(self) -> dict:
         """Scheduler: the leader's counters."""
         return json.loads(self._sched("metrics").metrics_json())
+
+    # vLLM's connector-stats hooks: the scheduler asks every step; what grew since the last
+    # answer goes to vLLM's stats logger and, through ``build_prom_metrics``, to its Prometheus
+    # registry (``LLM.get_metrics()``, the server's /metrics).
+    def get_kv_connector_stats(self) -> Optional[KvbmConnectorStats]:
+        if self._scheduler is None:
+            return None
+        now = self.metrics()
+        last = self._stats_last
+        delta = {k: int(now.get(k, 0)) - int(last.get(k, 0)) for k in STAT_COUNTERS}
+        self._stats_last = {k: int(now.get(k, 0)) for k in STAT_COUNTERS}
+        stats = KvbmConnectorStats(data={k: v for k, v in delta.items() if v > 0})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> KvbmConnectorStats:
+        return KvbmConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        if _PromMetricsBase is None:
+            return None
+        return KvbmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 # Attention backends whose per-layer cache is [num_blocks, num_kv_heads, block_size,

@@ -23,6 +23,7 @@ pub mod leader;
 pub mod lifecycle;
 pub mod metadata;
 pub mod metrics;
+pub mod metrics_server;
 pub mod remote;
 pub mod tcp;
 pub mod transport;

@@ -38,7 +38,8 @@ use crate::connector::adapter::Engine;
 use crate::connector::barrier::{initialise, worker_barrier, InitCell, InitMode, InitStatus};
 use crate::connector::fence::FencedDevice;
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
-use crate::connector::metrics::WarnLimiter;
+use crate::connector::metrics::{Metrics, WarnLimiter};
+use crate::connector::metrics_server::MetricsServer;
 use crate::connector::remote::WorkerRemote;
 use crate::connector::transport::{
     Completion, FinishWork, LeaderMessage, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
@@ -165,6 +166,9 @@ struct Shared {
     active: Mutex<Active>,
     /// Rate-limits the warning about failed operations.
     failure_warn: Mutex<WarnLimiter>,
+    /// This worker's transfer counters (blocks and bytes per tier pair), served with
+    /// `tcp.metrics_addr`.
+    metrics: Arc<Metrics>,
 }
 
 /// Operations in flight on a worker.
@@ -186,6 +190,7 @@ impl Default for Shared {
             device_reads_done: Condvar::new(),
             active: Mutex::new(Active::default()),
             failure_warn: Mutex::new(WarnLimiter::new(WarnLimiter::INTERVAL)),
+            metrics: Arc::new(Metrics::new()),
         }
     }
 }
@@ -218,6 +223,8 @@ pub struct Worker {
     finish_queue: Vec<(u64, ConnectorMetadata)>,
     /// The leader's end of the transport failed (logged once).
     leader_gone: bool,
+    /// The HTTP endpoint of this worker's counters (`tcp.metrics_addr`, port + 1 + rank).
+    metrics_server: Option<MetricsServer>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -255,6 +262,15 @@ impl Worker {
             .map_err(|e| Error::io("start the worker runtime", e))?;
         let engine = TransferEngine::new(&config.transfer)?;
         let io_engine = TransferEngine::new(&config.transfer)?;
+        let shared = Arc::new(Shared::default());
+        let metrics_server = match config.tcp.metrics_addr {
+            Some(addr) => Some(MetricsServer::start(
+                worker_metrics_addr(addr, transport.rank())?,
+                &config.tcp,
+                shared.metrics.clone(),
+            )?),
+            None => None,
+        };
         Ok(Self {
             config,
             world_size,
@@ -265,7 +281,7 @@ impl Worker {
             engine,
             io_engine,
             init: None,
-            shared: Arc::new(Shared::default()),
+            shared,
             current: None,
             loads_submitted: false,
             stores_submitted: false,
@@ -273,7 +289,20 @@ impl Worker {
             bound_iteration: 0,
             finish_queue: Vec::new(),
             leader_gone: false,
+            metrics_server,
         })
+    }
+
+    /// This worker's transfer counters (blocks and bytes per tier pair; the lookup and hit
+    /// series are the leader's and stay 0 here).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.metrics
+    }
+
+    /// Where this worker's counters are served over HTTP (`tcp.metrics_addr`'s port + 1 +
+    /// rank; the bound port), if anywhere.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_server.as_ref().map(|s| s.addr())
     }
 
     /// Replaces the factory that builds this worker's tiers (before [`Worker::register`]; an
@@ -860,6 +889,24 @@ struct OpDone {
     dst_blocks: Vec<usize>,
 }
 
+/// A worker's metrics address: the leader's port + 1 + rank (port 0 stays 0: any free port).
+fn worker_metrics_addr(leader: std::net::SocketAddr, rank: usize) -> Result<std::net::SocketAddr> {
+    if leader.port() == 0 {
+        return Ok(leader);
+    }
+    let port = u16::try_from(rank)
+        .ok()
+        .and_then(|r| leader.port().checked_add(1)?.checked_add(r))
+        .ok_or_else(|| {
+            Error::invalid_config(
+                "tcp.metrics_addr",
+                leader,
+                format!("rank {rank}'s port (port + 1 + rank) is above 65535"),
+            )
+        })?;
+    Ok(std::net::SocketAddr::new(leader.ip(), port))
+}
+
 fn complete(
     shared: &Shared,
     transport: &dyn WorkerTransport,
@@ -867,6 +914,9 @@ fn complete(
     outcome: Result<TransferOutcome>,
 ) {
     if let Ok(o) = &outcome {
+        shared
+            .metrics
+            .record_transfer(o.src, o.dst, o.blocks as u64, o.bytes);
         let mut paths = shared.paths.lock();
         match paths.iter_mut().find(|p| p.src == o.src && p.dst == o.dst) {
             Some(p) => {
@@ -1035,4 +1085,22 @@ fn publish_after(tiers: &WorkerTiers, op: &dyn Operation) -> Option<Publish> {
             .collect();
         remote.publish(&written);
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_workers_metrics_port_is_the_leaders_plus_one_plus_rank() {
+        let a: std::net::SocketAddr = "127.0.0.1:9400".parse().unwrap();
+        assert_eq!(worker_metrics_addr(a, 0).unwrap().port(), 9401);
+        assert_eq!(worker_metrics_addr(a, 7).unwrap().port(), 9408);
+        let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        assert_eq!(worker_metrics_addr(any, 3).unwrap().port(), 0);
+        let top: std::net::SocketAddr = "127.0.0.1:65535".parse().unwrap();
+        let e = worker_metrics_addr(top, 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{e}");
+        assert!(e.to_string().contains("tcp.metrics_addr"), "{e}");
+    }
 }

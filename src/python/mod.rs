@@ -22,6 +22,7 @@ mod common;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
+mod log;
 mod tensor;
 mod transport;
 mod trtllm;
@@ -79,6 +80,7 @@ impl<T: Send> Guarded<T> {
                 f(&mut guard)
             }))
         });
+        log::drain(py);
         match out {
             Ok(r) => r.map_err(|e| to_py_err(py, e.with("op", op))),
             Err(panic) => {
@@ -95,7 +97,9 @@ pub(crate) fn detached<R: Send>(
     op: &'static str,
     f: impl FnOnce() -> Result<R> + Send,
 ) -> PyResult<R> {
-    match py.detach(|| catch_unwind(AssertUnwindSafe(f))) {
+    let out = py.detach(|| catch_unwind(AssertUnwindSafe(f)));
+    log::drain(py);
+    match out {
         Ok(r) => r.map_err(|e| to_py_err(py, e.with("op", op))),
         Err(panic) => Err(to_py_err(py, panic_error("call", op, panic.as_ref()))),
     }
@@ -253,6 +257,8 @@ impl PanicProbe {
 #[pyo3(name = "_kvbm")]
 fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    log::install();
+    m.add_function(wrap_pyfunction!(log::drain_logs, m)?)?;
     m.add("KvbmError", py.get_type::<KvbmError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("ERROR_KINDS", error::kind_names())?;
@@ -261,6 +267,7 @@ fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "python-test-hooks")]
     {
         m.add_function(wrap_pyfunction!(_raise, m)?)?;
+        m.add_function(wrap_pyfunction!(log::_warn, m)?)?;
         m.add_class::<PanicProbe>()?;
     }
     transport::register(m)?;

@@ -201,8 +201,14 @@ def cold(engines, model4):
 
 @pytest.fixture
 def fp32(engines, cold, model4, workdir):
-    """fp32, 4 KV heads, in-process executor, host 16 blocks, disk 512."""
-    return engines.get("fp32", lambda: make_llm(model4, config=kvbm_toml(str(workdir), 16, 512)))
+    """fp32, 4 KV heads, in-process executor, host 16 blocks, disk 512; vLLM's stats on (its
+    Prometheus registry, ``LLM.get_metrics()``)."""
+    return engines.get(
+        "fp32",
+        lambda: make_llm(
+            model4, config=kvbm_toml(str(workdir), 16, 512), disable_log_stats=False
+        ),
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -222,6 +228,27 @@ def test_repeat_is_served_by_the_connector(fp32, cold):
     assert max_diff(lps2, want_lps) <= 1e-4, (lps2, want_lps)
     m = scheduler_metrics(fp32)
     assert m["host_hit_tokens"] >= 288
+
+
+def vllm_metric(llm, name: str) -> float:
+    """A counter of vLLM's own metrics API, summed over its labels (0 when absent)."""
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def test_vllms_own_metrics_show_the_connectors_hits(fp32, cold):
+    """vLLM's connector-stats hooks (get_kv_connector_stats, build_kv_connector_stats,
+    build_prom_metrics) put our counters into vLLM's Prometheus registry: after a prefix reuse
+    LLM.get_metrics() shows host hits (before the hooks: no vllm:kvbm_* metric at all)."""
+    a = PROMPTS["repeat"]
+    before = vllm_metric(fp32, "vllm:kvbm_host_hit_tokens")
+    generate(fp32, a)
+    reset(fp32)
+    _, _, cached = generate(fp32, a)
+    assert cached == full_blocks(len(a))
+    names = {m.name for m in fp32.get_metrics()}
+    assert "vllm:kvbm_host_hit_tokens" in names, sorted(n for n in names if "kv" in n)
+    assert vllm_metric(fp32, "vllm:kvbm_host_hit_tokens") - before >= full_blocks(len(a))
+    assert vllm_metric(fp32, "vllm:kvbm_lookup_tokens") > 0
 
 
 def test_host_smaller_than_a_request_streams_to_disk(fp32, cold):

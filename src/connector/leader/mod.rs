@@ -161,6 +161,8 @@ pub struct Leader<A: SchedulerAdapter> {
     iteration: u64,
     next_op: u64,
     metrics: Arc<Metrics>,
+    /// The HTTP endpoint of `metrics` (`tcp.metrics_addr`); stopped with the leader.
+    metrics_server: Option<crate::connector::metrics_server::MetricsServer>,
     failure_logged: bool,
     /// Rate-limits the warning about failed stores (see `completion`).
     store_warn: crate::connector::metrics::WarnLimiter,
@@ -218,6 +220,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             iteration: 0,
             next_op: 0,
             metrics: Arc::new(Metrics::new()),
+            metrics_server: None,
             failure_logged: false,
             store_warn: crate::connector::metrics::WarnLimiter::new(
                 crate::connector::metrics::WarnLimiter::INTERVAL,
@@ -227,6 +230,13 @@ impl<A: SchedulerAdapter> Leader<A> {
             remote: None,
         };
         leader.remote = LeaderRemote::new(&leader.config.remote);
+        if let Some(addr) = leader.config.tcp.metrics_addr {
+            leader.metrics_server = Some(crate::connector::metrics_server::MetricsServer::start(
+                addr,
+                &leader.config.tcp,
+                leader.metrics.clone(),
+            )?);
+        }
         if !leader.ensure_ready() && <E::LeaderInit as InitMode>::BLOCKING {
             if let LeaderStatus::Failed(e) = leader.status() {
                 return Err(e);
@@ -254,6 +264,11 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// engine API returns only a count use this for reporting.
     pub fn last_match(&self) -> MatchResult {
         self.last_match
+    }
+
+    /// Where the counters are served over HTTP (`tcp.metrics_addr`, the bound port), if anywhere.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_server.as_ref().map(|s| s.addr())
     }
 
     /// The counters (share the `Arc` with an exporter).
