@@ -20,7 +20,8 @@ use crate::tier::StorageTier;
 /// seal]` (the key is the 128-bit block key).
 const WORDS: usize = 5;
 
-/// Bytes of one block header entry (see [`WORDS`]).
+/// Bytes of one block header entry (five little-endian u64 words: key low, key high, checksum,
+/// sequence, seal).
 pub const BLOCK_HEADER_BYTES: usize = WORDS * 8;
 
 /// The seal of a header entry: a hash of its fields, never 0 (0 marks "being written"). It
