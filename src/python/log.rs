@@ -15,6 +15,7 @@
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -42,6 +43,11 @@ static QUEUE: Mutex<Queue> = Mutex::new(Queue {
     records: VecDeque::new(),
     dropped: 0,
 });
+
+/// Set after a record is queued, cleared by [`drain`] before it empties the queue: the binding
+/// calls that find nothing queued (nearly all) pay one atomic load, not the queue's lock. A record
+/// queued while a drain runs sets it again, so it is handed over by the next drain.
+static PENDING: AtomicBool = AtomicBool::new(false);
 
 /// Python's level for a tracing level.
 fn py_level(level: &Level) -> i32 {
@@ -97,6 +103,8 @@ impl<S: Subscriber> Layer<S> for QueueLayer {
             q.dropped += 1;
         }
         q.records.push_back(record);
+        drop(q);
+        PENDING.store(true, Ordering::Release);
     }
 }
 
@@ -116,6 +124,10 @@ pub(crate) fn install() {
 /// queue's lock only to empty it. Errors from `logging` (interpreter shutting down, a failing
 /// handler) are dropped: a log record never fails the call that drains it.
 pub(crate) fn drain(py: Python<'_>) {
+    if !PENDING.load(Ordering::Acquire) {
+        return;
+    }
+    PENDING.store(false, Ordering::Release);
     let (records, dropped) = {
         let mut q = QUEUE.lock();
         if q.records.is_empty() && q.dropped == 0 {
