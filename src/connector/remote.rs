@@ -191,3 +191,134 @@ pub trait WorkerRemote: Send + Sync + std::fmt::Debug {
     /// writes completed.
     fn publish(&self, blocks: &[(usize, u128)]);
 }
+
+/// What a [`RemoteStore`]'s values belong to: two instances share blocks through a store only
+/// when their scopes are equal (same model and layout, same sharding, same keys).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RemoteScope {
+    /// Fingerprint of everything that makes two instances' blocks interchangeable (model and
+    /// layout description, page size, one rank's bytes per block, world size, key hash and
+    /// width), as lowercase hex; built by [`RemoteScope::new`]. Stores put it in their keys.
+    pub fingerprint: String,
+    /// Tensor-parallel size: every block is stored as one value per rank.
+    pub world_size: usize,
+    /// Bytes of one rank's share of a block (the length of every value's payload).
+    pub bytes_per_block: usize,
+}
+
+impl RemoteScope {
+    /// The scope of an instance: `description` names the model and layout (anything whose
+    /// change makes blocks incompatible: dtype, layers, heads, head size, block order).
+    pub fn new(
+        description: &str,
+        page_size: usize,
+        world_size: usize,
+        bytes_per_block: usize,
+        hash: HashAlgorithm,
+    ) -> Result<Self> {
+        if world_size == 0 || page_size == 0 || bytes_per_block == 0 {
+            return Err(Error::invalid_argument(format!(
+                "remote scope needs a non-zero world size ({world_size}), page size \
+                 ({page_size}) and bytes per block ({bytes_per_block})"
+            )));
+        }
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for part in [
+            description.as_bytes(),
+            &(page_size as u64).to_le_bytes(),
+            &(world_size as u64).to_le_bytes(),
+            &(bytes_per_block as u64).to_le_bytes(),
+            format!("{hash:?}").as_bytes(),
+            &HostIndex::KEY_BITS.to_le_bytes(),
+        ] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part);
+        }
+        let digest = h.finalize();
+        let fingerprint = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+        Ok(Self {
+            fingerprint,
+            world_size,
+            bytes_per_block,
+        })
+    }
+}
+
+/// How one block of a [`RemoteStore::get`] turned out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RemoteRead {
+    /// Read and verified (key, length, checksum, and MAC when a secret is configured); the
+    /// destination holds the block.
+    Hit,
+    /// Not in the store (never written, or evicted / expired): a miss, the engine recomputes.
+    Missing,
+    /// A value was there but failed verification (wrong key, truncated, bad checksum or MAC):
+    /// never served; the reason names what was wrong.
+    Invalid(String),
+}
+
+/// What a [`RemoteStore::put`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RemotePut {
+    /// Values written.
+    pub written: usize,
+    /// Values already present, not rewritten.
+    pub present: usize,
+}
+
+/// Counters of a [`RemoteStore`] for metrics and reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RemoteStoreStats {
+    /// Whether the store answered its last call (false while it is down / reconnecting).
+    pub available: bool,
+    /// Calls that failed (connection refused or lost, server error).
+    pub errors: u64,
+    /// Calls that missed their deadline.
+    pub timeouts: u64,
+    /// Successful reconnections after a failure.
+    pub reconnects: u64,
+    /// Values that failed verification on read.
+    pub invalid: u64,
+}
+
+/// A shared block store beyond this machine (the G4 tier), as a storage backend provides it
+/// (e.g. Redis / Valkey). Keys are 128-bit block keys ([`SequenceHash`]`.0`); the store scopes
+/// them by its [`RemoteScope`] and by rank. Every call is bounded by `deadline`: a store that is
+/// down or slow answers [`crate::ErrorKind::Timeout`] or another error, never hangs, and
+/// reconnects in the background. A value is never served unless verified.
+pub trait RemoteStore: Send + Sync + std::fmt::Debug {
+    /// Where it is, for logs and metrics (no password or secret).
+    fn describe(&self) -> String;
+
+    /// The scope it was built for.
+    fn scope(&self) -> &RemoteScope;
+
+    /// Leader: how many of `keys`, from the first, the store holds for every one of the scope's
+    /// ranks (stops at the first key missing for any rank). An error (timeout, unreachable)
+    /// is for the caller to count as a miss.
+    fn lookup_prefix(&self, keys: &[u128], deadline: std::time::Instant) -> Result<usize>;
+
+    /// Worker `rank`: reads each of `keys` into the matching buffer of `dst` (each exactly
+    /// [`RemoteScope::bytes_per_block`] long), one pipelined batch. One outcome per key; an error
+    /// means the whole batch failed (nothing in `dst` may be used).
+    fn get(
+        &self,
+        rank: usize,
+        keys: &[u128],
+        dst: &mut [&mut [u8]],
+        deadline: std::time::Instant,
+    ) -> Result<Vec<RemoteRead>>;
+
+    /// Worker `rank`: stores each `(key, bytes)` (bytes exactly `bytes_per_block` long) unless
+    /// already present, one pipelined batch.
+    fn put(
+        &self,
+        rank: usize,
+        blocks: &[(u128, &[u8])],
+        deadline: std::time::Instant,
+    ) -> Result<RemotePut>;
+
+    /// Its counters.
+    fn stats(&self) -> RemoteStoreStats;
+}

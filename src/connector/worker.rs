@@ -92,6 +92,18 @@ pub trait TierFactory: Send + Sync + std::fmt::Debug {
         device: Arc<dyn StorageTier>,
         counts: TierCounts,
     ) -> Result<WorkerTiers>;
+
+    /// The shared remote store (G4) the configuration names, built for `scope`, or `None` when
+    /// none is configured. The leader and every worker each hold one (they look up, read and
+    /// write through it); the default builds none.
+    fn remote_store(
+        &self,
+        config: &Config,
+        scope: &super::remote::RemoteScope,
+    ) -> Result<Option<Arc<dyn super::remote::RemoteStore>>> {
+        let _ = (config, scope);
+        Ok(None)
+    }
 }
 
 impl WorkerTiers {
