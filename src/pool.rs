@@ -1336,6 +1336,105 @@ mod tests {
         check_sum(&p);
     }
 
+    /// Runs `step` and returns the one key of `keys` it unregistered (evicted).
+    fn evicted_by(p: &BlockPool, keys: &[SequenceHash], step: impl FnOnce()) -> SequenceHash {
+        let before: Vec<SequenceHash> = keys.iter().copied().filter(|&x| p.contains(x)).collect();
+        step();
+        let gone: Vec<SequenceHash> = before.into_iter().filter(|&x| !p.contains(x)).collect();
+        assert_eq!(gone.len(), 1, "{gone:?}");
+        gone[0]
+    }
+
+    /// Evicts one block by allocating it (kept in `held`); returns the key it held.
+    fn evict_one(
+        p: &BlockPool,
+        keys: &[SequenceHash],
+        held: &mut Vec<MutableBlock>,
+    ) -> SequenceHash {
+        evicted_by(p, keys, || held.extend(p.allocate(1).unwrap()))
+    }
+
+    #[test]
+    fn prefix_policy_evicts_a_matched_chain_deepest_first() {
+        let keys: Vec<SequenceHash> = (1..=3).map(h).collect();
+        for (policy, want) in [
+            (EvictionPolicy::Lru, [1, 2, 3]),
+            (EvictionPolicy::Prefix, [3, 2, 1]),
+        ] {
+            let p = BlockPool::with_policy(TierKind::Host, 3, policy).unwrap();
+            assert_eq!(p.policy(), policy);
+            for &k in &keys {
+                cache(&p, k);
+            }
+            // A request matches the chain; its handles drop parent -> child (as the leader's).
+            drop(p.match_prefix(&keys));
+            let mut held = Vec::new();
+            let got: Vec<SequenceHash> = (0..3).map(|_| evict_one(&p, &keys, &mut held)).collect();
+            assert_eq!(got, want.map(h).to_vec(), "{policy}");
+        }
+    }
+
+    #[test]
+    fn prefix_policy_credit_doubles_with_reuse_and_survives_eviction() {
+        // 4 blocks: one reuse is worth 4 clock ticks (one release each), two reuses 8.
+        let p = BlockPool::with_policy(TierKind::Host, 4, EvictionPolicy::Prefix).unwrap();
+        let keys: Vec<SequenceHash> = (1..=16).map(h).collect();
+        cache(&p, h(1)); // stamp 0
+        drop(p.match_prefix(&[h(1)])); // one reuse, stamp 1: priority 1 + 4 = 5
+        for i in 2..=4 {
+            cache(&p, h(i)); // stamps 2, 3, 4
+        }
+        // Each new key evicts the smallest stamp + credit; a tie goes to the lower list.
+        let order: Vec<SequenceHash> = (5..=9)
+            .map(|i| {
+                evicted_by(&p, &keys, || {
+                    cache(&p, h(i));
+                })
+            })
+            .collect();
+        assert_eq!(order, [2, 3, 4, 5, 1].map(h).to_vec());
+        // Remembered with one reuse, h1 stored again starts with two (credit 8, stamp 10): it
+        // outlives the next three fresh keys.
+        let again = evicted_by(&p, &keys, || {
+            cache(&p, h(1));
+        });
+        assert_eq!(again, h(6));
+        for i in 10..=12 {
+            assert_ne!(
+                evicted_by(&p, &keys, || {
+                    cache(&p, h(i));
+                }),
+                h(1)
+            );
+        }
+        assert!(p.contains(h(1)));
+    }
+
+    #[test]
+    fn two_q_probation_goes_first_until_a_quarter_of_the_pool() {
+        let p = BlockPool::with_policy(TierKind::Host, 8, EvictionPolicy::TwoQ).unwrap();
+        let keys: Vec<SequenceHash> = (1..=12).map(h).collect();
+        for i in 1..=8 {
+            cache(&p, h(i));
+        }
+        for i in 1..=4 {
+            drop(p.match_prefix(&[h(i)])); // reused: main
+        }
+        // Probation (h5..h8, FIFO) goes first while it holds at least 2 (a quarter of 8), then
+        // main (LRU), then probation again when main is empty.
+        let mut held = Vec::new();
+        let order: Vec<SequenceHash> = (0..8).map(|_| evict_one(&p, &keys, &mut held)).collect();
+        assert_eq!(order, [5, 6, 7, 1, 2, 3, 4, 8].map(h).to_vec());
+        // h5 left probation unreused: stored again, the ghost sends it to main.
+        drop(held);
+        for i in [5, 9, 10] {
+            cache(&p, h(i));
+        }
+        let mut held = p.allocate(5).unwrap();
+        let order: Vec<SequenceHash> = (0..3).map(|_| evict_one(&p, &keys, &mut held)).collect();
+        assert_eq!(order, [9, 5, 10].map(h).to_vec());
+    }
+
     #[test]
     fn allocate_takes_free_blocks_before_evicting() {
         let p = pool(3);
