@@ -116,6 +116,8 @@ fn replay_hand(framework: &str, host: usize, sequential: bool) -> (Vec<(String, 
     std::fs::write(&trace, HAND_TRACE).expect("write trace");
     let report = dir.path().join("r.json");
     let mut cmd = kvbm(dir.path());
+    // The hand computation is LRU's (the configuration's default policy may differ).
+    cmd.env("KVBM_EVICTION", "lru");
     cmd.args(["replay", "--quiet", "--framework", framework])
         .args(["--trace-format", "mooncake", "--trace"])
         .arg(&trace)
@@ -225,6 +227,15 @@ fn mooncake_lines_become_requests() {
         .collect::<Result<Vec<_>, _>>()
         .expect("valid");
     assert!(capped.iter().all(|q| q.max_tokens == 2));
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let file = dir.path().join("t.jsonl");
+    std::fs::write(&file, HAND_TRACE).expect("write");
+    let from_file = mooncake::open_mooncake(&file, 1000)
+        .expect("open")
+        .collect::<Result<Vec<_>, _>>()
+        .expect("valid");
+    assert_eq!(from_file, r, "the file reader reads the same requests");
+    assert!(mooncake::open_mooncake(&dir.path().join("missing"), 1).is_err());
     let zero =
         read_all(r#"{"timestamp": 0, "input_length": 3, "output_length": 0, "hash_ids": [4]}"#)
             .expect("valid");
@@ -402,5 +413,54 @@ fn sweep_refuses_what_it_sets_itself_and_unknown_policies() {
             "{args:?}: {stderr}"
         );
         assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+#[test]
+fn sweep_compares_eviction_policies_one_line_each() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let trace = dir.path().join("hand.jsonl");
+    std::fs::write(&trace, HAND_TRACE).expect("write trace");
+    let plot = dir.path().join("policies.svg");
+    let out = kvbm(dir.path())
+        .args(["sweep", "--quiet", "--trace-format", "mooncake", "--trace"])
+        .arg(&trace)
+        .args(SHAPE)
+        .args([
+            "--sequential",
+            "--device-prefix-cache",
+            "off",
+            "--max-output-tokens",
+            "1",
+        ])
+        .args([
+            "--capacities",
+            "1536,2048",
+            "--eviction",
+            "lru,2q,prefix,LRU",
+            "--plot",
+        ])
+        .arg(&plot)
+        .output()
+        .expect("run kvbm");
+    assert_ok(&out, "kvbm sweep --eviction");
+    let table = text(&out.stdout);
+    for policy in ["lru", "2q", "prefix"] {
+        let rows = table
+            .lines()
+            .filter(|l| l.split_whitespace().next() == Some(policy))
+            .count();
+        assert_eq!(
+            rows, 2,
+            "one row per capacity for {policy} (duplicates dropped):\n{table}"
+        );
+    }
+    // LRU's rows are the hand-computed ones whatever the configuration's default policy is.
+    assert!(
+        table.contains("lru                1536           3            0           0    40.98%")
+    );
+    let svg = std::fs::read_to_string(&plot).expect("plot");
+    for name in ["lru, host only", "2q, host only", "prefix, host only"] {
+        assert!(svg.contains(name), "legend should name {name:?}");
     }
 }

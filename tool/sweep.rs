@@ -24,6 +24,8 @@ use std::time::Instant;
 
 use kvbm_connector::error::{Error, ErrorKind, Result};
 use kvbm_connector::identity::{BlockHasher, Salt};
+use kvbm_connector::pool::EvictionPolicy;
+use strum::VariantNames;
 
 use crate::replay::{replay_config, sim_options, simulator, workload_source, ReplayArgs};
 
@@ -41,7 +43,8 @@ pub struct SweepArgs {
     /// Also replay each host capacity with a disk tier of this many tokens (`30M`).
     #[arg(long, value_parser = parse_tokens)]
     pub disk_tokens: Option<u64>,
-    /// Eviction policies to compare, comma-separated: one line per policy.
+    /// Eviction policies to compare, comma-separated (`lru`, `2q`, `prefix`): one line per
+    /// policy. The configuration's `eviction` (`KVBM_EVICTION`) is overridden per run.
     #[arg(long, value_delimiter = ',', default_value = "lru")]
     pub eviction: Vec<String>,
     /// Write the plot here (SVG).
@@ -77,27 +80,22 @@ pub fn parse_tokens(s: &str) -> std::result::Result<u64, String> {
     Ok(v.round() as u64)
 }
 
-/// The eviction policies this build knows (`--eviction`).
-pub const POLICIES: &[&str] = &["lru"];
-
-/// Checks a policy name (a later build sets it in the run's configuration).
-fn check_policy(name: &str) -> Result<()> {
-    if POLICIES.contains(&name) {
-        Ok(())
-    } else {
-        Err(Error::invalid_argument(format!(
+/// The eviction policy `name` names (`--eviction`; the configuration's `eviction` values).
+fn parse_policy(name: &str) -> Result<EvictionPolicy> {
+    name.trim().parse().map_err(|_| {
+        Error::invalid_argument(format!(
             "--eviction {name:?}: unknown policy (known: {})",
-            POLICIES.join(", ")
+            EvictionPolicy::VARIANTS.join(", ")
         ))
-        .with("flag", "--eviction"))
-    }
+        .with("flag", "--eviction")
+    })
 }
 
 /// One point of the sweep.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Point {
     /// Eviction policy.
-    pub policy: String,
+    pub policy: EvictionPolicy,
     /// Host capacity asked for, tokens.
     pub host_tokens: u64,
     /// Host blocks it became.
@@ -186,7 +184,7 @@ pub fn unlimited(a: &ReplayArgs) -> Result<Unlimited> {
 /// One planned run.
 #[derive(Debug, Clone)]
 struct Plan {
-    policy: String,
+    policy: EvictionPolicy,
     host_tokens: u64,
     disk_tokens: u64,
 }
@@ -216,15 +214,15 @@ fn run_point(a: &ReplayArgs, p: &Plan, disk_dir: &Path) -> Result<Point> {
     ra.disk_blocks = Some(disk_blocks);
     ra.disk_dir = Some(disk_dir.to_path_buf());
     ra.quiet = true;
-    check_policy(&p.policy)?;
-    let config = replay_config(&ra)?;
+    let mut config = replay_config(&ra)?;
+    config.eviction = p.policy;
     let opts = sim_options(&ra, config);
     opts.config
         .block_counts(opts.model_dims()?.bytes_per_block())?;
     let report = simulator::replay(opts, workload_source(&ra)?)?;
     let s = &report.summary;
     Ok(Point {
-        policy: p.policy.clone(),
+        policy: p.policy,
         host_tokens: p.host_tokens,
         host_blocks,
         disk_tokens: p.disk_tokens,
@@ -303,7 +301,7 @@ pub fn render_table(title: &str, points: &[Point], unlimited: &Unlimited) -> Str
         let _ = writeln!(
             out,
             "  {:<10} {:>12} {:>11} {:>12} {:>11} {:>8.2}% {:>14} {:>11}",
-            p.policy,
+            p.policy.to_string(),
             p.host_tokens,
             p.host_blocks,
             p.disk_tokens,
@@ -469,10 +467,9 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
     if a.jobs == 0 || a.jobs > 64 {
         return flag("--jobs", "--jobs is between 1 and 64");
     }
-    let mut policies: Vec<String> = Vec::new();
+    let mut policies: Vec<EvictionPolicy> = Vec::new();
     for p in &a.eviction {
-        let p = p.trim().to_ascii_lowercase();
-        check_policy(&p)?;
+        let p = parse_policy(p)?;
         if !policies.contains(&p) {
             policies.push(p);
         }
@@ -485,7 +482,7 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
         for p in &policies {
             for &c in &caps {
                 plans.push(Plan {
-                    policy: p.clone(),
+                    policy: *p,
                     host_tokens: c,
                     disk_tokens: disk,
                 });

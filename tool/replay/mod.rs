@@ -263,6 +263,7 @@ pub fn replay_config(a: &ReplayArgs) -> Result<Config> {
 pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
     let config = replay_config(a)?;
     let workload = workload_source(a)?;
+    let eviction = config.eviction;
     let opts = sim_options(a, config);
     // Tier sizes the configuration asks for, checked before anything starts (the error names
     // the setting).
@@ -299,6 +300,7 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
     }
     if !a.quiet {
         print!("{}", render_table(&report));
+        println!("  eviction (host, disk) {eviction:>10}");
     }
     if report.summary.integrity_errors > 0 {
         eprintln!(
