@@ -74,7 +74,7 @@ pub fn parse_tokens(s: &str) -> std::result::Result<u64, String> {
         .parse()
         .map_err(|_| format!("{s:?} is not a token count (e.g. 3000, 1M, 2.5K)"))?;
     let v = x * mult;
-    if !(v.is_finite() && v >= 1.0 && v <= 1e15) {
+    if !(v.is_finite() && (1.0..=1e15).contains(&v)) {
         return Err(format!("{s:?}: a token count is between 1 and 1e15"));
     }
     Ok(v.round() as u64)
