@@ -691,12 +691,11 @@ impl Ghost {
         let pos = self.pos;
         if let Some(old) = self.ring.get_mut(pos) {
             let old_fp = std::mem::replace(old, fp);
-            if self
-                .map
-                .get(&old_fp)
-                .is_some_and(|&(p, _)| p as usize == pos)
-            {
-                self.map.remove(&old_fp);
+            // One lookup: forget the overwritten key unless a newer entry took it over.
+            if let Entry::Occupied(e) = self.map.entry(old_fp) {
+                if e.get().0 as usize == pos {
+                    e.remove();
+                }
             }
         } else {
             self.ring.push(fp);
