@@ -8,6 +8,7 @@
 //!
 //! ```toml
 //! hash = "sha256"          # or "xxh3" (trusted single-tenant deployments only)
+//! eviction = "lru"         # host and disk eviction: "lru" (default), "prefix" or "2q"
 //!
 //! [host]
 //! cache_gb = 4.0           # or cache_blocks = 1024 (a block count wins over GB)
@@ -43,6 +44,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::HashAlgorithm;
+use crate::pool::EvictionPolicy;
 
 /// Decimal gigabyte.
 pub const GB: f64 = 1e9;
@@ -603,6 +605,9 @@ pub struct Config {
     /// Hash of block keys. Default: SHA-256 (collision-resistant 128-bit keys); xxh3 (xxh3-128)
     /// is forgeable: only for trusted single-tenant deployments.
     pub hash: HashAlgorithm,
+    /// Which cached block the host and disk tiers evict when full: `lru`, `prefix` (prefix-aware
+    /// reuse credit) or `2q` ([`EvictionPolicy`]). Default: `lru`.
+    pub eviction: EvictionPolicy,
     /// Host tier size.
     pub host: TierSize,
     /// Disk tier size and behaviour.
@@ -623,6 +628,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             hash: HashAlgorithm::default(),
+            eviction: EvictionPolicy::default(),
             host: TierSize::default(),
             disk: DiskConfig::default(),
             transfer: TransferConfig::default(),
@@ -698,6 +704,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ),
     dynamo("DYN_KVBM_DISK_CACHE_DIR", "disk.dir"),
     ours("KVBM_HASH", "hash"),
+    ours("KVBM_EVICTION", "eviction"),
     ours("KVBM_HOST_CACHE_GB", "host.cache_gb"),
     ours("KVBM_HOST_CACHE_BLOCKS", "host.cache_blocks"),
     ours("KVBM_DISK_CACHE_GB", "disk.cache_gb"),
@@ -823,6 +830,11 @@ impl Config {
                     .trim()
                     .parse()
                     .map_err(|_| Error::invalid_config(source, raw, "expected xxh3 or sha256"))?
+            }
+            "eviction" => {
+                self.eviction = raw.trim().parse().map_err(|_| {
+                    Error::invalid_config(source, raw, "expected one of prefix, 2q, lru")
+                })?
             }
             "host.cache_gb" => self.host.cache_gb = Some(parse_gb(source, raw)?),
             "host.cache_blocks" => {
@@ -1158,6 +1170,31 @@ mod tests {
             .apply_env(env(&[("KVBM_DISK_MIN_FREQUENCY", "0")]))
             .unwrap_err();
         assert!(e.to_string().contains("KVBM_DISK_MIN_FREQUENCY"), "{e}");
+    }
+
+    #[test]
+    fn eviction_policy_from_env_and_file() {
+        assert_eq!(Config::default().eviction, EvictionPolicy::Lru);
+        let c = Config::load_with(None, env(&[("KVBM_EVICTION", " Prefix ")])).unwrap();
+        assert_eq!(c.eviction, EvictionPolicy::Prefix);
+        let c = Config::load_with(None, env(&[("KVBM_EVICTION", "2q")])).unwrap();
+        assert_eq!(c.eviction, EvictionPolicy::TwoQ);
+        let e = Config::load_with(None, env(&[("KVBM_EVICTION", "mru")])).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert_eq!(e.context_value("setting"), Some("KVBM_EVICTION"));
+        let msg = e.to_string();
+        for part in ["\"mru\"", "prefix", "2q", "lru"] {
+            assert!(msg.contains(part), "{msg}");
+        }
+        let c = Config::from_toml_str("eviction = \"2q\"\n").unwrap();
+        assert_eq!(c.eviction, EvictionPolicy::TwoQ);
+        assert!(c.to_toml().unwrap().contains("eviction = \"2q\""));
+        let e = Config::from_toml_str("eviction = \"mru\"\n").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        let msg = e.to_string();
+        for part in ["mru", "prefix", "2q", "lru"] {
+            assert!(msg.contains(part), "{msg}");
+        }
     }
 
     #[test]

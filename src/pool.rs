@@ -3,25 +3,28 @@
 //! A [`BlockPool`] owns the *bookkeeping* of one tier's `num_blocks` block ids (never the bytes;
 //! those live in a [`crate::StorageTier`]). Every block is in exactly one state:
 //!
-//! | state      | held by                          | registered (matchable) | in the LRU |
-//! |------------|----------------------------------|------------------------|------------|
-//! | *free*     | nobody                           | no                     | no         |
-//! | *mutable*  | one [`MutableBlock`]             | no                     | no         |
-//! | *active*   | one or more [`ImmutableBlock`]s  | yes                    | no         |
-//! | *inactive* | nobody                           | yes                    | yes        |
+//! | state      | held by                          | registered (matchable) | evictable |
+//! |------------|----------------------------------|------------------------|-----------|
+//! | *free*     | nobody                           | no                     | no        |
+//! | *mutable*  | one [`MutableBlock`]             | no                     | no        |
+//! | *active*   | one or more [`ImmutableBlock`]s  | yes                    | no        |
+//! | *inactive* | nobody                           | yes                    | yes       |
 //!
 //! Transitions:
 //!
-//! * [`BlockPool::allocate`] hands out free blocks first, then evicts the least-recently-used
-//!   inactive blocks (their [`SequenceHash`] is unregistered); all or nothing.
+//! * [`BlockPool::allocate`] hands out free blocks first, then evicts inactive blocks in the
+//!   order of the pool's [`EvictionPolicy`] (their [`SequenceHash`] is unregistered); all or
+//!   nothing.
 //! * [`BlockPool::register`] turns a written [`MutableBlock`] into an active [`ImmutableBlock`]
 //!   under its hash. If the hash is already registered the existing block is returned instead and
 //!   the new one goes back to the free list (deduplication).
 //! * Dropping a [`MutableBlock`] returns its block to the free list (its content was never
 //!   registered). Dropping the last [`ImmutableBlock`] of a block makes it inactive: it stays
-//!   registered and enters the LRU at the most-recently-used end.
+//!   registered and joins the eviction list its policy picks.
 //! * [`BlockPool::match_prefix`] takes a handle on each block of the registered prefix of a hash
-//!   list, pulling inactive ones out of the LRU (so they count as recently used once released).
+//!   list, pulling inactive ones out of the eviction lists (so they count as recently used, and
+//!   reused, once released). It stops at the first key not registered: every block it returns
+//!   has its parent (the previous key) returned too.
 //!
 //! Invariants (checked by the unit tests below and the property tests in `tests/pool_props.rs`):
 //!
@@ -29,10 +32,12 @@
 //! * a block with a live handle is never evicted and never handed out again;
 //! * a hash maps to at most one block, and a registered block is active or inactive.
 //!
-//! Cost: every operation is O(1) per block touched. The LRU is an intrusive doubly-linked list
-//! and the free list an intrusive stack, both threaded through one per-block slot array with
-//! `u32` links (about 32 bytes per block, no per-block allocation); the hash → block map is
-//! sized for `num_blocks` up front so it never rehashes under the lock. All state sits behind one
+//! Cost: every operation is O(1) per block touched. The eviction lists (one for LRU, two for
+//! 2Q, five for the prefix policy, whose victim is the best of the five heads) are intrusive
+//! doubly-linked lists and the free list an intrusive stack, all threaded through one per-block
+//! slot array with `u32` links (about 48 bytes per block, no per-block allocation); the hash →
+//! block map and the ghost of evicted keys (2Q: `num_blocks` keys, prefix: 8 × `num_blocks`,
+//! about 25 bytes each) are sized up front so they never grow under the lock. All state sits behind one
 //! `parking_lot::Mutex`; handles hold an `Arc` of the pool and lock briefly on clone and drop.
 //!
 //! The module also holds [`match_across`] (prefix match over host then disk) and the
@@ -119,6 +124,55 @@ impl PoolStats {
     }
 }
 
+// --- eviction policy -----------------------------------------------------------------------------
+
+/// Which inactive block a full pool evicts to make room (config `eviction`, `KVBM_EVICTION`).
+///
+/// Every policy is O(1) per block and evicts only inactive blocks (nobody holds them). A
+/// *reuse* is a block matched by [`BlockPool::match_prefix`] or stored again under its key
+/// (dedup, or its key registered again soon after it was evicted); cloning a handle is not one.
+/// docs/benchmarks.md ("Eviction policies") has the measurements behind the default.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    serde::Deserialize,
+    strum::Display,
+    strum::EnumString,
+    strum::VariantNames,
+)]
+#[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase", ascii_case_insensitive)]
+pub enum EvictionPolicy {
+    /// Least recently used first (released blocks join the most-recently-used end). The
+    /// default: the prefix policy wins on long-running chat traffic (the Mooncake trace) but
+    /// loses to LRU where conversations stop after a fixed number of turns (the replay's
+    /// built-in `multi-turn` workload); see docs/benchmarks.md.
+    #[default]
+    Lru,
+    /// 2Q (Johnson & Shasha, 1994), simplified: blocks never reused wait in a FIFO probation
+    /// list that is evicted from first once it holds a quarter of the pool; reused blocks live
+    /// in an LRU main list. Keys evicted from probation are remembered (as many as the pool
+    /// has blocks), and one stored again joins the main list directly.
+    #[serde(rename = "2q")]
+    #[strum(serialize = "2q")]
+    TwoQ,
+    /// Prefix-aware reuse credit (ours): a block's eviction priority is the time
+    /// it was released plus a credit that doubles with each reuse (`num_blocks` blocks of time
+    /// for one reuse, up to 8 × `num_blocks` for four or more), the smallest going first. The
+    /// blocks released together (one request's chain) share one time and leave deepest first,
+    /// and a child never has more reuses than its parent, so a parent outlives its children:
+    /// a cached block is (almost) never orphaned. The reuse counts of evicted keys are
+    /// remembered for 8 × `num_blocks` evictions, so a conversation returning after the cache
+    /// turned over regains its credit.
+    Prefix,
+}
+
 // --- internal state ------------------------------------------------------------------------------
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,36 +183,90 @@ enum SlotState {
     Inactive,
 }
 
-/// One block's bookkeeping. `prev`/`next` link the LRU (inactive) or the free stack (`next` only).
+/// One block's bookkeeping. `prev`/`next` link the block's eviction list (inactive) or the free
+/// stack (`next` only).
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     /// Valid while the block is active or inactive.
     hash: SequenceHash,
     /// Live [`ImmutableBlock`]s; non-zero exactly while active.
     refs: usize,
+    /// When the block last became inactive (see [`State::stamp`]); orders the eviction lists.
+    stamp: u64,
     prev: u32,
     next: u32,
     state: SlotState,
+    /// The eviction list the block is in while inactive.
+    list: u8,
+    /// Reuses seen so far (matched or stored again), capped at [`MAX_USES`].
+    uses: u8,
+    /// Matched (or stored again) during the current active period: counted as one reuse when
+    /// the last handle drops, however many handles were taken meanwhile.
+    touched: bool,
 }
+
+/// One intrusive doubly-linked list of inactive blocks, oldest (next to evict) at `head`.
+#[derive(Debug, Clone, Copy)]
+struct List {
+    head: u32,
+    tail: u32,
+    len: usize,
+    /// First block of the run at the tail that shares the tail's stamp (prefix policy: a
+    /// block released with the same stamp goes in front of that run, so a chain released
+    /// parent → child ends up child first).
+    run: u32,
+}
+
+impl List {
+    const EMPTY: List = List {
+        head: NIL,
+        tail: NIL,
+        len: 0,
+        run: NIL,
+    };
+}
+
+/// The most reuses a block's count keeps (the prefix policy's top class).
+const MAX_USES: u8 = 4;
+
+/// Eviction lists: the prefix policy keeps one per reuse count `0..=MAX_USES`; 2Q uses lists 0
+/// (probation) and 1 (main); LRU list 0 only.
+const NUM_LISTS: usize = MAX_USES as usize + 1;
+
+/// The prefix policy remembers the reuse counts of this many times `num_blocks` evicted keys.
+const PREFIX_GHOST_FACTOR: usize = 8;
+
+/// 2Q's probation list may hold this fraction (1 / n) of the pool before it is evicted from
+/// first.
+const TWO_Q_PROBATION_DIVISOR: usize = 4;
 
 #[derive(Debug)]
 struct State {
+    policy: EvictionPolicy,
     slots: Vec<Slot>,
     map: HashMap<SequenceHash, u32, BuildSeqHasher>,
     free_head: u32,
     free_len: usize,
-    /// Least recently used end (evicted first).
-    lru_head: u32,
-    /// Most recently used end.
-    lru_tail: u32,
-    lru_len: usize,
+    lists: [List; NUM_LISTS],
+    /// Inactive blocks (the sum of the lists' lengths).
+    inactive: usize,
+    /// Blocks made inactive so far: the pool's clock (LRU and 2Q stamp each block with it).
+    clock: u64,
+    /// The clock at the last `allocate` or `match_prefix` call: the prefix policy stamps every
+    /// block released since with it, so one request's blocks share a stamp.
+    epoch: u64,
+    /// Prefix policy: credit of list `c`, in clock ticks (`num_blocks << (c - 1)`, 0 for c = 0).
+    credit: [u64; NUM_LISTS],
+    /// 2Q: the probation list is evicted from first once it holds this many blocks.
+    probation_target: usize,
+    ghost: Ghost,
     mutable: usize,
     active: usize,
     evictions: u64,
 }
 
 impl State {
-    fn new(num_blocks: u32) -> Result<Self> {
+    fn new(num_blocks: u32, policy: EvictionPolicy) -> Result<Self> {
         let n = num_blocks as usize;
         let mut slots = Vec::new();
         slots.try_reserve_exact(n).map_err(|e| {
@@ -168,22 +276,40 @@ impl State {
         slots.extend((0..num_blocks).map(|i| Slot {
             hash: SequenceHash(0),
             refs: 0,
+            stamp: 0,
             prev: NIL,
             next: if i + 1 < num_blocks { i + 1 } else { NIL },
             state: SlotState::Free,
+            list: 0,
+            uses: 0,
+            touched: false,
         }));
         let mut map = HashMap::with_hasher(BuildSeqHasher::default());
         map.try_reserve(n).map_err(|e| {
             Error::invalid_argument(format!("cannot allocate the hash map for {n} blocks: {e}"))
         })?;
+        let ghost_len = match policy {
+            EvictionPolicy::Lru => 0,
+            EvictionPolicy::TwoQ => n,
+            EvictionPolicy::Prefix => n.saturating_mul(PREFIX_GHOST_FACTOR),
+        };
+        let mut credit = [0u64; NUM_LISTS];
+        for (c, slot) in credit.iter_mut().enumerate().skip(1) {
+            *slot = (n as u64).saturating_mul(1u64 << (c - 1));
+        }
         Ok(Self {
+            policy,
             slots,
             map,
             free_head: if num_blocks > 0 { 0 } else { NIL },
             free_len: n,
-            lru_head: NIL,
-            lru_tail: NIL,
-            lru_len: 0,
+            lists: [List::EMPTY; NUM_LISTS],
+            inactive: 0,
+            clock: 0,
+            epoch: 0,
+            credit,
+            probation_target: (n / TWO_Q_PROBATION_DIVISOR).max(1),
+            ghost: Ghost::new(ghost_len)?,
             mutable: 0,
             active: 0,
             evictions: 0,
@@ -195,7 +321,7 @@ impl State {
             free: self.free_len,
             mutable: self.mutable,
             active: self.active,
-            inactive: self.lru_len,
+            inactive: self.inactive,
             registered: self.map.len(),
             evictions: self.evictions,
         }
@@ -228,45 +354,107 @@ impl State {
         Some(id)
     }
 
-    /// Appends `id` at the most-recently-used end.
-    fn lru_push_back(&mut self, id: u32) {
-        let tail = self.lru_tail;
+    /// Puts inactive `id` into eviction list `l` with `stamp`: at the tail, or (`run_first`)
+    /// in front of the tail's run of blocks with the same stamp.
+    fn list_insert(&mut self, l: usize, id: u32, stamp: u64, run_first: bool) {
+        let Some(list) = self.lists.get(l).copied() else {
+            return;
+        };
+        let tail_stamp = self.slots.get(list.tail as usize).map(|t| t.stamp);
+        let before = if run_first && tail_stamp == Some(stamp) {
+            list.run
+        } else {
+            NIL
+        };
+        let prev = match self.slots.get(before as usize) {
+            Some(b) => b.prev,
+            None => list.tail,
+        };
         let Some(s) = self.slots.get_mut(id as usize) else {
             return;
         };
-        s.prev = tail;
-        s.next = NIL;
-        match self.slots.get_mut(tail as usize) {
-            Some(t) => t.next = id,
-            None => self.lru_head = id,
+        s.list = l as u8;
+        s.stamp = stamp;
+        s.prev = prev;
+        s.next = before;
+        let list = &mut self.lists[l];
+        match self.slots.get_mut(prev as usize) {
+            Some(p) => p.next = id,
+            None => list.head = id,
         }
-        self.lru_tail = id;
-        self.lru_len += 1;
+        match self.slots.get_mut(before as usize) {
+            Some(b) => b.prev = id,
+            None => list.tail = id,
+        }
+        // The new block starts the tail's run (alone, or in front of same-stamp blocks).
+        list.run = id;
+        list.len += 1;
+        self.inactive += 1;
     }
 
-    fn lru_unlink(&mut self, id: u32) {
+    fn list_unlink(&mut self, id: u32) {
         let Some(s) = self.slots.get_mut(id as usize) else {
             return;
         };
-        let (prev, next) = (s.prev, s.next);
+        let (prev, next, l) = (s.prev, s.next, s.list as usize);
         s.prev = NIL;
         s.next = NIL;
+        let Some(list) = self.lists.get_mut(l) else {
+            return;
+        };
+        if list.run == id {
+            // The run continues with the next block (same stamp up to the tail), if any.
+            list.run = next;
+        }
         match self.slots.get_mut(prev as usize) {
             Some(p) => p.next = next,
-            None => self.lru_head = next,
+            None => list.head = next,
         }
         match self.slots.get_mut(next as usize) {
             Some(n) => n.prev = prev,
-            None => self.lru_tail = prev,
+            None => list.tail = prev,
         }
-        self.lru_len = self.lru_len.saturating_sub(1);
+        list.len = list.len.saturating_sub(1);
+        self.inactive = self.inactive.saturating_sub(1);
+    }
+
+    /// The inactive block the policy evicts next (`None` if none is inactive).
+    fn victim(&self) -> Option<u32> {
+        match self.policy {
+            EvictionPolicy::Lru => Some(self.lists[0].head).filter(|&id| id != NIL),
+            EvictionPolicy::TwoQ => {
+                let (probation, main) = (&self.lists[0], &self.lists[1]);
+                let l = if probation.len >= self.probation_target || main.len == 0 {
+                    probation
+                } else {
+                    main
+                };
+                Some(l.head).filter(|&id| id != NIL)
+            }
+            EvictionPolicy::Prefix => {
+                // The smallest (stamp + credit of its list); a tie goes to the lower list.
+                let mut best: Option<(u64, u32)> = None;
+                for (l, list) in self.lists.iter().enumerate() {
+                    let Some(head) = self.slots.get(list.head as usize) else {
+                        continue;
+                    };
+                    let p = head.stamp.saturating_add(self.credit[l]);
+                    if best.is_none_or(|(b, _)| p < b) {
+                        best = Some((p, list.head));
+                    }
+                }
+                best.map(|(_, id)| id)
+            }
+        }
     }
 
     // --- transitions ---
 
-    /// Takes `n` blocks (free first, then LRU evictions) and marks them mutable. All or nothing.
+    /// Takes `n` blocks (free first, then evictions in the policy's order) and marks them
+    /// mutable. All or nothing.
     fn allocate(&mut self, kind: TierKind, n: usize) -> Result<Vec<u32>> {
-        let available = self.free_len + self.lru_len;
+        self.epoch = self.clock;
+        let available = self.free_len + self.inactive;
         if n > available {
             return Err(Error::no_space("blocks", self.slots.len(), available, n)
                 .with("tier", kind)
@@ -292,18 +480,23 @@ impl State {
         Ok(out)
     }
 
-    /// One free block, or else the least-recently-used inactive one (unregistered), as mutable.
+    /// One free block, or else the policy's victim (unregistered), as mutable.
     fn take_one(&mut self) -> Option<u32> {
         let id = match self.free_pop() {
             Some(id) => id,
             None => {
-                let id = self.lru_head;
-                let hash = self.slots.get(id as usize)?.hash;
-                self.lru_unlink(id);
+                let id = self.victim()?;
+                let s = self.slots.get(id as usize)?;
+                let (hash, list, uses) = (s.hash, s.list, s.uses);
+                self.list_unlink(id);
                 if let Entry::Occupied(e) = self.map.entry(hash) {
                     if *e.get() == id {
                         e.remove();
                     }
+                }
+                // 2Q remembers keys evicted from probation; the prefix policy every key's count.
+                if self.policy == EvictionPolicy::Prefix || list == 0 {
+                    self.ghost.record(hash, uses);
                 }
                 self.evictions += 1;
                 id
@@ -324,20 +517,23 @@ impl State {
         }
     }
 
-    /// One more handle on a registered block; inactive → active. False if not registered.
-    fn acquire(&mut self, id: u32) -> bool {
+    /// One more handle on a registered block; inactive → active. `reuse`: the block is being
+    /// reused (matched or stored again), not merely cloned. False if not registered.
+    fn acquire(&mut self, id: u32, reuse: bool) -> bool {
         match self.state_of(id) {
             Some(SlotState::Active) => {
                 if let Some(s) = self.slots.get_mut(id as usize) {
                     s.refs += 1;
+                    s.touched |= reuse;
                 }
                 true
             }
             Some(SlotState::Inactive) => {
-                self.lru_unlink(id);
+                self.list_unlink(id);
                 if let Some(s) = self.slots.get_mut(id as usize) {
                     s.state = SlotState::Active;
                     s.refs = 1;
+                    s.touched = reuse;
                 }
                 self.active += 1;
                 true
@@ -346,8 +542,8 @@ impl State {
         }
     }
 
-    /// One handle fewer; the last one makes the block inactive at the MRU end of the LRU, or
-    /// free if it was unregistered meanwhile.
+    /// One handle fewer; the last one makes the block inactive (into the list its policy
+    /// picks), or free if it was unregistered meanwhile.
     fn release_immutable(&mut self, id: u32) {
         let Some(s) = self.slots.get_mut(id as usize) else {
             return;
@@ -356,17 +552,27 @@ impl State {
             return;
         }
         s.refs = s.refs.saturating_sub(1);
-        if s.refs == 0 {
-            let hash = s.hash;
-            self.active = self.active.saturating_sub(1);
-            if self.map.get(&hash) == Some(&id) {
-                if let Some(s) = self.slots.get_mut(id as usize) {
-                    s.state = SlotState::Inactive;
-                }
-                self.lru_push_back(id);
-            } else {
-                self.free_push(id);
-            }
+        if s.refs != 0 {
+            return;
+        }
+        if s.touched {
+            s.uses = s.uses.saturating_add(1).min(MAX_USES);
+            s.touched = false;
+        }
+        let (hash, uses) = (s.hash, s.uses);
+        self.active = self.active.saturating_sub(1);
+        if self.map.get(&hash) != Some(&id) {
+            self.free_push(id);
+            return;
+        }
+        if let Some(s) = self.slots.get_mut(id as usize) {
+            s.state = SlotState::Inactive;
+        }
+        self.clock += 1;
+        match self.policy {
+            EvictionPolicy::Lru => self.list_insert(0, id, self.clock, false),
+            EvictionPolicy::TwoQ => self.list_insert(usize::from(uses > 0), id, self.clock, false),
+            EvictionPolicy::Prefix => self.list_insert(usize::from(uses), id, self.epoch, true),
         }
     }
 
@@ -379,7 +585,7 @@ impl State {
             _ => return false,
         }
         if self.state_of(id) == Some(SlotState::Inactive) {
-            self.lru_unlink(id);
+            self.list_unlink(id);
             self.free_push(id);
         }
         true
@@ -404,7 +610,7 @@ impl State {
         };
         match existing {
             Some(other) => {
-                if !self.acquire(other) {
+                if !self.acquire(other, true) {
                     return Err(Error::internal(format!(
                         "hash {hash} maps to block {other}, which is not registered"
                     ))
@@ -415,16 +621,95 @@ impl State {
                 Ok(other)
             }
             None => {
+                // A key evicted not long ago returns: it is being reused.
+                let uses = match self.ghost.take(hash) {
+                    Some(u) => u.saturating_add(1).min(MAX_USES),
+                    None => 0,
+                };
                 if let Some(s) = self.slots.get_mut(id as usize) {
                     s.state = SlotState::Active;
                     s.refs = 1;
                     s.hash = hash;
+                    s.uses = uses;
+                    s.touched = false;
                 }
                 self.mutable = self.mutable.saturating_sub(1);
                 self.active += 1;
                 Ok(id)
             }
         }
+    }
+}
+
+// --- ghost keys ----------------------------------------------------------------------------------
+
+/// Recently evicted keys with their reuse counts: a ring of the last `len` evictions (64-bit
+/// fingerprints of the keys) and a map from fingerprint to its newest ring position. Both are
+/// sized up front; recording and taking are O(1) and allocate nothing.
+#[derive(Debug)]
+struct Ghost {
+    /// Most keys remembered (0: none).
+    cap: usize,
+    ring: Vec<u64>,
+    /// Next ring position to write.
+    pos: usize,
+    /// Fingerprint → (ring position, reuse count).
+    map: HashMap<u64, (u32, u8), BuildSeqHasher>,
+}
+
+impl Ghost {
+    fn new(len: usize) -> Result<Self> {
+        // Ring positions are u32; a longer ring would not fit (and would be absurd anyway).
+        let len = len.min(MAX_POOL_BLOCKS);
+        let mut ring = Vec::new();
+        ring.try_reserve_exact(len).map_err(|e| {
+            Error::invalid_argument(format!("cannot allocate {len} ghost entries: {e}"))
+        })?;
+        let mut map = HashMap::with_hasher(BuildSeqHasher::default());
+        map.try_reserve(len).map_err(|e| {
+            Error::invalid_argument(format!("cannot allocate the ghost map for {len} keys: {e}"))
+        })?;
+        Ok(Self {
+            cap: len,
+            ring,
+            pos: 0,
+            map,
+        })
+    }
+
+    fn fingerprint(hash: SequenceHash) -> u64 {
+        (hash.0 as u64) ^ ((hash.0 >> 64) as u64).rotate_left(32)
+    }
+
+    /// Remembers an evicted key, forgetting the oldest one when the ring is full.
+    fn record(&mut self, hash: SequenceHash, uses: u8) {
+        let cap = self.cap;
+        if cap == 0 {
+            return;
+        }
+        let fp = Self::fingerprint(hash);
+        let pos = self.pos;
+        if let Some(old) = self.ring.get_mut(pos) {
+            let old_fp = std::mem::replace(old, fp);
+            // One lookup: forget the overwritten key unless a newer entry took it over.
+            if let Entry::Occupied(e) = self.map.entry(old_fp) {
+                if e.get().0 as usize == pos {
+                    e.remove();
+                }
+            }
+        } else {
+            self.ring.push(fp);
+        }
+        self.map.insert(fp, (pos as u32, uses));
+        self.pos = if pos + 1 >= cap { 0 } else { pos + 1 };
+    }
+
+    /// Forgets `hash` and returns its reuse count, if it was remembered.
+    fn take(&mut self, hash: SequenceHash) -> Option<u8> {
+        if self.map.is_empty() {
+            return None;
+        }
+        self.map.remove(&Self::fingerprint(hash)).map(|(_, u)| u)
     }
 }
 
@@ -443,10 +728,19 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `num_blocks` free blocks for a tier of `kind`.
+    /// A pool of `num_blocks` free blocks for a tier of `kind`, evicting with the default
+    /// [`EvictionPolicy`].
     ///
     /// Errors: `num_blocks` is 0 or above [`MAX_POOL_BLOCKS`] (invalid argument).
     pub fn new(kind: TierKind, num_blocks: usize) -> Result<Self> {
+        Self::with_policy(kind, num_blocks, EvictionPolicy::default())
+    }
+
+    /// A pool of `num_blocks` free blocks for a tier of `kind` that evicts by `policy`.
+    ///
+    /// Errors: `num_blocks` is 0 or above [`MAX_POOL_BLOCKS`], or its bookkeeping cannot be
+    /// allocated (invalid argument).
+    pub fn with_policy(kind: TierKind, num_blocks: usize, policy: EvictionPolicy) -> Result<Self> {
         if num_blocks == 0 {
             return Err(
                 Error::invalid_argument("a block pool needs at least one block").with("tier", kind),
@@ -461,7 +755,7 @@ impl BlockPool {
                 .with("tier", kind))
             }
         };
-        let state = State::new(n).map_err(|e| e.with("tier", kind))?;
+        let state = State::new(n, policy).map_err(|e| e.with("tier", kind))?;
         Ok(Self {
             inner: Arc::new(Inner {
                 kind,
@@ -479,6 +773,11 @@ impl BlockPool {
     /// Number of blocks in the pool.
     pub fn num_blocks(&self) -> usize {
         self.inner.num_blocks
+    }
+
+    /// The policy choosing which inactive block a full pool evicts.
+    pub fn policy(&self) -> EvictionPolicy {
+        self.inner.state.lock().policy
     }
 
     /// Every registered block as `(key, block id)`, ordered by block id (a snapshot; for
@@ -559,11 +858,12 @@ impl BlockPool {
         let mut out = Vec::with_capacity(hashes.len().min(self.inner.num_blocks));
         // Declared after `out`, so the guard is dropped first even on unwind.
         let mut st = self.inner.state.lock();
+        st.epoch = st.clock;
         for &hash in hashes {
             let Some(&id) = st.map.get(&hash) else {
                 break;
             };
-            if !st.acquire(id) {
+            if !st.acquire(id, true) {
                 break;
             }
             out.push(ImmutableBlock {
@@ -680,7 +980,7 @@ impl ImmutableBlock {
 impl Clone for ImmutableBlock {
     fn clone(&self) -> Self {
         // The block is active (this handle holds it), so `acquire` only bumps the count.
-        self.inner.state.lock().acquire(self.id);
+        self.inner.state.lock().acquire(self.id, false);
         Self {
             inner: Arc::clone(&self.inner),
             id: self.id,
@@ -847,7 +1147,7 @@ mod tests {
     }
 
     fn pool(n: usize) -> BlockPool {
-        BlockPool::new(TierKind::Host, n).unwrap()
+        BlockPool::with_policy(TierKind::Host, n, EvictionPolicy::Lru).unwrap()
     }
 
     /// Registers one fresh block under `hash` and drops the handle (leaves it inactive).
@@ -1036,6 +1336,105 @@ mod tests {
         assert_eq!((s.evictions, s.registered, s.mutable), (3, 0, 3));
         drop((b, c, d));
         check_sum(&p);
+    }
+
+    /// Runs `step` and returns the one key of `keys` it unregistered (evicted).
+    fn evicted_by(p: &BlockPool, keys: &[SequenceHash], step: impl FnOnce()) -> SequenceHash {
+        let before: Vec<SequenceHash> = keys.iter().copied().filter(|&x| p.contains(x)).collect();
+        step();
+        let gone: Vec<SequenceHash> = before.into_iter().filter(|&x| !p.contains(x)).collect();
+        assert_eq!(gone.len(), 1, "{gone:?}");
+        gone[0]
+    }
+
+    /// Evicts one block by allocating it (kept in `held`); returns the key it held.
+    fn evict_one(
+        p: &BlockPool,
+        keys: &[SequenceHash],
+        held: &mut Vec<MutableBlock>,
+    ) -> SequenceHash {
+        evicted_by(p, keys, || held.extend(p.allocate(1).unwrap()))
+    }
+
+    #[test]
+    fn prefix_policy_evicts_a_matched_chain_deepest_first() {
+        let keys: Vec<SequenceHash> = (1..=3).map(h).collect();
+        for (policy, want) in [
+            (EvictionPolicy::Lru, [1, 2, 3]),
+            (EvictionPolicy::Prefix, [3, 2, 1]),
+        ] {
+            let p = BlockPool::with_policy(TierKind::Host, 3, policy).unwrap();
+            assert_eq!(p.policy(), policy);
+            for &k in &keys {
+                cache(&p, k);
+            }
+            // A request matches the chain; its handles drop parent -> child (as the leader's).
+            drop(p.match_prefix(&keys));
+            let mut held = Vec::new();
+            let got: Vec<SequenceHash> = (0..3).map(|_| evict_one(&p, &keys, &mut held)).collect();
+            assert_eq!(got, want.map(h).to_vec(), "{policy}");
+        }
+    }
+
+    #[test]
+    fn prefix_policy_credit_doubles_with_reuse_and_survives_eviction() {
+        // 4 blocks: one reuse is worth 4 clock ticks (one release each), two reuses 8.
+        let p = BlockPool::with_policy(TierKind::Host, 4, EvictionPolicy::Prefix).unwrap();
+        let keys: Vec<SequenceHash> = (1..=16).map(h).collect();
+        cache(&p, h(1)); // stamp 0
+        drop(p.match_prefix(&[h(1)])); // one reuse, stamp 1: priority 1 + 4 = 5
+        for i in 2..=4 {
+            cache(&p, h(i)); // stamps 2, 3, 4
+        }
+        // Each new key evicts the smallest stamp + credit; a tie goes to the lower list.
+        let order: Vec<SequenceHash> = (5..=9)
+            .map(|i| {
+                evicted_by(&p, &keys, || {
+                    cache(&p, h(i));
+                })
+            })
+            .collect();
+        assert_eq!(order, [2, 3, 4, 5, 1].map(h).to_vec());
+        // Remembered with one reuse, h1 stored again starts with two (credit 8, stamp 10): it
+        // outlives the next three fresh keys.
+        let again = evicted_by(&p, &keys, || {
+            cache(&p, h(1));
+        });
+        assert_eq!(again, h(6));
+        for i in 10..=12 {
+            assert_ne!(
+                evicted_by(&p, &keys, || {
+                    cache(&p, h(i));
+                }),
+                h(1)
+            );
+        }
+        assert!(p.contains(h(1)));
+    }
+
+    #[test]
+    fn two_q_probation_goes_first_until_a_quarter_of_the_pool() {
+        let p = BlockPool::with_policy(TierKind::Host, 8, EvictionPolicy::TwoQ).unwrap();
+        let keys: Vec<SequenceHash> = (1..=12).map(h).collect();
+        for i in 1..=8 {
+            cache(&p, h(i));
+        }
+        for i in 1..=4 {
+            drop(p.match_prefix(&[h(i)])); // reused: main
+        }
+        // Probation (h5..h8, FIFO) goes first while it holds at least 2 (a quarter of 8), then
+        // main (LRU), then probation again when main is empty.
+        let mut held = Vec::new();
+        let order: Vec<SequenceHash> = (0..8).map(|_| evict_one(&p, &keys, &mut held)).collect();
+        assert_eq!(order, [5, 6, 7, 1, 2, 3, 4, 8].map(h).to_vec());
+        // h5 left probation unreused: stored again, the ghost sends it to main.
+        drop(held);
+        for i in [5, 9, 10] {
+            cache(&p, h(i));
+        }
+        let mut held = p.allocate(5).unwrap();
+        let order: Vec<SequenceHash> = (0..3).map(|_| evict_one(&p, &keys, &mut held)).collect();
+        assert_eq!(order, [9, 5, 10].map(h).to_vec());
     }
 
     #[test]

@@ -1,16 +1,23 @@
-//! Property tests of `kvbm_connector::pool::BlockPool` against a reference model.
+//! Property tests of `kvbm_connector::pool::BlockPool` against a reference model, once per
+//! eviction policy.
 //!
 //! Random operation sequences (allocate, register under a hash from a small set so dedup and
 //! collisions happen, drop mutable, clone/drop immutable, match and hold/drop, prefix length) run
-//! against both the pool and a simple model that predicts registration, LRU order and evictions.
-//! After every step: the stats sum to `num_blocks` and agree with the model; no block id is held
-//! by two live handles of different kinds or two mutable handles; every held registered block is
-//! still registered under its hash and matches to the same id; the registered set equals the
-//! model's. At the end, with every handle dropped, `free + inactive == num_blocks`.
+//! against both the pool and a simple model. The model checks what every policy must keep (after
+//! every step: the stats sum to `num_blocks` and agree with the model; no block id is held by two
+//! live handles of different kinds or two mutable handles; every held registered block is still
+//! registered under its hash and matches to the same id; the registered set equals the model's;
+//! at the end, with every handle dropped, `free + inactive == num_blocks`), and predicts each
+//! eviction with a plain reference implementation of the policy: the inactive blocks in a `Vec`
+//! with their list, stamp and release sequence number, the victim found by a scan (LRU: oldest
+//! release; 2Q: oldest probation block while probation holds a quarter of the pool or main is
+//! empty, else oldest main block; prefix: smallest stamp + credit, then lower list, older stamp,
+//! newer release), and a ghost queue of evicted keys.
 
+use std::cmp::Reverse;
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use kvbm_connector::pool::{BlockPool, ImmutableBlock, MutableBlock};
+use kvbm_connector::pool::{BlockPool, EvictionPolicy, ImmutableBlock, MutableBlock};
 use kvbm_connector::{ErrorKind, SequenceHash, TierKind};
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -50,9 +57,22 @@ fn sh(h: u64) -> SequenceHash {
     SequenceHash(u128::from(h) << 64 | u128::from(h))
 }
 
+/// An inactive block in the model: which list its policy put it in, its stamp, and when it
+/// was released (a global sequence number).
+#[derive(Debug, Clone, Copy)]
+struct Inactive {
+    id: usize,
+    list: u8,
+    stamp: u64,
+    seq: u64,
+}
+
+const MAX_USES: u8 = 4;
+
 /// What the pool should look like.
 #[derive(Debug)]
 struct Model {
+    policy: EvictionPolicy,
     num_blocks: usize,
     free: usize,
     /// hash -> block id.
@@ -61,31 +81,58 @@ struct Model {
     hash_of: HashMap<usize, u64>,
     /// Live immutable handles per registered block id (absent = 0).
     refs: HashMap<usize, usize>,
-    /// Inactive registered blocks, least recently used first.
-    lru: VecDeque<usize>,
+    /// Reuse count per registered block, and whether it was reused in its current active period.
+    uses: HashMap<usize, u8>,
+    touched: HashSet<usize>,
+    /// Inactive registered blocks, in release order.
+    inactive: Vec<Inactive>,
+    /// Releases so far (the pool's clock), the clock at the last allocate/match, release count.
+    clock: u64,
+    epoch: u64,
+    seq: u64,
+    /// Evicted keys remembered: (hash, uses, still the newest entry for its hash).
+    ghost: VecDeque<(u64, u8, bool)>,
+    ghost_cap: usize,
     evictions: u64,
 }
 
 impl Model {
-    fn new(num_blocks: usize) -> Self {
+    fn new(num_blocks: usize, policy: EvictionPolicy) -> Self {
+        let ghost_cap = match policy {
+            EvictionPolicy::Lru => 0,
+            EvictionPolicy::TwoQ => num_blocks,
+            EvictionPolicy::Prefix => 8 * num_blocks,
+        };
         Self {
+            policy,
             num_blocks,
             free: num_blocks,
             registered: HashMap::new(),
             hash_of: HashMap::new(),
             refs: HashMap::new(),
-            lru: VecDeque::new(),
+            uses: HashMap::new(),
+            touched: HashSet::new(),
+            inactive: Vec::new(),
+            clock: 0,
+            epoch: 0,
+            seq: 0,
+            ghost: VecDeque::new(),
+            ghost_cap,
             evictions: 0,
         }
     }
 
-    /// A handle on registered block `id` was taken (match, dedup, clone).
-    fn acquire(&mut self, id: usize) {
+    /// A handle on registered block `id` was taken; `reuse`: by a match or a dedup (not a clone).
+    fn acquire(&mut self, id: usize, reuse: bool) {
         let r = self.refs.entry(id).or_insert(0);
         if *r == 0 {
-            self.lru.retain(|&x| x != id);
+            self.inactive.retain(|b| b.id != id);
+            self.touched.remove(&id);
         }
         *r += 1;
+        if reuse {
+            self.touched.insert(id);
+        }
     }
 
     /// A handle on `id` was dropped.
@@ -95,9 +142,99 @@ impl Model {
             .get_mut(&id)
             .expect("model: release of an unheld block");
         *r -= 1;
-        if *r == 0 {
-            self.refs.remove(&id);
-            self.lru.push_back(id);
+        if *r > 0 {
+            return;
+        }
+        self.refs.remove(&id);
+        let uses = self.uses.entry(id).or_insert(0);
+        if self.touched.remove(&id) {
+            *uses = (*uses + 1).min(MAX_USES);
+        }
+        let uses = *uses;
+        self.clock += 1;
+        self.seq += 1;
+        let (list, stamp) = match self.policy {
+            EvictionPolicy::Lru => (0, self.clock),
+            EvictionPolicy::TwoQ => (u8::from(uses > 0), self.clock),
+            EvictionPolicy::Prefix => (uses, self.epoch),
+        };
+        self.inactive.push(Inactive {
+            id,
+            list,
+            stamp,
+            seq: self.seq,
+        });
+    }
+
+    /// The reference choice of the next block to evict.
+    fn victim(&self) -> Option<Inactive> {
+        let oldest = |list: u8| {
+            self.inactive
+                .iter()
+                .filter(|b| b.list == list)
+                .min_by_key(|b| b.seq)
+                .copied()
+        };
+        match self.policy {
+            EvictionPolicy::Lru => oldest(0),
+            EvictionPolicy::TwoQ => {
+                let probation = self.inactive.iter().filter(|b| b.list == 0).count();
+                let main = self.inactive.len() - probation;
+                if probation >= (self.num_blocks / 4).max(1) || main == 0 {
+                    oldest(0)
+                } else {
+                    oldest(1)
+                }
+            }
+            EvictionPolicy::Prefix => {
+                let credit = |list: u8| match list {
+                    0 => 0,
+                    c => (self.num_blocks as u64) << (c - 1),
+                };
+                self.inactive
+                    .iter()
+                    .min_by_key(|b| (b.stamp + credit(b.list), b.list, b.stamp, Reverse(b.seq)))
+                    .copied()
+            }
+        }
+    }
+
+    /// Evicts the reference victim; returns its id.
+    fn evict(&mut self) -> usize {
+        let v = self.victim().expect("model: nothing to evict");
+        self.inactive.retain(|b| b.id != v.id);
+        let h = self
+            .hash_of
+            .remove(&v.id)
+            .expect("model: inactive block unregistered");
+        self.registered.remove(&h);
+        let uses = self.uses.remove(&v.id).unwrap_or(0);
+        let remember = match self.policy {
+            EvictionPolicy::Lru => false,
+            EvictionPolicy::TwoQ => v.list == 0,
+            EvictionPolicy::Prefix => true,
+        };
+        if remember && self.ghost_cap > 0 {
+            if self.ghost.len() == self.ghost_cap {
+                self.ghost.pop_front();
+            }
+            for e in self.ghost.iter_mut().filter(|e| e.0 == h) {
+                e.2 = false;
+            }
+            self.ghost.push_back((h, uses, true));
+        }
+        self.evictions += 1;
+        v.id
+    }
+
+    /// The reuse count a fresh registration of `h` starts with (and forgets `h`'s ghost).
+    fn register_uses(&mut self, h: u64) -> u8 {
+        match self.ghost.iter_mut().find(|e| e.0 == h && e.2) {
+            Some(e) => {
+                e.2 = false;
+                (e.1 + 1).min(MAX_USES)
+            }
+            None => 0,
         }
     }
 
@@ -126,7 +263,8 @@ impl World {
         } = self;
         match op {
             Op::Allocate(n) => {
-                let available = model.free + model.lru.len();
+                model.epoch = model.clock;
+                let available = model.free + model.inactive.len();
                 let before = pool.stats();
                 match pool.allocate(n) {
                     Ok(got) => {
@@ -136,17 +274,15 @@ impl World {
                         model.free -= from_free;
                         let ids: HashSet<usize> = got.iter().map(MutableBlock::block_id).collect();
                         prop_assert_eq!(ids.len(), n, "duplicate ids in one allocation");
-                        for _ in from_free..n {
-                            let id = model.lru.pop_front().expect("model: lru underflow");
-                            let h = model
-                                .hash_of
-                                .remove(&id)
-                                .expect("model: lru block unregistered");
-                            model.registered.remove(&h);
-                            model.evictions += 1;
-                            prop_assert!(
-                                ids.contains(&id),
-                                "LRU block {id} was not the one evicted"
+                        for b in &got[from_free..] {
+                            let want = model.evict();
+                            prop_assert_eq!(
+                                b.block_id(),
+                                want,
+                                "{:?} evicted block {} where the reference evicts {}",
+                                model.policy,
+                                b.block_id(),
+                                want
                             );
                         }
                         mutables.extend(got);
@@ -178,14 +314,16 @@ impl World {
                             existing,
                             "dedup must return the existing block"
                         );
-                        model.acquire(existing);
+                        model.acquire(existing, true);
                         model.free += 1;
                     }
                     None => {
                         prop_assert_eq!(imm.block_id(), mid);
                         model.registered.insert(h, mid);
                         model.hash_of.insert(mid, h);
-                        model.acquire(mid);
+                        let uses = model.register_uses(h);
+                        model.uses.insert(mid, uses);
+                        model.acquire(mid, false);
                     }
                 }
                 immutables.push(imm);
@@ -202,7 +340,7 @@ impl World {
                     return Ok(());
                 }
                 let c = immutables[i.index(immutables.len())].clone();
-                model.acquire(c.block_id());
+                model.acquire(c.block_id(), false);
                 immutables.push(c);
             }
             Op::DropImmutable(i) => {
@@ -216,13 +354,14 @@ impl World {
             }
             Op::Match(list, hold) => {
                 let hashes: Vec<SequenceHash> = list.iter().copied().map(sh).collect();
+                model.epoch = model.clock;
                 let want = model.prefix_len(&list);
                 let got = pool.match_prefix(&hashes);
                 prop_assert_eq!(got.len(), want);
                 for (b, h) in got.iter().zip(&list) {
                     prop_assert_eq!(b.sequence_hash(), sh(*h));
                     prop_assert_eq!(Some(&b.block_id()), model.registered.get(h));
-                    model.acquire(b.block_id());
+                    model.acquire(b.block_id(), true);
                 }
                 if hold {
                     immutables.extend(got);
@@ -273,12 +412,15 @@ impl World {
         prop_assert_eq!(s.active, imm_set.len());
         let m = &self.model;
         prop_assert_eq!(s.free, m.free);
-        prop_assert_eq!(s.inactive, m.lru.len());
+        prop_assert_eq!(s.inactive, m.inactive.len());
+        prop_assert_eq!(self.pool.policy(), m.policy);
         prop_assert_eq!(s.registered, m.registered.len());
         prop_assert_eq!(s.evictions, m.evictions);
         prop_assert_eq!(m.num_blocks, n);
 
-        // Every held block is still registered under its hash, to the same id.
+        // Every held block is still registered under its hash, to the same id (read from the
+        // `registered` snapshot: a match here would count as a reuse and move the epoch).
+        let snapshot: HashMap<SequenceHash, usize> = self.pool.registered().into_iter().collect();
         for b in &self.immutables {
             let h = b.sequence_hash();
             prop_assert_eq!(
@@ -287,9 +429,7 @@ impl World {
                 "held block {:?} was evicted",
                 b
             );
-            let again = self.pool.match_prefix(&[h]);
-            prop_assert_eq!(again.len(), 1);
-            prop_assert_eq!(again[0].block_id(), b.block_id());
+            prop_assert_eq!(snapshot.get(&h), Some(&b.block_id()));
             prop_assert_eq!(m.registered.get(&(h.0 as u64)), Some(&b.block_id()));
         }
 
@@ -306,40 +446,82 @@ impl World {
     }
 }
 
+fn policy() -> impl Strategy<Value = EvictionPolicy> {
+    prop_oneof![
+        Just(EvictionPolicy::Lru),
+        Just(EvictionPolicy::TwoQ),
+        Just(EvictionPolicy::Prefix),
+    ]
+}
+
+/// Runs `ops` against a pool of `policy` and the model, checking after every step.
+fn pool_matches_model(
+    policy: EvictionPolicy,
+    num_blocks: usize,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
+    let pool = BlockPool::with_policy(TierKind::Host, num_blocks, policy).unwrap();
+    let mut world = World {
+        pool,
+        model: Model::new(num_blocks, policy),
+        mutables: Vec::new(),
+        immutables: Vec::new(),
+    };
+    world.check()?;
+    for op in ops {
+        world.apply(op)?;
+        world.check()?;
+    }
+
+    let World {
+        pool,
+        mutables,
+        immutables,
+        ..
+    } = world;
+    drop(mutables);
+    drop(immutables);
+    let s = pool.stats();
+    prop_assert_eq!(
+        s.free + s.inactive,
+        num_blocks,
+        "leak after dropping everything: {:?}",
+        s
+    );
+    prop_assert_eq!((s.mutable, s.active), (0, 0));
+    prop_assert_eq!(s.registered, s.inactive);
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
-    fn pool_matches_model(num_blocks in 1usize..8, ops in prop::collection::vec(op(), 1..60)) {
-        let pool = BlockPool::new(TierKind::Host, num_blocks).unwrap();
-        let mut world = World {
-            pool,
-            model: Model::new(num_blocks),
-            mutables: Vec::new(),
-            immutables: Vec::new(),
-        };
-        world.check()?;
-        for op in ops {
-            world.apply(op)?;
-            world.check()?;
-        }
+    fn lru_pool_matches_model(num_blocks in 1usize..8, ops in prop::collection::vec(op(), 1..60)) {
+        pool_matches_model(EvictionPolicy::Lru, num_blocks, ops)?;
+    }
 
-        let World { pool, mutables, immutables, .. } = world;
-        drop(mutables);
-        drop(immutables);
-        let s = pool.stats();
-        prop_assert_eq!(s.free + s.inactive, num_blocks, "leak after dropping everything: {:?}", s);
-        prop_assert_eq!((s.mutable, s.active), (0, 0));
-        prop_assert_eq!(s.registered, s.inactive);
+    #[test]
+    fn two_q_pool_matches_model(num_blocks in 1usize..8, ops in prop::collection::vec(op(), 1..60)) {
+        pool_matches_model(EvictionPolicy::TwoQ, num_blocks, ops)?;
+    }
+
+    #[test]
+    fn prefix_pool_matches_model(num_blocks in 1usize..8, ops in prop::collection::vec(op(), 1..60)) {
+        pool_matches_model(EvictionPolicy::Prefix, num_blocks, ops)?;
     }
 
     /// Whatever happened before, a full allocation succeeds once every handle is gone.
     #[test]
-    fn everything_reusable_after_drop(num_blocks in 1usize..8, ops in prop::collection::vec(op(), 1..40)) {
-        let pool = BlockPool::new(TierKind::Disk, num_blocks).unwrap();
+    fn everything_reusable_after_drop(
+        policy in policy(),
+        num_blocks in 1usize..8,
+        ops in prop::collection::vec(op(), 1..40),
+    ) {
+        let pool = BlockPool::with_policy(TierKind::Disk, num_blocks, policy).unwrap();
         let mut world = World {
             pool: pool.clone(),
-            model: Model::new(num_blocks),
+            model: Model::new(num_blocks, policy),
             mutables: Vec::new(),
             immutables: Vec::new(),
         };

@@ -3,6 +3,8 @@
 //! * `kvbm replay` — replays a workload through a simulated engine driving the real leader and
 //!   workers; verifies every onboarded byte; prints a table and optionally a JSON report
 //!   ([`replay`]).
+//! * `kvbm sweep` — replays a workload at several cache capacities and policies; a table and an
+//!   SVG plot of hit rate against capacity ([`sweep`]).
 //! * `kvbm bench` — measures each data path against a limit measured in the same run ([`bench`](mod@bench)).
 //! * `kvbm config` — prints the effective configuration and the derived block counts
 //!   ([`config_cmd`]).
@@ -21,6 +23,7 @@
 mod bench;
 mod config_cmd;
 mod replay;
+mod sweep;
 
 use std::process::ExitCode;
 
@@ -45,6 +48,9 @@ struct Cli {
 enum Command {
     /// Replay a workload through a simulated engine and the real connector; verify every byte.
     Replay(replay::ReplayArgs),
+    /// Replay a workload at several host (and disk) capacities and eviction policies: a table
+    /// of hit rates and an SVG plot (capacity curves).
+    Sweep(sweep::SweepArgs),
     /// Measure each data path against a limit measured in the same run.
     Bench(bench::BenchArgs),
     /// Print the effective configuration (file + environment) and the derived block counts.
@@ -123,6 +129,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Replay(a) => replay::run(&a),
+        Command::Sweep(a) => sweep::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::Config(a) => config_cmd::run(&a),
         Command::Worker(a) => replay::multiproc::run_worker(&a),

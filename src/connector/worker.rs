@@ -176,6 +176,8 @@ struct Shared {
     device_reads_done: Condvar,
     /// Operations submitted and not completed (abandoned loads count as completed).
     active: Mutex<Active>,
+    /// Notified whenever an operation completes (`active.all` went down).
+    active_done: Condvar,
     /// Rate-limits the warning about failed operations.
     failure_warn: Mutex<WarnLimiter>,
     /// This worker's transfer counters (blocks and bytes per tier pair), served with
@@ -201,6 +203,7 @@ impl Default for Shared {
             device_reads: Mutex::default(),
             device_reads_done: Condvar::new(),
             active: Mutex::new(Active::default()),
+            active_done: Condvar::new(),
             failure_warn: Mutex::new(WarnLimiter::new(WarnLimiter::INTERVAL)),
             metrics: Arc::new(Metrics::new()),
         }
@@ -753,6 +756,7 @@ impl Worker {
     pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
+            let seen = self.shared.active.lock().all;
             let busy = {
                 let st = self.shared.state.lock();
                 st.slots.values().any(|s| s.device_ops > 0 || s.loads > 0)
@@ -767,7 +771,7 @@ impl Worker {
                     "operations still running at the deadline",
                 ));
             }
-            std::thread::sleep(Duration::from_micros(200));
+            self.wait_for_a_completion(seen);
         }
     }
 
@@ -783,6 +787,7 @@ impl Worker {
                 let st = self.shared.state.lock();
                 st.slots.values().any(|s| s.device_ops > 0 || s.loads > 0)
             } || *self.shared.device_reads.lock() > 0;
+            let seen = self.shared.active.lock().all;
             let (all, off_device, stuck) = {
                 let a = self.shared.active.lock();
                 let stuck = a.off_device.values().any(|t| t.elapsed() >= grace);
@@ -798,8 +803,26 @@ impl Worker {
                     "operations still running at the deadline",
                 ));
             }
-            std::thread::sleep(Duration::from_micros(200));
+            self.wait_for_a_completion(seen);
         }
+    }
+
+    /// Between two polls of [`Worker::wait_idle`]: returns once an operation completed since
+    /// `seen` operations were in flight, or after 200 µs (what else the wait checks — a copy
+    /// running past its grace — changes without a completion). A host copy takes microseconds:
+    /// a caller waiting every iteration, like `kvbm replay`, should not sleep a fixed 200 µs.
+    fn wait_for_a_completion(&self, seen: usize) {
+        let pause = Duration::from_micros(200);
+        let mut active = self.shared.active.lock();
+        if active.all != seen {
+            return;
+        }
+        if active.all == 0 {
+            drop(active);
+            std::thread::sleep(pause);
+            return;
+        }
+        let _ = self.shared.active_done.wait_for(&mut active, pause);
     }
 
     /// Requests done on this worker, each reported once: `(released, loaded)`.
@@ -996,6 +1019,7 @@ fn complete(
     if done.off_device {
         active.off_device.remove(&done.op);
     }
+    shared.active_done.notify_all();
 }
 
 /// The outcome of a load abandoned at its `deadline`: the device blocks in `written` are loaded,

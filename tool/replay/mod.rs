@@ -9,7 +9,8 @@
 //! * [`multiproc`] — replays with one `kvbm worker` process per rank, and `kvbm worker` itself;
 //! * [`pool`], [`request`], [`model`], [`options`], [`report`] — the engine's device blocks, its
 //!   requests, the model's KV bytes, the run's options and its report;
-//! * [`workload`], [`trace`] — built-in workloads and JSONL traces.
+//! * [`workload`], [`trace`], [`mooncake`] — built-in workloads, JSONL traces and Mooncake
+//!   traces (read lazily).
 //!
 //! Dependencies point one way (no cycle): [`framework`] and [`messages`] know nothing of the tool;
 //! [`engines`] knows them, [`request`] and [`report`]; [`rank`] knows [`engines`]; [`channel`]
@@ -21,6 +22,7 @@ pub mod engines;
 pub mod framework;
 pub mod messages;
 pub mod model;
+pub mod mooncake;
 pub mod multiproc;
 pub mod options;
 pub mod pool;
@@ -55,9 +57,21 @@ pub struct ReplayArgs {
     /// Built-in workload (ignored with --trace).
     #[arg(long, value_enum, default_value_t = WorkloadKind::MultiTurn)]
     pub workload: WorkloadKind,
-    /// JSONL trace: {"id": "r1", "arrival": 0, "prompt": [1, 2, 3], "max_tokens": 1} per line.
+    /// Trace file: with `--trace-format jsonl`, {"id": "r1", "arrival": 0, "prompt": [1, 2, 3],
+    /// "max_tokens": 1} per line; with `mooncake`, Mooncake's {"timestamp", "input_length",
+    /// "output_length", "hash_ids"} per line.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Format of `--trace`.
+    #[arg(long, value_enum, default_value_t = TraceFormat::Jsonl)]
+    pub trace_format: TraceFormat,
+    /// Cap on each request's output tokens (Mooncake traces: `output_length` capped here).
+    #[arg(long)]
+    pub max_output_tokens: Option<usize>,
+    /// One request at a time, each arriving once the previous one finished (arrivals ignored),
+    /// as capacity studies replay a trace.
+    #[arg(long)]
+    pub sequential: bool,
     /// Seed of the built-in workload.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -128,6 +142,98 @@ pub struct ReplayArgs {
     pub quiet: bool,
 }
 
+/// Formats of `kvbm replay --trace`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TraceFormat {
+    /// Our JSONL: id, arrival (engine step), prompt tokens, max_tokens per line.
+    Jsonl,
+    /// Mooncake's (FAST'25) trace: timestamp (ms, one engine step each), input_length,
+    /// output_length, hash_ids of 512-token blocks; tokens derived from the ids; read lazily.
+    Mooncake,
+}
+
+/// The requests `a` asks for, in arrival order: a trace (a Mooncake one read lazily) or a
+/// built-in workload; `--max-output-tokens` applied.
+pub fn workload_source(a: &ReplayArgs) -> Result<simulator::Source> {
+    let cap = a.max_output_tokens;
+    if cap == Some(0) {
+        return Err(
+            Error::invalid_argument("--max-output-tokens must be at least 1")
+                .with("flag", "--max-output-tokens"),
+        );
+    }
+    let capped = move |mut r: workload::TraceRequest| {
+        if let Some(c) = cap {
+            r.max_tokens = r.max_tokens.min(c);
+        }
+        r
+    };
+    let list = match (&a.trace, a.trace_format) {
+        (Some(p), TraceFormat::Mooncake) => {
+            let path = p.display().to_string();
+            let reader = mooncake::open_mooncake(p, cap.unwrap_or(usize::MAX))?;
+            return Ok(Box::new(
+                reader.map(move |r| r.map_err(|e| e.with("path", &path))),
+            ));
+        }
+        (Some(p), TraceFormat::Jsonl) => read_trace(p)?,
+        (None, TraceFormat::Mooncake) => {
+            return Err(
+                Error::invalid_argument("--trace-format mooncake needs --trace FILE")
+                    .with("flag", "--trace-format"),
+            )
+        }
+        (None, TraceFormat::Jsonl) => {
+            if a.requests == 0 || a.requests > workload::MAX_REQUESTS {
+                return Err(Error::invalid_argument(format!(
+                    "--requests is {}; it must be between 1 and {}",
+                    a.requests,
+                    workload::MAX_REQUESTS
+                ))
+                .with("flag", "--requests"));
+            }
+            if a.arrival_gap > workload::MAX_ARRIVAL_GAP {
+                return Err(Error::invalid_argument(format!(
+                    "--arrival-gap is {}; at most {}",
+                    a.arrival_gap,
+                    workload::MAX_ARRIVAL_GAP
+                ))
+                .with("flag", "--arrival-gap"));
+            }
+            generate_workload(
+                a.workload,
+                a.seed,
+                WorkloadSize {
+                    requests: a.requests,
+                    arrival_gap: a.arrival_gap,
+                },
+            )
+        }
+    };
+    let list: Vec<_> = list.into_iter().map(capped).collect();
+    Ok(simulator::source_of(&list))
+}
+
+/// The simulation options of `a` with this connector configuration.
+pub fn sim_options(a: &ReplayArgs, config: Config) -> SimOptions {
+    SimOptions {
+        framework: a.framework,
+        block_size: a.model.block_size,
+        device_blocks: a.device_blocks,
+        max_batch: a.max_batch,
+        chunk_tokens: a.chunk_tokens,
+        device_prefix_cache: a.device_prefix_cache == OnOff::On,
+        prefill_us_per_token: a.prefill_us_per_token,
+        model: a.model.shape(),
+        config,
+        progress: !a.quiet && std::io::stderr().is_terminal(),
+        tp: a.tp,
+        kill: a.kill_rank,
+        device: a.device,
+        sequential: a.sequential,
+    }
+}
+
 /// Host blocks used when neither flags nor configuration size the host tier.
 pub const DEFAULT_HOST_BLOCKS: usize = 256;
 /// Disk blocks used when neither flags nor configuration size the disk tier.
@@ -156,50 +262,9 @@ pub fn replay_config(a: &ReplayArgs) -> Result<Config> {
 /// Runs `kvbm replay`.
 pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
     let config = replay_config(a)?;
-    let workload = match &a.trace {
-        Some(p) => read_trace(p)?,
-        None => {
-            if a.requests == 0 || a.requests > workload::MAX_REQUESTS {
-                return Err(Error::invalid_argument(format!(
-                    "--requests is {}; it must be between 1 and {}",
-                    a.requests,
-                    workload::MAX_REQUESTS
-                ))
-                .with("flag", "--requests"));
-            }
-            if a.arrival_gap > workload::MAX_ARRIVAL_GAP {
-                return Err(Error::invalid_argument(format!(
-                    "--arrival-gap is {}; at most {}",
-                    a.arrival_gap,
-                    workload::MAX_ARRIVAL_GAP
-                ))
-                .with("flag", "--arrival-gap"));
-            }
-            generate_workload(
-                a.workload,
-                a.seed,
-                WorkloadSize {
-                    requests: a.requests,
-                    arrival_gap: a.arrival_gap,
-                },
-            )
-        }
-    };
-    let opts = SimOptions {
-        framework: a.framework,
-        block_size: a.model.block_size,
-        device_blocks: a.device_blocks,
-        max_batch: a.max_batch,
-        chunk_tokens: a.chunk_tokens,
-        device_prefix_cache: a.device_prefix_cache == OnOff::On,
-        prefill_us_per_token: a.prefill_us_per_token,
-        model: a.model.shape(),
-        config,
-        progress: !a.quiet && std::io::stderr().is_terminal(),
-        tp: a.tp,
-        kill: a.kill_rank,
-        device: a.device,
-    };
+    let workload = workload_source(a)?;
+    let eviction = config.eviction;
+    let opts = sim_options(a, config);
     // Tier sizes the configuration asks for, checked before anything starts (the error names
     // the setting).
     opts.config
@@ -219,9 +284,9 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
                 .unwrap_or_else(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
             external_workers: a.external_workers,
         };
-        multiproc::replay(opts, &workload, &topo)?
+        multiproc::replay(opts, workload, &topo)?
     } else {
-        simulator::replay(opts, &workload)?
+        simulator::replay(opts, workload)?
     };
     if let Some(path) = &a.report {
         let json = serde_json::to_string_pretty(&report)
@@ -235,6 +300,7 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
     }
     if !a.quiet {
         print!("{}", render_table(&report));
+        println!("  eviction (host, disk) {eviction:>10}");
     }
     if report.summary.integrity_errors > 0 {
         eprintln!(

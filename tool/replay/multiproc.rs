@@ -29,9 +29,8 @@ use super::model::Shard;
 use super::options::SimOptions;
 use super::rank::{DeviceKind, RankExecutor};
 use super::report::Report;
-use super::simulator::Simulator;
+use super::simulator::{Simulator, Source};
 use super::wait_for;
-use super::workload::TraceRequest;
 use crate::ModelArgs;
 
 /// `kvbm worker` flags.
@@ -167,9 +166,9 @@ fn kill_all(children: &mut [Child]) {
 }
 
 /// Runs a replay with one worker process per rank.
-pub fn replay(opts: SimOptions, workload: &[TraceRequest], topo: &Topology) -> Result<Report> {
+pub fn replay(opts: SimOptions, workload: Source, topo: &Topology) -> Result<Report> {
     opts.model_dims()?;
-    opts.check_workload(workload)?;
+    opts.check_workload(&[])?;
     let tp = opts.tp;
     let tcp = TcpConfig {
         auth_token: auth_token_from_env(),
@@ -292,7 +291,7 @@ fn write_private_file(dir: &std::path::Path, stem: &str, contents: &[u8]) -> Res
 
 fn connect(
     opts: SimOptions,
-    workload: &[TraceRequest],
+    workload: Source,
     leader_transport: Arc<TcpLeader>,
     listener: &TcpListener,
     mut children: Vec<Child>,

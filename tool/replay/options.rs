@@ -52,6 +52,8 @@ pub struct SimOptions {
     pub kill: Option<(usize, u64)>,
     /// What backs the device cache (host memory, or a real GPU with feature `cuda`).
     pub device: DeviceKind,
+    /// One request at a time: each arrives once the previous one is done (arrivals ignored).
+    pub sequential: bool,
 }
 
 fn sim_err(msg: impl Into<String>) -> Error {
@@ -122,27 +124,34 @@ impl SimOptions {
             ))
             .with("flag", "--device-blocks"));
         }
+        for r in workload {
+            self.check_request(r)?;
+        }
+        Ok(())
+    }
+
+    /// Checks one request against the limits and the device: arriving by [`MAX_ARRIVAL`],
+    /// within [`MAX_REQUEST_TOKENS`](super::workload::MAX_REQUEST_TOKENS) and the device's
+    /// blocks (all arithmetic checked). Errors name the request and the field.
+    pub fn check_request(&self, r: &TraceRequest) -> Result<()> {
         let block_size = self.block_size.max(1);
         let capacity = self.device_blocks.saturating_mul(block_size);
-        for r in workload {
-            if r.arrival > MAX_ARRIVAL {
-                return Err(sim_err(format!(
-                    "request {:?}: arrival {} is past step {MAX_ARRIVAL}",
-                    r.id, r.arrival
-                ))
-                .with("field", "arrival"));
-            }
-            let tokens = request_tokens(r.prompt.len(), r.max_tokens).map_err(|e| {
-                sim_err(format!("request {:?}: {e}", r.id)).with("field", "max_tokens")
-            })?;
-            if tokens > capacity {
-                return Err(sim_err(format!(
-                    "request {:?} needs {} device blocks but the device has {}; raise --device-blocks",
-                    r.id,
-                    tokens.div_ceil(block_size),
-                    self.device_blocks
-                )));
-            }
+        if r.arrival > MAX_ARRIVAL {
+            return Err(sim_err(format!(
+                "request {:?}: arrival {} is past step {MAX_ARRIVAL}",
+                r.id, r.arrival
+            ))
+            .with("field", "arrival"));
+        }
+        let tokens = request_tokens(r.prompt.len(), r.max_tokens)
+            .map_err(|e| sim_err(format!("request {:?}: {e}", r.id)).with("field", "max_tokens"))?;
+        if tokens > capacity {
+            return Err(sim_err(format!(
+                "request {:?} needs {} device blocks but the device has {}; raise --device-blocks",
+                r.id,
+                tokens.div_ceil(block_size),
+                self.device_blocks
+            )));
         }
         Ok(())
     }

@@ -10,8 +10,6 @@ use super::workload::{prefix_hash_step, PREFIX_HASH_SEED};
 /// Where a request is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
-    /// Not arrived yet.
-    Pending,
     /// Arrived (or put back): waits for admission.
     Waiting,
     /// Admitted; its connector load is in flight.

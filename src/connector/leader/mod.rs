@@ -387,7 +387,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             if n == 0 {
                 Ok(None)
             } else {
-                BlockPool::new(kind, n).map(Some)
+                BlockPool::with_policy(kind, n, self.config.eviction).map(Some)
             }
         };
         let host = pool(TierKind::Host, readiness.counts.num_host_blocks)?;

@@ -202,7 +202,7 @@ impl Simulator {
         for i in released {
             if self.reqs[i].phase == Phase::Held {
                 self.free_request_blocks(i)?;
-                self.reqs[i].phase = Phase::Done;
+                self.retire(i);
             }
         }
         Ok(())
@@ -249,6 +249,7 @@ impl Simulator {
         let good_blocks = first_bad.unwrap_or(first + count);
         r.computed = good_blocks * bs;
         r.loaded = true;
+        self.progress += 1;
         r.phase = Phase::Waiting;
         self.waiting.push_front(i);
         Ok(())

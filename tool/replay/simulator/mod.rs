@@ -43,6 +43,17 @@ use super::request::{Phase, Req};
 use super::wait_for;
 use super::workload::TraceRequest;
 
+/// Where a replay's requests come from, in arrival order: read one at a time (a trace file read
+/// lazily, or a list), so memory follows what is in flight and cached, not the whole workload.
+pub type Source = Box<dyn Iterator<Item = Result<TraceRequest>>>;
+
+/// A list of requests as a [`Source`] (sorted by arrival, stable).
+pub fn source_of(workload: &[TraceRequest]) -> Source {
+    let mut v = workload.to_vec();
+    v.sort_by_key(|r| r.arrival);
+    Box::new(v.into_iter().map(Ok))
+}
+
 /// The simulated engine.
 pub struct Simulator {
     opts: SimOptions,
@@ -56,7 +67,20 @@ pub struct Simulator {
     released_votes: HashMap<usize, usize>,
     loaded_votes: HashMap<usize, usize>,
     rank_failures: usize,
+    /// Requests that arrived so far, in arrival order (a finished one keeps only its report).
     reqs: Vec<Req>,
+    /// Requests still to arrive.
+    source: Source,
+    /// The next request to arrive, read ahead.
+    next: Option<TraceRequest>,
+    /// Ids seen (unique within a replay).
+    ids: std::collections::HashSet<String>,
+    /// Arrived requests not yet done (indices into `reqs`), pruned every step.
+    live: Vec<usize>,
+    /// Grows whenever a request arrives, computes, loads or finishes (the stall guard's measure).
+    progress: u64,
+    /// Bumped at each step with `progress` unchanged; reset by progress.
+    stalled_steps: u64,
     /// Request index by the connector's id (what the ranks report).
     by_request_id: HashMap<String, usize>,
     /// Running order (admission order): vLLM preempts from the back.
@@ -78,8 +102,8 @@ pub struct Simulator {
 impl Simulator {
     /// Builds a single-process engine: leader and one worker over the in-process transport, started
     /// in the engine's order.
-    pub fn new(opts: SimOptions, workload: &[TraceRequest]) -> Result<Self> {
-        opts.check_workload(workload)?;
+    pub fn new(opts: SimOptions, workload: Source) -> Result<Self> {
+        opts.check_workload(&[])?;
         let shard = Shard {
             rank: 0,
             dims: opts.shard_dims()?,
@@ -128,13 +152,13 @@ impl Simulator {
     /// processes, by rank, in multi-process runs); waits for the connector to be ready.
     pub fn assemble(
         opts: SimOptions,
-        workload: &[TraceRequest],
+        workload: Source,
         sched: Box<dyn SchedulerSide>,
         ranks: Vec<Box<dyn RankDriver>>,
         children: Vec<std::process::Child>,
     ) -> Result<Self> {
         opts.model_dims()?;
-        opts.check_workload(workload)?;
+        opts.check_workload(&[])?;
         let n = opts.device_blocks;
         let mut engine = Self {
             pool: DevicePool::new(n, opts.device_prefix_cache),
@@ -145,7 +169,13 @@ impl Simulator {
             released_votes: HashMap::new(),
             loaded_votes: HashMap::new(),
             rank_failures: 0,
-            reqs: Vec::with_capacity(workload.len()),
+            reqs: Vec::new(),
+            source: workload,
+            next: None,
+            ids: std::collections::HashSet::new(),
+            live: Vec::new(),
+            progress: 0,
+            stalled_steps: 0,
             by_request_id: HashMap::new(),
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -160,56 +190,98 @@ impl Simulator {
             opts,
         };
         engine.wait_ready()?;
-        let mut ids = std::collections::HashSet::new();
-        for (i, r) in workload.iter().enumerate() {
-            if !ids.insert(r.id.as_str()) {
+        engine.next = engine.pull()?;
+        Ok(engine)
+    }
+
+    /// Reads the next request from the source (checked against the options and the previous
+    /// arrival).
+    fn pull(&mut self) -> Result<Option<TraceRequest>> {
+        let Some(r) = self.source.next().transpose()? else {
+            return Ok(None);
+        };
+        self.opts.check_request(&r)?;
+        if self.reqs.len() >= super::workload::MAX_REQUESTS {
+            return Err(Error::invalid_argument(format!(
+                "request {:?}: more than {} requests in one replay",
+                r.id,
+                super::workload::MAX_REQUESTS
+            )));
+        }
+        if let Some(prev) = self.reqs.last() {
+            if r.arrival < prev.arrival {
                 return Err(Error::invalid_argument(format!(
-                    "duplicate request id {:?}",
-                    r.id
+                    "request {:?} arrives at step {}, before the previous request ({}): a \
+                     workload is read in arrival order",
+                    r.id, r.arrival, prev.arrival
                 )));
             }
-            let mut req = Req {
-                id: r.id.clone(),
-                num_id: i as u64,
-                // Room for the prompt only (the output grows as it is generated): the sizes were
-                // checked by `check_workload`, but memory is spent on tokens, not promises.
-                tokens: Vec::with_capacity(r.prompt.len()),
-                prefix: Vec::with_capacity(r.prompt.len()),
-                prompt_len: r.prompt.len(),
-                max_tokens: r.max_tokens.max(1),
-                generated: 0,
-                computed: 0,
-                blocks: Vec::new(),
-                phase: Phase::Pending,
-                arrival: r.arrival,
-                arrival_clock_us: 0.0,
-                first_token_us: None,
-                loading: None,
-                announced: false,
-                loaded: false,
-                sent_tokens: 0,
-                sent_blocks: 0,
-                report: RequestReport {
-                    id: r.id.clone(),
-                    prompt_tokens: r.prompt.len(),
-                    matched_tokens: 0,
-                    matched_from: MatchedFrom::default(),
-                    device_hit_tokens: 0,
-                    computed_tokens: 0,
-                    output_tokens: 0,
-                    ttft_ms: 0.0,
-                    preemptions: 0,
-                    load_errors: 0,
-                },
-            };
-            for &t in &r.prompt {
-                req.push_token(t);
-            }
-            let id = engine.sched.request_id(&req).to_string();
-            engine.by_request_id.insert(id, i);
-            engine.reqs.push(req);
         }
-        Ok(engine)
+        if !self.ids.insert(r.id.clone()) {
+            return Err(Error::invalid_argument(format!(
+                "duplicate request id {:?}",
+                r.id
+            )));
+        }
+        Ok(Some(r))
+    }
+
+    /// A request arrives: it becomes the engine's, waiting for admission.
+    fn arrive(&mut self, r: TraceRequest) {
+        let i = self.reqs.len();
+        let mut req = Req {
+            id: r.id.clone(),
+            num_id: i as u64,
+            // Room for the prompt only (the output grows as it is generated): the sizes were
+            // checked by `check_request`, but memory is spent on tokens, not promises.
+            tokens: Vec::with_capacity(r.prompt.len()),
+            prefix: Vec::with_capacity(r.prompt.len()),
+            prompt_len: r.prompt.len(),
+            max_tokens: r.max_tokens.max(1),
+            generated: 0,
+            computed: 0,
+            blocks: Vec::new(),
+            phase: Phase::Waiting,
+            arrival: r.arrival,
+            arrival_clock_us: self.clock_us,
+            first_token_us: None,
+            loading: None,
+            announced: false,
+            loaded: false,
+            sent_tokens: 0,
+            sent_blocks: 0,
+            report: RequestReport {
+                id: r.id,
+                prompt_tokens: r.prompt.len(),
+                matched_tokens: 0,
+                matched_from: MatchedFrom::default(),
+                device_hit_tokens: 0,
+                computed_tokens: 0,
+                output_tokens: 0,
+                ttft_ms: 0.0,
+                preemptions: 0,
+                load_errors: 0,
+            },
+        };
+        for &t in &r.prompt {
+            req.push_token(t);
+        }
+        let id = self.sched.request_id(&req).to_string();
+        self.by_request_id.insert(id, i);
+        self.reqs.push(req);
+        self.waiting.push_back(i);
+        self.live.push(i);
+        self.progress += 1;
+    }
+
+    /// A request is done: its tokens are dropped (only its report stays).
+    pub(super) fn retire(&mut self, i: usize) {
+        let r = &mut self.reqs[i];
+        r.phase = Phase::Done;
+        r.tokens = Vec::new();
+        r.prefix = Vec::new();
+        r.blocks = Vec::new();
+        self.progress += 1;
     }
 
     fn wait_ready(&mut self) -> Result<()> {
@@ -231,45 +303,46 @@ impl Simulator {
             .unwrap_or_default()
     }
 
-    fn all_done(&self) -> bool {
-        self.reqs.iter().all(|r| r.phase == Phase::Done)
-    }
-
     /// Runs the whole workload.
     pub fn run(mut self) -> Result<Report> {
         let wall = Instant::now();
-        let total = self.reqs.len();
         let mut last_progress = Instant::now();
-        let mut arrivals: Vec<usize> = (0..self.reqs.len()).collect();
-        arrivals.sort_by_key(|&i| (self.reqs[i].arrival, i));
-        let mut next_arrival = 0usize;
-        let mut guard = 0u64;
-        while !self.all_done() {
-            // Admit arrivals; skip idle stretches.
-            let idle = self.running.is_empty()
-                && self.waiting.is_empty()
-                && !self
-                    .reqs
-                    .iter()
-                    .any(|r| matches!(r.phase, Phase::Loading | Phase::Held));
-            if idle {
-                if let Some(&i) = arrivals.get(next_arrival) {
-                    self.step = self.step.max(self.reqs[i].arrival);
+        let sequential = self.opts.sequential;
+        loop {
+            self.live.retain(|&i| self.reqs[i].phase != Phase::Done);
+            if self.next.is_none() && self.live.is_empty() {
+                break;
+            }
+            // Admit arrivals; skip idle stretches. Sequential: the next request arrives once
+            // the previous one is done, whatever its arrival says.
+            if self.live.is_empty() && !sequential {
+                if let Some(r) = &self.next {
+                    self.step = self.step.max(r.arrival);
                 }
             }
-            while let Some(&i) = arrivals.get(next_arrival) {
-                if self.reqs[i].arrival > self.step {
+            while let Some(r) = &self.next {
+                let due = if sequential {
+                    self.live.is_empty()
+                } else {
+                    r.arrival <= self.step
+                };
+                if !due {
                     break;
                 }
-                self.reqs[i].phase = Phase::Waiting;
-                self.reqs[i].arrival_clock_us = self.clock_us;
-                self.waiting.push_back(i);
-                next_arrival += 1;
+                if let Some(r) = self.next.take() {
+                    self.arrive(r);
+                }
+                self.next = self.pull()?;
             }
+            let before = self.progress;
             self.one_step()?;
             self.step += 1;
-            guard += 1;
-            if guard > 200_000 {
+            if self.progress == before {
+                self.stalled_steps += 1;
+            } else {
+                self.stalled_steps = 0;
+            }
+            if self.stalled_steps > 200_000 {
                 let count = |p: Phase| self.reqs.iter().filter(|r| r.phase == p).count();
                 let loading: Vec<usize> = (0..self.reqs.len())
                     .filter(|&i| self.reqs[i].phase == Phase::Loading)
@@ -305,19 +378,14 @@ impl Simulator {
                 )));
             }
             if self.opts.progress && last_progress.elapsed() > Duration::from_millis(200) {
-                let done = self.reqs.iter().filter(|r| r.phase == Phase::Done).count();
-                eprint!(
-                    "\rreplay: {done}/{total} requests finished, step {}",
-                    self.step
-                );
+                let done = self.reqs.len() - self.live.len();
+                eprint!("\rreplay: {done} requests finished, step {}", self.step);
                 last_progress = Instant::now();
             }
         }
+        let total = self.reqs.len();
         if self.opts.progress {
-            eprintln!(
-                "\rreplay: {total}/{total} requests finished, step {}   ",
-                self.step
-            );
+            eprintln!("\rreplay: {total} requests finished, step {}   ", self.step);
         }
         self.drain()?;
         Ok(self.report(wall.elapsed()))
@@ -475,6 +543,6 @@ impl Simulator {
 }
 
 /// Runs a replay in one process (leader and one worker over the in-process transport).
-pub fn replay(opts: SimOptions, workload: &[TraceRequest]) -> Result<Report> {
+pub fn replay(opts: SimOptions, workload: Source) -> Result<Report> {
     Simulator::new(opts, workload)?.run()
 }

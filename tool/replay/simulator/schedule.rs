@@ -202,6 +202,7 @@ impl Simulator {
             let r = &mut self.reqs[i];
             r.computed += n;
             r.report.computed_tokens += n;
+            self.progress += n as u64;
             if r.computed == r.tokens.len() {
                 // The model samples the next token.
                 let h = r.prefix.last().copied().unwrap_or(PREFIX_HASH_SEED);
@@ -232,7 +233,7 @@ impl Simulator {
             self.reqs[i].phase = Phase::Held;
         } else {
             self.free_request_blocks(i)?;
-            self.reqs[i].phase = Phase::Done;
+            self.retire(i);
         }
         Ok(())
     }
