@@ -328,7 +328,13 @@ pub fn render_table(title: &str, points: &[Point], unlimited: &Unlimited) -> Str
 
 /// Writes the SVG plot: hit rate (%) over host capacity (tokens, log scale), one line per
 /// policy (and per policy with the disk tier), and the unlimited cache's line.
-pub fn draw_plot(path: &Path, title: &str, points: &[Point], unlimited: &Unlimited) -> Result<()> {
+pub fn draw_plot(
+    path: &Path,
+    title: &str,
+    points: &[Point],
+    unlimited: &Unlimited,
+    block_size: usize,
+) -> Result<()> {
     use plotters::prelude::*;
     let fail = |e: &dyn std::fmt::Display| {
         Error::new(
@@ -351,6 +357,10 @@ pub fn draw_plot(path: &Path, title: &str, points: &[Point], unlimited: &Unlimit
         .fold(unl, f64::max)
         .max(1.0);
     let top = (top * 1.15 / 5.0).ceil() * 5.0;
+    // Labels at the capacities swept (a log axis alone labels only powers of ten).
+    let mut keys: Vec<f64> = points.iter().map(|p| p.host_tokens as f64).collect();
+    keys.sort_by(f64::total_cmp);
+    keys.dedup();
     let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
     let mut chart = ChartBuilder::on(&root)
@@ -358,7 +368,7 @@ pub fn draw_plot(path: &Path, title: &str, points: &[Point], unlimited: &Unlimit
         .margin(16)
         .x_label_area_size(48)
         .y_label_area_size(64)
-        .build_cartesian_2d((lo..hi).log_scale(), 0.0..top)
+        .build_cartesian_2d((lo..hi).log_scale().with_key_points(keys), 0.0..top)
         .map_err(|e| fail(&e))?;
     chart
         .configure_mesh()
@@ -410,11 +420,15 @@ pub fn draw_plot(path: &Path, title: &str, points: &[Point], unlimited: &Unlimit
             grey.stroke_width(2),
         ))
         .map_err(|e| fail(&e))?
-        .label(format!("unlimited cache ({unl:.2}%)"))
+        .label(format!(
+            "unlimited cache ({unl:.2}%; its {} distinct blocks hold {} tokens)",
+            unlimited.distinct_blocks,
+            human(unlimited.distinct_blocks as f64 * block_size as f64)
+        ))
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey.stroke_width(2)));
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(SeriesLabelPosition::LowerRight)
         .background_style(WHITE.mix(0.9))
         .border_style(BLACK)
         .draw()
@@ -524,6 +538,7 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
             &format!("Prefix hit rate vs host capacity — {title}"),
             &points,
             &unl,
+            a.replay.model.block_size,
         )?;
     }
     if points.iter().any(|p| p.integrity_errors > 0) {
