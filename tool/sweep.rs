@@ -547,3 +547,45 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_counts_take_powers_of_1000() {
+        assert_eq!(parse_tokens("3000"), Ok(3000));
+        assert_eq!(parse_tokens("1M"), Ok(1_000_000));
+        assert_eq!(parse_tokens("2.5k"), Ok(2500));
+        assert_eq!(parse_tokens(" 30M "), Ok(30_000_000));
+        assert_eq!(parse_tokens("1G"), Ok(1_000_000_000));
+        for bad in ["", "M", "-1M", "0", "1e20", "NaN", "3X", "1MM"] {
+            assert!(parse_tokens(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn capacities_become_whole_blocks() {
+        // The capacities: 1M, 3M, 10M tokens of 512-token blocks.
+        assert_eq!(blocks_of(1_000_000, 512, "f").ok(), Some(1953));
+        assert_eq!(blocks_of(3_000_000, 512, "f").ok(), Some(5859));
+        assert_eq!(blocks_of(10_000_000, 512, "f").ok(), Some(19531));
+        assert!(blocks_of(511, 512, "--capacities").is_err());
+    }
+
+    #[test]
+    fn policies_parse_like_the_configuration() {
+        assert_eq!(parse_policy("LRU").ok(), Some(EvictionPolicy::Lru));
+        assert!(parse_policy("mru")
+            .err()
+            .is_some_and(|e| e.to_string().contains("known: ")));
+    }
+
+    #[test]
+    fn axis_labels_are_short() {
+        assert_eq!(human(1_500_000.0), "1.5M");
+        assert_eq!(human(3_000_000.0), "3M");
+        assert_eq!(human(500_000.0), "500K");
+        assert_eq!(human(800.0), "800");
+    }
+}
