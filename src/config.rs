@@ -8,7 +8,7 @@
 //!
 //! ```toml
 //! hash = "sha256"          # or "xxh3" (trusted single-tenant deployments only)
-//! eviction = "prefix"      # host and disk eviction: "prefix" (default), "2q" or "lru"
+//! eviction = "lru"         # host and disk eviction: "lru" (default), "prefix" or "2q"
 //!
 //! [host]
 //! cache_gb = 4.0           # or cache_blocks = 1024 (a block count wins over GB)
@@ -605,8 +605,8 @@ pub struct Config {
     /// Hash of block keys. Default: SHA-256 (collision-resistant 128-bit keys); xxh3 (xxh3-128)
     /// is forgeable: only for trusted single-tenant deployments.
     pub hash: HashAlgorithm,
-    /// Which cached block the host and disk tiers evict when full: `prefix` (prefix-aware
-    /// reuse credit), `2q` or `lru` ([`EvictionPolicy`]). Default: `prefix`.
+    /// Which cached block the host and disk tiers evict when full: `lru`, `prefix` (prefix-aware
+    /// reuse credit) or `2q` ([`EvictionPolicy`]). Default: `lru`.
     pub eviction: EvictionPolicy,
     /// Host tier size.
     pub host: TierSize,
@@ -1174,9 +1174,9 @@ mod tests {
 
     #[test]
     fn eviction_policy_from_env_and_file() {
-        assert_eq!(Config::default().eviction, EvictionPolicy::Prefix);
-        let c = Config::load_with(None, env(&[("KVBM_EVICTION", " LRU ")])).unwrap();
-        assert_eq!(c.eviction, EvictionPolicy::Lru);
+        assert_eq!(Config::default().eviction, EvictionPolicy::Lru);
+        let c = Config::load_with(None, env(&[("KVBM_EVICTION", " Prefix ")])).unwrap();
+        assert_eq!(c.eviction, EvictionPolicy::Prefix);
         let c = Config::load_with(None, env(&[("KVBM_EVICTION", "2q")])).unwrap();
         assert_eq!(c.eviction, EvictionPolicy::TwoQ);
         let e = Config::load_with(None, env(&[("KVBM_EVICTION", "mru")])).unwrap_err();

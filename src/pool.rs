@@ -149,7 +149,11 @@ impl PoolStats {
 #[serde(rename_all = "lowercase")]
 #[strum(serialize_all = "lowercase", ascii_case_insensitive)]
 pub enum EvictionPolicy {
-    /// Least recently used first (released blocks join the most-recently-used end).
+    /// Least recently used first (released blocks join the most-recently-used end). The
+    /// default: the prefix policy wins on long-running chat traffic (the Mooncake trace) but
+    /// loses to LRU where conversations stop after a fixed number of turns (the replay's
+    /// built-in `multi-turn` workload); see docs/benchmarks.md.
+    #[default]
     Lru,
     /// 2Q (Johnson & Shasha, 1994), simplified: blocks never reused wait in a FIFO probation
     /// list that is evicted from first once it holds a quarter of the pool; reused blocks live
@@ -158,7 +162,7 @@ pub enum EvictionPolicy {
     #[serde(rename = "2q")]
     #[strum(serialize = "2q")]
     TwoQ,
-    /// Prefix-aware reuse credit (ours; the default): a block's eviction priority is the time
+    /// Prefix-aware reuse credit (ours): a block's eviction priority is the time
     /// it was released plus a credit that doubles with each reuse (`num_blocks` blocks of time
     /// for one reuse, up to 8 × `num_blocks` for four or more), the smallest going first. The
     /// blocks released together (one request's chain) share one time and leave deepest first,
@@ -166,7 +170,6 @@ pub enum EvictionPolicy {
     /// a cached block is (almost) never orphaned. The reuse counts of evicted keys are
     /// remembered for 8 × `num_blocks` evictions, so a conversation returning after the cache
     /// turned over regains its credit.
-    #[default]
     Prefix,
 }
 

@@ -815,9 +815,7 @@ fn disk_hit_after_host_eviction() {
     let a = prompt(1, 13);
     e.submit(1, a.clone(), 1);
     e.run();
-    // B's 3 blocks need host room: A's blocks are evicted (they are on disk by now). The
-    // default (prefix) policy evicts A's chain deepest first: A's first block stays on host,
-    // so request 3 loads it from host and the rest from disk.
+    // B's 3 blocks need host room: A's blocks are evicted (they are on disk by now).
     e.submit(2, prompt(2, 13), 1);
     e.run();
     let (host, _) = e.sched.leader().pool_stats().unwrap();
