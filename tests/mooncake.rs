@@ -379,7 +379,7 @@ fn sweep_prints_hit_rates_per_capacity_and_draws_the_plot() {
         "prefix hit rate (% of prompt tokens)",
         "lru, host only",
         "lru, host + 2K disk",
-        "unlimited cache (61.46%)",
+        "unlimited cache (61.46%; its 4 distinct blocks hold 2K tokens)",
     ] {
         assert!(svg.contains(needle), "the plot should show {needle:?}");
     }

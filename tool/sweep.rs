@@ -328,7 +328,13 @@ pub fn render_table(title: &str, points: &[Point], unlimited: &Unlimited) -> Str
 
 /// Writes the SVG plot: hit rate (%) over host capacity (tokens, log scale), one line per
 /// policy (and per policy with the disk tier), and the unlimited cache's line.
-pub fn draw_plot(path: &Path, title: &str, points: &[Point], unlimited: &Unlimited) -> Result<()> {
+pub fn draw_plot(
+    path: &Path,
+    title: &str,
+    points: &[Point],
+    unlimited: &Unlimited,
+    block_size: usize,
+) -> Result<()> {
     use plotters::prelude::*;
     let fail = |e: &dyn std::fmt::Display| {
         Error::new(
@@ -351,6 +357,10 @@ pub fn draw_plot(path: &Path, title: &str, points: &[Point], unlimited: &Unlimit
         .fold(unl, f64::max)
         .max(1.0);
     let top = (top * 1.15 / 5.0).ceil() * 5.0;
+    // Labels at the capacities swept (a log axis alone labels only powers of ten).
+    let mut keys: Vec<f64> = points.iter().map(|p| p.host_tokens as f64).collect();
+    keys.sort_by(f64::total_cmp);
+    keys.dedup();
     let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
     let mut chart = ChartBuilder::on(&root)
@@ -358,7 +368,7 @@ pub fn draw_plot(path: &Path, title: &str, points: &[Point], unlimited: &Unlimit
         .margin(16)
         .x_label_area_size(48)
         .y_label_area_size(64)
-        .build_cartesian_2d((lo..hi).log_scale(), 0.0..top)
+        .build_cartesian_2d((lo..hi).log_scale().with_key_points(keys), 0.0..top)
         .map_err(|e| fail(&e))?;
     chart
         .configure_mesh()
@@ -410,11 +420,15 @@ pub fn draw_plot(path: &Path, title: &str, points: &[Point], unlimited: &Unlimit
             grey.stroke_width(2),
         ))
         .map_err(|e| fail(&e))?
-        .label(format!("unlimited cache ({unl:.2}%)"))
+        .label(format!(
+            "unlimited cache ({unl:.2}%; its {} distinct blocks hold {} tokens)",
+            unlimited.distinct_blocks,
+            human(unlimited.distinct_blocks as f64 * block_size as f64)
+        ))
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey.stroke_width(2)));
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(SeriesLabelPosition::LowerRight)
         .background_style(WHITE.mix(0.9))
         .border_style(BLACK)
         .draw()
@@ -524,6 +538,7 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
             &format!("Prefix hit rate vs host capacity — {title}"),
             &points,
             &unl,
+            a.replay.model.block_size,
         )?;
     }
     if points.iter().any(|p| p.integrity_errors > 0) {
@@ -531,4 +546,46 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_counts_take_powers_of_1000() {
+        assert_eq!(parse_tokens("3000"), Ok(3000));
+        assert_eq!(parse_tokens("1M"), Ok(1_000_000));
+        assert_eq!(parse_tokens("2.5k"), Ok(2500));
+        assert_eq!(parse_tokens(" 30M "), Ok(30_000_000));
+        assert_eq!(parse_tokens("1G"), Ok(1_000_000_000));
+        for bad in ["", "M", "-1M", "0", "1e20", "NaN", "3X", "1MM"] {
+            assert!(parse_tokens(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn capacities_become_whole_blocks() {
+        // The capacities: 1M, 3M, 10M tokens of 512-token blocks.
+        assert_eq!(blocks_of(1_000_000, 512, "f").ok(), Some(1953));
+        assert_eq!(blocks_of(3_000_000, 512, "f").ok(), Some(5859));
+        assert_eq!(blocks_of(10_000_000, 512, "f").ok(), Some(19531));
+        assert!(blocks_of(511, 512, "--capacities").is_err());
+    }
+
+    #[test]
+    fn policies_parse_like_the_configuration() {
+        assert_eq!(parse_policy("LRU").ok(), Some(EvictionPolicy::Lru));
+        assert!(parse_policy("mru")
+            .err()
+            .is_some_and(|e| e.to_string().contains("known: ")));
+    }
+
+    #[test]
+    fn axis_labels_are_short() {
+        assert_eq!(human(1_500_000.0), "1.5M");
+        assert_eq!(human(3_000_000.0), "3M");
+        assert_eq!(human(500_000.0), "500K");
+        assert_eq!(human(800.0), "800");
+    }
 }
