@@ -61,6 +61,7 @@ pub mod identity;
 pub mod layout;
 #[cfg(any(feature = "cli", feature = "python"))]
 pub mod log;
+mod memcopy;
 pub mod pool;
 pub mod tier;
 pub mod transfer;

@@ -221,23 +221,7 @@ pub(crate) fn check_io(
 /// Copies between two segment lists that describe the same canonical image (same total length),
 /// cutting at whichever boundary comes first.
 pub(crate) fn copy_segments(src: &[IoSlice<'_>], dst: &mut [IoSliceMut<'_>]) {
-    let (mut si, mut so, mut di, mut doff) = (0usize, 0usize, 0usize, 0usize);
-    while si < src.len() && di < dst.len() {
-        let s = &src[si][so..];
-        let d = &mut dst[di][doff..];
-        let n = s.len().min(d.len());
-        d[..n].copy_from_slice(&s[..n]);
-        so += n;
-        doff += n;
-        if so == src[si].len() {
-            si += 1;
-            so = 0;
-        }
-        if doff == dst[di].len() {
-            di += 1;
-            doff = 0;
-        }
-    }
+    crate::memcopy::copy_segments(src, dst, false)
 }
 
 /// Sum of segment lengths.

@@ -9,8 +9,12 @@
 //! [`StorageTier::batch_copy`]) is offered the whole batch, the destination's hook first, then the
 //! source's; the first that takes it answers one result per pair. Otherwise, path per pair,
 //! cheapest first:
+//! * both host addressable: the engine copies the source's runs into the destination's (a
+//!   gather/scatter memcpy), with streaming stores when the whole transfer moves at least
+//!   4 MiB (see `memcopy`: one block is far below the size at which a plain `memcpy` of the
+//!   whole transfer would stream, so the engine decides from the transfer, not the block);
 //! * destination host addressable: the source reads straight into the destination's runs
-//!   (memory → memory is a gather/scatter memcpy; disk → memory is one vectored read);
+//!   (disk → memory is one vectored read);
 //! * source host addressable: the destination writes straight from the source's runs;
 //! * neither: through a bounce buffer.
 //!
@@ -31,7 +35,7 @@ use tokio::task::JoinSet;
 use crate::config::TransferConfig;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvLayout;
-use crate::tier::{StorageTier, TierKind};
+use crate::tier::{total_len, StorageTier, TierKind};
 
 /// One block that failed to copy.
 #[derive(Debug, Clone)]
@@ -226,6 +230,7 @@ impl TransferEngine {
             failed: Vec::new(),
             elapsed: Duration::ZERO,
         };
+        let stream = streams(src.as_ref(), pairs.len());
         let mut tasks = JoinSet::new();
         for batch in pairs.chunks(self.batch_blocks) {
             // Both semaphores live as long as the engine and this call; acquire fails only if
@@ -240,7 +245,7 @@ impl TransferEngine {
             let (s, d) = (src.clone(), dst.clone());
             tasks.spawn_blocking(move || {
                 let _permits = (l, g);
-                copy_batch(s.as_ref(), d.as_ref(), &batch)
+                copy_batch(s.as_ref(), d.as_ref(), &batch, stream)
             });
             // Collect finished batches as we go so memory stays bounded for huge transfers.
             while let Some(done) = tasks.try_join_next() {
@@ -269,7 +274,7 @@ impl TransferEngine {
         let start = Instant::now();
         let same = std::ptr::addr_eq(src as *const dyn StorageTier, dst as *const dyn StorageTier);
         Self::validate(src, dst, same, pairs)?;
-        let batch = copy_batch(src, dst, pairs);
+        let batch = copy_batch(src, dst, pairs, streams(src, pairs.len()));
         let blocks = pairs.len() - batch.failed.len();
         Ok(TransferOutcome {
             src: src.kind(),
@@ -308,10 +313,16 @@ fn merge(
     }
 }
 
+/// Whether a transfer of `blocks` blocks of `src`'s size copies memory with streaming stores.
+fn streams(src: &dyn StorageTier, blocks: usize) -> bool {
+    blocks.saturating_mul(src.bytes_per_block()) >= crate::memcopy::STREAM_MIN_BYTES
+}
+
 fn copy_batch(
     src: &dyn StorageTier,
     dst: &dyn StorageTier,
     pairs: &[(usize, usize)],
+    stream: bool,
 ) -> BatchResult {
     let mut result = BatchResult {
         copied: 0,
@@ -346,7 +357,7 @@ fn copy_batch(
     }
     let mut bounce: Option<Vec<u8>> = None;
     for &(s, d) in pairs {
-        let r = copy_block(src, dst, s, d, &mut bounce);
+        let r = copy_block(src, dst, s, d, stream, &mut bounce);
         record(s, d, r);
     }
     result
@@ -369,12 +380,33 @@ fn copy_block(
     dst: &dyn StorageTier,
     s: usize,
     d: usize,
+    stream: bool,
     bounce: &mut Option<Vec<u8>>,
 ) -> Result<()> {
-    if dst.capability().host_addressable {
+    let (sc, dc) = (src.capability(), dst.capability());
+    if sc.host_addressable && dc.host_addressable {
+        // Both in our address space: the engine copies the runs itself, so it can choose the
+        // stores by the size of the whole transfer. Lock order as on the other paths:
+        // destination block (exclusive), then source block (shared).
+        return dst.with_block_mut(d, &mut |to| {
+            src.with_block(s, &mut |from| {
+                let (have, want) = (total_len(from), total_len(to));
+                if have != want {
+                    return Err(Error::invalid_layout(format!(
+                        "source block lends {have} bytes, destination block {want}"
+                    ))
+                    .with("src_tier", src.kind())
+                    .with("dst_tier", dst.kind()));
+                }
+                crate::memcopy::copy_segments(from, to, stream);
+                Ok(())
+            })
+        });
+    }
+    if dc.host_addressable {
         return dst.with_block_mut(d, &mut |segments| src.read_block(s, segments));
     }
-    if src.capability().host_addressable {
+    if sc.host_addressable {
         return src.with_block(s, &mut |segments| dst.write_block(d, segments));
     }
     // Neither side is in our address space: read into a bounce buffer, then write it out. The

@@ -482,3 +482,74 @@ fn batch_copy_hooks_are_asked_destination_first() {
         (2, 1, ErrorKind::Internal)
     );
 }
+
+/// Memory → memory copies on both sides of the size at which the engine switches to streaming
+/// stores (transfers of 4 MiB and more): every layout into and out of contiguous and outer-major
+/// tiers, block order reversed, through `copy_blocking` and the engine, every byte checked.
+/// The odd model's 320-byte runs leave destination runs that start and end off a cache line.
+#[test]
+fn memory_copies_are_exact_below_and_above_the_streaming_size() {
+    const STREAM_MIN: usize = 4 << 20;
+    // 64 KiB blocks (8 KiB runs) and 1,920-byte blocks (320-byte runs).
+    let big = LayoutDims {
+        inner_dim: 256,
+        ..dims()
+    };
+    let odd = LayoutDims {
+        num_layers: 3,
+        outer_dim: 2,
+        page_size: 16,
+        inner_dim: 10,
+        dtype_bytes: 2,
+    };
+    let odd_n = STREAM_MIN / odd.bytes_per_block() + 1;
+    let cases = [(big, 1), (big, 63), (big, 64), (big, 65), (odd, odd_n)];
+    assert!(cases
+        .iter()
+        .any(|(d, n)| n * d.bytes_per_block() < STREAM_MIN));
+    assert!(cases
+        .iter()
+        .any(|(d, n)| n * d.bytes_per_block() >= STREAM_MIN));
+    let rt = runtime();
+    let eng = engine();
+    for (d, n) in cases {
+        let images: Vec<Vec<u8>> = (0..n).map(|b| image(&d, b)).collect();
+        let pairs: Vec<(usize, usize)> = (0..n).map(|b| (b, n - 1 - b)).collect();
+        let targets = [
+            Layout::fully_contiguous(d, n).unwrap(),
+            Layout::layer_separate(d, n, BlockOrder::OuterMajor).unwrap(),
+        ];
+        for src_layout in layouts(d, n) {
+            let src: Arc<dyn StorageTier> =
+                Arc::new(MemoryTier::new(TierKind::Device, src_layout).unwrap());
+            for (b, img) in images.iter().enumerate() {
+                src.write_block_from_slice(b, img).unwrap();
+            }
+            for dst_layout in targets {
+                for engine_path in [false, true] {
+                    let dst: Arc<dyn StorageTier> = Arc::new(MemoryTier::host(dst_layout).unwrap());
+                    for b in 0..n {
+                        dst.write_block_from_slice(b, &vec![0xEE; d.bytes_per_block()])
+                            .unwrap();
+                    }
+                    let out = if engine_path {
+                        rt.block_on(eng.copy(src.clone(), dst.clone(), pairs.clone()))
+                            .unwrap()
+                    } else {
+                        TransferEngine::copy_blocking(src.as_ref(), dst.as_ref(), &pairs).unwrap()
+                    };
+                    assert!(out.is_ok(), "{:?}", out.failed);
+                    assert_eq!(out.blocks, n);
+                    for (s, t) in &pairs {
+                        assert!(
+                            dst.read_block_to_vec(*t).unwrap() == images[*s],
+                            "{n} blocks of {} B, {src_layout:?} -> {dst_layout:?}, engine \
+                             {engine_path}: block {s} -> {t} differs",
+                            d.bytes_per_block()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,7 +1,10 @@
 //! `kvbm bench`: each data path the tiers offer, against the limit measured on the same bytes in
 //! the same run.
 //!
-//! * memory → memory (contiguous, and layer-separate gather) vs one plain memcpy of the same bytes;
+//! * memory → memory (contiguous, and layer-separate gather) vs `memcpy` of the same bytes between
+//!   the same buffers (one call per source allocation), one thread on each side, every page
+//!   touched before timing and both buffers evicted from the caches before every timed call
+//!   (`--curve`: at 1, 2, 4, … blocks up to `--blocks`, memory paths only);
 //! * memory → disk and disk → memory through the transfer engine vs raw O_DIRECT `pwrite`/`pread`
 //!   of the same bytes between the same memory and the same file offsets, with the same number of
 //!   requests in flight (on a virtual disk, other buffers or files were seen to differ by 2×, so
@@ -40,14 +43,15 @@ use kvbm_connector::connector::RequestId;
 use kvbm_connector::error::{Error, ErrorKind, Result};
 use kvbm_connector::frameworks::vllm::Vllm;
 use kvbm_connector::identity::HashAlgorithm;
-use kvbm_connector::layout::{BlockOrder, Layout, LayoutDims};
+use kvbm_connector::layout::{BlockOrder, KvLayout, Layout, LayoutDims};
 use kvbm_connector::tier::{StorageTier, TierKind};
 use kvbm_connector::transfer::TransferEngine;
 
 /// `kvbm bench` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Blocks per transfer (each 2 MiB: 32 layers × K/V × 16 tokens × 8 heads × 128 × bf16).
+    /// Blocks per transfer (each 2 MiB: 32 layers × K/V × 16 tokens × 8 heads × 128 × bf16);
+    /// with --curve, the largest size.
     #[arg(long, default_value_t = 32)]
     pub blocks: usize,
     /// Rounds per path (median reported).
@@ -59,6 +63,10 @@ pub struct BenchArgs {
     /// Requests in flight for the disk paths.
     #[arg(long, default_value_t = 4)]
     pub in_flight: usize,
+    /// Measure only the memory paths, at 1, 2, 4, … blocks up to --blocks (peak memory: twice
+    /// the largest transfer, 4 GiB at 1024 blocks).
+    #[arg(long)]
+    pub curve: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -168,34 +176,159 @@ fn check_outcome(o: kvbm_connector::transfer::TransferOutcome) -> Result<()> {
     }
 }
 
-fn memory_paths(blocks: usize, rounds: usize) -> Result<Vec<PathResult>> {
+/// The allocations of a memory tier as (address, length): block 0's runs, each less its offset
+/// (every allocation holds a run of block 0 in the built-in layouts).
+fn allocations(tier: &dyn StorageTier) -> Result<Vec<(usize, usize)>> {
+    let layout = tier.layout();
+    let mut bases = vec![0usize; layout.num_allocations()];
+    let regions: Vec<_> = layout.regions(0)?.collect();
+    tier.with_block(0, &mut |segs| {
+        for (r, s) in regions.iter().zip(segs) {
+            if let Some(b) = bases.get_mut(r.allocation) {
+                *b = (s.as_ptr() as usize).wrapping_sub(r.offset);
+            }
+        }
+        Ok(())
+    })?;
+    if bases.contains(&0) {
+        return Err(Error::internal("an allocation holds no run of block 0"));
+    }
+    let len = layout.allocation_bytes();
+    Ok(bases.into_iter().map(|b| (b, len)).collect())
+}
+
+/// Evicts `len` bytes at `addr` from every cache level (written back first), so the next copy
+/// starts from memory. On other architectures than x86-64 this does nothing.
+fn evict(addr: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut p = addr & !63;
+        while p < addr + len {
+            // SAFETY: `clflush` of an address inside a live allocation (the caller's) has no
+            // effect on its contents; SSE2 is part of x86-64.
+            unsafe { std::arch::x86_64::_mm_clflush(p as *const u8) };
+            p += 64;
+        }
+        // SAFETY: as above.
+        unsafe { std::arch::x86_64::_mm_mfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (addr, len);
+}
+
+/// Like [`interleaved`], with `cold` run (untimed) before every timed call of either side.
+fn interleaved_cold(
+    rounds: usize,
+    mut cold: impl FnMut(),
+    mut limit: impl FnMut() -> Result<()>,
+    mut ours: impl FnMut() -> Result<()>,
+) -> Result<(Duration, Duration)> {
+    limit()?;
+    ours()?;
+    let (mut l, mut o) = (Vec::new(), Vec::new());
+    for _ in 0..rounds.max(1) {
+        cold();
+        let t = Instant::now();
+        limit()?;
+        l.push(t.elapsed());
+        cold();
+        let t = Instant::now();
+        ours()?;
+        o.push(t.elapsed());
+    }
+    Ok((median(l), median(o)))
+}
+
+/// Peak memory of the memory paths at `blocks`: the source tier and the destination tier.
+pub fn memory_paths_peak_bytes(blocks: usize) -> usize {
+    2 * blocks * dims().bytes_per_block()
+}
+
+/// Memory → memory at `blocks` blocks: a contiguous source, then a layer-separate one (gather),
+/// each into the same contiguous host tier, against `memcpy` of the same bytes between the same
+/// allocations (one call per source allocation). One thread on both sides; every page touched
+/// before timing; both buffers evicted from the caches before every timed call of either side;
+/// rounds interleaved. One source exists at a time: peak [`memory_paths_peak_bytes`].
+fn memory_paths(blocks: usize, rounds: usize, label: bool) -> Result<Vec<PathResult>> {
     let d = dims();
     let bytes = blocks * d.bytes_per_block();
-    let contiguous = MemoryTier::new(TierKind::Device, Layout::fully_contiguous(d, blocks)?)?;
-    let separate = MemoryTier::new(
-        TierKind::Device,
-        Layout::layer_separate(d, blocks, BlockOrder::OuterMajor)?,
-    )?;
     let host = MemoryTier::host(Layout::fully_contiguous(d, blocks)?)?;
-    fill(&contiguous)?;
-    fill(&separate)?;
-    let a = vec![7u8; bytes];
-    let mut b = vec![0u8; bytes];
+    fill(&host)?;
+    let dst = *allocations(&host)?
+        .first()
+        .ok_or_else(|| Error::internal("host tier without allocation"))?;
     let pairs: Vec<(usize, usize)> = (0..blocks).map(|i| (i, i)).collect();
     let mut out = Vec::new();
-    for (name, src) in [
-        ("memory->memory (contiguous)", &contiguous),
-        ("memory->memory (layer-separate gather)", &separate),
+    for (name, layout) in [
+        (
+            "memory->memory (contiguous)",
+            Layout::fully_contiguous(d, blocks)?,
+        ),
+        (
+            "memory->memory (layer-separate gather)",
+            Layout::layer_separate(d, blocks, BlockOrder::OuterMajor)?,
+        ),
     ] {
-        let (l, o) = interleaved(
-            rounds * 3,
-            || {
-                b.copy_from_slice(std::hint::black_box(&a));
-                Ok(())
-            },
-            || check_outcome(TransferEngine::copy_blocking(src, &host, &pairs)?),
-        )?;
-        out.push(bandwidth(name, bytes, l, o, "memcpy of the same bytes"));
+        let src = MemoryTier::new(TierKind::Device, layout)?;
+        fill(&src)?;
+        let from = allocations(&src)?;
+        let calls = from.len();
+        let limit = || {
+            let mut at = dst.0;
+            for &(p, len) in &from {
+                // SAFETY: `len` bytes at `p` (an allocation of `src`) and `calls * len = bytes`
+                // bytes from `dst.0` (the host tier's one allocation) are live for the whole
+                // bench and touched by nothing else while the limit runs; they do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(p as *const u8, at as *mut u8, len) };
+                at += len;
+            }
+            Ok(())
+        };
+        let cold = || {
+            for &(p, len) in &from {
+                evict(p, len);
+            }
+            evict(dst.0, dst.1);
+        };
+        // Small transfers take microseconds: more rounds there (about 64 blocks' worth).
+        let r = rounds * (64 / blocks).clamp(1, 16);
+        let (l, o) = interleaved_cold(r, cold, limit, || {
+            check_outcome(TransferEngine::copy_blocking(&src, &host, &pairs)?)
+        })?;
+        let path = if label {
+            format!("{name}, {blocks} blocks")
+        } else {
+            name.to_string()
+        };
+        out.push(bandwidth(
+            &path,
+            bytes,
+            l,
+            o,
+            &format!("memcpy, same buffers, {calls} call(s), 1 thread, caches evicted"),
+        ));
+    }
+    Ok(out)
+}
+
+/// The memory paths at 1, 2, 4, … blocks up to `max` (and `max` itself); `each` sees every
+/// size's rows as soon as they are measured.
+fn memory_curve(
+    max: usize,
+    rounds: usize,
+    mut each: impl FnMut(&[PathResult]),
+) -> Result<Vec<PathResult>> {
+    let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |n| n.checked_mul(2))
+        .take_while(|&n| n <= max)
+        .collect();
+    if sizes.last() != Some(&max) {
+        sizes.push(max);
+    }
+    let mut out = Vec::new();
+    for n in sizes {
+        let rows = memory_paths(n, rounds, true)?;
+        each(&rows);
+        out.extend(rows);
     }
     Ok(out)
 }
@@ -493,10 +626,37 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let dir = a.dir.clone().unwrap_or(config.disk.dir);
     let progress = !a.json && std::io::stderr().is_terminal();
     let mut results = Vec::new();
+    if a.curve {
+        let peak = memory_paths_peak_bytes(a.blocks);
+        if !a.json {
+            println!(
+                "memory paths at 1..={} blocks of {} MiB; peak memory {:.1} GiB (source + destination)",
+                a.blocks,
+                dims().bytes_per_block() >> 20,
+                peak as f64 / f64::from(1u32 << 30)
+            );
+        }
+        if !a.json {
+            print_header();
+        }
+        let results = memory_curve(a.blocks, a.rounds, |rows| {
+            if !a.json {
+                rows.iter().for_each(print_row);
+            }
+        })?;
+        if a.json {
+            let v = serde_json::json!({ "paths": results, "peak_bytes": peak });
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&v).map_err(|e| Error::internal(e.to_string()))?
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     if progress {
         eprintln!("bench: memory paths…");
     }
-    results.extend(memory_paths(a.blocks, a.rounds)?);
+    results.extend(memory_paths(a.blocks, a.rounds, false)?);
     if progress {
         eprintln!("bench: disk paths in {}…", dir.display());
     }
@@ -542,16 +702,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
             serde_json::to_string_pretty(&v).map_err(|e| Error::internal(e.to_string()))?
         );
     } else {
-        println!(
-            "{:<42} {:>12} {:>12} {:>8}  limit",
-            "path", "ours", "limit", "ratio"
-        );
-        for r in &results {
-            println!(
-                "{:<42} {:>12.2} {:>12.2} {:>8.3}  {} ({})",
-                r.path, r.ours, r.limit, r.ratio, r.unit, r.limit_source
-            );
-        }
+        print_table(&results);
         if let Some(n) = note {
             println!("note: the disk tier runs without O_DIRECT here: {n}");
         }
@@ -561,6 +712,25 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn print_header() {
+    println!(
+        "{:<52} {:>12} {:>12} {:>8}  limit",
+        "path", "ours", "limit", "ratio"
+    );
+}
+
+fn print_row(r: &PathResult) {
+    println!(
+        "{:<52} {:>12.2} {:>12.2} {:>8.3}  {} ({})",
+        r.path, r.ours, r.limit, r.ratio, r.unit, r.limit_source
+    );
+}
+
+fn print_table(results: &[PathResult]) {
+    print_header();
+    results.iter().for_each(print_row);
 }
 
 /// `kvbm bench`'s NIXL paths (feature `nixl`); see the [module docs](self).
@@ -734,7 +904,6 @@ mod cuda_bench {
     use kvbm_connector::backends::cuda::{
         self, CudaDevice, CudaDeviceTier, DeviceBuffer, PinnedHostTier,
     };
-    use kvbm_connector::layout::KvLayout;
 
     #[derive(Clone, Copy)]
     enum Dir {
