@@ -57,8 +57,12 @@ pub struct Request<'a> {
 pub struct NewRequestData {
     /// `req_id`.
     pub req_id: String,
-    /// `prompt_token_ids`.
+    /// `prompt_token_ids`, from index `first_token_index` of the prompt on.
     pub prompt_token_ids: Vec<Token>,
+    /// Index in the prompt of `prompt_token_ids[0]`: 0 for the whole prompt, as vLLM sends it; a
+    /// binding that knows the leader holds the first [`VllmScheduler::known_tokens`] tokens
+    /// (from `get_num_new_matched_tokens`) passes only the rest.
+    pub first_token_index: usize,
     /// `block_ids`: one list per KV-cache group (exactly one supported).
     pub block_ids: Vec<Vec<usize>>,
     /// `num_computed_tokens` (local prefix-cache hits plus loaded tokens).
@@ -156,14 +160,32 @@ impl VllmScheduler {
         request: &Request<'_>,
         num_computed_tokens: usize,
     ) -> Result<(Option<usize>, bool)> {
+        self.get_num_new_matched_tokens_from(request, 0, num_computed_tokens)
+    }
+
+    /// How many of the request's tokens the leader holds (0 for a request it does not track):
+    /// the calls ending in `_from` take only the tokens after these.
+    pub fn known_tokens(&self, request_id: &str) -> usize {
+        self.leader.known_tokens(request_id).unwrap_or(0)
+    }
+
+    /// [`VllmScheduler::get_num_new_matched_tokens`] where `request.all_token_ids` holds the
+    /// request's tokens from index `first_token` on (see [`VllmScheduler::known_tokens`]).
+    pub fn get_num_new_matched_tokens_from(
+        &mut self,
+        request: &Request<'_>,
+        first_token: usize,
+        num_computed_tokens: usize,
+    ) -> Result<(Option<usize>, bool)> {
         let id = RequestId::from(request.request_id);
-        let m = self.leader.get_num_new_matched_tokens(
+        let m = self.leader.get_num_new_matched_tokens_from(
             RequestInfo {
                 id: &id,
                 tokens: request.all_token_ids,
                 cache_salt: request.cache_salt,
                 lora_name: request.lora_name,
             },
+            first_token,
             num_computed_tokens,
         )?;
         Ok((Some(m.external_tokens), m.load_async))
@@ -198,7 +220,7 @@ impl VllmScheduler {
             step.requests.push(ScheduledRequest {
                 request_id: RequestId::from(r.req_id.as_str()),
                 new_tokens: r.prompt_token_ids.clone(),
-                first_token_index: Some(0),
+                first_token_index: Some(r.first_token_index),
                 new_block_ids: one_group(&r.req_id, &r.block_ids)?,
                 replace_block_ids: true,
                 num_computed_tokens: r.num_computed_tokens,
@@ -255,13 +277,32 @@ impl VllmScheduler {
         request: &Request<'_>,
         block_ids: &[usize],
     ) -> Result<(bool, Option<()>)> {
+        self.request_finished_from(request, 0, block_ids)
+    }
+
+    /// [`VllmScheduler::request_finished`] where `request.all_token_ids` holds the request's
+    /// tokens from index `first_token` on (see [`VllmScheduler::known_tokens`]).
+    pub fn request_finished_from(
+        &mut self,
+        request: &Request<'_>,
+        first_token: usize,
+        block_ids: &[usize],
+    ) -> Result<(bool, Option<()>)> {
         let _ = block_ids;
         let id = RequestId::from(request.request_id);
-        let held = self.leader.request_finished(
-            &id,
-            Some(request.all_token_ids),
-            Some(request.num_computed_tokens),
-        )?;
+        let tokens = if first_token == 0 {
+            Some(request.all_token_ids)
+        } else {
+            self.leader.append_request_tokens(
+                request.request_id,
+                first_token,
+                request.all_token_ids,
+            );
+            None
+        };
+        let held = self
+            .leader
+            .request_finished(&id, tokens, Some(request.num_computed_tokens))?;
         Ok((held, None))
     }
 

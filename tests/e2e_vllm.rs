@@ -677,6 +677,7 @@ impl Engine {
                         ModelRunner::V1 => r.tokens[..r.prompt_len].to_vec(),
                         ModelRunner::V2 => r.tokens.clone(),
                     },
+                    first_token_index: 0,
                     block_ids: vec![blocks],
                     num_computed_tokens: computed,
                 });
@@ -1509,4 +1510,50 @@ fn aborted_load_is_reported_in_finished_sending_only() {
     let (mut e, r) = abort_while_loading();
     assert_eq!(r.finished_recving, BTreeSet::new());
     e.drain_and_check();
+}
+
+/// The `_from` calls the Python binding makes (only the tokens the leader does not hold yet)
+/// match exactly as the whole token list does; tokens already held are skipped; a lookup of an
+/// unknown request must start at token 0, and a gap is refused.
+#[test]
+fn token_deltas_match_as_whole_token_lists() {
+    let mut e = Engine::new(Opts::default());
+    let a = tokens(200, 17);
+    warm(&mut e, "a", &a);
+    let s = &mut e.sched;
+    let req = |id: &'static str, t: &'static [u32]| Request {
+        request_id: id,
+        all_token_ids: t,
+        cache_salt: None,
+        lora_name: None,
+        num_computed_tokens: 0,
+    };
+    let a: &'static [u32] = Box::leak(a.into_boxed_slice());
+    let whole = s.get_num_new_matched_tokens(&req("whole", a), 0).unwrap();
+    assert_eq!(whole, (Some(16), true));
+
+    assert_eq!(s.known_tokens("x"), 0);
+    let err = s
+        .get_num_new_matched_tokens_from(&req("x", &a[4..]), 4, 0)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        s.get_num_new_matched_tokens_from(&req("x", &a[..8]), 0, 0)
+            .unwrap(),
+        (Some(4), true)
+    );
+    assert_eq!(s.known_tokens("x"), 8);
+    // Overlapping: tokens 4..8 are held already and skipped.
+    assert_eq!(
+        s.get_num_new_matched_tokens_from(&req("x", &a[4..]), 4, 0)
+            .unwrap(),
+        whole
+    );
+    assert_eq!(s.known_tokens("x"), 17);
+    // A gap (tokens from 20 when 17 are held) is refused, and nothing changes.
+    let err = s
+        .get_num_new_matched_tokens_from(&req("x", &a[..1]), 20, 0)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(s.known_tokens("x"), 17);
 }

@@ -15,14 +15,15 @@ What is read from vLLM's objects (vLLM v1):
 * ``vllm_config``: ``cache_config.block_size``; ``parallel_config.tensor_parallel_size`` (and
   ``pipeline_parallel_size``, which must be 1); ``kv_transfer_config.engine_id`` and
   ``kv_transfer_config.kv_connector_extra_config`` (see below);
-* ``Request``: ``request_id``, ``all_token_ids``, ``num_computed_tokens``, ``cache_salt`` and
-  ``lora_request.lora_name`` when present;
+* ``Request``: ``request_id``, ``all_token_ids`` (only the tokens appended since the connector
+  last saw the request), ``num_computed_tokens``, ``cache_salt`` and ``lora_request.lora_name``
+  when present;
 * ``KVCacheBlocks``: ``get_block_ids()`` (one list per KV-cache group; one group is supported);
 * ``SchedulerOutput``: ``scheduled_new_reqs`` (``NewRequestData``: ``req_id``,
   ``prompt_token_ids``, ``block_ids``, ``num_computed_tokens``), ``scheduled_cached_reqs``
   (``CachedRequestData``: ``req_ids``, ``resumed_from_preemption`` or, in newer versions,
   ``resumed_req_ids``, ``new_token_ids``, ``new_block_ids``, ``num_computed_tokens``),
-  ``num_scheduled_tokens``, ``finished_req_ids`` and ``preempted_req_ids`` when present;
+  ``num_scheduled_tokens`` (of the scheduled requests) and ``preempted_req_ids`` when present;
 * ``register_kv_caches(kv_caches)``: a dict layer name -> tensor, each
   ``[2, num_blocks, block_size, heads, head_dim]`` (outer-major),
   ``[num_blocks, 2, block_size, ...]`` (block-major), ``[num_blocks, block_size, ...]`` (MLA) or
@@ -68,7 +69,6 @@ from ._wiring import (
     as_bytes,
     env_rank,
     error,
-    int_list,
     leader_transport,
     load_config,
     worker_transport,
@@ -246,50 +246,6 @@ def _role_name(role: Any) -> str:
     return name
 
 
-def _groups(block_ids: Any, what: str) -> List[List[int]]:
-    """One list per KV-cache group, from vLLM's ``tuple[list[int], ...]`` (or a flat list, as
-    older versions pass)."""
-    if block_ids is None:
-        return []
-    if hasattr(block_ids, "get_block_ids"):
-        block_ids = block_ids.get_block_ids()
-    items = list(block_ids)
-    if items and not hasattr(items[0], "__iter__"):
-        return [int_list(items, what)]
-    return [int_list(g, what) for g in items]
-
-
-def _lora_name(request: Any) -> Optional[str]:
-    lora = getattr(request, "lora_request", None)
-    name = getattr(lora, "lora_name", None) if lora is not None else None
-    return None if name is None else str(name)
-
-
-def _opt_str(v: Any) -> Optional[str]:
-    return None if v is None else str(v)
-
-
-def _cached_args(c: Any) -> tuple:
-    ids = [str(i) for i in c.req_ids]
-    n = len(ids)
-    if hasattr(c, "resumed_from_preemption"):
-        resumed = [bool(x) for x in c.resumed_from_preemption]
-    else:
-        resumed_ids = set(getattr(c, "resumed_req_ids", None) or ())
-        resumed = [i in resumed_ids for i in ids]
-    new_tokens = list(getattr(c, "new_token_ids", None) or [])
-    if len(new_tokens) != n:
-        # vLLM fills new_token_ids only with pipeline parallelism; the leader then learns the
-        # generated tokens from request_finished.
-        new_tokens = [[] for _ in ids]
-    new_tokens = [int_list(t, "new_token_ids") for t in new_tokens]
-    new_blocks = [
-        None if b is None else _groups(b, "new_block_ids") for b in list(c.new_block_ids)
-    ]
-    computed = [int(x) for x in c.num_computed_tokens]
-    return (ids, resumed, new_tokens, new_blocks, computed)
-
-
 class KvbmConnector(_Base):
     """vLLM's ``KVConnectorBase_V1`` over the kvbm block manager, for either role."""
 
@@ -324,7 +280,6 @@ class KvbmConnector(_Base):
         self._worker = None
         self._worker_ready = False
         self._streams = StreamOrder(None)  # the engine's CUDA stream ordering (GPU caches)
-        self._hit_split: dict = {}
         self._stats_last: dict = {}  # the counters at the last get_kv_connector_stats
         if self._kvbm_role == "SCHEDULER":
             warning = self._config.tier_warning()
@@ -368,29 +323,24 @@ class KvbmConnector(_Base):
                         op=op)
         return self._scheduler
 
+    # Each hot-path call hands vLLM's objects to the binding in one crossing: it reads the
+    # attributes it needs and, of a request's token list, only the tokens the leader does not hold
+    # yet (the leader keeps each request's tokens and block hashes, so a call hashes only what is
+    # new); build_connector_meta reads the whole SchedulerOutput in one call.
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:
-        sched = self._sched("get_num_new_matched_tokens")
-        rid = str(request.request_id)
-        out = sched.get_num_new_matched_tokens(
-            rid,
-            int_list(request.all_token_ids, "request.all_token_ids"),
-            int(num_computed_tokens),
-            _opt_str(getattr(request, "cache_salt", None)),
-            _lora_name(request),
+        return self._sched("get_num_new_matched_tokens").match_request(
+            request, num_computed_tokens
         )
-        if out[0]:
-            _, _, host, disk = sched.last_match()
-            self._hit_split[rid] = (host, disk)
-        else:
-            self._hit_split.pop(rid, None)
-        return out
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         """Splits the tokens loaded for ``request`` by the tier that held them (host, disk)."""
         n = int(num_external_tokens)
-        host, disk = self._hit_split.pop(str(request.request_id), (0, 0))
+        host, disk = self._sched("get_external_cache_hit_sources").take_hit_sources(
+            str(request.request_id)
+        )
         if n == 0:
             return {}
         if host + disk != n:
@@ -400,39 +350,17 @@ class KvbmConnector(_Base):
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
-        self._sched("update_state_after_alloc").update_state_after_alloc(
-            str(request.request_id), _groups(blocks, "blocks"), int(num_external_tokens)
+        self._sched("update_state_after_alloc").alloc_request(
+            request, blocks, num_external_tokens
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
-        so = scheduler_output
-        new = [
-            (
-                str(r.req_id),
-                int_list(r.prompt_token_ids, "prompt_token_ids"),
-                _groups(r.block_ids, "block_ids"),
-                int(r.num_computed_tokens),
-            )
-            for r in so.scheduled_new_reqs
-        ]
-        data = self._sched("build_connector_meta").build_connector_meta(
-            new,
-            _cached_args(so.scheduled_cached_reqs),
-            {str(k): int(v) for k, v in dict(so.num_scheduled_tokens).items()},
-            {str(i) for i in (so.finished_req_ids or ())},
-            {str(i) for i in (getattr(so, "preempted_req_ids", None) or ())},
+        return KvbmConnectorMetadata(
+            self._sched("build_connector_meta").build_meta(scheduler_output)
         )
-        return KvbmConnectorMetadata(data)
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
-        self._hit_split.pop(str(request.request_id), None)
-        held = self._sched("request_finished").request_finished(
-            str(request.request_id),
-            int_list(request.all_token_ids, "request.all_token_ids"),
-            int(request.num_computed_tokens),
-            int_list(block_ids, "block_ids"),
-        )
-        return held, None
+        return self._sched("request_finished").finish_request(request), None
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched("update_connector_output").update_connector_output()

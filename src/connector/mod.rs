@@ -49,6 +49,12 @@ impl RequestId {
     }
 }
 
+impl std::borrow::Borrow<str> for RequestId {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
 impl fmt::Debug for RequestId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(&*self.0, f)

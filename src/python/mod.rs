@@ -89,6 +89,46 @@ impl<T: Send> Guarded<T> {
             }
         }
     }
+
+    /// Runs `f` on the object with the GIL held, for calls that read Python objects as they work
+    /// (only what is new, straight into the Rust state) and whose work is too short to be worth
+    /// releasing the GIL; `f` may release it itself (`py.detach`) for a long part. The object's
+    /// lock is awaited with the GIL released (another thread may hold it while it works without
+    /// the GIL; nothing run under the lock takes the GIL, so neither waits on the other). Errors
+    /// of `f` are Python errors already; panics poison the object as in [`Guarded::call`].
+    pub(crate) fn call_attached<R>(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        f: impl FnOnce(&mut T) -> PyResult<R>,
+    ) -> PyResult<R> {
+        if self.poisoned.load(Ordering::Acquire) {
+            return Err(to_py_err(
+                py,
+                Error::internal(format!(
+                    "this {} is unusable: an earlier call panicked",
+                    self.what
+                ))
+                .with("op", op),
+            ));
+        }
+        let mut guard = loop {
+            if let Some(g) = self.inner.try_lock() {
+                break g;
+            }
+            py.detach(|| drop(self.inner.lock()));
+        };
+        let out = catch_unwind(AssertUnwindSafe(|| f(&mut guard)));
+        drop(guard);
+        log::drain(py);
+        match out {
+            Ok(r) => r,
+            Err(panic) => {
+                self.poisoned.store(true, Ordering::Release);
+                Err(to_py_err(py, panic_error(self.what, op, panic.as_ref())))
+            }
+        }
+    }
 }
 
 /// Runs `f` without the GIL and with panics caught, for calls that need no shared object.

@@ -50,6 +50,31 @@ impl<A: SchedulerAdapter> Leader<A> {
         request: RequestInfo<'_>,
         num_computed_tokens: usize,
     ) -> Result<MatchResult> {
+        self.get_num_new_matched_tokens_from(request, 0, num_computed_tokens)
+    }
+
+    /// [`Leader::get_num_new_matched_tokens`] where `request.tokens` are the request's tokens
+    /// from index `first_token` on: a caller that knows the leader holds the first
+    /// [`Leader::known_tokens`] tokens passes only the rest (tokens the leader already holds are
+    /// skipped). A request the leader does not track must start at 0, and `first_token` beyond
+    /// the tokens it holds (a gap) is refused: either would shift every later block's key.
+    pub fn get_num_new_matched_tokens_from(
+        &mut self,
+        request: RequestInfo<'_>,
+        first_token: usize,
+        num_computed_tokens: usize,
+    ) -> Result<MatchResult> {
+        let known = self
+            .slots
+            .get(request.id)
+            .map_or(0, |s| s.seq.total_tokens());
+        if first_token > known {
+            return Err(Error::invalid_argument(format!(
+                "request {}: tokens from index {first_token} given, but only {known} are known",
+                request.id
+            ))
+            .with("request", request.id));
+        }
         let _span = tracing::debug_span!("kvbm.leader.match", request = %request.id).entered();
         self.last_match = MatchResult::NONE;
         self.poll_completions();
@@ -97,9 +122,9 @@ impl<A: SchedulerAdapter> Leader<A> {
             slot.life.preempt()?;
             slot.device_blocks.clear();
         }
-        let known = slot.seq.total_tokens();
-        if request.tokens.len() > known {
-            slot.seq.append(&request.tokens[known..]);
+        let skip = slot.seq.total_tokens() - first_token;
+        if let Some(rest) = request.tokens.get(skip..) {
+            slot.seq.append(rest);
         }
         slot.staged = None;
         let n = slot.seq.total_tokens();

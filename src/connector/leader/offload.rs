@@ -126,7 +126,12 @@ impl<A: SchedulerAdapter> Leader<A> {
             let Some(slot) = self.slots.get_mut(&r.request_id) else {
                 continue;
             };
-            append_tokens(slot, &r.request_id, &r.new_tokens, r.first_token_index);
+            append_tokens(
+                slot,
+                r.request_id.as_str(),
+                &r.new_tokens,
+                r.first_token_index,
+            );
             if r.replace_block_ids {
                 slot.device_blocks.clear();
             }
@@ -152,6 +157,21 @@ impl<A: SchedulerAdapter> Leader<A> {
             return Err(e);
         }
         Ok(meta)
+    }
+
+    /// How many of the request's tokens the leader holds (`None`: it does not track the request).
+    /// A caller that keeps the request's token list can then pass only the tokens after these.
+    pub fn known_tokens(&self, id: &str) -> Option<usize> {
+        self.slots.get(id).map(|s| s.seq.total_tokens())
+    }
+
+    /// Appends the request's tokens from index `first_token` on (those the leader holds are
+    /// skipped; a gap is ignored with a warning, as the keys after it would shift). Untracked
+    /// requests are ignored.
+    pub fn append_request_tokens(&mut self, id: &str, first_token: usize, tokens: &[Token]) {
+        if let Some(slot) = self.slots.get_mut(id) {
+            append_tokens(slot, id, tokens, Some(first_token));
+        }
     }
 
     /// The engine finished (or aborted) a request. `all_tokens` (when the engine has them) lets
@@ -530,7 +550,7 @@ impl Staging {
 }
 
 /// Appends the part of `tokens` (starting at request index `first`) the slot does not know yet.
-fn append_tokens(slot: &mut Slot, id: &RequestId, tokens: &[Token], first: Option<usize>) {
+fn append_tokens(slot: &mut Slot, id: &str, tokens: &[Token], first: Option<usize>) {
     if tokens.is_empty() {
         return;
     }

@@ -187,6 +187,7 @@ impl SchedulerSide for Scheduler {
                 out.scheduled_new_reqs.push(NewRequestData {
                     req_id: r.id.clone(),
                     prompt_token_ids: r.tokens.clone(),
+                    first_token_index: 0,
                     block_ids: vec![r.blocks.clone()],
                     num_computed_tokens: r.computed,
                 });
