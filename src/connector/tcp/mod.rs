@@ -182,7 +182,7 @@ mod worker;
 
 use crate::error::{Error, ErrorKind};
 
-pub use leader::{TcpLeader, HANDSHAKE_TIMEOUT};
+pub use leader::{Received, TcpLeader, HANDSHAKE_TIMEOUT};
 pub use rendezvous::{LazyTcpWorker, LeaderTarget, RendezvousLeader};
 pub use worker::TcpWorker;
 
