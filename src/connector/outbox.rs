@@ -9,8 +9,11 @@
 //!   operation finished before its completion is on its way to the leader, and everything that
 //!   finished during the iteration leaves with it (the leader looks for completions at its next
 //!   call, which follows the engine's iteration);
-//! * [`Outbox::settled`] — the worker's last operation in flight just finished: nothing more can
-//!   join the batch before the engine adds work, so waiting would only delay it;
+//! * [`Outbox::settled`] — between iterations (after `get_finished`, before the next
+//!   `bind_metadata`), the worker's last operation in flight just finished: nothing more can
+//!   join the batch before the engine adds work, so waiting would only delay it (during an
+//!   iteration, `get_finished` comes anyway, and the worker settles every time a quick copy
+//!   finishes before the engine submitted the next one);
 //! * [`Outbox::begin_iteration`] (`bind_metadata`), [`Outbox::flush`] (`wait_idle`, dropping the
 //!   worker) — whatever is still queued;
 //! * between iterations (after `get_finished`, before the next `bind_metadata`), a completion
@@ -85,30 +88,39 @@ impl Outbox {
             let me = self.clone();
             self.runtime.spawn(async move {
                 tokio::time::sleep(LINGER).await;
-                me.queue.lock().timer = false;
-                me.flush();
+                // An iteration that started meanwhile keeps its batch for its end.
+                me.flush_if(|q| {
+                    q.timer = false;
+                    !q.in_iteration
+                });
             });
         }
     }
 
-    /// The worker has no operation in flight any more: sends what is queued.
+    /// The worker has no operation in flight any more: between iterations, sends what is queued.
     pub(crate) fn settled(&self) {
-        self.flush();
+        self.flush_if(|q| !q.in_iteration);
     }
 
     /// An iteration starts (`bind_metadata`): sends what an earlier one left.
     pub(crate) fn begin_iteration(&self) {
-        self.flush_and(|q| q.in_iteration = true);
+        self.flush_if(|q| {
+            q.in_iteration = true;
+            true
+        });
     }
 
     /// The iteration ends (`get_finished`): sends everything queued.
     pub(crate) fn end_iteration(&self) {
-        self.flush_and(|q| q.in_iteration = false);
+        self.flush_if(|q| {
+            q.in_iteration = false;
+            true
+        });
     }
 
     /// Sends what is queued, as one message.
     pub(crate) fn flush(&self) {
-        self.flush_and(|_| {});
+        self.flush_if(|_| true);
     }
 
     /// Completions queued and not sent yet.
@@ -117,11 +129,14 @@ impl Outbox {
         self.queue.lock().list.len()
     }
 
-    fn flush_and(&self, f: impl FnOnce(&mut Queue)) {
+    /// Sends what is queued if `f` (which may update the queue's state) says so.
+    fn flush_if(&self, f: impl FnOnce(&mut Queue) -> bool) {
         let _sending = self.sending.lock();
         let list = {
             let mut q = self.queue.lock();
-            f(&mut q);
+            if !f(&mut q) {
+                return;
+            }
             std::mem::take(&mut q.list)
         };
         if list.is_empty() {
@@ -202,16 +217,22 @@ mod tests {
     }
 
     #[test]
-    fn leftovers_leave_when_the_next_iteration_starts_or_the_worker_settles() {
+    fn leftovers_leave_when_the_next_iteration_starts_or_the_worker_settles_between_them() {
         let (_rt, lt, outbox) = rig();
         outbox.begin_iteration();
         outbox.push(done(1));
+        // Settling during an iteration waits for its end.
+        outbox.settled();
+        assert!(sent(lt.as_ref()).is_empty());
         outbox.begin_iteration();
         assert_eq!(sent(lt.as_ref()), vec![vec![1]]);
         outbox.push(done(2));
+        outbox.end_iteration();
         outbox.push(done(3));
+        assert_eq!(sent(lt.as_ref()), vec![vec![2]]);
+        // Between iterations, settling sends at once (no LINGER wait).
         outbox.settled();
-        assert_eq!(sent(lt.as_ref()), vec![vec![2, 3]]);
+        assert_eq!(sent(lt.as_ref()), vec![vec![3]]);
     }
 
     #[test]
@@ -229,5 +250,14 @@ mod tests {
         }
         assert_eq!(got, vec![vec![7, 8]]);
         assert!(t.elapsed() >= LINGER, "{:?}", t.elapsed());
+        // A timer armed between iterations does not cut the batch of one that started meanwhile.
+        outbox.push(done(9));
+        outbox.begin_iteration();
+        assert_eq!(sent(lt.as_ref()), vec![vec![9]]);
+        outbox.push(done(10));
+        std::thread::sleep(LINGER * 4);
+        assert!(sent(lt.as_ref()).is_empty());
+        outbox.end_iteration();
+        assert_eq!(sent(lt.as_ref()), vec![vec![10]]);
     }
 }

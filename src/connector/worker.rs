@@ -938,12 +938,7 @@ fn worker_metrics_addr(leader: std::net::SocketAddr, rank: usize) -> Result<std:
     Ok(std::net::SocketAddr::new(leader.ip(), port))
 }
 
-fn complete(
-    shared: &Shared,
-    outbox: &Arc<Outbox>,
-    done: OpDone,
-    outcome: Result<TransferOutcome>,
-) {
+fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result<TransferOutcome>) {
     if let Ok(o) = &outcome {
         shared
             .metrics

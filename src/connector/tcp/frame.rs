@@ -169,7 +169,8 @@ pub(super) const MAX_ERROR_BYTES: usize = 4096;
 pub(super) const MAX_FAILED_PER_OP: usize = 1 << 24;
 /// The smallest payload bound [`encode_completions`] accepts: one entry with one block and a
 /// short error.
-pub(super) const MIN_COMPLETIONS_PAYLOAD: u32 = (COUNT_LEN + ENTRY_HEAD + BLOCK_LEN + 4 + 64) as u32;
+pub(super) const MIN_COMPLETIONS_PAYLOAD: u32 =
+    (COUNT_LEN + ENTRY_HEAD + BLOCK_LEN + 4 + 64) as u32;
 
 /// `text` cut to at most `max` bytes at a character boundary, marked with `…` when cut.
 fn cut(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
@@ -218,8 +219,7 @@ impl CompletionFrames {
 
     /// Payload bytes still free in the current frame.
     fn room(&self) -> usize {
-        self.max
-            .saturating_sub(self.cur.len() - HEADER_LEN)
+        self.max.saturating_sub(self.cur.len() - HEADER_LEN)
     }
 
     fn push(&mut self, op: OperationId, blocks: &[usize], error: Option<&str>, continued: bool) {
@@ -350,7 +350,10 @@ impl CompletionsDecoder {
     /// The completions a COMPLETIONS payload finishes, in order, or why it does not decode
     /// (which closes the connection). Every count is checked against the bytes that remain
     /// before anything is allocated for it.
-    pub(super) fn decode(&mut self, payload: &[u8]) -> std::result::Result<Vec<Completion>, String> {
+    pub(super) fn decode(
+        &mut self,
+        payload: &[u8],
+    ) -> std::result::Result<Vec<Completion>, String> {
         let mut f = Fields { rest: payload };
         let count = f.u32("the entry count")? as usize;
         if count > f.rest.len() / ENTRY_HEAD {
@@ -364,7 +367,9 @@ impl CompletionsDecoder {
             let op = OperationId(f.u64("an entry's op")?);
             let flags = f.u8("an entry's flags")?;
             if flags & !(FLAG_ERROR | FLAG_CONTINUED) != 0 {
-                return Err(format!("entry {i} (op {op}) has unknown flags {flags:#04x}"));
+                return Err(format!(
+                    "entry {i} (op {op}) has unknown flags {flags:#04x}"
+                ));
             }
             let n = f.u32("an entry's failed-block count")? as usize;
             if n > f.rest.len() / BLOCK_LEN {
@@ -603,7 +608,10 @@ mod tests {
             (header(b"KVBM", 2, 4, 0), "version 2"),
             (header(b"KVBM", PROTOCOL_VERSION, 9, 0), "kind 9"),
             (header(b"KVBM", PROTOCOL_VERSION, 0, 0), "kind 0"),
-            (header(b"KVBM", PROTOCOL_VERSION, 4, MAX_PAYLOAD + 1), "exceeds"),
+            (
+                header(b"KVBM", PROTOCOL_VERSION, 4, MAX_PAYLOAD + 1),
+                "exceeds",
+            ),
         ];
         for (h, want) in cases {
             let e = parse_header(&h, MAX_PAYLOAD).unwrap_err().to_string();
@@ -683,7 +691,13 @@ mod tests {
     fn a_batch_splits_at_the_size_bound_and_keeps_its_order() {
         let max = 200;
         let list: Vec<Completion> = (0..50u64)
-            .map(|i| done(i, vec![i as usize; (i % 4) as usize], (i % 5 == 0).then_some("why")))
+            .map(|i| {
+                done(
+                    i,
+                    vec![i as usize; (i % 4) as usize],
+                    (i % 5 == 0).then_some("why"),
+                )
+            })
             .collect();
         let frames = encode_completions(&list, max).unwrap();
         assert!(frames.len() > 3, "{} frames", frames.len());
@@ -712,7 +726,10 @@ mod tests {
         assert_eq!(got[1].op, OperationId(2));
         assert_eq!(got[1].failed_dst_blocks, failed, "no failed block lost");
         let e = got[1].error.as_deref().unwrap();
-        assert!(e.len() < long_error.len() && e.ends_with('…') && e.starts_with("xxx"), "{e}");
+        assert!(
+            e.len() < long_error.len() && e.ends_with('…') && e.starts_with("xxx"),
+            "{e}"
+        );
         // At the wire bound, the error is cut at MAX_ERROR_BYTES only.
         let frames = encode_completions(&list, MAX_PAYLOAD).unwrap();
         assert_eq!(frames.len(), 1);
@@ -728,7 +745,10 @@ mod tests {
         let mut cases: Vec<(Vec<u8>, &str)> = vec![
             (p[..p.len() - 1].to_vec(), "remain"),
             ([p.clone(), vec![0]].concat(), "after the last"),
-            ([&u32::MAX.to_be_bytes()[..], &p[4..]].concat(), "cannot fit"),
+            (
+                [&u32::MAX.to_be_bytes()[..], &p[4..]].concat(),
+                "cannot fit",
+            ),
             (vec![0, 0], "remain"),
         ];
         let mut flags = p.clone();
@@ -749,7 +769,10 @@ mod tests {
         let mut continued = encode_completions(&[done(1, (0..40).collect(), None)], 200).unwrap();
         let other = encode_completions(&[done(2, vec![], None)], 200).unwrap();
         let mut d = CompletionsDecoder::default();
-        assert!(d.decode(&continued.remove(0)[HEADER_LEN..]).unwrap().is_empty());
+        assert!(d
+            .decode(&continued.remove(0)[HEADER_LEN..])
+            .unwrap()
+            .is_empty());
         assert_eq!(d.partial(), Some(OperationId(1)));
         let e = d.decode(&other[0][HEADER_LEN..]).unwrap_err();
         assert!(e.contains("was continued"), "{e}");

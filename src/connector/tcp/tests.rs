@@ -900,9 +900,15 @@ fn mismatched_protocol_versions_are_a_typed_error_on_both_sides() {
         let (mut c, _) = old.accept().unwrap();
         let mut h = [0u8; HEADER_LEN];
         c.read_exact(&mut h).unwrap();
-        let reason = br#"{"reason":"protocol version 3 is not supported (this side speaks version 2)"}"#;
-        c.write_all(&frame(2, FrameKind::Refused as u8, reason.len() as u32, reason))
-            .unwrap();
+        let reason =
+            br#"{"reason":"protocol version 3 is not supported (this side speaks version 2)"}"#;
+        c.write_all(&frame(
+            2,
+            FrameKind::Refused as u8,
+            reason.len() as u32,
+            reason,
+        ))
+        .unwrap();
     });
     let started = Instant::now();
     let e = TcpWorker::connect(old_addr, 0, 1, None, LONG).unwrap_err();

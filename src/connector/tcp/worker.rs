@@ -11,8 +11,8 @@
 
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream as StdTcpStream};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
