@@ -26,13 +26,23 @@
 //! that the in-process one would take. There is no target: the figure to read is the overhead,
 //! TCP − in-process, per iteration and per message.
 //!
-//! A second (supplementary) RATIO line repeats the comparison with each rank reporting its K
-//! completions in one message (`Completed` carries a list): what batching the worker's reports
-//! would save, since the TCP cost is per message far more than per byte.
+//! A second RATIO line repeats the comparison with each rank reporting its K completions in one
+//! message, as the real `Worker` does since issue 16 (it queues its completions and sends them
+//! once per iteration: one COMPLETIONS frame per rank).
+//!
+//! A third RATIO line (issue 16, item 3) sets the batched TCP iteration against a limit measured
+//! in the same run: a raw loopback TCP round of the same bytes — per rank, a thread writes the
+//! very bytes the batched iteration puts on the wire (one COMPLETIONS frame of K entries) on a
+//! plain `TCP_NODELAY` socket, a reader thread per connection reads them and signals the timing
+//! thread — the same thread hand-offs with no framing, decoding or leader work. It also prints
+//! messages and µs per completion before (one message per completion, as `Worker` sent them until
+//! issue 16) and after (one per rank and iteration), rounds of the three interleaved.
 
 mod common;
 
-use std::sync::mpsc::{channel, Sender};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -41,7 +51,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
 use kvbm_connector::connector::metadata::{ConnectorMetadata, OperationId};
-use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
+use kvbm_connector::connector::tcp::{Received, TcpLeader, TcpWorker};
 use kvbm_connector::connector::transport::{
     in_process, Completion, LeaderTransport, WorkerHello, WorkerMessage, WorkerTransport,
 };
@@ -125,6 +135,8 @@ fn stand_in(transport: Arc<dyn WorkerTransport>, rank: usize) -> (Sender<Handoff
 
 struct Rig {
     name: &'static str,
+    /// The TCP leader, to count what arrived.
+    tcp: Option<Arc<TcpLeader>>,
     leader: Leader<ScheduledTokens>,
     ranks: Vec<Sender<Handoff>>,
     threads: Vec<JoinHandle<()>>,
@@ -153,6 +165,7 @@ impl Rig {
         assert!(leader.is_ready());
         Rig {
             name,
+            tcp: None,
             leader,
             ranks,
             threads,
@@ -179,7 +192,13 @@ impl Rig {
                 TcpWorker::connect(addr, r, WORLD, None, LIMIT).unwrap() as Arc<dyn WorkerTransport>
             })
             .collect();
-        Self::new("tcp", lt, wts)
+        let mut rig = Self::new("tcp", lt.clone(), wts);
+        rig.tcp = Some(lt);
+        rig
+    }
+
+    fn received(&self) -> Received {
+        self.tcp.as_ref().map(|t| t.received()).unwrap_or_default()
     }
 
     /// Untimed: K new one-block requests, matched (misses), allocated and prefilled in one
@@ -299,12 +318,12 @@ fn compare(local: &mut Rig, tcp: &mut Rig, batched: bool) -> (Duration, Duration
     let ratio = limit.as_secs_f64() / ours.as_secs_f64().max(1e-12);
     let (name, messages) = if batched {
         (
-            "transport (supplementary) 2 ranks x 8 completions, one message per rank",
+            "transport 2 ranks x 8 completions, one message per rank (as Worker sends them)",
             WORLD,
         )
     } else {
         (
-            "transport 2 ranks x 8 completions per iteration, one message per completion",
+            "transport 2 ranks x 8 completions per iteration, one message per completion (as Worker sent them before issue 16)",
             WORLD * K,
         )
     };
@@ -324,6 +343,158 @@ fn compare(local: &mut Rig, tcp: &mut Rig, batched: bool) -> (Duration, Duration
     (limit, ours)
 }
 
+/// The bytes one rank puts on the wire for one batched iteration: a COMPLETIONS frame (protocol
+/// version 3, kind 6) of K successful entries, built by hand from the documented layout.
+fn batched_frame_bytes() -> Vec<u8> {
+    let mut payload = (K as u32).to_be_bytes().to_vec();
+    for op in 0..K as u64 {
+        payload.extend_from_slice(&op.to_be_bytes());
+        payload.push(0); // flags
+        payload.extend_from_slice(&0u32.to_be_bytes()); // no failed block
+    }
+    let mut f = b"KVBM".to_vec();
+    f.extend_from_slice(&3u16.to_be_bytes());
+    f.push(6);
+    f.push(0);
+    f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    f.extend_from_slice(&payload);
+    f
+}
+
+/// The limit: per rank a writer thread and a plain loopback TCP connection carrying `bytes` per
+/// iteration, a reader thread that reads them and signals the timing thread.
+struct RawLoopback {
+    writers: Vec<Sender<()>>,
+    done: Receiver<()>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl RawLoopback {
+    fn new(bytes: Vec<u8>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (done_tx, done) = channel();
+        let mut writers = Vec::new();
+        let mut threads = Vec::new();
+        for r in 0..WORLD {
+            let mut client = TcpStream::connect(addr).unwrap();
+            client.set_nodelay(true).unwrap();
+            let (mut server, _) = listener.accept().unwrap();
+            server.set_nodelay(true).unwrap();
+            let (tx, rx) = channel::<()>();
+            let frame = bytes.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("raw-writer-{r}"))
+                    .spawn(move || {
+                        for () in rx {
+                            client.write_all(&frame).unwrap();
+                        }
+                    })
+                    .unwrap(),
+            );
+            let len = bytes.len();
+            let done_tx = done_tx.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("raw-reader-{r}"))
+                    .spawn(move || {
+                        let mut buf = vec![0u8; len];
+                        while server.read_exact(&mut buf).is_ok() {
+                            if done_tx.send(()).is_err() {
+                                return;
+                            }
+                        }
+                    })
+                    .unwrap(),
+            );
+            writers.push(tx);
+        }
+        Self {
+            writers,
+            done,
+            threads,
+        }
+    }
+
+    fn iteration(&mut self) -> Duration {
+        let t = Instant::now();
+        for w in &self.writers {
+            w.send(()).unwrap();
+        }
+        for _ in 0..WORLD {
+            self.done.recv_timeout(LIMIT).expect("raw loopback round");
+        }
+        t.elapsed()
+    }
+
+    fn round(&mut self, n: usize) -> Duration {
+        let total: Duration = (0..n).map(|_| self.iteration()).sum();
+        total / n as u32
+    }
+}
+
+impl Drop for RawLoopback {
+    fn drop(&mut self) {
+        // Closing the writers' channels ends them; their sockets close, which ends the readers.
+        self.writers.clear();
+        for h in self.threads.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Issue 16, item 3: messages and µs per completion before and after batching, and the batched
+/// iteration against the raw loopback limit of its bytes; rounds of the three interleaved.
+fn issue16_item3(tcp: &mut Rig) {
+    let (rounds, per_round) = if common::quick() { (1, 8) } else { (15, 400) };
+    let mut raw = RawLoopback::new(batched_frame_bytes());
+    raw.round(per_round.min(50));
+    tcp.round(per_round.min(50), true);
+    tcp.round(per_round.min(50), false);
+    let (mut l, mut after, mut before) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut msgs_after, mut msgs_before) = (0u64, 0u64);
+    for _ in 0..rounds {
+        l.push(raw.round(per_round));
+        let r0 = tcp.received();
+        after.push(tcp.round(per_round, true));
+        let r1 = tcp.received();
+        before.push(tcp.round(per_round, false));
+        let r2 = tcp.received();
+        msgs_after += r1.completion_frames - r0.completion_frames;
+        msgs_before += r2.completion_frames - r1.completion_frames;
+        assert_eq!(
+            r2.completions - r0.completions,
+            (2 * per_round * WORLD * K) as u64
+        );
+    }
+    let limit = common::median(&mut l);
+    let after = common::median(&mut after);
+    let before = common::median(&mut before);
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let iterations = (rounds * per_round) as f64;
+    let per_iter_after = msgs_after as f64 / iterations;
+    let per_iter_before = msgs_before as f64 / iterations;
+    let n = (WORLD * K) as f64;
+    println!(
+        "RATIO transport issue 16 item 3, 2 ranks x 8 completions per iteration over TCP: \
+         batched {:.1} us/iteration = {:.2} us per completion ({per_iter_after:.1} messages/iteration), \
+         one message per completion {:.1} us/iteration = {:.2} us per completion ({per_iter_before:.1} messages/iteration); \
+         {:.1}x fewer messages, {:.2}x less time per completion; \
+         limit (raw loopback TCP, the same {} bytes per rank, no framing or leader work) {:.1} us/iteration; \
+         ratio {:.3} (limit / batched; no target) [{rounds} rounds x {per_round}, medians of round means]",
+        us(after),
+        us(after) / n,
+        us(before),
+        us(before) / n,
+        per_iter_before / per_iter_after.max(1e-12),
+        us(before) / us(after).max(1e-12),
+        batched_frame_bytes().len(),
+        us(limit),
+        limit.as_secs_f64() / after.as_secs_f64().max(1e-12),
+    );
+}
+
 fn bench_transport(c: &mut Criterion) {
     let mut local = Rig::in_process();
     let mut tcp = Rig::tcp();
@@ -335,10 +506,14 @@ fn bench_transport(c: &mut Criterion) {
     g.bench_function("tcp_2_ranks_8_completions", |b| {
         b.iter_custom(|iters| (0..iters).map(|_| tcp.iteration(false)).sum())
     });
+    g.bench_function("tcp_2_ranks_8_completions_batched", |b| {
+        b.iter_custom(|iters| (0..iters).map(|_| tcp.iteration(true)).sum())
+    });
     g.finish();
 
     compare(&mut local, &mut tcp, false);
     compare(&mut local, &mut tcp, true);
+    issue16_item3(&mut tcp);
 }
 
 criterion_group! {

@@ -29,7 +29,7 @@ use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
 /// The wire protocol's version (`src/connector/tcp/mod.rs`; 2 since heartbeats).
-const PROTOCOL_VERSION: u16 = 2;
+const PROTOCOL_VERSION: u16 = 3;
 const FRAMEWORKS: [&str; 2] = ["trtllm", "vllm"];
 /// Start-up deadline of every process unless a test sets another: long enough for a loaded
 /// 2-core machine, short enough that a broken barrier cannot stall the suite for long.

@@ -72,3 +72,273 @@ fn real_leader_and_worker_offload_and_onboard_over_tcp() {
     assert!(loaded >= BS, "loaded {loaded} tokens");
     assert!(lt.is_session_started());
 }
+
+// ------------------------------------------------------------------------------------------------
+// Batched completions (issue 16, item 3): one message per iteration and rank, never later
+// ------------------------------------------------------------------------------------------------
+
+use std::collections::HashSet;
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::{Arc, Condvar, Mutex};
+
+use kvbm_connector::connector::adapter::{ScheduledTokens, SchedulerStep};
+use kvbm_connector::connector::leader::Leader;
+use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::{Capability, Layout, StorageTier, StorageTierExt, TierKind};
+
+/// The engine's device cache, where reading a *gated* block (a store copying it out) waits until
+/// the test opens its gate: a store that stays in flight as long as the test wants.
+#[derive(Debug)]
+struct GatedDevice {
+    inner: Arc<dyn StorageTier>,
+    gated: Mutex<HashSet<usize>>,
+    opened: Condvar,
+}
+
+impl GatedDevice {
+    fn close(&self, block: usize) {
+        self.gated.lock().unwrap().insert(block);
+    }
+    fn open(&self, block: usize) {
+        self.gated.lock().unwrap().remove(&block);
+        self.opened.notify_all();
+    }
+    fn pass(&self, block: usize) {
+        let mut g = self.gated.lock().unwrap();
+        while g.contains(&block) {
+            g = self.opened.wait(g).unwrap();
+        }
+    }
+}
+
+impl StorageTier for GatedDevice {
+    fn kind(&self) -> TierKind {
+        self.inner.kind()
+    }
+    fn capability(&self) -> Capability {
+        self.inner.capability()
+    }
+    fn layout(&self) -> &Layout {
+        self.inner.layout()
+    }
+    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> kvbm_connector::Result<()> {
+        self.pass(block);
+        self.inner.read_block(block, dst)
+    }
+    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> kvbm_connector::Result<()> {
+        self.inner.write_block(block, src)
+    }
+    fn with_block(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&[IoSlice<'_>]) -> kvbm_connector::Result<()>,
+    ) -> kvbm_connector::Result<()> {
+        self.pass(block);
+        self.inner.with_block(block, f)
+    }
+    fn with_block_mut(
+        &self,
+        block: usize,
+        f: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> kvbm_connector::Result<()>,
+    ) -> kvbm_connector::Result<()> {
+        self.inner.with_block_mut(block, f)
+    }
+}
+
+/// A real leader and one real worker over TCP whose device is gated.
+struct Gated {
+    leader: Leader<ScheduledTokens>,
+    worker: Worker,
+    device: Arc<GatedDevice>,
+    lt: Arc<TcpLeader>,
+    wt: Arc<TcpWorker>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Gated {
+    fn drop(&mut self) {
+        // A failed assertion must not leave a store blocked: the worker's runtime waits for it.
+        let blocks: Vec<usize> = self
+            .device
+            .gated
+            .lock()
+            .map(|g| g.iter().copied().collect())
+            .unwrap_or_default();
+        for b in blocks {
+            self.device.open(b);
+        }
+    }
+}
+
+fn gated_rig() -> Gated {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 32, 0);
+    let lt = TcpLeader::bind(any_port(), 1, None).unwrap();
+    let wt = TcpWorker::connect(lt.local_addr(), 0, 1, None, LONG).unwrap();
+    let device = Arc::new(GatedDevice {
+        inner: device(),
+        gated: Mutex::new(HashSet::new()),
+        opened: Condvar::new(),
+    });
+    let mut worker = new_worker(cfg.clone(), 1, wt.clone(), NonBlocking).unwrap();
+    worker.register(device.clone()).unwrap();
+    let leader = new_leader(cfg, BS, lt.clone(), Blocking).unwrap();
+    wait_until("worker ready", || worker.is_ready());
+    Gated {
+        leader,
+        worker,
+        device,
+        lt,
+        wt,
+        _dir: dir,
+    }
+}
+
+impl Gated {
+    /// One iteration's first half: `n` new one-block requests prefilled on device blocks
+    /// `first..first + n`, the last one's store held by the gate; the worker binds, writes and
+    /// saves, and the stores of the others finish. Returns the requests.
+    fn iteration_with_a_slow_store(
+        &mut self,
+        tag: usize,
+        first: usize,
+        n: usize,
+    ) -> Vec<RequestId> {
+        let mut step = SchedulerStep::default();
+        let mut ids = Vec::new();
+        for k in 0..n {
+            let id = RequestId::from(format!("r{tag}-{k}"));
+            let tokens: Vec<u32> = (0..BS as u32)
+                .map(|t| 1000 * (tag * n + k) as u32 + t)
+                .collect();
+            let m = self
+                .leader
+                .get_num_new_matched_tokens(info(&id, &tokens), 0)
+                .unwrap();
+            assert_eq!(m.external_tokens, 0);
+            self.leader
+                .update_state_after_alloc(&id, &[first + k], 0)
+                .unwrap();
+            self.device
+                .inner
+                .write_block_from_slice(first + k, &image(&tokens, 0))
+                .unwrap();
+            step.requests.push(prefill(&id, 0, BS));
+            ids.push(id);
+        }
+        self.device.close(first + n - 1);
+        let bytes = self.leader.build_connector_meta(&step).unwrap();
+        assert_eq!(
+            self.leader.num_operations_in_flight(),
+            n,
+            "one store per request"
+        );
+        let stored_before: u64 = self.worker.transfer_stats().iter().map(|p| p.blocks).sum();
+        self.worker.bind_metadata(&bytes).unwrap();
+        self.worker.start_load().unwrap();
+        self.worker.save().unwrap();
+        wait_until("the quick stores on the worker", || {
+            let stored: u64 = self.worker.transfer_stats().iter().map(|p| p.blocks).sum();
+            stored == stored_before + n as u64 - 1
+        });
+        ids
+    }
+
+    fn in_flight_at_leader(&mut self) -> usize {
+        self.leader.process_completions();
+        self.leader.num_operations_in_flight()
+    }
+
+    fn registered_on_host(&self) -> usize {
+        self.leader
+            .pool_stats()
+            .unwrap()
+            .0
+            .map_or(0, |s| s.registered)
+    }
+}
+
+#[test]
+fn each_completion_reaches_the_leader_in_the_iteration_it_finished_in_one_message() {
+    const N: usize = 5;
+    let mut r = gated_rig();
+    for it in 0..4 {
+        let first = it * N;
+        let ids = r.iteration_with_a_slow_store(it, first, N);
+        // N - 1 stores finished, one is in flight: nothing is sent during the iteration.
+        std::thread::sleep(Duration::from_millis(50));
+        let before = r.lt.received();
+        assert_eq!(
+            r.in_flight_at_leader(),
+            N,
+            "iteration {it}: sent before its end"
+        );
+        // The iteration ends: its N - 1 completions leave in one message, with no further
+        // worker call, while the slow store is still running.
+        let (released, _) = r.worker.get_finished(&[], None);
+        assert!(released.is_empty());
+        let end = Instant::now() + LONG;
+        while r.in_flight_at_leader() != 1 {
+            assert!(
+                Instant::now() < end,
+                "iteration {it}: its completions did not reach the leader after get_finished"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let after = r.lt.received();
+        assert_eq!(
+            after.completion_frames,
+            before.completion_frames + 1,
+            "{after:?}"
+        );
+        assert_eq!(after.completions, before.completions + N as u64 - 1);
+        assert_eq!(r.registered_on_host(), it * N + N - 1);
+        // Between iterations the slow store finishes: the worker has nothing else in flight, so
+        // it is sent at once, not with the next iteration.
+        r.device.open(first + N - 1);
+        wait_until("the slow store's completion", || {
+            r.in_flight_at_leader() == 0
+        });
+        assert_eq!(
+            r.lt.received().completion_frames,
+            after.completion_frames + 1
+        );
+        assert_eq!(r.registered_on_host(), (it + 1) * N);
+        for id in &ids {
+            assert!(!r.leader.request_finished(id, None, None).unwrap());
+        }
+    }
+    // 4 iterations × 5 completions in 8 messages (one per message before batching).
+    let total = r.lt.received();
+    assert_eq!((total.completions, total.completion_frames), (20, 8));
+    assert_eq!(
+        r.wt.frames_sent(),
+        total.completion_frames + total.msg_frames
+    );
+}
+
+#[test]
+fn a_worker_lost_with_completions_queued_fails_them_at_the_leader_without_a_hang() {
+    const N: usize = 4;
+    let mut r = gated_rig();
+    let _ids = r.iteration_with_a_slow_store(0, 0, N);
+    // Three stores done and queued on the worker, one in flight: the worker dies.
+    r.wt.close();
+    let end = Instant::now() + LONG;
+    while r.leader.dead_ranks().is_empty() {
+        r.leader.process_completions();
+        assert!(
+            Instant::now() < end,
+            "the leader never noticed the lost worker"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Every operation the rank had not reported counts as failed there: none is left waiting,
+    // none of their blocks is registered (the leader never learnt they were stored).
+    assert_eq!(r.leader.num_operations_in_flight(), 0);
+    assert_eq!(r.registered_on_host(), 0);
+    // The worker's own calls go on without a hang or a panic; its sends fail (logged).
+    r.device.open(N - 1);
+    r.worker.get_finished(&[], None);
+    r.worker.wait_idle(LONG).unwrap();
+}

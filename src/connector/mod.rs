@@ -24,6 +24,7 @@ pub mod lifecycle;
 pub mod metadata;
 pub mod metrics;
 pub mod metrics_server;
+mod outbox;
 pub mod remote;
 pub mod tcp;
 pub mod transport;

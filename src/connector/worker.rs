@@ -40,9 +40,10 @@ use crate::connector::fence::FencedDevice;
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
 use crate::connector::metrics::{Metrics, WarnLimiter};
 use crate::connector::metrics_server::MetricsServer;
+use crate::connector::outbox::Outbox;
 use crate::connector::remote::WorkerRemote;
 use crate::connector::transport::{
-    Completion, FinishWork, LeaderMessage, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
+    Completion, FinishWork, LeaderMessage, TierCounts, WorkerHello, WorkerTransport,
 };
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
@@ -240,6 +241,8 @@ pub struct Worker {
     leader_gone: bool,
     /// The HTTP endpoint of this worker's counters (`tcp.metrics_addr`, port + 1 + rank).
     metrics_server: Option<MetricsServer>,
+    /// Completions waiting to be sent to the leader, in batches (see `outbox`).
+    outbox: Arc<Outbox>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -278,6 +281,7 @@ impl Worker {
         let engine = TransferEngine::new(&config.transfer)?;
         let io_engine = TransferEngine::new(&config.transfer)?;
         let shared = Arc::new(Shared::default());
+        let outbox = Outbox::new(transport.clone(), runtime.handle().clone());
         let metrics_server = match config.tcp.metrics_addr {
             Some(addr) => Some(MetricsServer::start(
                 worker_metrics_addr(addr, transport.rank())?,
@@ -305,6 +309,7 @@ impl Worker {
             finish_queue: Vec::new(),
             leader_gone: false,
             metrics_server,
+            outbox,
         })
     }
 
@@ -422,6 +427,8 @@ impl Worker {
             }
         }
         self.wait_device_reads(DEVICE_READ_TIMEOUT)?;
+        // A new iteration: what the last one left queued goes now.
+        self.outbox.begin_iteration();
         self.orphans = self.account(&meta);
         self.bound_iteration = self.bound_iteration.max(meta.iteration);
         self.current = Some(meta);
@@ -629,7 +636,7 @@ impl Worker {
             dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
         };
         let shared = self.shared.clone();
-        let transport = self.transport.clone();
+        let outbox = self.outbox.clone();
         if orphan {
             let e = Error::invalid_argument(format!(
                 "operation {} names request {:?}, which no metadata announced",
@@ -644,14 +651,14 @@ impl Worker {
                 direction: Direction::Store,
                 ..done
             };
-            complete(&shared, transport.as_ref(), done, Err(e));
+            complete(&shared, &outbox, done, Err(e));
             return;
         }
         let src = if t.src == TierKind::Remote {
             match remote_source(tiers, op.as_ref()) {
                 Ok(s) => Some(s),
                 Err(e) => {
-                    complete(&shared, transport.as_ref(), done, Err(e.with("op", t.id)));
+                    complete(&shared, &outbox, done, Err(e.with("op", t.id)));
                     return;
                 }
             }
@@ -664,7 +671,7 @@ impl Worker {
                 let e =
                     Error::unsupported(format!("{} → {} has no tier on this worker", t.src, t.dst))
                         .with("op", t.id);
-                complete(&shared, transport.as_ref(), done, Err(e));
+                complete(&shared, &outbox, done, Err(e));
                 return;
             }
         };
@@ -720,10 +727,10 @@ impl Worker {
                     if let Some(publish) = publish {
                         publish(&outcome);
                     }
-                    complete(&shared, transport.as_ref(), done, outcome);
+                    complete(&shared, &outbox, done, outcome);
                 });
             }
-            Err(e) => complete(&shared, transport.as_ref(), done, Err(e)),
+            Err(e) => complete(&shared, &outbox, done, Err(e)),
         }
     }
 
@@ -754,6 +761,13 @@ impl Worker {
     /// Waits until every submitted operation has completed (for shutdown and tests). A load
     /// abandoned at its deadline is complete: its stuck I/O is not waited for.
     pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
+        let done = self.wait_idle_inner(timeout);
+        // What completed is the leader's now: callers look for it next.
+        self.outbox.flush();
+        done
+    }
+
+    fn wait_idle_inner(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
             let seen = self.shared.active.lock().all;
@@ -781,6 +795,12 @@ impl Worker {
     /// every iteration, like `kvbm replay`: a frozen disk then delays one iteration by `grace`,
     /// not every iteration by the freeze, while healthy runs stay reproducible.
     pub fn wait_idle_or_stuck(&self, timeout: Duration, grace: Duration) -> Result<()> {
+        let done = self.wait_idle_or_stuck_inner(timeout, grace);
+        self.outbox.flush();
+        done
+    }
+
+    fn wait_idle_or_stuck_inner(&self, timeout: Duration, grace: Duration) -> Result<()> {
         let start = Instant::now();
         loop {
             let device_busy = {
@@ -879,6 +899,10 @@ impl Worker {
             }
             true
         });
+        drop(st);
+        // The iteration ends: every completion queued by now — among them those of whatever
+        // the answer below reports done — goes to the leader before the engine hears of it.
+        self.outbox.end_iteration();
         released.sort();
         loaded.sort();
         (released, loaded)
@@ -912,6 +936,13 @@ impl Worker {
     }
 }
 
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Completions still queued (an engine that stopped without a last `get_finished`).
+        self.outbox.flush();
+    }
+}
+
 struct OpDone {
     op: OperationId,
     request: Option<RequestId>,
@@ -942,12 +973,7 @@ fn worker_metrics_addr(leader: std::net::SocketAddr, rank: usize) -> Result<std:
     Ok(std::net::SocketAddr::new(leader.ip(), port))
 }
 
-fn complete(
-    shared: &Shared,
-    transport: &dyn WorkerTransport,
-    done: OpDone,
-    outcome: Result<TransferOutcome>,
-) {
+fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result<TransferOutcome>) {
     if let Ok(o) = &outcome {
         shared
             .metrics
@@ -982,16 +1008,14 @@ fn complete(
             tracing::warn!(op = %done.op, direction = ?done.direction, blocks = n, error = %e, "kvbm: block transfers failed (rate-limited; count since the last warning)");
         }
     }
-    // Tell the leader first: once the engine learns the operation is done (below), a later
-    // match must already be able to find what it stored.
-    let msg = WorkerMessage::Completed(vec![Completion {
+    // Queue it for the leader first: the engine learns the operation is done (below) only in
+    // `get_finished`, which sends the queue before it returns, so a later match can already
+    // find what it stored.
+    outbox.push(Completion {
         op: done.op,
         failed_dst_blocks: failed.clone(),
         error,
-    }]);
-    if let Err(e) = transport.send(msg) {
-        tracing::warn!(op = %done.op, error = %e, "cannot report a completion to the leader");
-    }
+    });
     {
         let mut st = shared.state.lock();
         // Only device blocks are the engine's to recompute.
@@ -1014,10 +1038,16 @@ fn complete(
         *n = n.saturating_sub(1);
         shared.device_reads_done.notify_all();
     }
-    let mut active = shared.active.lock();
-    active.all = active.all.saturating_sub(1);
-    if done.off_device {
-        active.off_device.remove(&done.op);
+    let settled = {
+        let mut active = shared.active.lock();
+        active.all = active.all.saturating_sub(1);
+        if done.off_device {
+            active.off_device.remove(&done.op);
+        }
+        active.all == 0
+    };
+    if settled {
+        outbox.settled();
     }
     shared.active_done.notify_all();
 }

@@ -14,14 +14,16 @@ use std::io::Read;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-use crate::connector::transport::Rank;
+use crate::connector::metadata::OperationId;
+use crate::connector::transport::{Completion, Rank};
 use crate::error::{Error, Result};
 
 /// The first four bytes of every frame.
 pub(super) const MAGIC: [u8; 4] = *b"KVBM";
 /// The protocol version this build speaks (bytes 4..6 of every frame, big-endian). Version 2
-/// added heartbeats (the HEARTBEAT kind and the WELCOME fields announcing them).
-pub(super) const PROTOCOL_VERSION: u16 = 2;
+/// added heartbeats (the HEARTBEAT kind and the WELCOME fields announcing them); version 3 the
+/// COMPLETIONS kind (a worker's completions, batched, in a binary payload).
+pub(super) const PROTOCOL_VERSION: u16 = 3;
 /// Bytes of a frame header.
 pub(super) const HEADER_LEN: usize = 12;
 /// Largest MSG payload (16 MiB); a larger length closes the connection.
@@ -46,6 +48,9 @@ pub(super) enum FrameKind {
     Msg = 4,
     /// Either direction, after the handshake: "still here" (empty payload, ignored).
     Heartbeat = 5,
+    /// Worker → leader, after the handshake: a batch of completions, binary
+    /// ([`encode_completions`]).
+    Completions = 6,
 }
 
 impl FrameKind {
@@ -57,6 +62,7 @@ impl FrameKind {
             3 => Some(Self::Refused),
             4 => Some(Self::Msg),
             5 => Some(Self::Heartbeat),
+            6 => Some(Self::Completions),
             _ => None,
         }
     }
@@ -70,6 +76,7 @@ impl std::fmt::Display for FrameKind {
             Self::Refused => "REFUSED",
             Self::Msg => "MSG",
             Self::Heartbeat => "HEARTBEAT",
+            Self::Completions => "COMPLETIONS",
         })
     }
 }
@@ -141,6 +148,294 @@ pub(super) fn encode_json(kind: FrameKind, value: &impl Serialize) -> Result<Vec
     let payload = serde_json::to_vec(value)
         .map_err(|e| Error::internal(format!("cannot encode a {kind} payload as JSON: {e}")))?;
     encode_frame(kind, &payload)
+}
+
+/// Bytes of a COMPLETIONS payload before its entries: the entry count (`u32`).
+const COUNT_LEN: usize = 4;
+/// Bytes of a completion entry before its failed blocks: op (`u64`), flags (`u8`), failed-block
+/// count (`u32`).
+const ENTRY_HEAD: usize = 13;
+/// Bytes of one failed block id (`u64`).
+const BLOCK_LEN: usize = 8;
+/// Entry flag: an error text (`u32` length, UTF-8 bytes) follows the failed blocks.
+const FLAG_ERROR: u8 = 1;
+/// Entry flag: more failed blocks of the same operation follow in the next entry (which may be
+/// in the next frame); only an operation too large for one frame is split so.
+const FLAG_CONTINUED: u8 = 2;
+/// The longest error text sent with a completion; a longer one is cut at a character boundary
+/// and ends with `…` (the text is for people; the failed blocks are never cut).
+pub(super) const MAX_ERROR_BYTES: usize = 4096;
+/// The most failed blocks the leader merges for one operation split over several entries.
+pub(super) const MAX_FAILED_PER_OP: usize = 1 << 24;
+/// The smallest payload bound [`encode_completions`] accepts: one entry with one block and a
+/// short error.
+pub(super) const MIN_COMPLETIONS_PAYLOAD: u32 =
+    (COUNT_LEN + ENTRY_HEAD + BLOCK_LEN + 4 + 64) as u32;
+
+/// `text` cut to at most `max` bytes at a character boundary, marked with `…` when cut.
+fn cut(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    const MARK: &str = "…";
+    let mut end = max.saturating_sub(MARK.len());
+    while end > 0 && !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{MARK}", &text[..end]).into()
+}
+
+/// COMPLETIONS frames being filled, each at most `max` payload bytes.
+struct CompletionFrames {
+    max: usize,
+    done: Vec<Vec<u8>>,
+    /// The frame being filled: header, count, entries.
+    cur: Vec<u8>,
+    count: u32,
+}
+
+impl CompletionFrames {
+    fn new(max: usize) -> Self {
+        let mut f = Self {
+            max,
+            done: Vec::new(),
+            cur: Vec::new(),
+            count: 0,
+        };
+        f.start();
+        f
+    }
+
+    fn start(&mut self) {
+        self.cur = Vec::with_capacity(HEADER_LEN + COUNT_LEN + 256);
+        self.cur.extend_from_slice(&MAGIC);
+        self.cur.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+        self.cur.push(FrameKind::Completions as u8);
+        self.cur.push(0);
+        self.cur.extend_from_slice(&[0; 4]); // length, set by `finish`
+        self.cur.extend_from_slice(&[0; COUNT_LEN]); // count, set by `finish`
+        self.count = 0;
+    }
+
+    /// Payload bytes still free in the current frame.
+    fn room(&self) -> usize {
+        self.max.saturating_sub(self.cur.len() - HEADER_LEN)
+    }
+
+    fn push(&mut self, op: OperationId, blocks: &[usize], error: Option<&str>, continued: bool) {
+        let flags = u8::from(error.is_some()) * FLAG_ERROR + u8::from(continued) * FLAG_CONTINUED;
+        self.cur.extend_from_slice(&op.0.to_be_bytes());
+        self.cur.push(flags);
+        // Callers bound `blocks` by the frame size (16 MiB / 8), far below u32::MAX.
+        self.cur
+            .extend_from_slice(&(blocks.len() as u32).to_be_bytes());
+        for b in blocks {
+            self.cur.extend_from_slice(&(*b as u64).to_be_bytes());
+        }
+        if let Some(e) = error {
+            self.cur.extend_from_slice(&(e.len() as u32).to_be_bytes());
+            self.cur.extend_from_slice(e.as_bytes());
+        }
+        self.count += 1;
+    }
+
+    /// Closes the current frame (if it holds an entry) and starts another.
+    fn finish(&mut self) {
+        if self.count == 0 {
+            return;
+        }
+        let len = (self.cur.len() - HEADER_LEN) as u32;
+        self.cur[8..12].copy_from_slice(&len.to_be_bytes());
+        self.cur[HEADER_LEN..HEADER_LEN + COUNT_LEN].copy_from_slice(&self.count.to_be_bytes());
+        let frame = std::mem::take(&mut self.cur);
+        self.done.push(frame);
+        self.start();
+    }
+}
+
+/// `list` as COMPLETIONS frames (header included, ready to write), in order, each payload at
+/// most `max_payload` bytes ([`MAX_PAYLOAD`] on the wire; smaller in tests): as many entries
+/// per frame as fit, a new frame when the next does not. An operation whose failed blocks alone
+/// exceed a frame is split over consecutive entries (flag `continued`), which the leader merges
+/// back ([`CompletionsDecoder`]): no failed block is ever dropped. Error texts are cut to
+/// [`MAX_ERROR_BYTES`] (and to what fits one frame). An empty list is no frame.
+///
+/// Payload: `count: u32`, then `count` entries of `op: u64`, `flags: u8` (bit 0 an error
+/// follows, bit 1 continued), `n: u32`, `n` failed destination blocks as `u64`, and when bit 0
+/// is set `len: u32` and `len` bytes of UTF-8; all big-endian.
+pub(super) fn encode_completions(list: &[Completion], max_payload: u32) -> Result<Vec<Vec<u8>>> {
+    if !(MIN_COMPLETIONS_PAYLOAD..=MAX_PAYLOAD).contains(&max_payload) {
+        return Err(Error::invalid_argument(format!(
+            "a COMPLETIONS payload bound of {max_payload} bytes is outside {MIN_COMPLETIONS_PAYLOAD}..={MAX_PAYLOAD}"
+        )));
+    }
+    let max = max_payload as usize;
+    // Whatever else, an entry with no block and its error fits an empty frame.
+    let max_error = MAX_ERROR_BYTES.min(max - COUNT_LEN - ENTRY_HEAD - 4);
+    let mut frames = CompletionFrames::new(max);
+    for c in list {
+        let error = c.error.as_deref().map(|e| cut(e, max_error));
+        let error = error.as_deref();
+        let error_len = error.map_or(0, |e| 4 + e.len());
+        let mut blocks: &[usize] = &c.failed_dst_blocks;
+        loop {
+            let whole = ENTRY_HEAD + BLOCK_LEN * blocks.len() + error_len;
+            if whole <= frames.room() {
+                frames.push(c.op, blocks, error, false);
+                break;
+            }
+            if frames.count > 0 && whole <= max - COUNT_LEN {
+                // Fits an empty frame: start one rather than split.
+                frames.finish();
+                continue;
+            }
+            // Too large for any frame: as many blocks as fit here, the rest continued.
+            let fit = (frames.room().saturating_sub(ENTRY_HEAD) / BLOCK_LEN).min(blocks.len());
+            if fit == 0 {
+                frames.finish();
+                continue;
+            }
+            frames.push(c.op, &blocks[..fit], None, true);
+            blocks = &blocks[fit..];
+            frames.finish();
+        }
+    }
+    frames.finish();
+    Ok(frames.done)
+}
+
+/// Reads a COMPLETIONS payload's fields, each bounded by the bytes left.
+struct Fields<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Fields<'a> {
+    fn take(&mut self, n: usize, what: &str) -> std::result::Result<&'a [u8], String> {
+        if n > self.rest.len() {
+            return Err(format!(
+                "{what} needs {n} bytes but {} remain",
+                self.rest.len()
+            ));
+        }
+        let (head, tail) = self.rest.split_at(n);
+        self.rest = tail;
+        Ok(head)
+    }
+
+    fn u8(&mut self, what: &str) -> std::result::Result<u8, String> {
+        Ok(self.take(1, what)?[0])
+    }
+
+    fn u32(&mut self, what: &str) -> std::result::Result<u32, String> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self, what: &str) -> std::result::Result<u64, String> {
+        let b = self.take(8, what)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_be_bytes(a))
+    }
+}
+
+/// The leader's decoder of one connection's COMPLETIONS frames: holds an operation split over
+/// continued entries until its last entry arrives (possibly in a later frame).
+#[derive(Debug, Default)]
+pub(super) struct CompletionsDecoder {
+    partial: Option<Completion>,
+}
+
+impl CompletionsDecoder {
+    /// The completions a COMPLETIONS payload finishes, in order, or why it does not decode
+    /// (which closes the connection). Every count is checked against the bytes that remain
+    /// before anything is allocated for it.
+    pub(super) fn decode(
+        &mut self,
+        payload: &[u8],
+    ) -> std::result::Result<Vec<Completion>, String> {
+        let mut f = Fields { rest: payload };
+        let count = f.u32("the entry count")? as usize;
+        if count > f.rest.len() / ENTRY_HEAD {
+            return Err(format!(
+                "{count} entries cannot fit in {} bytes",
+                f.rest.len()
+            ));
+        }
+        let mut out = Vec::with_capacity(count);
+        for i in 0..count {
+            let op = OperationId(f.u64("an entry's op")?);
+            let flags = f.u8("an entry's flags")?;
+            if flags & !(FLAG_ERROR | FLAG_CONTINUED) != 0 {
+                return Err(format!(
+                    "entry {i} (op {op}) has unknown flags {flags:#04x}"
+                ));
+            }
+            let n = f.u32("an entry's failed-block count")? as usize;
+            if n > f.rest.len() / BLOCK_LEN {
+                return Err(format!(
+                    "entry {i} (op {op}) claims {n} failed blocks in {} bytes",
+                    f.rest.len()
+                ));
+            }
+            let mut failed = Vec::with_capacity(n);
+            for _ in 0..n {
+                let b = f.u64("a failed block")?;
+                failed.push(usize::try_from(b).map_err(|_| {
+                    format!("entry {i} (op {op}): block {b} does not fit this platform")
+                })?);
+            }
+            let error = if flags & FLAG_ERROR != 0 {
+                let len = f.u32("an error's length")? as usize;
+                let bytes = f.take(len, "an error's text")?;
+                Some(
+                    String::from_utf8(bytes.to_vec())
+                        .map_err(|_| format!("entry {i} (op {op}): error text is not UTF-8"))?,
+                )
+            } else {
+                None
+            };
+            let mut c = Completion {
+                op,
+                failed_dst_blocks: failed,
+                error,
+            };
+            if let Some(mut p) = self.partial.take() {
+                if p.op != op {
+                    return Err(format!(
+                        "op {} was continued but entry {i} is op {op}",
+                        p.op
+                    ));
+                }
+                if p.failed_dst_blocks.len() + c.failed_dst_blocks.len() > MAX_FAILED_PER_OP {
+                    return Err(format!(
+                        "op {op} names more than {MAX_FAILED_PER_OP} failed blocks"
+                    ));
+                }
+                p.failed_dst_blocks.append(&mut c.failed_dst_blocks);
+                p.error = c.error.or(p.error);
+                c = p;
+            }
+            if flags & FLAG_CONTINUED != 0 {
+                self.partial = Some(c);
+            } else {
+                out.push(c);
+            }
+        }
+        if !f.rest.is_empty() {
+            return Err(format!(
+                "{} bytes after the last of {count} entries",
+                f.rest.len()
+            ));
+        }
+        Ok(out)
+    }
+
+    /// The operation held for its next entry, if any.
+    #[cfg(test)]
+    pub(super) fn partial(&self) -> Option<OperationId> {
+        self.partial.as_ref().map(|c| c.op)
+    }
 }
 
 /// Why reading a frame failed.
@@ -296,7 +591,7 @@ mod tests {
     fn frame_layout_is_as_documented() {
         let f = encode_frame(FrameKind::Msg, b"\"Ready\"").unwrap();
         assert_eq!(&f[..4], b"KVBM");
-        assert_eq!(&f[4..6], &[0, 2]);
+        assert_eq!(&f[4..6], &[0, 3]);
         assert_eq!(f[6], 4);
         assert_eq!(f[7], 0);
         assert_eq!(&f[8..12], &[0, 0, 0, 7]);
@@ -310,9 +605,13 @@ mod tests {
         let cases = [
             (header(b"GET ", 1, 4, 0), "bad magic"),
             (header(b"KVBM", 1, 4, 0), "version 1"),
-            (header(b"KVBM", 2, 9, 0), "kind 9"),
-            (header(b"KVBM", 2, 0, 0), "kind 0"),
-            (header(b"KVBM", 2, 4, MAX_PAYLOAD + 1), "exceeds"),
+            (header(b"KVBM", 2, 4, 0), "version 2"),
+            (header(b"KVBM", PROTOCOL_VERSION, 9, 0), "kind 9"),
+            (header(b"KVBM", PROTOCOL_VERSION, 0, 0), "kind 0"),
+            (
+                header(b"KVBM", PROTOCOL_VERSION, 4, MAX_PAYLOAD + 1),
+                "exceeds",
+            ),
         ];
         for (h, want) in cases {
             let e = parse_header(&h, MAX_PAYLOAD).unwrap_err().to_string();
@@ -325,6 +624,158 @@ mod tests {
         let big = vec![0u8; MAX_PAYLOAD as usize + 1];
         let e = encode_frame(FrameKind::Msg, &big).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    }
+
+    fn done(op: u64, failed: Vec<usize>, error: Option<&str>) -> Completion {
+        Completion {
+            op: OperationId(op),
+            failed_dst_blocks: failed,
+            error: error.map(str::to_string),
+        }
+    }
+
+    /// Decodes `frames` as the leader does: header checked, then each payload in turn.
+    fn decode_frames(frames: &[Vec<u8>], max: u32) -> Vec<Completion> {
+        let mut d = CompletionsDecoder::default();
+        let mut out = Vec::new();
+        for f in frames {
+            let h: [u8; HEADER_LEN] = f[..HEADER_LEN].try_into().unwrap();
+            let (kind, len) = parse_header(&h, MAX_PAYLOAD).unwrap();
+            assert_eq!(kind, FrameKind::Completions);
+            assert!(len <= max, "payload {len} above the bound {max}");
+            assert_eq!(f.len(), HEADER_LEN + len as usize);
+            out.extend(d.decode(&f[HEADER_LEN..]).unwrap());
+        }
+        assert_eq!(d.partial(), None, "an operation left continued");
+        out
+    }
+
+    #[test]
+    fn n_completions_travel_in_one_frame_in_order() {
+        let list: Vec<Completion> = (0..100u64)
+            .rev()
+            .map(|i| match i % 3 {
+                0 => done(i, vec![], None),
+                1 => done(i, vec![i as usize, 7], Some("disk full")),
+                _ => done(i, vec![], Some("")),
+            })
+            .collect();
+        let frames = encode_completions(&list, MAX_PAYLOAD).unwrap();
+        assert_eq!(frames.len(), 1);
+        let f = &frames[0];
+        assert_eq!(&f[..4], b"KVBM");
+        assert_eq!(f[6], 6, "kind 6 = COMPLETIONS");
+        assert_eq!(&f[HEADER_LEN..HEADER_LEN + 4], &100u32.to_be_bytes());
+        assert_eq!(decode_frames(&frames, MAX_PAYLOAD), list);
+        assert!(encode_completions(&[], MAX_PAYLOAD).unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_layout_of_one_entry_is_as_documented() {
+        let frames = encode_completions(&[done(0x0102, vec![5], Some("é"))], MAX_PAYLOAD).unwrap();
+        let p = &frames[0][HEADER_LEN..];
+        let want: Vec<u8> = [
+            &1u32.to_be_bytes()[..],
+            &0x0102u64.to_be_bytes(),
+            &[FLAG_ERROR],
+            &1u32.to_be_bytes(),
+            &5u64.to_be_bytes(),
+            &2u32.to_be_bytes(),
+            "é".as_bytes(),
+        ]
+        .concat();
+        assert_eq!(p, &want[..]);
+    }
+
+    #[test]
+    fn a_batch_splits_at_the_size_bound_and_keeps_its_order() {
+        let max = 200;
+        let list: Vec<Completion> = (0..50u64)
+            .map(|i| {
+                done(
+                    i,
+                    vec![i as usize; (i % 4) as usize],
+                    (i % 5 == 0).then_some("why"),
+                )
+            })
+            .collect();
+        let frames = encode_completions(&list, max).unwrap();
+        assert!(frames.len() > 3, "{} frames", frames.len());
+        // Full frames: the next entry would not have fit.
+        let total: usize = frames.iter().map(|f| f.len() - HEADER_LEN).sum();
+        assert!(total <= frames.len() * max as usize);
+        assert_eq!(decode_frames(&frames, max), list);
+    }
+
+    #[test]
+    fn one_operation_larger_than_a_frame_is_continued_and_merged_back() {
+        let max = MIN_COMPLETIONS_PAYLOAD;
+        let failed: Vec<usize> = (0..1000).collect();
+        let long_error = "x".repeat(10_000);
+        let list = vec![
+            done(1, vec![], None),
+            done(2, failed.clone(), Some(&long_error)),
+            done(3, vec![9], None),
+        ];
+        let frames = encode_completions(&list, max).unwrap();
+        assert!(frames.len() > 10, "{} frames", frames.len());
+        let got = decode_frames(&frames, max);
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[0], list[0]);
+        assert_eq!(got[2], list[2]);
+        assert_eq!(got[1].op, OperationId(2));
+        assert_eq!(got[1].failed_dst_blocks, failed, "no failed block lost");
+        let e = got[1].error.as_deref().unwrap();
+        assert!(
+            e.len() < long_error.len() && e.ends_with('…') && e.starts_with("xxx"),
+            "{e}"
+        );
+        // At the wire bound, the error is cut at MAX_ERROR_BYTES only.
+        let frames = encode_completions(&list, MAX_PAYLOAD).unwrap();
+        assert_eq!(frames.len(), 1);
+        let got = decode_frames(&frames, MAX_PAYLOAD);
+        assert_eq!(got[1].error.as_deref().unwrap().len(), MAX_ERROR_BYTES);
+        assert!(encode_completions(&list, MIN_COMPLETIONS_PAYLOAD - 1).is_err());
+    }
+
+    #[test]
+    fn a_leader_refuses_malformed_completions() {
+        let good = encode_completions(&[done(1, vec![2, 3], Some("e"))], MAX_PAYLOAD).unwrap();
+        let p = good[0][HEADER_LEN..].to_vec();
+        let mut cases: Vec<(Vec<u8>, &str)> = vec![
+            (p[..p.len() - 1].to_vec(), "remain"),
+            ([p.clone(), vec![0]].concat(), "after the last"),
+            (
+                [&u32::MAX.to_be_bytes()[..], &p[4..]].concat(),
+                "cannot fit",
+            ),
+            (vec![0, 0], "remain"),
+        ];
+        let mut flags = p.clone();
+        flags[12] = 0x80;
+        cases.push((flags, "unknown flags"));
+        let mut blocks = p.clone();
+        blocks[13..17].copy_from_slice(&u32::MAX.to_be_bytes());
+        cases.push((blocks, "claims"));
+        let mut utf8 = p.clone();
+        let last = utf8.len() - 1;
+        utf8[last] = 0xff;
+        cases.push((utf8, "UTF-8"));
+        for (bytes, want) in cases {
+            let e = CompletionsDecoder::default().decode(&bytes).unwrap_err();
+            assert!(e.contains(want), "{e} should contain {want}");
+        }
+        // An operation continued, then another one: refused.
+        let mut continued = encode_completions(&[done(1, (0..40).collect(), None)], 200).unwrap();
+        let other = encode_completions(&[done(2, vec![], None)], 200).unwrap();
+        let mut d = CompletionsDecoder::default();
+        assert!(d
+            .decode(&continued.remove(0)[HEADER_LEN..])
+            .unwrap()
+            .is_empty());
+        assert_eq!(d.partial(), Some(OperationId(1)));
+        let e = d.decode(&other[0][HEADER_LEN..]).unwrap_err();
+        assert!(e.contains("was continued"), "{e}");
     }
 
     #[test]
@@ -374,7 +825,7 @@ mod fuzz {
         (
             prop_oneof![3 => Just(MAGIC), 1 => any::<[u8; 4]>()],
             prop_oneof![3 => Just(PROTOCOL_VERSION), 1 => any::<u16>()],
-            prop_oneof![3 => 1u8..=5, 1 => any::<u8>()],
+            prop_oneof![3 => 1u8..=6, 1 => any::<u8>()],
             any::<u8>(),
             prop_oneof![3 => 0u32..400, 1 => any::<u32>(), 1 => Just(u32::MAX)],
             prop::collection::vec(any::<u8>(), 0..300),
@@ -456,6 +907,12 @@ mod fuzz {
         let _ = serde_json::from_slice::<Refusal>(payload);
         let _ = serde_json::from_slice::<WorkerMessage>(payload);
         let _ = serde_json::from_slice::<LeaderMessage>(payload);
+        let mut d = CompletionsDecoder::default();
+        if let Ok(list) = d.decode(payload) {
+            for c in &list {
+                assert!(c.failed_dst_blocks.len() <= payload.len() / BLOCK_LEN);
+            }
+        }
     }
 
     fn valid_payloads() -> Vec<Vec<u8>> {
@@ -509,6 +966,38 @@ mod fuzz {
             check(&bytes, max)?;
             if bytes.len() > HEADER_LEN {
                 decode_all(&bytes[HEADER_LEN..]);
+            }
+        }
+
+        #[test]
+        fn completions_round_trip_at_any_bound(
+            list in prop::collection::vec(
+                (any::<u64>(), prop::collection::vec(0usize..1 << 40, 0..60), prop::option::of("[a-zé]{0,300}")),
+                0..40,
+            ),
+            max in MIN_COMPLETIONS_PAYLOAD..2048,
+        ) {
+            let list: Vec<Completion> = list
+                .into_iter()
+                .map(|(op, failed_dst_blocks, error)| Completion {
+                    op: crate::connector::metadata::OperationId(op),
+                    failed_dst_blocks,
+                    error,
+                })
+                .collect();
+            let frames = encode_completions(&list, max).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            let mut d = CompletionsDecoder::default();
+            let mut got = Vec::new();
+            for f in &frames {
+                prop_assert!(f.len() - HEADER_LEN <= max as usize);
+                check(f, max)?;
+                got.extend(d.decode(&f[HEADER_LEN..]).map_err(TestCaseError::fail)?);
+            }
+            prop_assert_eq!(got.len(), list.len());
+            for (g, want) in got.iter().zip(&list) {
+                prop_assert_eq!(g.op, want.op);
+                prop_assert_eq!(&g.failed_dst_blocks, &want.failed_dst_blocks);
+                prop_assert_eq!(g.error.is_some(), want.error.is_some());
             }
         }
 

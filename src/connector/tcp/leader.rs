@@ -31,8 +31,8 @@ use crate::error::{Error, Result};
 
 use super::cancelled;
 use super::frame::{
-    encode_frame, encode_json, read_frame_async, FrameKind, HandshakeHello, Refusal, Welcome,
-    MAX_HELLO_PAYLOAD, MAX_PAYLOAD, READ_BUFFER,
+    encode_frame, encode_json, read_frame_async, CompletionsDecoder, FrameKind, HandshakeHello,
+    Refusal, Welcome, MAX_HELLO_PAYLOAD, MAX_PAYLOAD, READ_BUFFER,
 };
 
 /// How long the leader waits for a HELLO after accepting a connection (by default).
@@ -89,6 +89,27 @@ struct Shared {
     pending: Arc<Semaphore>,
     /// Writer tasks still running (the leader's drop waits for them to flush, briefly).
     live_writers: AtomicUsize,
+    /// What admitted workers sent ([`Received`]).
+    received: ReceivedCounters,
+}
+
+/// Counts of what the leader received from admitted workers since it was bound (heartbeats not
+/// counted): what completions cost in messages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Received {
+    /// MSG frames (JSON messages: barrier, and any completions sent that way).
+    pub msg_frames: u64,
+    /// COMPLETIONS frames.
+    pub completion_frames: u64,
+    /// Completions delivered (from either kind), an operation split over frames counted once.
+    pub completions: u64,
+}
+
+#[derive(Debug, Default)]
+struct ReceivedCounters {
+    msg_frames: AtomicU64,
+    completion_frames: AtomicU64,
+    completions: AtomicU64,
 }
 
 /// Counts one running writer task.
@@ -344,6 +365,7 @@ impl TcpLeader {
             incoming: tx,
             pending: Arc::new(Semaphore::new(MAX_PENDING_HANDSHAKES)),
             live_writers: AtomicUsize::new(0),
+            received: ReceivedCounters::default(),
         });
         runtime.spawn(accept_loop(shared.clone(), listener));
         tracing::info!(
@@ -426,6 +448,16 @@ impl TcpLeader {
             tracing::warn!(rank, reason, "kvbm leader dropped a worker");
         }
         done
+    }
+
+    /// What admitted workers sent so far (frames by kind, completions); see [`Received`].
+    pub fn received(&self) -> Received {
+        let r = &self.shared.received;
+        Received {
+            msg_frames: r.msg_frames.load(Ordering::Relaxed),
+            completion_frames: r.completion_frames.load(Ordering::Relaxed),
+            completions: r.completions.load(Ordering::Relaxed),
+        }
     }
 
     /// Whether the session started (see [`Self::mark_session_started`]).
@@ -680,11 +712,14 @@ async fn serve_connection(
     }
 }
 
-/// Reads MSG and HEARTBEAT frames until the connection ends or stays silent for the heartbeat
-/// timeout; returns why it ended.
+/// Reads MSG, COMPLETIONS and HEARTBEAT frames until the connection ends or stays silent for
+/// the heartbeat timeout; returns why it ended. A COMPLETIONS frame is delivered as one
+/// [`WorkerMessage::Completed`] (an operation continued into the next frame waits for it).
 async fn read_loop(shared: &Shared, rank: Rank, conn: u64, rd: OwnedReadHalf) -> String {
     let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
     let timeout = shared.heartbeat_timeout;
+    let mut completions = CompletionsDecoder::default();
+    let counts = &shared.received;
     loop {
         // Cancelling a read mid-frame loses its bytes; the connection is closed right after.
         let read = tokio::time::timeout(timeout, read_frame_async(&mut rd, MAX_PAYLOAD)).await;
@@ -696,6 +731,23 @@ async fn read_loop(shared: &Shared, rank: Rank, conn: u64, rd: OwnedReadHalf) ->
                 )
             }
             Ok(Ok((FrameKind::Msg, payload))) => payload,
+            Ok(Ok((FrameKind::Completions, payload))) => {
+                counts.completion_frames.fetch_add(1, Ordering::Relaxed);
+                let list = match completions.decode(&payload) {
+                    Ok(list) => list,
+                    Err(e) => return format!("undecodable completions: {e}"),
+                };
+                if list.is_empty() {
+                    continue;
+                }
+                counts
+                    .completions
+                    .fetch_add(list.len() as u64, Ordering::Relaxed);
+                if !shared.deliver(rank, conn, WorkerMessage::Completed(list)) {
+                    return "the leader closed the connection".to_string();
+                }
+                continue;
+            }
             Ok(Ok((FrameKind::Heartbeat, _))) => continue,
             Ok(Ok((kind, _))) => return format!("unexpected {kind} frame after the handshake"),
             Ok(Err(e)) => return e.to_string(),
@@ -704,11 +756,17 @@ async fn read_loop(shared: &Shared, rank: Rank, conn: u64, rd: OwnedReadHalf) ->
             Ok(m) => m,
             Err(e) => return format!("undecodable message: {e}"),
         };
-        match msg {
+        counts.msg_frames.fetch_add(1, Ordering::Relaxed);
+        match &msg {
             WorkerMessage::Disconnected(_) => {
                 return "peer sent Disconnected, which is never sent on the wire".to_string()
             }
             WorkerMessage::Ready => shared.note_ready(rank, conn),
+            WorkerMessage::Completed(list) => {
+                counts
+                    .completions
+                    .fetch_add(list.len() as u64, Ordering::Relaxed);
+            }
             _ => {}
         }
         if !shared.deliver(rank, conn, msg) {

@@ -16,18 +16,19 @@
 //! so the start-up barrier ([`barrier`](crate::connector::barrier)) and the leader's completion
 //! handling run over the network unchanged.
 //!
-//! # Wire protocol (version 2)
+//! # Wire protocol (version 3)
 //!
-//! Every message in either direction is one *frame*: a 12-byte header followed by a JSON payload.
+//! Every message in either direction is one *frame*: a 12-byte header followed by a payload (JSON,
+//! except COMPLETIONS, which is binary).
 //!
 //! | offset | size | field    | value |
 //! |--------|------|----------|-------|
 //! | 0      | 4    | magic    | the ASCII bytes `KVBM` (`4B 56 42 4D`) |
-//! | 4      | 2    | version  | protocol version, `u16` big-endian; currently 2 (1 had no heartbeats) |
-//! | 6      | 1    | kind     | `1` HELLO, `2` WELCOME, `3` REFUSED, `4` MSG, `5` HEARTBEAT |
+//! | 4      | 2    | version  | protocol version, `u16` big-endian; currently 3 (2 had no COMPLETIONS, 1 no heartbeats) |
+//! | 6      | 1    | kind     | `1` HELLO, `2` WELCOME, `3` REFUSED, `4` MSG, `5` HEARTBEAT, `6` COMPLETIONS |
 //! | 7      | 1    | reserved | senders write `0`; receivers ignore it |
 //! | 8      | 4    | length   | payload length in bytes, `u32` big-endian |
-//! | 12     | n    | payload  | UTF-8 JSON, exactly `length` bytes |
+//! | 12     | n    | payload  | exactly `length` bytes: UTF-8 JSON, or binary for COMPLETIONS |
 //!
 //! Payloads by kind:
 //!
@@ -52,6 +53,23 @@
 //!   [`WorkerMessage::Disconnected`] is generated locally and never sent; a leader that receives
 //!   it from a peer closes that connection.
 //! * **HEARTBEAT** (both directions, after WELCOME): empty payload (a receiver ignores any).
+//! * **COMPLETIONS** (worker → leader, after WELCOME): a batch of completions, delivered to the
+//!   leader as one [`WorkerMessage`]`::Completed`. Binary, all integers big-endian: `count: u32`,
+//!   then `count` entries of `op: u64`, `flags: u8` (bit 0: an error text follows; bit 1:
+//!   *continued*, more failed blocks of this operation follow in the next entry, possibly in the
+//!   next frame; other bits 0), `n: u32`, `n` failed destination blocks (`u64` each), and, with
+//!   bit 0, `len: u32` and `len` bytes of UTF-8. At most 16 MiB: a worker splits a larger batch
+//!   over several frames, and an operation whose failed blocks alone exceed a frame over
+//!   continued entries, which the leader merges (no failed block is dropped); error texts are
+//!   cut to 4 KiB. A count or length larger than the bytes that remain, unknown flags, a
+//!   continued operation followed by another one, or trailing bytes close the connection.
+//!   Completions sent as a MSG (`{"Completed":[…]}`) are still accepted.
+//!
+//! A worker reports completions in batches: it queues them and sends what is queued once per
+//! engine iteration (in `get_finished`, before the engine hears of them), and between iterations
+//! when its last operation in flight finishes or after at most 5 ms — so one message per iteration
+//! and rank rather than one per operation, and never later than the iteration a completion
+//! finished in (see `connector::outbox`).
 //!
 //! A payload is at most the limit of its kind; a header claiming more closes the connection
 //! before any payload byte is read, and a payload's buffer grows in 64 KiB steps as its bytes
@@ -81,11 +99,17 @@
 //! 4. that rank is connected already: "rank N is already connected (from ADDR)".
 //!
 //! It also refuses, with a REFUSED frame, a client that speaks the protocol (right magic) but
-//! sends another protocol version, another frame kind than HELLO first, an oversized or
+//! sends another protocol version ("protocol version 2 is not supported (this side speaks
+//! version 3)"), another frame kind than HELLO first, an oversized or
 //! undecodable HELLO, and a client that sends no complete HELLO within the handshake timeout.
 //! Bytes that do not start with the magic (an HTTP request, random data) get no answer: the
 //! connection is just closed. At most 64 handshakes are pending at once; more connections are
 //! closed at once.
+//!
+//! A worker whose leader answers in another protocol version gets an
+//! [`ErrorKind::Unsupported`] error at once, naming both versions ("the kvbm leader at ADDR
+//! speaks wire protocol version 2 and rank 0 speaks version 3: run the same kvbm-connector
+//! release on the leader and every worker").
 //!
 //! # Heartbeats
 //!
@@ -105,9 +129,10 @@
 //!
 //! # After the handshake
 //!
-//! A frame with a wrong magic or version, an unknown kind, a kind other than MSG or HEARTBEAT, a
+//! A frame with a wrong magic or version, an unknown kind, a kind other than MSG, COMPLETIONS or
+//! HEARTBEAT, a
 //! length above
-//! 16 MiB, or JSON that does not decode closes *that* connection with a logged reason
+//! 16 MiB, or a payload that does not decode closes *that* connection with a logged reason
 //! (`tracing::warn!` with the peer address and rank); other connections are not affected. When an
 //! admitted worker's connection ends for any reason (end of stream, I/O error, a frame as above),
 //! the leader logs it with the rank and delivers [`WorkerMessage::Disconnected`] for that rank
@@ -182,7 +207,7 @@ mod worker;
 
 use crate::error::{Error, ErrorKind};
 
-pub use leader::{TcpLeader, HANDSHAKE_TIMEOUT};
+pub use leader::{Received, TcpLeader, HANDSHAKE_TIMEOUT};
 pub use rendezvous::{LazyTcpWorker, LeaderTarget, RendezvousLeader};
 pub use worker::TcpWorker;
 

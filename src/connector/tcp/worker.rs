@@ -11,6 +11,7 @@
 
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream as StdTcpStream};
+use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,8 +23,9 @@ use crate::error::{Error, ErrorKind, Result};
 
 use super::cancelled;
 use super::frame::{
-    encode_frame, encode_json, read_frame_sync, FrameError, FrameKind, HandshakeHello, Refusal,
-    Welcome, MAX_HELLO_PAYLOAD, MAX_PAYLOAD, READ_BUFFER,
+    encode_completions, encode_frame, encode_json, read_frame_sync, FrameError, FrameKind,
+    HandshakeHello, Refusal, Welcome, MAX_HELLO_PAYLOAD, MAX_PAYLOAD, PROTOCOL_VERSION,
+    READ_BUFFER,
 };
 
 /// Worker socket write timeout: a leader that stops reading for this long counts as gone.
@@ -66,6 +68,10 @@ pub struct TcpWorker {
     closed: Arc<Closed>,
     /// Dropping it stops the heartbeat thread at once.
     _stop_heartbeat: SyncSender<()>,
+    /// Payload bound of COMPLETIONS frames ([`MAX_PAYLOAD`]; smaller in tests, to split).
+    completions_limit: AtomicU32,
+    /// MSG and COMPLETIONS frames written (heartbeats not counted).
+    frames_sent: AtomicU64,
 }
 
 enum Attempt {
@@ -180,6 +186,20 @@ impl TcpWorker {
                 ))
             }
             Err(FrameError::Io(e)) => return Err(io("read the handshake answer", e)),
+            Err(FrameError::BadVersion(theirs)) => {
+                return Err(Attempt::Fail(
+                    Error::new(
+                        ErrorKind::Unsupported,
+                        format!(
+                            "the kvbm leader at {addr} speaks wire protocol version {theirs} and rank {rank} speaks version {PROTOCOL_VERSION}: run the same kvbm-connector release on the leader and every worker"
+                        ),
+                    )
+                    .with("rank", rank)
+                    .with("leader", addr)
+                    .with("leader_protocol", theirs)
+                    .with("worker_protocol", PROTOCOL_VERSION),
+                ))
+            }
             Err(e) => return Err(protocol(e.to_string())),
         };
         match kind {
@@ -266,6 +286,8 @@ impl TcpWorker {
             rx: Mutex::new(rx),
             closed,
             _stop_heartbeat: stop,
+            completions_limit: AtomicU32::new(MAX_PAYLOAD),
+            frames_sent: AtomicU64::new(0),
         })
     }
 
@@ -277,6 +299,19 @@ impl TcpWorker {
     /// The world size the leader confirmed.
     pub fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    /// MSG and COMPLETIONS frames this worker has written so far (heartbeats not counted): the
+    /// messages its completions cost, for benchmarks and tests.
+    pub fn frames_sent(&self) -> u64 {
+        self.frames_sent.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Bounds COMPLETIONS payloads to `limit` bytes (tests exercise splitting with small ones).
+    #[cfg(test)]
+    pub(super) fn set_completions_limit(&self, limit: u32) {
+        self.completions_limit
+            .store(limit, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the leader connection is still open.
@@ -401,18 +436,32 @@ impl WorkerTransport for TcpWorker {
             )
             .with("rank", self.rank));
         }
-        let frame = encode_json(FrameKind::Msg, &msg)?;
+        // Completions go as COMPLETIONS frames (binary, split at the frame limit); everything
+        // else as one MSG frame of JSON.
+        let frames = match &msg {
+            WorkerMessage::Completed(list) => encode_completions(
+                list,
+                self.completions_limit
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            )?,
+            _ => vec![encode_json(FrameKind::Msg, &msg)?],
+        };
         if !self.is_connected() {
             return Err(self.gone("send"));
         }
+        // One lock for every frame of the message: nothing interleaves with a split batch.
         let mut stream = self.stream.lock();
-        if let Err(e) = stream.write_all(&frame) {
-            // A partial frame may be on the wire: the stream is unusable from here on.
-            self.closed.close(format!("write failed: {e}"));
-            let _ = stream.shutdown(Shutdown::Both);
-            drop(stream);
-            return Err(self.gone("send").with_source(e));
+        for frame in &frames {
+            if let Err(e) = stream.write_all(frame) {
+                // A partial frame may be on the wire: the stream is unusable from here on.
+                self.closed.close(format!("write failed: {e}"));
+                let _ = stream.shutdown(Shutdown::Both);
+                drop(stream);
+                return Err(self.gone("send").with_source(e));
+            }
         }
+        self.frames_sent
+            .fetch_add(frames.len() as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
