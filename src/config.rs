@@ -31,6 +31,7 @@
 //! lookup_timeout_ms = 5    # a synchronous lookup past this is a miss (TensorRT-LLM)
 //! io_timeout_ms = 2000     # one read/write batch, or a background lookup
 //! min_frequency = 1        # write blocks to the store once seen this many times in host
+//! ttl_secs = 86400         # values expire after a day (default: none; maxmemory evicts)
 //!
 //! [tcp]                    # the network transport (connector::tcp)
 //! leader_addr = "10.0.0.1:5557"
@@ -274,6 +275,9 @@ pub struct RemoteConfig {
     /// Host → remote admission: a block is written to the store once it was seen this many
     /// times in the host tier (1 writes every block). Default 1.
     pub min_frequency: Option<u32>,
+    /// Time to live of every value written, in seconds (the store then evicts it: a miss).
+    /// Default (unset or 0): none (the store's own `maxmemory` policy evicts).
+    pub ttl_secs: Option<u64>,
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -286,6 +290,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("lookup_timeout_ms", &self.lookup_timeout_ms)
             .field("io_timeout_ms", &self.io_timeout_ms)
             .field("min_frequency", &self.min_frequency)
+            .field("ttl_secs", &self.ttl_secs)
             .finish()
     }
 }
@@ -330,6 +335,11 @@ impl RemoteConfig {
     /// Host → remote admission count.
     pub fn min_frequency(&self) -> u32 {
         self.min_frequency.unwrap_or(1)
+    }
+
+    /// Time to live of the values written, if any.
+    pub fn ttl(&self) -> Option<Duration> {
+        self.ttl_secs.filter(|s| *s > 0).map(Duration::from_secs)
     }
 
     /// `url` with any password replaced by `<redacted>` (what logs and `kvbm config` show).
@@ -393,6 +403,13 @@ impl RemoteConfig {
                     ));
                 }
             }
+        }
+        if self.ttl_secs.is_some_and(|t| t > 10 * 365 * 24 * 3600) {
+            return Err(Error::invalid_config(
+                "remote.ttl_secs",
+                self.ttl_secs.unwrap_or(0),
+                "must be at most ten years of seconds (0 for none)",
+            ));
         }
         if self.min_frequency == Some(0) {
             return Err(Error::invalid_config(
@@ -913,6 +930,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_REMOTE_LOOKUP_TIMEOUT_MS", "remote.lookup_timeout_ms"),
     ours("KVBM_REMOTE_IO_TIMEOUT_MS", "remote.io_timeout_ms"),
     ours("KVBM_REMOTE_MIN_FREQUENCY", "remote.min_frequency"),
+    ours("KVBM_REMOTE_TTL_SECS", "remote.ttl_secs"),
     ours(LEADER_ADDR_ENV, "tcp.leader_addr"),
     secret(AUTH_TOKEN_ENV, "tcp.auth_token"),
     ours(RENDEZVOUS_DIR_ENV, "tcp.rendezvous_dir"),
@@ -1090,6 +1108,9 @@ impl Config {
             }
             "remote.min_frequency" => {
                 self.remote.min_frequency = Some(parse_num(source, raw, "a count >= 1")?)
+            }
+            "remote.ttl_secs" => {
+                self.remote.ttl_secs = Some(parse_num(source, raw, "seconds (0 for none)")?)
             }
             "tcp.leader_addr" => {
                 self.tcp.leader_addr = Some(raw.trim())
@@ -1586,6 +1607,7 @@ mod tests {
                 ("KVBM_REMOTE_IO_TIMEOUT_MS", "1500"),
                 ("KVBM_REMOTE_MIN_FREQUENCY", "2"),
                 ("KVBM_REMOTE_NAMESPACE", "m1"),
+                ("KVBM_REMOTE_TTL_SECS", "60"),
             ]),
         )
         .unwrap();
@@ -1593,6 +1615,7 @@ mod tests {
         assert_eq!(c.remote.lookup_timeout(), Duration::from_millis(7));
         assert_eq!(c.remote.io_timeout(), Duration::from_millis(1500));
         assert_eq!(c.remote.min_frequency(), 2);
+        assert_eq!(c.remote.ttl(), Some(Duration::from_secs(60)));
         assert_eq!(c.remote.secret().unwrap().unwrap(), b"s3cret-mac-key");
         // Neither the secret nor the password is shown.
         let shown = format!("{c:?}{}", c.to_toml_redacted().unwrap());
@@ -1618,6 +1641,7 @@ mod tests {
         assert_eq!(d.lookup_timeout(), Duration::from_millis(5));
         assert_eq!(d.io_timeout(), Duration::from_millis(2000));
         assert_eq!(d.min_frequency(), 1);
+        assert_eq!(d.ttl(), None);
         assert_eq!(d.secret().unwrap(), None);
     }
 
@@ -1664,6 +1688,7 @@ mod tests {
             ("KVBM_REMOTE_IO_TIMEOUT_MS", "0"),
             ("KVBM_REMOTE_IO_TIMEOUT_MS", "100000000"),
             ("KVBM_REMOTE_MIN_FREQUENCY", "0"),
+            ("KVBM_REMOTE_TTL_SECS", "-5"),
         ] {
             let e = Config::load_with(None, env(&[(var, bad)])).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidConfig);

@@ -525,8 +525,8 @@ pub enum LookupOutcome {
     Timeout,
     /// The store failed (a miss); the error says why.
     Failed(String),
-    /// Not asked: the store failed or timed out less than [`LookupThread::BACKOFF`] ago (a
-    /// miss).
+    /// Not asked: the store failed (or kept timing out) less than [`LookupThread::BACKOFF`] ago
+    /// (a miss).
     Skipped,
 }
 
@@ -535,9 +535,9 @@ pub enum LookupOutcome {
 /// scheduler's thread queues a job and later takes its answer ([`LookupThread::take`]: never
 /// waits), or waits for it up to a deadline of its own ([`LookupThread::wait`]: an engine that
 /// must answer at once); a store that misbehaves past its deadline delays only this thread.
-/// After a failure or timeout the store is not asked for [`LookupThread::BACKOFF`] (jobs are
-/// answered [`LookupOutcome::Skipped`]), so a store that is down or slow costs the scheduler
-/// nothing. Jobs queue at most [`LookupThread::MAX_QUEUED`] deep (beyond: refused, a miss).
+/// After a failure, or [`LookupThread::TIMEOUTS_TO_BACK_OFF`] timeouts in a row, the store is
+/// not asked for [`LookupThread::BACKOFF`] (jobs are answered [`LookupOutcome::Skipped`]), so a
+/// store that is down or slow costs the scheduler nothing. Jobs queue at most [`LookupThread::MAX_QUEUED`] deep (beyond: refused, a miss).
 #[derive(Debug)]
 pub struct LookupThread {
     shared: Arc<LookupShared>,
@@ -552,6 +552,8 @@ struct LookupQueue {
     abandoned: std::collections::HashSet<(String, usize)>,
     stop: bool,
     down_until: Option<Instant>,
+    /// Lookups past their deadline in a row.
+    timeouts_in_a_row: u32,
 }
 
 #[derive(Debug, Default)]
@@ -566,8 +568,11 @@ impl LookupThread {
     pub const MAX_QUEUED: usize = 1024;
     /// Most answers kept untaken (all are dropped beyond it).
     const MAX_DONE: usize = 4096;
-    /// How long the store is not asked after a failure or timeout.
+    /// How long the store is not asked after a failure, or after
+    /// [`LookupThread::TIMEOUTS_TO_BACK_OFF`] timeouts in a row.
     pub const BACKOFF: Duration = Duration::from_secs(1);
+    /// Timeouts in a row that make the thread back off (a single late answer is a miss only).
+    pub const TIMEOUTS_TO_BACK_OFF: u32 = 3;
 
     /// Starts the thread.
     pub fn start(store: Arc<dyn RemoteStore>) -> Result<Self> {
@@ -600,10 +605,19 @@ impl LookupThread {
                 };
                 let mut q = s.queue.lock();
                 match outcome {
-                    LookupOutcome::Timeout | LookupOutcome::Failed(_) => {
+                    LookupOutcome::Failed(_) => {
                         q.down_until = Some(Instant::now() + Self::BACKOFF);
                     }
-                    LookupOutcome::Found(_) => q.down_until = None,
+                    LookupOutcome::Timeout => {
+                        q.timeouts_in_a_row += 1;
+                        if q.timeouts_in_a_row >= Self::TIMEOUTS_TO_BACK_OFF {
+                            q.down_until = Some(Instant::now() + Self::BACKOFF);
+                        }
+                    }
+                    LookupOutcome::Found(_) => {
+                        q.down_until = None;
+                        q.timeouts_in_a_row = 0;
+                    }
                     LookupOutcome::Skipped => {}
                 }
                 if q.done.len() >= Self::MAX_DONE {
@@ -685,11 +699,6 @@ impl LookupThread {
             .lock()
             .down_until
             .is_some_and(|t| Instant::now() < t)
-    }
-
-    /// Starts a backoff now (a lookup answered late counts as the store being slow).
-    pub fn back_off(&self) {
-        self.shared.queue.lock().down_until = Some(Instant::now() + Self::BACKOFF);
     }
 
     /// Forgets `request`'s answers and queued jobs (it finished).
@@ -1159,6 +1168,20 @@ mod tests {
         let start = Instant::now();
         assert_eq!(t.wait("q", 0, start + Duration::from_millis(5)), None);
         assert!(start.elapsed() < Duration::from_millis(200));
+        // One late answer is a miss, not a reason to stop asking; three in a row are.
+        assert_eq!(
+            t.wait("q", 0, Instant::now() + Duration::from_millis(300)),
+            None,
+            "an abandoned answer is dropped"
+        );
+        assert!(!t.backing_off());
+        for k in 1..3 {
+            assert!(t.submit("q", 10 + k, vec![1], Duration::from_millis(20)));
+            assert_eq!(
+                t.wait("q", 10 + k, Instant::now() + IO),
+                Some(LookupOutcome::Timeout)
+            );
+        }
         let deadline = Instant::now() + IO;
         while !t.backing_off() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));

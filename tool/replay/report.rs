@@ -136,8 +136,8 @@ pub struct RemoteReport {
     pub lookup_errors: u64,
     /// Lookups not sent while it was failing (misses).
     pub lookup_skipped: u64,
-    /// Blocks written to it.
-    pub written_blocks: u64,
+    /// Blocks sent to it (a block it already held is not rewritten).
+    pub sent_blocks: u64,
     /// Blocks whose write failed.
     pub write_errors: u64,
     /// Tokens loaded from it.
@@ -276,14 +276,14 @@ pub fn render_table(r: &Report) -> String {
     if let Some(r) = &s.remote {
         let _ = writeln!(
             out,
-            "  remote {} ({}): {} lookups, {} timeouts, {} errors, {} skipped; {} blocks written, {} write errors",
+            "  remote {} ({}): {} lookups, {} timeouts, {} errors, {} skipped; {} blocks sent, {} write errors",
             r.store,
             if r.available { "available" } else { "unavailable" },
             r.lookups,
             r.lookup_timeouts,
             r.lookup_errors,
             r.lookup_skipped,
-            r.written_blocks,
+            r.sent_blocks,
             r.write_errors
         );
     }

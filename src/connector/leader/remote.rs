@@ -5,9 +5,9 @@
 //! ([`Engine::DEFERRED_MATCH`](crate::connector::adapter::Engine::DEFERRED_MATCH), vLLM) gets a
 //! pending answer while the lookup runs and the result when it asks again: the scheduler never
 //! waits for the store. Other engines (TensorRT-LLM) wait at most `remote.lookup_timeout_ms`;
-//! what misses it is a miss. A failure or timeout is counted, warned about (rate-limited), and
-//! the store is not asked for a moment ([`LookupThread::BACKOFF`]): local tiers only, never a
-//! hang, never an error to the engine.
+//! what misses it is a miss. A failure or timeout is counted and warned about (rate-limited); after
+//! a failure, or a few timeouts in a row, the store is not asked for a moment
+//! ([`LookupThread::BACKOFF`]): local tiers only, never a hang, never an error to the engine.
 //!
 //! Writes: every host block seen often enough (`remote.min_frequency`, like the disk admission)
 //! and not known to be in the store is written by the workers (each its shard) after it landed
@@ -158,7 +158,6 @@ impl LeaderStore {
             }
             LookupOutcome::Timeout => {
                 metrics.record_remote_lookup_timeout();
-                self.lookups.back_off();
                 if let Some(n) = self.warn.event(1) {
                     tracing::warn!(
                         store = %self.store.describe(), lookups = n,

@@ -458,7 +458,7 @@ impl Simulator {
                 lookup_timeouts: metrics.remote_lookup_timeouts,
                 lookup_errors: metrics.remote_lookup_errors,
                 lookup_skipped: metrics.remote_lookup_skipped,
-                written_blocks: metrics
+                sent_blocks: metrics
                     .transfer(TierKind::Host, TierKind::Remote)
                     .map_or(0, |t| t.blocks),
                 write_errors: metrics.remote_store_error_blocks,
