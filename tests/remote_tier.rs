@@ -229,11 +229,8 @@ fn an_engine_that_can_be_asked_again_never_waits_for_a_lookup() {
     let blocks = [5, 6, 7, 8];
     sentinel(&b, &blocks);
     assert!(load(&mut b, &who, &blocks, 12).is_empty());
-    for k in 0..3 {
-        assert_eq!(
-            b.device.read_block_to_vec(blocks[k]).unwrap(),
-            image(&tokens, k)
-        );
+    for (k, &d) in blocks.iter().enumerate().take(3) {
+        assert_eq!(b.device.read_block_to_vec(d).unwrap(), image(&tokens, k));
     }
 }
 

@@ -156,7 +156,7 @@ pub struct RemoteStoreStats {
 }
 
 /// A shared block store beyond this machine (the G4 tier), as a storage backend provides it
-/// (e.g. Redis / Valkey). Keys are 128-bit block keys ([`SequenceHash`]`.0`); the store scopes
+/// (e.g. Redis / Valkey). Keys are 128-bit block keys ([`SequenceHash`](crate::identity::SequenceHash)`.0`); the store scopes
 /// them by its [`RemoteScope`] and by rank. Every call is bounded by `deadline`: a store that is
 /// down or slow answers [`crate::ErrorKind::Timeout`] or another error, never hangs, and
 /// reconnects in the background. A value is never served unless verified.
@@ -739,7 +739,7 @@ pub struct MemoryFaults {
 #[derive(Debug, Clone)]
 pub struct MemoryRemoteStore {
     scope: RemoteScope,
-    data: Arc<Mutex<HashMap<(String, usize, u128), Vec<u8>>>>,
+    data: MemoryRemoteData,
     /// The faults in effect.
     pub faults: Arc<MemoryFaults>,
     counters: Arc<MemoryCounters>,

@@ -90,7 +90,7 @@ pub struct MatchResult {
     pub remote_tokens: usize,
     /// The answer is not known yet (a remote lookup is running): the engine asks again later
     /// (vLLM: `None`). Only for engines with
-    /// [`Engine::DEFERRED_MATCH`](crate::connector::adapter::Engine::DEFERRED_MATCH); nothing is
+    /// [`Engine::DEFERRED_MATCH`]; nothing is
     /// staged meanwhile.
     pub pending: bool,
 }
