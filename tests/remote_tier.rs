@@ -421,3 +421,178 @@ fn writes_are_admitted_by_frequency_and_skipped_while_the_store_fails() {
     assert!(!d.leader.has_pending_work());
     let _ = faults;
 }
+
+/// `RemoteSource` / `RemoteSink`: the store as a transfer engine's source and destination.
+mod tiers {
+    use std::io::{IoSlice, IoSliceMut};
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use kvbm_connector::backends::memory::MemoryTier;
+    use kvbm_connector::connector::remote::{
+        MemoryRemoteStore, RemotePut, RemoteScope, RemoteSink, RemoteSource, RemoteStore,
+    };
+    use kvbm_connector::transfer::TransferEngine;
+    use kvbm_connector::{Config, ErrorKind, Layout, StorageTier, StorageTierExt};
+
+    use super::common::dims;
+
+    fn host(n: usize) -> Arc<dyn StorageTier> {
+        Arc::new(MemoryTier::host(Layout::fully_contiguous(dims(), n).unwrap()).unwrap())
+    }
+
+    fn fill(tier: &dyn StorageTier, block: usize, seed: u8) {
+        let v: Vec<u8> = (0..tier.bytes_per_block())
+            .map(|i| seed.wrapping_add(i as u8))
+            .collect();
+        tier.write_block_from_slice(block, &v).unwrap();
+    }
+
+    const IO: Duration = Duration::from_secs(2);
+
+    fn store() -> MemoryRemoteStore {
+        let config = Config::default();
+        let d = dims();
+        let scope = RemoteScope::for_instance(&config, &d, 1, d.bytes_per_block()).unwrap();
+        MemoryRemoteStore::new(scope)
+    }
+
+    #[test]
+    fn blocks_round_trip_through_the_store_with_the_transfer_engine() {
+        let s = Arc::new(store());
+        let h = host(4);
+        for b in 0..4 {
+            fill(h.as_ref(), b, b as u8 * 10);
+        }
+        let keys = vec![0xA1, 0xA2, 0xA3];
+        let sink: Arc<dyn StorageTier> =
+            Arc::new(RemoteSink::new(s.clone(), 0, keys.clone(), dims(), IO).unwrap());
+        let out =
+            TransferEngine::copy_blocking(h.as_ref(), sink.as_ref(), &[(1, 0), (2, 1), (3, 2)])
+                .unwrap();
+        assert!(out.is_ok(), "{out:?}");
+        assert_eq!(s.len(), 3);
+        assert_eq!(
+            s.lookup_prefix(&[0xA1, 0xA2, 0xA3, 0xA4], Instant::now() + IO)
+                .unwrap(),
+            3
+        );
+        assert_eq!(
+            s.lookup_prefix(&[0xA4, 0xA1], Instant::now() + IO).unwrap(),
+            0
+        );
+        // Already present: not rewritten.
+        let sink2 = RemoteSink::new(s.clone(), 0, keys.clone(), dims(), IO).unwrap();
+        let out = TransferEngine::copy_blocking(h.as_ref(), &sink2, &[(0, 0)]).unwrap();
+        assert!(out.is_ok());
+        assert_eq!(
+            sink2.counts(),
+            RemotePut {
+                written: 0,
+                present: 1
+            }
+        );
+        // Read back into another host tier: the bytes of blocks 1..3.
+        let back = host(4);
+        let src: Arc<dyn StorageTier> =
+            Arc::new(RemoteSource::new(s.clone(), 0, keys, dims(), IO).unwrap());
+        let out =
+            TransferEngine::copy_blocking(src.as_ref(), back.as_ref(), &[(0, 3), (2, 0)]).unwrap();
+        assert!(out.is_ok(), "{out:?}");
+        assert_eq!(
+            back.read_block_to_vec(3).unwrap(),
+            h.read_block_to_vec(1).unwrap()
+        );
+        assert_eq!(
+            back.read_block_to_vec(0).unwrap(),
+            h.read_block_to_vec(3).unwrap()
+        );
+        // Per-block path too.
+        let mut buf = vec![0u8; back.bytes_per_block()];
+        src.read_block(1, &mut [IoSliceMut::new(&mut buf)]).unwrap();
+        assert_eq!(buf, h.read_block_to_vec(2).unwrap());
+        assert!(src.write_block(0, &[IoSlice::new(&buf)]).is_err());
+    }
+
+    #[test]
+    fn missing_and_invalid_values_fail_only_their_blocks_and_are_never_written() {
+        let s = Arc::new(store());
+        let h = host(2);
+        fill(h.as_ref(), 0, 1);
+        let sink = RemoteSink::new(s.clone(), 0, vec![7], dims(), IO).unwrap();
+        assert!(TransferEngine::copy_blocking(h.as_ref(), &sink, &[(0, 0)])
+            .unwrap()
+            .is_ok());
+        // A truncated value planted under key 9; key 8 never written.
+        s.plant(0, 9, vec![1, 2, 3]);
+        let dst = host(3);
+        for b in 0..3 {
+            fill(dst.as_ref(), b, 0xEE);
+        }
+        let sentinel = dst.read_block_to_vec(1).unwrap();
+        let src = RemoteSource::new(s.clone(), 0, vec![7, 8, 9], dims(), IO).unwrap();
+        let out =
+            TransferEngine::copy_blocking(&src, dst.as_ref(), &[(0, 0), (1, 1), (2, 2)]).unwrap();
+        assert_eq!(out.blocks, 1);
+        let mut failed: Vec<(usize, ErrorKind)> = out
+            .failed
+            .iter()
+            .map(|f| (f.dst_block, f.error.kind()))
+            .collect();
+        failed.sort_by_key(|f| f.0);
+        assert_eq!(
+            failed,
+            vec![(1, ErrorKind::NotFound), (2, ErrorKind::Corrupt)]
+        );
+        assert_eq!(
+            dst.read_block_to_vec(0).unwrap(),
+            h.read_block_to_vec(0).unwrap()
+        );
+        assert_eq!(dst.read_block_to_vec(1).unwrap(), sentinel);
+        assert_eq!(s.stats().invalid, 1);
+        // Every value invalid (a planted block with a bad MAC): nothing served.
+        s.faults.invalid.store(true, Ordering::Relaxed);
+        let out = TransferEngine::copy_blocking(&src, dst.as_ref(), &[(0, 1)]).unwrap();
+        assert_eq!(out.failed.len(), 1);
+        assert_eq!(out.failed[0].error.kind(), ErrorKind::Corrupt);
+        assert_eq!(dst.read_block_to_vec(1).unwrap(), sentinel);
+    }
+
+    #[test]
+    fn a_store_that_is_down_or_slow_fails_the_batch_within_its_deadline() {
+        let s = Arc::new(store());
+        let dst = host(2);
+        s.faults.down.store(true, Ordering::Relaxed);
+        let src = RemoteSource::new(s.clone(), 0, vec![1, 2], dims(), IO).unwrap();
+        let out = TransferEngine::copy_blocking(&src, dst.as_ref(), &[(0, 0), (1, 1)]).unwrap();
+        assert_eq!(out.failed.len(), 2);
+        assert!(!s.stats().available);
+        s.faults.down.store(false, Ordering::Relaxed);
+        s.faults.delay_ms.store(5_000, Ordering::Relaxed);
+        let src =
+            RemoteSource::new(s.clone(), 0, vec![1], dims(), Duration::from_millis(30)).unwrap();
+        let t = Instant::now();
+        let out = TransferEngine::copy_blocking(&src, dst.as_ref(), &[(0, 0)]).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+        assert_eq!(out.failed[0].error.kind(), ErrorKind::Timeout);
+        assert_eq!(s.stats().timeouts, 1);
+    }
+
+    #[test]
+    fn a_sink_or_source_of_the_wrong_block_size_is_refused() {
+        let s = Arc::new(store());
+        let mut d = dims();
+        d.inner_dim = 4;
+        assert_eq!(
+            RemoteSource::new(s.clone(), 0, vec![1], d, IO)
+                .unwrap_err()
+                .kind(),
+            ErrorKind::InvalidLayout
+        );
+        assert_eq!(
+            RemoteSink::new(s, 0, vec![1], d, IO).unwrap_err().kind(),
+            ErrorKind::InvalidLayout
+        );
+    }
+}
