@@ -3,6 +3,7 @@
 //! * [`memory`] — page-aligned host RAM (always built);
 //! * [`disk`] — one preallocated file per tier, O_DIRECT where possible (always built);
 //! * `nixl` — disk I/O through NIXL's POSIX plugin and remote host tiers over UCX (feature `nixl`);
+//! * `redis` — the remote (G4) tier on Redis / Valkey, standalone or cluster (feature `redis`);
 //! * [`faults`] — a wrapper tier that fails, stalls or corrupts on a schedule (tests, the replay);
 //! * [`standard`] — the [`TierFactory`](crate::connector::worker::TierFactory) that builds a
 //!   worker's tiers from the configuration with the backends above ([`StandardTiers`]).
@@ -17,6 +18,8 @@ pub mod faults;
 pub mod memory;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod slot_file;
 pub mod standard;
 

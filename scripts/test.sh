@@ -6,7 +6,9 @@
 # numpy and xxhash (target/py-venv), and a venv with vLLM's CPU build and torch for the tests
 # against the real vLLM (about 6 GB the first time). Then:
 #   1. every Rust test with every feature that needs no GPU at run time (trtllm, vllm, cli, nixl,
-#      cuda): NIXL tests run for real; CUDA's GPU tests print SKIP and why without a GPU;
+#      cuda, redis): NIXL tests run for real, the Redis tests against real servers (redis-server,
+#      installed when missing; scripts/redis-servers.sh); CUDA's GPU tests print SKIP and why
+#      without a GPU;
 #   2. the Python package: built as a wheel, pytest against it;
 #   3. the Python package against the real vLLM on CPU: its scheduler, and real model forwards.
 # With CI=true a missing NIXL fails its tests instead of skipping them.
@@ -16,8 +18,22 @@ cd "$(dirname "$0")/.."
 # shellcheck source=nixl-env.sh
 source scripts/nixl-env.sh
 
-echo "=== Rust tests (features trtllm, vllm, cli, nixl, cuda)"
-cargo test --features trtllm,vllm,cli,nixl,cuda
+echo "=== Redis servers for the remote-tier tests (standalone, requirepass + ACL user, 3-node cluster)"
+# Debian 12's redis-server (7.0; Valkey speaks the same protocol). scripts/redis-servers.sh starts
+# them on free loopback ports, exports KVBM_TEST_REDIS_URL, KVBM_TEST_REDIS_AUTH_URL,
+# KVBM_TEST_REDIS_ACL_URL and KVBM_TEST_REDIS_CLUSTER_URL, and stops them when this script exits.
+# With CI=true a test that finds no server fails.
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+  sudo_=""
+  if [ "$(id -u)" -ne 0 ]; then sudo_=sudo; fi
+  $sudo_ apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq redis-server
+fi
+# shellcheck source=redis-servers.sh
+source scripts/redis-servers.sh
+
+echo "=== Rust tests (features trtllm, vllm, cli, nixl, cuda, redis)"
+cargo test --features trtllm,vllm,cli,nixl,cuda,redis
 
 echo "=== Python package: build the abi3 wheel with maturin, run pytest against it"
 # A virtual environment under target/ (cached with the build; created on a fresh machine) holds

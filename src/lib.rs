@@ -37,8 +37,9 @@
 //! | `vllm`   | vLLM adapter (`frameworks::vllm`) | — |
 //! | `cuda`   | GPU device and pinned-host tiers | cudarc (loaded at run time) |
 //! | `nixl`   | NIXL transfer backend (POSIX disk, UCX remote) | nixl-sys (loaded at run time) |
-//! | `python` | the Python extension module (`kvbm_connector`) | pyo3 |
-//! | `cli` (default) | the `kvbm` binary (`tool/`, built on this public API; enables `trtllm`, `vllm`) | clap |
+//! | `redis`  | remote (G4) tier on Redis / Valkey, standalone or cluster (`backends::redis`) | redis, rustls, hmac |
+//! | `python` | the Python extension module (`kvbm_connector`; enables `redis`) | pyo3 |
+//! | `cli` (default) | the `kvbm` binary (`tool/`, built on this public API; enables `trtllm`, `vllm`, `redis`) | clap |
 //!
 //! ```toml
 //! [dependencies]

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Redis servers for the tests, on free loopback ports in a temporary directory:
+#   * a standalone server, no auth                -> KVBM_TEST_REDIS_URL
+#   * a standalone server with requirepass        -> KVBM_TEST_REDIS_AUTH_URL  (redis://:pass@…)
+#     and an ACL user `kvbm` on the same server   -> KVBM_TEST_REDIS_ACL_URL   (redis://kvbm:pass@…)
+#   * a 3-node Redis Cluster (3 primaries, no replicas)
+#                                                 -> KVBM_TEST_REDIS_CLUSTER_URL (redis+cluster://h:p,h:p,h:p)
+# No persistence (`--save ""`, no AOF). Needs redis-server and redis-cli (Debian: apt-get install
+# redis-server).
+#
+# Two ways to use it:
+#   source scripts/redis-servers.sh      # starts them, exports the URLs, stops them on EXIT
+#   scripts/redis-servers.sh CMD ARGS…   # starts them, runs CMD with the URLs, stops them
+# `kvbm_redis_stop` stops them early.
+
+# A free loopback port P whose P+10000 (a cluster node's bus port) is free too; P <= 55535.
+kvbm_redis_free_port() {
+  python3 - <<'PY'
+import random, socket
+def free(p):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+for _ in range(1000):
+    p = random.randint(20000, 55000)
+    if free(p) and free(p + 10000):
+        print(p)
+        break
+else:
+    raise SystemExit("no free port pair found")
+PY
+}
+
+# kvbm_redis_wait PORT [AUTH ARGS…]: until it answers PING (10 s at most).
+kvbm_redis_wait() {
+  local port=$1; shift
+  for _ in $(seq 100); do
+    if redis-cli -h 127.0.0.1 -p "$port" --no-auth-warning "$@" ping 2>/dev/null | grep -q PONG; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "redis-servers.sh: redis-server on port $port did not start; its log:" >&2
+  cat "$KVBM_REDIS_DIR"/*"$port"*.log >&2 2>/dev/null || true
+  return 1
+}
+
+# kvbm_redis_server NAME PORT [EXTRA CONFIG LINES…]: starts one server in the background (a child
+# of this shell, so that it is reaped when stopped).
+kvbm_redis_server() {
+  local name=$1 port=$2; shift 2
+  local dir="$KVBM_REDIS_DIR/$name-$port"
+  mkdir -p "$dir"
+  {
+    echo "port $port"
+    echo "bind 127.0.0.1"
+    echo "daemonize no"
+    echo "dir $dir"
+    echo "logfile $KVBM_REDIS_DIR/$name-$port.log"
+    echo 'save ""'
+    echo "appendonly no"
+    printf '%s\n' "$@"
+  } > "$dir/redis.conf"
+  redis-server "$dir/redis.conf" >/dev/null 2>&1 &
+  echo $! > "$dir/redis.pid"
+}
+
+kvbm_redis_stop() {
+  [ -n "${KVBM_REDIS_DIR:-}" ] && [ -d "$KVBM_REDIS_DIR" ] || return 0
+  local pidfile pid
+  for pidfile in "$KVBM_REDIS_DIR"/*/redis.pid; do
+    [ -f "$pidfile" ] || continue
+    pid=$(cat "$pidfile" 2>/dev/null) || continue
+    [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
+  done
+  rm -rf "$KVBM_REDIS_DIR"
+  unset KVBM_REDIS_DIR
+}
+
+kvbm_redis_start() {
+  if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    echo "redis-servers.sh: redis-server/redis-cli not found (apt-get install redis-server)" >&2
+    return 1
+  fi
+  KVBM_REDIS_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvbm-redis.XXXXXX")
+  export KVBM_REDIS_DIR
+  local pass=kvbm-test-pass upass=kvbm-user-pass
+  local p_plain p_auth c1 c2 c3
+  p_plain=$(kvbm_redis_free_port)
+  kvbm_redis_server standalone "$p_plain" || return 1
+  p_auth=$(kvbm_redis_free_port)
+  kvbm_redis_server auth "$p_auth" "requirepass $pass" \
+    "user kvbm on >$upass ~* &* +@all" || return 1
+  local ports=()
+  for _ in 1 2 3; do
+    local p
+    p=$(kvbm_redis_free_port)
+    kvbm_redis_server cluster "$p" "cluster-enabled yes" "cluster-config-file nodes.conf" \
+      "cluster-node-timeout 2000" || return 1
+    ports+=("$p")
+  done
+  c1=${ports[0]} c2=${ports[1]} c3=${ports[2]}
+  kvbm_redis_wait "$p_plain" || return 1
+  kvbm_redis_wait "$p_auth" -a "$pass" || return 1
+  for p in "${ports[@]}"; do kvbm_redis_wait "$p" || return 1; done
+  redis-cli --cluster create "127.0.0.1:$c1" "127.0.0.1:$c2" "127.0.0.1:$c3" \
+    --cluster-replicas 0 --cluster-yes >"$KVBM_REDIS_DIR/cluster-create.log" 2>&1 || {
+    echo "redis-servers.sh: redis-cli --cluster create failed:" >&2
+    cat "$KVBM_REDIS_DIR/cluster-create.log" >&2
+    return 1
+  }
+  # Every node must see the whole slot map before the tests use it.
+  local ok
+  for _ in $(seq 100); do
+    ok=0
+    for p in "${ports[@]}"; do
+      redis-cli -h 127.0.0.1 -p "$p" cluster info 2>/dev/null | grep -q 'cluster_state:ok' && ok=$((ok + 1))
+    done
+    [ "$ok" -eq 3 ] && break
+    sleep 0.1
+  done
+  if [ "$ok" -ne 3 ]; then
+    echo "redis-servers.sh: the cluster did not reach cluster_state:ok" >&2
+    return 1
+  fi
+  export KVBM_TEST_REDIS_URL="redis://127.0.0.1:$p_plain/0"
+  export KVBM_TEST_REDIS_AUTH_URL="redis://:$pass@127.0.0.1:$p_auth/0"
+  export KVBM_TEST_REDIS_ACL_URL="redis://kvbm:$upass@127.0.0.1:$p_auth/0"
+  export KVBM_TEST_REDIS_CLUSTER_URL="redis+cluster://127.0.0.1:$c1,127.0.0.1:$c2,127.0.0.1:$c3"
+  echo "redis-servers.sh: standalone $KVBM_TEST_REDIS_URL, auth on port $p_auth, cluster $KVBM_TEST_REDIS_CLUSTER_URL"
+}
+
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then
+  # Sourced: start, and stop on the caller's exit.
+  kvbm_redis_start || { kvbm_redis_stop; return 1; }
+  trap kvbm_redis_stop EXIT
+else
+  set -euo pipefail
+  trap kvbm_redis_stop EXIT
+  kvbm_redis_start
+  if [ $# -gt 0 ]; then
+    "$@"
+  else
+    echo "usage: source $0, or $0 CMD ARGS… (servers stop when CMD ends)" >&2
+  fi
+fi

@@ -1,0 +1,691 @@
+//! The Redis backend (`backends::redis`) against real servers: a standalone server, a 3-node
+//! Redis Cluster, a server with `requirepass` and an ACL user, and servers each test starts
+//! itself when it kills, stops, restarts or fills one.
+//!
+//! Run with the servers of `scripts/redis-servers.sh`: `scripts/redis-servers.sh cargo test
+//! --features redis --test redis` (scripts/test.sh does). The tests read their URLs from
+//! `KVBM_TEST_REDIS_URL`, `KVBM_TEST_REDIS_CLUSTER_URL`, `KVBM_TEST_REDIS_AUTH_URL` and
+//! `KVBM_TEST_REDIS_ACL_URL`, and start their own servers with `redis-server` from `PATH`. A test
+//! whose server is missing prints `SKIP <test>: <reason>` and returns, except under `CI=true`,
+//! where it fails.
+//!
+//! Every test works in a scope of its own (a random description), so they share servers while
+//! running in parallel; those that flush, fill or kill a server use one of their own.
+
+#![cfg(feature = "redis")]
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvbm_connector::backends::redis::{RedisOptions, RedisStore, RedisUrl};
+use kvbm_connector::connector::remote::{RemotePut, RemoteRead, RemoteScope, RemoteStore};
+use kvbm_connector::{ErrorKind, HashAlgorithm};
+
+// ------------------------------------------------------------------------------------------------
+// Servers: from the environment, or our own; missing → SKIP (a failure under CI=true)
+// ------------------------------------------------------------------------------------------------
+
+fn skip(reason: &str) {
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("redis test")
+        .to_owned();
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("CI=true and {reason} (scripts/test.sh installs and starts the Redis servers)");
+    }
+    // Past the harness's capture (eprintln! is captured).
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "SKIP {test}: {reason}");
+}
+
+/// The URL in `var`, or `None` after a skip.
+fn env_url(var: &str) -> Option<RedisUrl> {
+    match std::env::var(var) {
+        Ok(u) if !u.is_empty() => Some(RedisUrl::parse(&u).expect("test URL parses")),
+        _ => {
+            skip(&format!(
+                "{var} is not set (run under scripts/redis-servers.sh)"
+            ));
+            None
+        }
+    }
+}
+
+/// A `redis-server` of this test's own, on a free loopback port.
+struct OwnServer {
+    child: Option<Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+    args: Vec<String>,
+}
+
+impl OwnServer {
+    fn start(extra: &[&str]) -> Option<Self> {
+        if Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_err()
+        {
+            skip("redis-server is not on PATH (apt-get install redis-server)");
+            return None;
+        }
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut s = Self {
+            child: None,
+            port,
+            dir: tempfile::tempdir().expect("temp dir"),
+            args: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        s.spawn();
+        Some(s)
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        self.child = Some(cmd.spawn().expect("redis-server starts"));
+        let until = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < until,
+                "redis-server did not listen on {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn url(&self) -> RedisUrl {
+        RedisUrl::parse(&format!("redis://127.0.0.1:{}/0", self.port)).unwrap()
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn signal(&self, sig: i32) {
+        let pid = self.child.as_ref().expect("running").id() as i32;
+        // SAFETY: kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fixtures
+// ------------------------------------------------------------------------------------------------
+
+/// A scope no other test (or earlier run) shares.
+fn scope(world_size: usize, bytes: usize) -> RemoteScope {
+    let nonce: u64 = rand_u64();
+    RemoteScope::new(
+        &format!("redis-test-{nonce:016x}"),
+        16,
+        world_size,
+        bytes,
+        HashAlgorithm::default(),
+    )
+    .unwrap()
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
+    h.finish()
+}
+
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn connect(url: &RedisUrl, scope: RemoteScope, secret: Option<&[u8]>) -> RedisStore {
+    RedisStore::connect(
+        url,
+        scope,
+        RedisOptions {
+            secret: secret.map(<[u8]>::to_vec),
+            ..RedisOptions::default()
+        },
+    )
+    .expect("connect")
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(5)
+}
+
+/// Reads `keys` for `rank`; the bytes read for each hit.
+fn get(store: &RedisStore, rank: usize, keys: &[u128]) -> (Vec<RemoteRead>, Vec<Vec<u8>>) {
+    let n = store.scope().bytes_per_block;
+    let mut bufs = vec![vec![0u8; n]; keys.len()];
+    let reads = {
+        let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+        store.get(rank, keys, &mut dst, soon()).expect("get")
+    };
+    (reads, bufs)
+}
+
+fn put(store: &RedisStore, rank: usize, blocks: &[(u128, Vec<u8>)]) -> RemotePut {
+    let refs: Vec<(u128, &[u8])> = blocks.iter().map(|(k, b)| (*k, b.as_slice())).collect();
+    store.put(rank, &refs, soon()).expect("put")
+}
+
+fn set_raw(store: &RedisStore, name: &str, value: &[u8]) {
+    store
+        .raw_command(&[b"SET", name.as_bytes(), value], soon())
+        .expect("SET");
+}
+
+fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The same checks on a standalone server and on a cluster
+// ------------------------------------------------------------------------------------------------
+
+fn round_trip(url: &RedisUrl) {
+    let ws = 4;
+    let bytes = 8192 + 3;
+    let store = connect(url, scope(ws, bytes), None);
+    let keys: Vec<u128> = (0..12u128).map(|i| (i << 64) | 0xfeed).collect();
+    for rank in 0..ws {
+        let blocks: Vec<(u128, Vec<u8>)> = keys
+            .iter()
+            .map(|&k| {
+                (
+                    k,
+                    random_bytes(bytes, k as u64 ^ (rank as u64) << 40 ^ (k >> 64) as u64),
+                )
+            })
+            .collect();
+        assert_eq!(
+            put(&store, rank, &blocks),
+            RemotePut {
+                written: keys.len(),
+                present: 0
+            }
+        );
+        let (reads, bufs) = get(&store, rank, &keys);
+        assert!(reads.iter().all(|r| *r == RemoteRead::Hit), "{reads:?}");
+        for ((_, want), got) in blocks.iter().zip(&bufs) {
+            assert_eq!(want, got, "rank {rank}: bytes differ");
+        }
+        // Written again: present, not rewritten.
+        assert_eq!(
+            put(&store, rank, &blocks),
+            RemotePut {
+                written: 0,
+                present: keys.len()
+            }
+        );
+    }
+    assert_eq!(store.lookup_prefix(&keys, soon()).unwrap(), keys.len());
+    let stats = store.stats();
+    assert!(stats.available);
+    assert_eq!((stats.errors, stats.timeouts, stats.invalid), (0, 0, 0));
+    // A key never written: missing, and the buffer untouched.
+    let (reads, bufs) = get(&store, 1, &[keys[0], 0xdead]);
+    assert_eq!(reads, vec![RemoteRead::Hit, RemoteRead::Missing]);
+    assert!(bufs[1].iter().all(|&b| b == 0));
+}
+
+fn lookup_stops_at_first_miss(url: &RedisUrl) {
+    let ws = 2;
+    let store = connect(url, scope(ws, 64), None);
+    let keys: Vec<u128> = (1..=70u128).collect();
+    let all: Vec<(u128, Vec<u8>)> = keys.iter().map(|&k| (k, vec![k as u8; 64])).collect();
+    put(&store, 0, &all);
+    // Rank 1 lacks key 36 (past the first round of 32) and key 50.
+    let rank1: Vec<(u128, Vec<u8>)> = all
+        .iter()
+        .filter(|(k, _)| *k != 36 && *k != 50)
+        .cloned()
+        .collect();
+    put(&store, 1, &rank1);
+    assert_eq!(store.lookup_prefix(&keys, soon()).unwrap(), 35);
+    assert_eq!(store.lookup_prefix(&keys[..10], soon()).unwrap(), 10);
+    assert_eq!(store.lookup_prefix(&keys[36..49], soon()).unwrap(), 13);
+    assert_eq!(store.lookup_prefix(&[999, 1, 2], soon()).unwrap(), 0);
+    assert_eq!(store.lookup_prefix(&[], soon()).unwrap(), 0);
+    // A block whose ranks are all there except one is not found.
+    put(&store, 1, &[(36, vec![0; 64])]);
+    assert_eq!(store.lookup_prefix(&keys, soon()).unwrap(), 49);
+}
+
+fn present_value_is_not_rewritten(url: &RedisUrl) {
+    let store = connect(url, scope(1, 128), None);
+    assert_eq!(put(&store, 0, &[(5, vec![1; 128])]).written, 1);
+    let again = put(&store, 0, &[(5, vec![2; 128]), (6, vec![3; 128])]);
+    assert_eq!(
+        again,
+        RemotePut {
+            written: 1,
+            present: 1
+        }
+    );
+    let (reads, bufs) = get(&store, 0, &[5, 6]);
+    assert_eq!(reads, vec![RemoteRead::Hit, RemoteRead::Hit]);
+    assert_eq!(bufs[0], vec![1; 128], "the first value stays");
+    assert_eq!(bufs[1], vec![3; 128]);
+}
+
+fn planted_values_are_never_served(url: &RedisUrl) {
+    let n = 256;
+    for secret in [None, Some(&b"deployment secret"[..])] {
+        let sc = scope(2, n);
+        let store = connect(url, sc.clone(), secret);
+        let good = random_bytes(n, 7);
+        let name = |k: u128| store.key_name(k, 1);
+        let plant = |k: u128, v: Vec<u8>| {
+            set_raw(&store, &name(k), &v);
+            k
+        };
+        let mut cases: Vec<(u128, &str)> = Vec::new();
+        // Another block's value under this block's name.
+        cases.push((plant(1, store.encode_value(2, 1, &good)), "block key"));
+        // Another rank's share.
+        cases.push((plant(3, store.encode_value(3, 0, &good)), "rank"));
+        // Payload altered after writing (checksum, or MAC with a secret).
+        let mut flipped = store.encode_value(4, 1, &good);
+        *flipped.last_mut().unwrap() ^= 0x40;
+        cases.push((
+            plant(4, flipped),
+            if secret.is_some() { "MAC" } else { "checksum" },
+        ));
+        // Truncated, and longer than any valid value.
+        let v = store.encode_value(5, 1, &good);
+        cases.push((plant(5, v[..v.len() - 10].to_vec()), "truncated"));
+        cases.push((plant(6, v[..20].to_vec()), "truncated"));
+        let mut long = store.encode_value(7, 1, &good);
+        long.extend_from_slice(&[0; 100_000]);
+        cases.push((plant(7, long), "longer"));
+        // Not ours at all.
+        cases.push((
+            plant(
+                8,
+                b"hello, this is not a block at all, but long enough to have a header.".to_vec(),
+            ),
+            "magic",
+        ));
+        // Written for another scope (other bytes per block): fingerprint/length differ.
+        let other = connect(url, scope(2, n), None);
+        cases.push((plant(9, other.encode_value(9, 1, &good)), "fingerprint"));
+        // With a secret: a value written without it, or with another one.
+        if secret.is_some() {
+            let plain = connect(url, sc.clone(), None);
+            cases.push((plant(10, plain.encode_value(10, 1, &good)), "no MAC"));
+            let forger = connect(url, sc.clone(), Some(b"guessed"));
+            cases.push((
+                plant(11, forger.encode_value(11, 1, &good)),
+                "MAC does not match",
+            ));
+        }
+        // Not a string (WRONGTYPE).
+        store
+            .raw_command(&[b"RPUSH", name(12).as_bytes(), b"x"], soon())
+            .unwrap();
+        cases.push((12, "WRONGTYPE"));
+
+        let keys: Vec<u128> = cases.iter().map(|c| c.0).collect();
+        let (reads, bufs) = get(&store, 1, &keys);
+        for ((k, why), read) in cases.iter().zip(&reads) {
+            match read {
+                RemoteRead::Invalid(reason) => {
+                    assert!(
+                        reason.contains(why),
+                        "key {k}: `{reason}` should name {why}"
+                    )
+                }
+                other => panic!("key {k} ({why}): {other:?}, expected Invalid"),
+            }
+        }
+        assert!(
+            bufs.iter().all(|b| b.iter().all(|&x| x == 0)),
+            "nothing served"
+        );
+        assert_eq!(store.stats().invalid, cases.len() as u64);
+        // The valid value next to them is still served.
+        put(&store, 1, &[(20, good.clone())]);
+        let (reads, bufs) = get(&store, 1, &[20]);
+        assert_eq!(reads, vec![RemoteRead::Hit]);
+        assert_eq!(bufs[0], good);
+    }
+}
+
+macro_rules! both {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn standalone() {
+                if let Some(url) = super::env_url("KVBM_TEST_REDIS_URL") {
+                    super::$name(&url);
+                }
+            }
+            #[test]
+            fn cluster() {
+                if let Some(url) = super::env_url("KVBM_TEST_REDIS_CLUSTER_URL") {
+                    assert!(url.cluster);
+                    super::$name(&url);
+                }
+            }
+        }
+    };
+}
+
+both!(round_trip);
+both!(lookup_stops_at_first_miss);
+both!(present_value_is_not_rewritten);
+both!(planted_values_are_never_served);
+
+// ------------------------------------------------------------------------------------------------
+// Standalone only
+// ------------------------------------------------------------------------------------------------
+
+#[test]
+fn expired_values_are_missing() {
+    let Some(url) = env_url("KVBM_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(
+        &url,
+        scope(1, 32),
+        RedisOptions {
+            ttl: Some(Duration::from_millis(150)),
+            ..RedisOptions::default()
+        },
+    )
+    .unwrap();
+    put(&store, 0, &[(1, vec![9; 32])]);
+    assert_eq!(get(&store, 0, &[1]).0, vec![RemoteRead::Hit]);
+    let ttl = store
+        .raw_command(&[b"PTTL", store.key_name(1, 0).as_bytes()], soon())
+        .unwrap();
+    let ttl: i64 = String::from_utf8_lossy(&ttl)
+        .parse()
+        .expect("PTTL answers a number");
+    assert!((1..=150).contains(&ttl), "PTTL {ttl}");
+    wait_for("the value to expire", Duration::from_secs(5), || {
+        get(&store, 0, &[1]).0 == vec![RemoteRead::Missing]
+    });
+    assert_eq!(store.lookup_prefix(&[1], soon()).unwrap(), 0);
+    assert_eq!(store.stats().invalid, 0);
+}
+
+#[test]
+fn flushed_and_evicted_values_are_missing() {
+    let Some(server) =
+        OwnServer::start(&["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"])
+    else {
+        return;
+    };
+    let n = 64 * 1024;
+    let store = connect(&server.url(), scope(1, n), None);
+    // 200 blocks of 64 KiB (12.5 MiB) into 4 MiB: most are evicted.
+    let keys: Vec<u128> = (0..200u128).collect();
+    for chunk in keys.chunks(20) {
+        let blocks: Vec<(u128, Vec<u8>)> = chunk
+            .iter()
+            .map(|&k| (k, random_bytes(n, k as u64 + 1)))
+            .collect();
+        put(&store, 0, &blocks);
+    }
+    let (reads, bufs) = get(&store, 0, &keys);
+    let hits = reads.iter().filter(|r| **r == RemoteRead::Hit).count();
+    let missing = reads.iter().filter(|r| **r == RemoteRead::Missing).count();
+    assert_eq!(hits + missing, keys.len(), "{reads:?}");
+    assert!(missing > 100, "{missing} missing: eviction did not happen");
+    assert!(hits > 0, "nothing kept");
+    for ((k, r), b) in keys.iter().zip(&reads).zip(&bufs) {
+        if *r == RemoteRead::Hit {
+            assert_eq!(*b, random_bytes(n, *k as u64 + 1));
+        }
+    }
+    assert!(store.lookup_prefix(&keys, soon()).unwrap() < keys.len());
+    // FLUSHALL: every block is a miss.
+    store.raw_command(&[b"FLUSHALL"], soon()).unwrap();
+    let (reads, _) = get(&store, 0, &keys[190..]);
+    assert!(reads.iter().all(|r| *r == RemoteRead::Missing), "{reads:?}");
+    assert_eq!(store.lookup_prefix(&keys, soon()).unwrap(), 0);
+    assert_eq!(store.stats().invalid, 0);
+}
+
+#[test]
+fn auth_required_and_refused_when_wrong() {
+    let (Some(auth), Some(acl)) = (
+        env_url("KVBM_TEST_REDIS_AUTH_URL"),
+        env_url("KVBM_TEST_REDIS_ACL_URL"),
+    ) else {
+        return;
+    };
+    for url in [&auth, &acl] {
+        let store = connect(url, scope(1, 16), None);
+        put(&store, 0, &[(1, vec![1; 16])]);
+        assert_eq!(get(&store, 0, &[1]).0, vec![RemoteRead::Hit]);
+        assert!(!store.describe().contains("pass"), "{}", store.describe());
+    }
+    let port = auth.nodes[0].1;
+    for (url, secret) in [
+        (format!("redis://127.0.0.1:{port}/0"), None),
+        (
+            format!("redis://:wrong-pass@127.0.0.1:{port}/0"),
+            Some("wrong-pass"),
+        ),
+        (
+            format!("redis://kvbm:wrong-user-pass@127.0.0.1:{port}/0"),
+            Some("wrong-user-pass"),
+        ),
+        (
+            format!("redis://nobody:kvbm-test-pass@127.0.0.1:{port}/0"),
+            Some("kvbm-test-pass"),
+        ),
+    ] {
+        let e = RedisStore::connect(
+            &RedisUrl::parse(&url).unwrap(),
+            scope(1, 16),
+            RedisOptions::default(),
+        )
+        .expect_err(&url);
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{url}: {e}");
+        let text = e.to_string();
+        assert!(
+            text.contains("remote.url") && text.contains("refused"),
+            "{text}"
+        );
+        if let Some(s) = secret {
+            assert!(!text.contains(s), "password shown: {text}");
+        }
+    }
+}
+
+#[test]
+fn killed_server_errors_within_the_deadline_then_reconnects() {
+    let Some(mut server) = OwnServer::start(&[]) else {
+        return;
+    };
+    let store = connect(&server.url(), scope(2, 1024), None);
+    put(&store, 0, &[(1, vec![1; 1024])]);
+    server.kill();
+    // Calls fail (never hang) within their deadline, then fail fast while it is down.
+    for _ in 0..5 {
+        let t = Instant::now();
+        let deadline = t + Duration::from_millis(300);
+        let e = store
+            .lookup_prefix(&[1], deadline)
+            .expect_err("server is down");
+        assert!(
+            Instant::now() < deadline + Duration::from_millis(200),
+            "took {:?}: {e}",
+            t.elapsed()
+        );
+        let mut b = vec![0u8; 1024];
+        assert!(store.get(0, &[1], &mut [&mut b[..]], deadline).is_err());
+    }
+    let stats = store.stats();
+    assert!(!stats.available);
+    assert!(stats.errors >= 5, "{stats:?}");
+    let t = Instant::now();
+    let e = store
+        .lookup_prefix(&[1], t + Duration::from_secs(5))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotReady, "{e}");
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "not fast: {:?}",
+        t.elapsed()
+    );
+    // Back, empty: it reconnects by itself; the block is gone.
+    server.spawn();
+    wait_for("the store to reconnect", Duration::from_secs(15), || {
+        store.stats().available
+    });
+    assert!(store.stats().reconnects >= 1);
+    assert_eq!(get(&store, 0, &[1]).0, vec![RemoteRead::Missing]);
+    put(&store, 0, &[(1, vec![2; 1024])]);
+    assert_eq!(get(&store, 0, &[1]).0, vec![RemoteRead::Hit]);
+}
+
+#[test]
+fn a_server_that_stops_answering_times_out_at_the_deadline() {
+    let Some(server) = OwnServer::start(&[]) else {
+        return;
+    };
+    let store = connect(&server.url(), scope(1, 64), None);
+    put(&store, 0, &[(1, vec![1; 64])]);
+    server.signal(libc::SIGSTOP);
+    for _ in 0..3 {
+        let t = Instant::now();
+        let deadline = t + Duration::from_millis(100);
+        let e = store.lookup_prefix(&[1], deadline).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(
+            Instant::now() < deadline + Duration::from_millis(200),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+    let stats = store.stats();
+    assert_eq!(stats.timeouts, 3, "{stats:?}");
+    // Three in a row: the connection counts as lost; calls fail fast.
+    assert!(!stats.available);
+    let t = Instant::now();
+    assert!(store
+        .lookup_prefix(&[1], t + Duration::from_secs(5))
+        .is_err());
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        t.elapsed()
+    );
+    server.signal(libc::SIGCONT);
+    wait_for("the store to reconnect", Duration::from_secs(15), || {
+        store.stats().available
+    });
+    assert_eq!(get(&store, 0, &[1]).0, vec![RemoteRead::Hit]);
+}
+
+#[test]
+fn a_store_made_while_the_server_is_down_connects_later() {
+    let Some(mut server) = OwnServer::start(&[]) else {
+        return;
+    };
+    server.kill();
+    let store = connect(&server.url(), scope(1, 64), None);
+    assert!(!store.stats().available);
+    assert_eq!(
+        store.lookup_prefix(&[1], soon()).unwrap_err().kind(),
+        ErrorKind::NotReady
+    );
+    server.spawn();
+    wait_for("the store to connect", Duration::from_secs(15), || {
+        store.stats().available
+    });
+    put(&store, 0, &[(1, vec![1; 64])]);
+    assert_eq!(store.lookup_prefix(&[1], soon()).unwrap(), 1);
+}
+
+#[test]
+fn bad_arguments_are_typed_errors() {
+    let Some(url) = env_url("KVBM_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = connect(&url, scope(2, 64), None);
+    let mut small = [0u8; 63];
+    let e = store
+        .get(0, &[1], &mut [&mut small[..]], soon())
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    let e = store.get(0, &[1, 2], &mut [], soon()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    let mut ok = [0u8; 64];
+    let e = store.get(2, &[1], &mut [&mut ok[..]], soon()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+    let e = store.put(0, &[(1, &[0u8; 65][..])], soon()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    // A deadline already past: a timeout, not a call.
+    let e = store
+        .lookup_prefix(&[1], Instant::now() - Duration::from_millis(1))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    // Nothing was stored by the refused calls.
+    assert_eq!(store.lookup_prefix(&[1], soon()).unwrap(), 0);
+}
+
+#[test]
+fn tls_url_to_a_plain_server_is_an_error_not_a_hang() {
+    let Some(url) = env_url("KVBM_TEST_REDIS_URL") else {
+        return;
+    };
+    let tls = RedisUrl::parse(&format!("rediss://127.0.0.1:{}/0", url.nodes[0].1)).unwrap();
+    let t = Instant::now();
+    let store = RedisStore::connect(
+        &tls,
+        scope(1, 16),
+        RedisOptions {
+            connect_timeout: Duration::from_millis(500),
+            ..RedisOptions::default()
+        },
+    );
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    if let Ok(store) = store {
+        assert!(!store.stats().available);
+        assert!(store.lookup_prefix(&[1], soon()).is_err());
+    }
+}
