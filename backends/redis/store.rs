@@ -10,7 +10,7 @@ use redis::{Cmd, ConnectionAddr, ConnectionInfo, RedisConnectionInfo, Value};
 use tokio::sync::Notify;
 
 use super::url::RedisUrl;
-use super::value::Codec;
+use super::value::{Codec, Head};
 use crate::connector::remote::{RemotePut, RemoteRead, RemoteScope, RemoteStore, RemoteStoreStats};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -479,6 +479,23 @@ async fn reconnect_loop(inner: Arc<Inner>) {
     }
 }
 
+/// One argument made of a value's head and its payload, written into the command without first
+/// copying the payload into a value of its own.
+struct Joined<'a>(Head, &'a [u8]);
+
+impl redis::ToRedisArgs for Joined<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        use std::io::Write;
+        let mut w = out.writer_for_next_arg();
+        // Writes into the command's own buffer: they cannot fail.
+        let _ = w.write_all(self.0.as_slice());
+        let _ = w.write_all(self.1);
+    }
+}
+
 impl RemoteStore for RedisStore {
     fn describe(&self) -> String {
         format!("redis {}", self.inner.url)
@@ -609,7 +626,7 @@ impl RemoteStore for RedisStore {
             .map(|&(k, bytes)| {
                 let mut c = redis::cmd("SET");
                 c.arg(self.codec.key(k, rank))
-                    .arg(self.codec.encode(k, rank, bytes))
+                    .arg(Joined(self.codec.head(k, rank, bytes), bytes))
                     .arg("NX");
                 if let Some(ms) = ttl_ms {
                     c.arg("PX").arg(ms);
