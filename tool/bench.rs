@@ -641,9 +641,8 @@ fn redis_paths(url: &str, blocks: usize, rounds: usize) -> Result<Vec<PathResult
     let bytes = blocks * bpb;
     let mut round = 0u128;
     let raw_key = |round: u128, b: usize| format!("kvbm-bench:{{{description}}}:raw:{round}:{b}");
-    let ours_keys = |round: u128| -> Vec<u128> {
-        (0..blocks as u128).map(|b| (round << 32) | b).collect()
-    };
+    let ours_keys =
+        |round: u128| -> Vec<u128> { (0..blocks as u128).map(|b| (round << 32) | b).collect() };
     let delete = |names: Vec<String>| -> Result<()> {
         for n in names {
             store.raw_command(&[b"UNLINK", n.as_bytes()], deadline())?;
@@ -729,7 +728,9 @@ fn redis_paths(url: &str, blocks: usize, rounds: usize) -> Result<Vec<PathResult
     delete(keys.iter().map(|&k| store.key_name(k, 0)).collect())?;
     let stats = store.stats();
     if stats.errors + stats.timeouts + stats.invalid > 0 {
-        return Err(Error::internal(format!("bench: Redis store counters {stats:?}")));
+        return Err(Error::internal(format!(
+            "bench: Redis store counters {stats:?}"
+        )));
     }
     let what = format!("{blocks} x {} MiB, {}", bpb >> 20, url);
     Ok(vec![

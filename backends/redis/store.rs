@@ -250,6 +250,31 @@ impl RedisStore {
         }
     }
 
+    /// Deletes invalid values in the background (nobody waits): otherwise a lookup would keep
+    /// matching them, and `SET NX` would never replace them with a good value.
+    fn withdraw(&self, names: Vec<String>) {
+        if names.is_empty() {
+            return;
+        }
+        let (Ok(conn), Ok(handle)) = (self.conn(), self.handle()) else {
+            return;
+        };
+        let commands = names
+            .into_iter()
+            .map(|n| {
+                let mut c = redis::cmd("UNLINK");
+                c.arg(n);
+                c
+            })
+            .collect();
+        let timeout = self.inner.options.connect_timeout;
+        handle.spawn(async move {
+            if let Ok(Err(e)) = tokio::time::timeout(timeout, execute(conn, commands)).await {
+                tracing::debug!(error = %e, "could not withdraw invalid Redis values");
+            }
+        });
+    }
+
     fn check_rank(&self, rank: usize) -> Result<()> {
         if rank >= self.scope.world_size {
             return Err(Error::out_of_range("rank", rank, self.scope.world_size));
@@ -584,6 +609,7 @@ impl RemoteStore for RedisStore {
             ));
         }
         let mut out = Vec::with_capacity(keys.len());
+        let mut withdraw = Vec::new();
         for ((&k, v), d) in keys.iter().zip(values).zip(dst.iter_mut()) {
             let read = match v {
                 v if as_server_error(&v).is_some() => RemoteRead::Invalid(format!(
@@ -595,11 +621,14 @@ impl RemoteStore for RedisStore {
                 Value::BulkString(b) => self.codec.decode_into(k, rank, &b, d),
                 other => RemoteRead::Invalid(format!("unexpected answer {other:?}")),
             };
-            if matches!(read, RemoteRead::Invalid(_)) {
+            if let RemoteRead::Invalid(why) = &read {
                 self.inner.counters.invalid.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(key = %self.codec.key(k, rank), why, "invalid value in Redis; withdrawn");
+                withdraw.push(self.codec.key(k, rank));
             }
             out.push(read);
         }
+        self.withdraw(withdraw);
         Ok(out)
     }
 
@@ -728,6 +757,9 @@ impl RedisStore {
             c.arg(*a);
         }
         let v = self.run(vec![c], deadline)?;
+        if let Some(e) = v.first().and_then(as_server_error) {
+            return Err(Error::new(ErrorKind::Io, format!("Redis answered: {e}")));
+        }
         Ok(match v.into_iter().next() {
             Some(Value::BulkString(b)) => b,
             Some(Value::Int(n)) => n.to_string().into_bytes(),

@@ -52,9 +52,11 @@ impl RedisUrl {
             "rediss" => (true, false),
             "redis+cluster" => (false, true),
             "rediss+cluster" => (true, true),
-            other => return Err(bad(format!(
+            other => {
+                return Err(bad(format!(
                 "unknown scheme `{other}`: expected redis, rediss, redis+cluster or rediss+cluster"
-            ))),
+            )))
+            }
         };
         if rest.contains(['?', '#']) {
             return Err(bad(
