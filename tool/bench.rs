@@ -659,18 +659,31 @@ fn redis_paths(url: &str, blocks: usize, rounds: usize) -> Result<Vec<PathResult
             .cloned()
             .zip(host.iter().map(|h| h.as_slice()))
             .collect();
-        let t = Instant::now();
-        store.raw_set(&pairs, deadline())?;
-        let limit = t.elapsed();
         let keys = ours_keys(round);
         let refs: Vec<(u128, &[u8])> = keys
             .iter()
             .copied()
             .zip(host.iter().map(|h| h.as_slice()))
             .collect();
-        let t = Instant::now();
-        let put = store.put(0, &refs, deadline())?;
-        let ours = t.elapsed();
+        // Alternate which goes first: the second of a round writes into memory the server has
+        // not reused yet (the previous round's values are freed between rounds).
+        let raw = |pairs: &[(String, &[u8])]| -> Result<Duration> {
+            let t = Instant::now();
+            store.raw_set(pairs, deadline())?;
+            Ok(t.elapsed())
+        };
+        let ours_put = |refs: &[(u128, &[u8])]| -> Result<(Duration, _)> {
+            let t = Instant::now();
+            let put = store.put(0, refs, deadline())?;
+            Ok((t.elapsed(), put))
+        };
+        let (limit, (ours, put)) = if r % 2 == 0 {
+            let l = raw(&pairs)?;
+            (l, ours_put(&refs)?)
+        } else {
+            let o = ours_put(&refs)?;
+            (raw(&pairs)?, o)
+        };
         if put.written != blocks {
             return Err(Error::internal(format!(
                 "bench: {} of {blocks} blocks written",
@@ -702,18 +715,26 @@ fn redis_paths(url: &str, blocks: usize, rounds: usize) -> Result<Vec<PathResult
     store.put(0, &refs, deadline())?;
     let (mut l, mut o) = (Vec::new(), Vec::new());
     for r in 0..=rounds {
-        let t = Instant::now();
-        {
+        let raw = |dst: &mut [Vec<u8>]| -> Result<Duration> {
             let mut d: Vec<&mut [u8]> = dst.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let t = Instant::now();
             store.raw_get(&names, &mut d, deadline())?;
-        }
-        let limit = t.elapsed();
-        let t = Instant::now();
-        let got = {
-            let mut d: Vec<&mut [u8]> = dst.iter_mut().map(|v| v.as_mut_slice()).collect();
-            store.get(0, &keys, &mut d, deadline())?
+            Ok(t.elapsed())
         };
-        let ours = t.elapsed();
+        let ours_get = |dst: &mut [Vec<u8>]| -> Result<(Duration, Vec<RemoteRead>)> {
+            let mut d: Vec<&mut [u8]> = dst.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let t = Instant::now();
+            let got = store.get(0, &keys, &mut d, deadline())?;
+            Ok((t.elapsed(), got))
+        };
+        // Alternate which goes first, as for writes.
+        let (limit, (ours, got)) = if r % 2 == 0 {
+            let l = raw(&mut dst)?;
+            (l, ours_get(&mut dst)?)
+        } else {
+            let o = ours_get(&mut dst)?;
+            (raw(&mut dst)?, o)
+        };
         if got.iter().any(|g| *g != RemoteRead::Hit) || dst != host {
             return Err(Error::internal(format!(
                 "bench: Redis reads did not return the blocks written: {got:?}"
