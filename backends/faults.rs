@@ -476,6 +476,14 @@ impl TierFactory for FaultyTiers {
         tiers.disk = self.wrap(tiers.disk.take());
         Ok(tiers)
     }
+
+    fn remote_store(
+        &self,
+        config: &Config,
+        scope: &crate::connector::remote::RemoteScope,
+    ) -> Result<Option<Arc<dyn crate::connector::remote::RemoteStore>>> {
+        self.inner.remote_store(config, scope)
+    }
 }
 
 #[cfg(test)]

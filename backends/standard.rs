@@ -6,19 +6,18 @@
 //!   (feature `cuda`; device ↔ host copies are then DMA), page-aligned [`MemoryTier`] otherwise;
 //! * disk (G3): the built-in [`DiskTier`] (`disk.io = builtin`) or the NIXL disk tier
 //!   (`disk.io = nixl`, feature `nixl`);
-//! * remote (G4): the NIXL remote-tier hooks when `remote.dir` is set (feature `nixl`), on the
-//!   same NIXL agent as the NIXL disk tier, with the host tier registered.
+//! * remote (G4): the shared store `remote.url` names ([`TierFactory::remote_store`]).
 //!
-//! A setting this build cannot serve (`disk.io = nixl` or `remote.dir` without the `nixl`
-//! feature) is an [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported) error at start-up
-//! naming the variable that set it.
+//! A setting this build cannot serve (`disk.io = nixl` without the `nixl` feature, `remote.url`
+//! without a store backend) is an [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported)
+//! error at start-up naming the variable that set it.
 
 use std::sync::Arc;
 
 use super::disk::{DiskTier, DiskTierOptions};
 use super::memory::MemoryTier;
 use crate::config::{Config, DiskIo};
-use crate::connector::remote::WorkerRemote;
+use crate::connector::remote::{RemoteScope, RemoteStore};
 use crate::connector::transport::TierCounts;
 use crate::connector::worker::{TierFactory, WorkerTiers};
 use crate::error::Result;
@@ -58,11 +57,17 @@ impl TierFactory for StandardTiers {
             max_in_flight: config.disk.max_in_flight,
         };
         let nixl_disk = counts.num_disk_blocks > 0 && config.disk.io == DiskIo::Nixl;
-        let (mut disk, remote) = if nixl_disk || config.remote.enabled() {
-            let d = nixl_disk.then(|| (counts.num_disk_blocks, opts.clone()));
-            nixl_parts(config, rank, host.as_ref(), dims, d)?
+        let mut disk = if nixl_disk {
+            nixl_disk_tier(
+                config,
+                rank,
+                host.as_ref(),
+                dims,
+                counts.num_disk_blocks,
+                opts.clone(),
+            )?
         } else {
-            (None, None)
+            None
         };
         if disk.is_none() && counts.num_disk_blocks > 0 {
             disk = Some(Arc::new(DiskTier::create(
@@ -77,8 +82,40 @@ impl TierFactory for StandardTiers {
             host,
             disk,
             counts,
-            remote,
+            remote: None,
         })
+    }
+
+    /// The Redis / Valkey store `remote.url` names (feature `redis`), with the deployment secret
+    /// (`remote.secret_file` / `KVBM_REMOTE_SECRET`), `remote.ttl_secs` and `remote.io_timeout_ms`
+    /// as its connection deadline. A server that is down is not an error here (the store starts
+    /// unavailable and reconnects in the background); a bad URL or refused credentials are.
+    fn remote_store(
+        &self,
+        config: &Config,
+        scope: &RemoteScope,
+    ) -> Result<Option<Arc<dyn RemoteStore>>> {
+        let Some(url) = config.remote.url.as_deref() else {
+            return Ok(None);
+        };
+        #[cfg(feature = "redis")]
+        {
+            use super::redis::{RedisOptions, RedisStore, RedisUrl};
+            let options = RedisOptions {
+                secret: config.remote.secret()?,
+                ttl: config.remote.ttl(),
+                connect_timeout: config.remote.io_timeout(),
+            };
+            let store = RedisStore::connect(&RedisUrl::parse(url)?, scope.clone(), options)?;
+            Ok(Some(Arc::new(store)))
+        }
+        #[cfg(not(feature = "redis"))]
+        {
+            let _ = (url, scope);
+            Err(crate::error::Error::unsupported(
+                "remote.url (KVBM_REMOTE_URL) needs kvbm-connector built with the `redis` feature",
+            ))
+        }
     }
 }
 
@@ -93,30 +130,24 @@ fn host_tier(device: &dyn StorageTier, layout: Layout) -> Result<Arc<dyn Storage
     Ok(Arc::new(MemoryTier::host(layout)?))
 }
 
-/// A NIXL disk tier, and the remote tier's hooks.
-type NixlParts = (Option<Arc<dyn StorageTier>>, Option<Arc<dyn WorkerRemote>>);
-
-/// The NIXL parts of a worker (see `nixl::worker_parts`); without the `nixl` feature, an
+/// The NIXL disk tier (see `nixl::worker_parts`); without the `nixl` feature, an
 /// [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported) error naming the setting that asked
 /// for NIXL.
-fn nixl_parts(
+fn nixl_disk_tier(
     config: &Config,
     rank: usize,
     host: Option<&Arc<dyn StorageTier>>,
     dims: LayoutDims,
-    disk: Option<(usize, DiskTierOptions)>,
-) -> Result<NixlParts> {
+    blocks: usize,
+    opts: DiskTierOptions,
+) -> Result<Option<Arc<dyn StorageTier>>> {
     #[cfg(feature = "nixl")]
-    return super::nixl::worker_parts(config, rank, host, dims, disk);
+    return super::nixl::worker_parts(config, rank, host, dims, Some((blocks, opts)));
     #[cfg(not(feature = "nixl"))]
     {
-        let _ = (rank, host, dims, disk);
+        let _ = (config, rank, host, dims, blocks, opts);
         Err(crate::error::Error::unsupported(
-            if config.remote.enabled() {
-                "remote.dir (KVBM_REMOTE_DIR) needs kvbm-connector built with the `nixl` feature"
-            } else {
-                "disk.io = nixl (KVBM_DISK_IO) needs kvbm-connector built with the `nixl` feature"
-            },
+            "disk.io = nixl (KVBM_DISK_IO) needs kvbm-connector built with the `nixl` feature",
         ))
     }
 }
@@ -128,7 +159,7 @@ mod tests {
     use crate::layout::BlockOrder;
 
     #[test]
-    fn remote_dir_without_nixl_is_unsupported_at_start() {
+    fn nixl_disk_without_nixl_is_unsupported_at_start() {
         let dims = LayoutDims {
             num_layers: 1,
             outer_dim: 2,
@@ -144,14 +175,14 @@ mod tests {
             .unwrap(),
         );
         let mut config = Config::default();
-        config.remote.dir = Some(std::env::temp_dir());
+        config.disk.io = DiskIo::Nixl;
         let counts = TierCounts {
             num_host_blocks: 2,
-            num_disk_blocks: 0,
+            num_disk_blocks: 2,
             num_device_blocks: 4,
         };
         let e = StandardTiers.build(&config, 0, device, counts).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unsupported);
-        assert!(e.to_string().contains("KVBM_REMOTE_DIR"), "{e}");
+        assert!(e.to_string().contains("KVBM_DISK_IO"), "{e}");
     }
 }

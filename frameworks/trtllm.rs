@@ -103,8 +103,11 @@ impl TrtllmScheduler {
         tokens_per_block: usize,
         transport: Arc<dyn LeaderTransport>,
     ) -> Result<Self> {
+        let mut leader =
+            Leader::new::<Trtllm>(ComputedPosition, config, tokens_per_block, transport)?;
+        leader.set_tier_factory(StandardTiers::shared());
         Ok(Self {
-            leader: Leader::new::<Trtllm>(ComputedPosition, config, tokens_per_block, transport)?,
+            leader,
             external: HashMap::new(),
             reported: HashMap::new(),
             prompt_len: HashMap::new(),

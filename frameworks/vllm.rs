@@ -118,6 +118,8 @@ impl Engine for Vllm {
     type Adapter = ScheduledTokens;
     type LeaderInit = Blocking;
     type WorkerInit = NonBlocking;
+    // vLLM keeps a request waiting when the count is `None` and asks again next step.
+    const DEFERRED_MATCH: bool = true;
 }
 
 /// The scheduler role of `KVConnectorBase_V1`.
@@ -134,9 +136,9 @@ impl VllmScheduler {
         block_size: usize,
         transport: Arc<dyn LeaderTransport>,
     ) -> Result<Self> {
-        Ok(Self {
-            leader: Leader::new::<Vllm>(ScheduledTokens, config, block_size, transport)?,
-        })
+        let mut leader = Leader::new::<Vllm>(ScheduledTokens, config, block_size, transport)?;
+        leader.set_tier_factory(StandardTiers::shared());
+        Ok(Self { leader })
     }
 
     /// The core leader (metrics, status).
@@ -150,7 +152,8 @@ impl VllmScheduler {
     }
 
     /// `get_num_new_matched_tokens(request, num_computed_tokens) -> (Optional[int], bool)`.
-    /// Always `Some` (this connector never asks vLLM to retry later).
+    /// `None` while a remote (G4) lookup for the request is running: vLLM keeps the request
+    /// waiting and asks again next step (the scheduler never waits for the store).
     pub fn get_num_new_matched_tokens(
         &mut self,
         request: &Request<'_>,
@@ -166,6 +169,9 @@ impl VllmScheduler {
             },
             num_computed_tokens,
         )?;
+        if m.pending {
+            return Ok((None, false));
+        }
         Ok((Some(m.external_tokens), m.load_async))
     }
 

@@ -24,6 +24,15 @@
 //! batch_blocks = 16
 //! load_timeout_secs = 10.0 # a load from disk/remote past this is a load error
 //!
+//! [remote]                 # the shared G4 tier (Redis / Valkey); off without url
+//! url = "redis://:pass@10.0.0.5:6379/0"  # or rediss://..., redis+cluster://h1:p1,h2:p2
+//! secret_file = "/etc/kvbm/remote.secret" # MAC key for values (or KVBM_REMOTE_SECRET)
+//! namespace = "llama-3-8b-instruct@rev2"  # model identity in the keys' scope
+//! lookup_timeout_ms = 5    # a synchronous lookup past this is a miss (TensorRT-LLM)
+//! io_timeout_ms = 2000     # one read/write batch, or a background lookup
+//! min_frequency = 1        # write blocks to the store once seen this many times in host
+//! ttl_secs = 86400         # values expire after a day (default: none; maxmemory evicts)
+//!
 //! [tcp]                    # the network transport (connector::tcp)
 //! leader_addr = "10.0.0.1:5557"
 //! auth_token = "s3cret"    # never written back out (to_toml, Debug)
@@ -235,29 +244,74 @@ impl TransferConfig {
     }
 }
 
-/// The remote (G4) tier: instances sharing a directory read each other's host tiers over UCX
-/// (feature `nixl`). Off unless `dir` is set.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// The remote (G4) tier: a shared block store beyond this machine (Redis / Valkey, standalone or
+/// cluster) that every instance of a deployment looks up, reads and writes. Off unless `url` is
+/// set. See docs/deployment.md.
+#[derive(Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RemoteConfig {
-    /// Shared directory where instances publish their host index and tier exports. Default:
-    /// unset (remote tier off).
-    pub dir: Option<PathBuf>,
-    /// This instance's name in that directory (unique among the instances sharing it). Default:
-    /// `<hostname>-<pid>` of the leader.
-    pub instance: Option<String>,
-    /// Iterations between two writes of this instance's index and two reads of the peers'.
-    /// Default (unset or 0): 16.
-    pub publish_every: Option<u64>,
+    /// Where the store is (`KVBM_REMOTE_URL`): `redis://[user:pass@]host:port[/db]`,
+    /// `rediss://...` for TLS, or a cluster's seed nodes
+    /// `redis+cluster://[user:pass@]h1:p1,h2:p2,...` (`rediss+cluster://` for TLS). Default:
+    /// unset (remote tier off). Its password is never shown ([`RemoteConfig::url_redacted`]).
+    pub url: Option<String>,
+    /// A file holding the deployment secret that authenticates values (a MAC on every value:
+    /// whoever can write to the store without it cannot plant a block). `KVBM_REMOTE_SECRET`
+    /// (the secret itself, environment only) wins over it. Default: none (checksum only).
+    pub secret_file: Option<PathBuf>,
+    /// The secret from `KVBM_REMOTE_SECRET`: never written out (TOML, Debug).
+    #[serde(skip)]
+    pub secret: Option<String>,
+    /// Model identity mixed into the store's key scope: instances share blocks only with the
+    /// same namespace (two models with the same shapes but different weights must differ).
+    /// Default: none.
+    pub namespace: Option<String>,
+    /// Deadline of a lookup the engine waits for (TensorRT-LLM asks synchronously), in
+    /// milliseconds; what misses it counts as a miss. Default 5.
+    pub lookup_timeout_ms: Option<u64>,
+    /// Deadline of one read or write batch (and of a background lookup), in milliseconds.
+    /// Default 2000.
+    pub io_timeout_ms: Option<u64>,
+    /// Host → remote admission: a block is written to the store once it was seen this many
+    /// times in the host tier (1 writes every block). Default 1.
+    pub min_frequency: Option<u32>,
+    /// Time to live of every value written, in seconds (the store then evicts it: a miss).
+    /// Default (unset or 0): none (the store's own `maxmemory` policy evicts).
+    pub ttl_secs: Option<u64>,
 }
 
-impl RemoteConfig {
-    /// Iterations between index writes/reads when unset.
-    pub const DEFAULT_PUBLISH_EVERY: u64 = 16;
+impl std::fmt::Debug for RemoteConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteConfig")
+            .field("url", &self.url_redacted())
+            .field("secret_file", &self.secret_file)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("namespace", &self.namespace)
+            .field("lookup_timeout_ms", &self.lookup_timeout_ms)
+            .field("io_timeout_ms", &self.io_timeout_ms)
+            .field("min_frequency", &self.min_frequency)
+            .field("ttl_secs", &self.ttl_secs)
+            .finish()
+    }
+}
 
-    /// Whether the remote tier is on (`dir` set).
+/// The schemes `remote.url` accepts.
+pub const REMOTE_URL_SCHEMES: [&str; 4] = [
+    "redis://",
+    "rediss://",
+    "redis+cluster://",
+    "rediss+cluster://",
+];
+
+impl RemoteConfig {
+    /// [`RemoteConfig::lookup_timeout_ms`] when unset.
+    pub const DEFAULT_LOOKUP_TIMEOUT_MS: u64 = 5;
+    /// [`RemoteConfig::io_timeout_ms`] when unset.
+    pub const DEFAULT_IO_TIMEOUT_MS: u64 = 2000;
+
+    /// Whether the remote tier is on (`url` set).
     pub fn enabled(&self) -> bool {
-        self.dir.is_some()
+        self.url.is_some()
     }
 
     /// True when nothing is set (the section is then left out of the TOML form).
@@ -265,29 +319,186 @@ impl RemoteConfig {
         *self == Self::default()
     }
 
-    /// Iterations between index writes/reads.
-    pub fn publish_every(&self) -> u64 {
-        match self.publish_every {
-            Some(n) if n > 0 => n,
-            _ => Self::DEFAULT_PUBLISH_EVERY,
-        }
+    /// The synchronous lookup deadline.
+    pub fn lookup_timeout(&self) -> Duration {
+        Duration::from_millis(
+            self.lookup_timeout_ms
+                .unwrap_or(Self::DEFAULT_LOOKUP_TIMEOUT_MS),
+        )
     }
 
-    /// The instance name: `instance`, else `<hostname>-<pid>`.
-    pub fn instance_name(&self) -> String {
-        if let Some(i) = self.instance.as_ref().filter(|i| !i.trim().is_empty()) {
-            return i.clone();
+    /// The deadline of one read/write batch and of a background lookup.
+    pub fn io_timeout(&self) -> Duration {
+        Duration::from_millis(self.io_timeout_ms.unwrap_or(Self::DEFAULT_IO_TIMEOUT_MS))
+    }
+
+    /// Host → remote admission count.
+    pub fn min_frequency(&self) -> u32 {
+        self.min_frequency.unwrap_or(1)
+    }
+
+    /// Time to live of the values written, if any.
+    pub fn ttl(&self) -> Option<Duration> {
+        self.ttl_secs.filter(|s| *s > 0).map(Duration::from_secs)
+    }
+
+    /// `url` with any password replaced by `<redacted>` (what logs and `kvbm config` show).
+    pub fn url_redacted(&self) -> Option<String> {
+        self.url.as_deref().map(redact_url)
+    }
+
+    /// The deployment secret: `KVBM_REMOTE_SECRET`, else the contents of `secret_file`
+    /// (surrounding whitespace trimmed), else none. An unreadable or empty file is
+    /// [`ErrorKind::InvalidConfig`] naming `remote.secret_file` (never the secret).
+    pub fn secret(&self) -> Result<Option<Vec<u8>>> {
+        if let Some(s) = self.secret.as_ref().filter(|s| !s.is_empty()) {
+            return Ok(Some(s.as_bytes().to_vec()));
         }
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .ok()
-            .map(|h| h.trim().to_owned())
-            .filter(|h| !h.is_empty())
-            .or_else(|| std::env::var("HOSTNAME").ok())
-            .unwrap_or_else(|| "localhost".to_owned());
-        format!("{host}-{}", std::process::id())
+        let Some(path) = &self.secret_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read(path).map_err(|e| {
+            Error::invalid_config(
+                "remote.secret_file",
+                path.display(),
+                format!("cannot read the secret file ({e})"),
+            )
+        })?;
+        let trimmed = text.trim_ascii();
+        if trimmed.is_empty() {
+            return Err(Error::invalid_config(
+                "remote.secret_file",
+                path.display(),
+                "the secret file is empty",
+            ));
+        }
+        Ok(Some(trimmed.to_vec()))
+    }
+
+    /// Checks the settings' forms and ranges (the URL's scheme and shape; the store parses the
+    /// rest when it connects).
+    fn validate(&self) -> Result<()> {
+        if let Some(url) = &self.url {
+            validate_url(url)?;
+        }
+        if let Some(ns) = &self.namespace {
+            if ns.len() > 256 || ns.chars().any(char::is_control) {
+                return Err(Error::invalid_config(
+                    "remote.namespace",
+                    ns,
+                    "at most 256 characters, no control characters",
+                ));
+            }
+        }
+        for (key, v, max) in [
+            ("remote.lookup_timeout_ms", self.lookup_timeout_ms, 60_000),
+            ("remote.io_timeout_ms", self.io_timeout_ms, 600_000),
+        ] {
+            if let Some(v) = v {
+                if v == 0 || v > max {
+                    return Err(Error::invalid_config(
+                        key,
+                        v,
+                        format!("must be a number of milliseconds from 1 to {max}"),
+                    ));
+                }
+            }
+        }
+        if self.ttl_secs.is_some_and(|t| t > 10 * 365 * 24 * 3600) {
+            return Err(Error::invalid_config(
+                "remote.ttl_secs",
+                self.ttl_secs.unwrap_or(0),
+                "must be at most ten years of seconds (0 for none)",
+            ));
+        }
+        if self.min_frequency == Some(0) {
+            return Err(Error::invalid_config(
+                "remote.min_frequency",
+                0,
+                "must be at least 1",
+            ));
+        }
+        Ok(())
     }
 }
 
+/// `url` with the password of its `user:pass@` part (if any) replaced by `<redacted>`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<redacted>".to_string();
+    };
+    let (authority, tail) = match rest.find('/') {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            if userinfo.contains(':') {
+                format!("{scheme}://{user}:<redacted>@{hosts}{tail}")
+            } else {
+                // `redis://password@host` (no user): the part before '@' is the password.
+                format!("{scheme}://<redacted>@{hosts}{tail}")
+            }
+        }
+        None => url.to_string(),
+    }
+}
+
+/// Checks `remote.url`'s scheme and that it names at least one `host:port` (one for
+/// `redis://` / `rediss://`, one or more comma-separated for the cluster forms). Errors name
+/// `remote.url` and show it redacted.
+pub fn validate_url(url: &str) -> Result<()> {
+    let bad = |why: &str| Error::invalid_config("remote.url", redact_url(url), why.to_string());
+    let Some(scheme) = REMOTE_URL_SCHEMES.iter().find(|s| url.starts_with(*s)) else {
+        return Err(bad(
+            "expected redis://, rediss://, redis+cluster:// or rediss+cluster://",
+        ));
+    };
+    let rest = &url[scheme.len()..];
+    let authority = rest.split('/').next().unwrap_or("");
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let cluster = scheme.contains("+cluster");
+    let nodes: Vec<&str> = hosts.split(',').collect();
+    if !cluster && nodes.len() > 1 {
+        return Err(bad(
+            "several nodes need the cluster form redis+cluster://h1:p1,h2:p2",
+        ));
+    }
+    for node in nodes {
+        let (host, port) = match node.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (node, None),
+        };
+        if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(bad("expected host:port for every node"));
+        }
+        if let Some(p) = port {
+            if p.parse::<u16>().map_or(true, |p| p == 0) {
+                return Err(bad("a node's port must be a number from 1 to 65535"));
+            }
+        }
+    }
+    if !cluster {
+        if let Some(db) = rest
+            .split_once('/')
+            .map(|(_, d)| d)
+            .filter(|d| !d.is_empty())
+        {
+            let db = db.split('?').next().unwrap_or("");
+            if !db.is_empty() && db.parse::<u32>().is_err() {
+                return Err(bad("the database after '/' must be a number"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The environment variable naming the remote store ([`RemoteConfig::url`]).
+pub const REMOTE_URL_ENV: &str = "KVBM_REMOTE_URL";
+/// The environment variable holding the remote store's deployment secret
+/// ([`RemoteConfig::secret`]).
+pub const REMOTE_SECRET_ENV: &str = "KVBM_REMOTE_SECRET";
 /// The environment variable naming the leader's address ([`TcpConfig::leader_addr`]).
 pub const LEADER_ADDR_ENV: &str = "KVBM_LEADER_ADDR";
 /// The environment variable holding the shared secret workers present ([`TcpConfig::auth_token`]).
@@ -712,9 +923,14 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_TRANSFER_BATCH_BLOCKS", "transfer.batch_blocks"),
     ours("KVBM_LOAD_TIMEOUT_SECS", "transfer.load_timeout_secs"),
     ours("KVBM_INIT_TIMEOUT_SECS", "init_timeout_secs"),
-    ours("KVBM_REMOTE_DIR", "remote.dir"),
-    ours("KVBM_REMOTE_INSTANCE", "remote.instance"),
-    ours("KVBM_REMOTE_PUBLISH_EVERY", "remote.publish_every"),
+    ours(REMOTE_URL_ENV, "remote.url"),
+    ours("KVBM_REMOTE_SECRET_FILE", "remote.secret_file"),
+    secret(REMOTE_SECRET_ENV, "remote.secret"),
+    ours("KVBM_REMOTE_NAMESPACE", "remote.namespace"),
+    ours("KVBM_REMOTE_LOOKUP_TIMEOUT_MS", "remote.lookup_timeout_ms"),
+    ours("KVBM_REMOTE_IO_TIMEOUT_MS", "remote.io_timeout_ms"),
+    ours("KVBM_REMOTE_MIN_FREQUENCY", "remote.min_frequency"),
+    ours("KVBM_REMOTE_TTL_SECS", "remote.ttl_secs"),
     ours(LEADER_ADDR_ENV, "tcp.leader_addr"),
     secret(AUTH_TOKEN_ENV, "tcp.auth_token"),
     ours(RENDEZVOUS_DIR_ENV, "tcp.rendezvous_dir"),
@@ -866,28 +1082,35 @@ impl Config {
             "transfer.load_timeout_secs" => {
                 self.transfer.load_timeout_secs = parse_num(source, raw, "seconds > 0")?
             }
-            "remote.dir" => {
-                self.remote.dir = Some(raw.trim())
+            "remote.url" => {
+                self.remote.url = Some(raw.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+            }
+            "remote.secret_file" => {
+                self.remote.secret_file = Some(raw.trim())
                     .filter(|s| !s.is_empty())
                     .map(PathBuf::from)
             }
-            "remote.instance" => {
-                let name = raw.trim();
-                if !name.is_empty()
-                    && !name
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-                {
-                    return Err(Error::invalid_config(
-                        source,
-                        raw,
-                        "expected letters, digits, '-', '_' or '.'",
-                    ));
-                }
-                self.remote.instance = Some(name.to_owned()).filter(|s| !s.is_empty())
+            "remote.secret" => {
+                self.remote.secret = Some(raw).filter(|t| !t.is_empty()).map(str::to_owned)
             }
-            "remote.publish_every" => {
-                self.remote.publish_every = Some(parse_num(source, raw, "a count of iterations")?)
+            "remote.namespace" => {
+                self.remote.namespace = Some(raw.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+            }
+            "remote.lookup_timeout_ms" => {
+                self.remote.lookup_timeout_ms = Some(parse_num(source, raw, "milliseconds >= 1")?)
+            }
+            "remote.io_timeout_ms" => {
+                self.remote.io_timeout_ms = Some(parse_num(source, raw, "milliseconds >= 1")?)
+            }
+            "remote.min_frequency" => {
+                self.remote.min_frequency = Some(parse_num(source, raw, "a count >= 1")?)
+            }
+            "remote.ttl_secs" => {
+                self.remote.ttl_secs = Some(parse_num(source, raw, "seconds (0 for none)")?)
             }
             "tcp.leader_addr" => {
                 self.tcp.leader_addr = Some(raw.trim())
@@ -928,9 +1151,16 @@ impl Config {
                 )))
             }
         }
-        // Re-check the one key just set so the error names the variable, not the TOML key.
-        self.validate_values()
-            .map_err(|e| Error::invalid_config(source, raw, e.message().to_string()))
+        // Re-check the one key just set so the error names the variable, not the TOML key (a
+        // secret or a URL's password is never echoed).
+        self.validate_values().map_err(|e| {
+            let shown = match key {
+                "remote.secret" | "tcp.auth_token" => "<redacted>".to_string(),
+                "remote.url" => redact_url(raw),
+                _ => raw.to_string(),
+            };
+            Error::invalid_config(source, shown, e.message().to_string())
+        })
     }
 
     /// Checks every value's range, and the settings that constrain each other.
@@ -946,6 +1176,7 @@ impl Config {
         self.disk.validate_dir()?;
         self.tcp.validate()?;
         self.transfer.validate()?;
+        self.remote.validate()?;
         if !(self.init_timeout_secs.is_finite()
             && self.init_timeout_secs > 0.0
             && self.init_timeout_secs <= 1e9)
@@ -1044,7 +1275,16 @@ impl Config {
         None
     }
 
-    /// The configuration as a TOML document.
+    /// The configuration as a TOML document to show: as [`Config::to_toml`] with the password
+    /// of `remote.url` replaced by `<redacted>`.
+    pub fn to_toml_redacted(&self) -> Result<String> {
+        let mut shown = self.clone();
+        shown.remote.url = self.remote.url_redacted();
+        shown.to_toml()
+    }
+
+    /// The configuration as a TOML document (secrets left out, `remote.url` as set: it may
+    /// carry a password, so write it only where the configuration file itself may go).
     pub fn to_toml(&self) -> Result<String> {
         toml::to_string(self)
             .map_err(|e| Error::internal(format!("cannot render configuration as TOML: {e}")))
@@ -1354,5 +1594,123 @@ mod tests {
             ..TcpConfig::default()
         };
         open.check_listen("kvbm leader", lan, false).unwrap();
+    }
+
+    #[test]
+    fn remote_settings_from_env_and_toml() {
+        let c = Config::load_with(
+            None,
+            env(&[
+                ("KVBM_REMOTE_URL", "redis://user:hunter2@10.0.0.5:6379/2"),
+                ("KVBM_REMOTE_SECRET", "s3cret-mac-key"),
+                ("KVBM_REMOTE_LOOKUP_TIMEOUT_MS", "7"),
+                ("KVBM_REMOTE_IO_TIMEOUT_MS", "1500"),
+                ("KVBM_REMOTE_MIN_FREQUENCY", "2"),
+                ("KVBM_REMOTE_NAMESPACE", "m1"),
+                ("KVBM_REMOTE_TTL_SECS", "60"),
+            ]),
+        )
+        .unwrap();
+        assert!(c.remote.enabled());
+        assert_eq!(c.remote.lookup_timeout(), Duration::from_millis(7));
+        assert_eq!(c.remote.io_timeout(), Duration::from_millis(1500));
+        assert_eq!(c.remote.min_frequency(), 2);
+        assert_eq!(c.remote.ttl(), Some(Duration::from_secs(60)));
+        assert_eq!(c.remote.secret().unwrap().unwrap(), b"s3cret-mac-key");
+        // Neither the secret nor the password is shown.
+        let shown = format!("{c:?}{}", c.to_toml_redacted().unwrap());
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("redis://user:<redacted>@10.0.0.5:6379/2"),
+            "{shown}"
+        );
+        // The full form keeps the URL (workers read it) but never the secret.
+        let toml = c.to_toml().unwrap();
+        assert!(
+            toml.contains("hunter2") && !toml.contains("s3cret"),
+            "{toml}"
+        );
+        let again = Config::from_toml_str(&toml).unwrap();
+        assert_eq!(again.remote.url, c.remote.url);
+        // Defaults.
+        let d = RemoteConfig::default();
+        assert!(!d.enabled());
+        assert_eq!(d.lookup_timeout(), Duration::from_millis(5));
+        assert_eq!(d.io_timeout(), Duration::from_millis(2000));
+        assert_eq!(d.min_frequency(), 1);
+        assert_eq!(d.ttl(), None);
+        assert_eq!(d.secret().unwrap(), None);
+    }
+
+    #[test]
+    fn remote_urls_are_checked_and_never_echo_a_password() {
+        for ok in [
+            "redis://127.0.0.1:6379",
+            "redis://localhost",
+            "redis://:pw@h:1/3",
+            "rediss://user:pw@cache.example.com:6380/0",
+            "redis+cluster://10.0.0.1:7000,10.0.0.2:7000,10.0.0.3:7000",
+            "rediss+cluster://u:p@a:1,b:2",
+        ] {
+            validate_url(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for (bad, why) in [
+            ("http://h:1", "expected redis://"),
+            ("h:6379", "expected redis://"),
+            ("redis://", "host:port"),
+            ("redis://h:0", "port"),
+            ("redis://h:99999", "port"),
+            ("redis://h:1,g:2", "cluster form"),
+            ("redis://h:1/x", "database"),
+            ("redis+cluster://a:1,,b:2", "host:port"),
+        ] {
+            let e = validate_url(bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{bad}");
+            assert!(e.to_string().contains(why), "{bad}: {e}");
+            assert!(e.to_string().contains("remote.url"), "{bad}: {e}");
+        }
+        let e = Config::load_with(None, env(&[("KVBM_REMOTE_URL", "http://u:topsecret@h:1")]))
+            .unwrap_err();
+        assert!(e.to_string().contains("KVBM_REMOTE_URL"), "{e}");
+        assert!(!e.to_string().contains("topsecret"), "{e}");
+        assert_eq!(redact_url("redis://pw@h:1"), "redis://<redacted>@h:1");
+        assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
+    }
+
+    #[test]
+    fn remote_ranges_and_secret_file() {
+        for (var, bad) in [
+            ("KVBM_REMOTE_LOOKUP_TIMEOUT_MS", "0"),
+            ("KVBM_REMOTE_LOOKUP_TIMEOUT_MS", "-1"),
+            ("KVBM_REMOTE_IO_TIMEOUT_MS", "0"),
+            ("KVBM_REMOTE_IO_TIMEOUT_MS", "100000000"),
+            ("KVBM_REMOTE_MIN_FREQUENCY", "0"),
+            ("KVBM_REMOTE_TTL_SECS", "-5"),
+        ] {
+            let e = Config::load_with(None, env(&[(var, bad)])).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+            assert!(e.to_string().contains(var), "{e}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        std::fs::write(&path, "  from-file\n").unwrap();
+        let mut c = Config::default();
+        c.remote.secret_file = Some(path.clone());
+        assert_eq!(c.remote.secret().unwrap().unwrap(), b"from-file");
+        c.remote.secret = Some("from-env".into());
+        assert_eq!(c.remote.secret().unwrap().unwrap(), b"from-env");
+        c.remote.secret = None;
+        std::fs::write(&path, "\n").unwrap();
+        let e = c.remote.secret().unwrap_err();
+        assert!(e.to_string().contains("remote.secret_file"), "{e}");
+        c.remote.secret_file = Some(dir.path().join("missing"));
+        let e = c.remote.secret().unwrap_err();
+        assert!(e.to_string().contains("remote.secret_file"), "{e}");
+        let e =
+            Config::from_toml_str("[remote]\nurl = \"redis://h:1\"\ndir = \"/x\"\n").unwrap_err();
+        assert!(e.to_string().contains("dir"), "{e}");
     }
 }

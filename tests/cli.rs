@@ -1043,6 +1043,43 @@ fn config_prints_the_effective_configuration() {
     assert!(!stdout.contains("cache_gb = 9.0"), "{stdout}");
 }
 
+#[test]
+fn config_shows_the_remote_settings_never_a_password_or_secret() {
+    let dir = tmp();
+    let out = kvbm(dir.path())
+        .args(["config", "--bytes-per-block", "1000000"])
+        .env("KVBM_REMOTE_URL", "redis://kvbm:hunter2@10.0.0.5:6379/1")
+        .env("KVBM_REMOTE_SECRET", "mac-key-s3cret")
+        .env("KVBM_REMOTE_LOOKUP_TIMEOUT_MS", "7")
+        .env("KVBM_REMOTE_MIN_FREQUENCY", "2")
+        .output()
+        .expect("run kvbm config");
+    assert_ok(&out, "kvbm config");
+    let stdout = text(&out.stdout);
+    assert!(!stdout.contains("hunter2"), "{stdout}");
+    assert!(!stdout.contains("mac-key-s3cret"), "{stdout}");
+    let lines: Vec<&str> = stdout.lines().map(str::trim).collect();
+    for want in [
+        "[remote]",
+        "url = \"redis://kvbm:<redacted>@10.0.0.5:6379/1\"",
+        "lookup_timeout_ms = 7",
+        "min_frequency = 2",
+    ] {
+        assert!(lines.contains(&want), "missing {want:?} in:\n{stdout}");
+    }
+    assert!(stdout.contains("KVBM_REMOTE_SECRET=<redacted>"), "{stdout}");
+    // A bad URL is refused naming the variable, still without the password.
+    let out = kvbm(dir.path())
+        .args(["config", "--bytes-per-block", "1000000"])
+        .env("KVBM_REMOTE_URL", "http://kvbm:hunter2@10.0.0.5:6379")
+        .output()
+        .expect("run kvbm config");
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("KVBM_REMOTE_URL"), "{stderr}");
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+}
+
 // ------------------------------------------------------------------------------------------------
 // 7. The report's JSON schema
 // ------------------------------------------------------------------------------------------------

@@ -8,14 +8,17 @@
 //!   under it (and under the xxh3-128 opt-in, for this particular construction only: xxh3 is not
 //!   collision-resistant and the opt-in is documented as forgeable);
 //! * a forced collision of a 64-bit hash (keys equal in their low 64 bits) is told apart by the
-//!   pool, the connector metadata and the remote index: nothing on the way truncates a key.
+//!   pool, the connector metadata and the remote store's interface: nothing on the way truncates
+//!   a key.
 //!
 //! No test can show that SHA-256 has no findable collision; that rests on SHA-256.
 
+use std::time::{Duration, Instant};
+
 use kvbm_connector::connector::metadata::{
-    BlockTransfer, ConnectorMetadata, KeyedStore, OperationId, RemoteLoad,
+    BlockTransfer, ConnectorMetadata, OperationId, RemoteLoad, RemoteWrite,
 };
-use kvbm_connector::connector::remote::HostIndex;
+use kvbm_connector::connector::remote::{MemoryRemoteStore, RemoteRead, RemoteScope, RemoteStore};
 use kvbm_connector::pool::BlockPool;
 use kvbm_connector::{BlockHasher, HashAlgorithm, Salt, SequenceHash, TierKind};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -106,17 +109,17 @@ fn a_forced_64_bit_collision_is_caught_by_the_pool() {
 }
 
 #[test]
-fn a_forced_64_bit_collision_survives_the_metadata_and_the_remote_index() {
+fn a_forced_64_bit_collision_survives_the_metadata_and_the_remote_store() {
     let (victim, forged) = victim_and_forged();
     let transfer = |id| BlockTransfer {
         id: OperationId(id),
         request_id: None,
-        src: TierKind::Device,
-        dst: TierKind::Host,
+        src: TierKind::Host,
+        dst: TierKind::Remote,
         pairs: vec![(0, 0), (1, 1)],
     };
     let mut meta = ConnectorMetadata::empty(1);
-    meta.operations.push(Box::new(KeyedStore {
+    meta.operations.push(Box::new(RemoteWrite {
         transfer: transfer(1),
         keys: vec![victim.0, forged.0],
     }));
@@ -126,30 +129,21 @@ fn a_forced_64_bit_collision_survives_the_metadata_and_the_remote_index() {
             dst: TierKind::Device,
             ..transfer(2)
         },
-        instance: "peer".into(),
         keys: vec![forged.0, victim.0],
     }));
     let back = ConnectorMetadata::decode(&meta.encode().unwrap()).unwrap();
     assert_eq!(back.operations[0].block_keys(), [victim.0, forged.0]);
     assert_eq!(back.operations[1].block_keys(), [forged.0, victim.0]);
 
-    let index = HostIndex {
-        instance: "a".into(),
-        world_size: 1,
-        page_size: 16,
-        bytes_per_block: 64,
-        hash: HashAlgorithm::default(),
-        key_bits: HostIndex::KEY_BITS,
-        blocks: vec![(victim.0, 0), (forged.0, 1), (u128::MAX, 2)],
-    };
-    let json = serde_json::to_vec(&index).unwrap();
-    let back: HostIndex = serde_json::from_slice(&json).unwrap();
-    assert_eq!(back, index);
-}
-
-#[test]
-fn a_remote_index_with_64_bit_keys_is_not_read() {
-    // An index of the previous version: no `key_bits`, 64-bit keys.
-    let old = br#"{"instance":"a","world_size":1,"page_size":16,"bytes_per_block":64,"hash":"xxh3","blocks":[[123,0]]}"#;
-    assert!(serde_json::from_slice::<HostIndex>(old).is_err());
+    // The store's interface carries whole keys: the victim's value is not the forged key's.
+    let scope = RemoteScope::new("forgery", 16, 1, 8, HashAlgorithm::default()).unwrap();
+    let store = MemoryRemoteStore::new(scope);
+    let soon = || Instant::now() + Duration::from_secs(1);
+    store.put(0, &[(victim.0, &[7u8; 8])], soon()).unwrap();
+    assert_eq!(store.lookup_prefix(&[forged.0], soon()).unwrap(), 0);
+    let mut buf = [0u8; 8];
+    let reads = store
+        .get(0, &[forged.0], &mut [&mut buf[..]], soon())
+        .unwrap();
+    assert_eq!(reads, vec![RemoteRead::Missing]);
 }

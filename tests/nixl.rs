@@ -1,5 +1,5 @@
-//! The `nixl` backend, for real: NIXL's POSIX plugin under the disk tier, UCX between agents and
-//! between two processes, and a missing or broken installation as an error, never an abort.
+//! The `nixl` backend, for real: NIXL's POSIX plugin under the disk tier, and a missing or broken
+//! installation as an error, never an abort.
 //!
 //! Run with the library on the loader's path: `source scripts/nixl-env.sh && cargo test
 //! --features nixl --test nixl`. Without NIXL the tests that need it print `SKIP <test>: <reason>` to
@@ -12,6 +12,9 @@
 //!
 //! Helper tests marked `#[ignore]` are the other process of a two-process test: the parent runs
 //! this binary again with `--ignored --exact <name>`.
+//!
+//! (The UCX peer read of another instance's host tier and its shared-directory discovery were
+//! removed with issue 17: instances share blocks through the remote store, tests/remote_tier.rs.)
 
 #![cfg(feature = "nixl")]
 
@@ -19,23 +22,20 @@
 mod conformance;
 mod common;
 
-use std::io::{BufRead, BufReader, IoSliceMut, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::io::Write;
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use conformance::*;
 use kvbm_connector::backends::disk::DiskTierOptions;
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::backends::nixl::{
-    probe, NixlAgent, NixlBackend, NixlDiskTier, NixlInfo, RemoteTier, TierExport, VerifiedRemote,
-    LIB_DIR_ENV, PLUGIN_DIR_ENV, REMOTE_MAX_IN_FLIGHT,
+    probe, NixlAgent, NixlBackend, NixlDiskTier, NixlInfo, LIB_DIR_ENV, PLUGIN_DIR_ENV,
 };
 use kvbm_connector::config::TransferConfig;
-use kvbm_connector::layout::BlockOrder;
 use kvbm_connector::transfer::TransferEngine;
-use kvbm_connector::{ErrorKind, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind};
+use kvbm_connector::{ErrorKind, LayoutDims, StorageTier, StorageTierExt, TierKind};
 
 // ------------------------------------------------------------------------------------------------
 // NIXL present, or skip (fail under CI)
@@ -103,24 +103,6 @@ fn nixl_disk(dims: LayoutDims, direct_io: bool) -> Option<Fixture<NixlDiskTier>>
     })
 }
 
-/// A host tier exported by one agent and reached over UCX by another, in this process.
-fn remote(dims: LayoutDims, layout: MemLayout) -> Option<Fixture<RemoteTier>> {
-    nixl()?;
-    let exporter = agent(&[NixlBackend::Ucx]);
-    let host: Arc<dyn StorageTier> = Arc::new(memory(dims, layout));
-    let id = exporter
-        .register_host_tier(host.clone())
-        .expect("register host tier");
-    let export = exporter.export_tier(id).expect("export");
-    let export = TierExport::from_bytes(&export.to_bytes().expect("encode")).expect("decode");
-    let importer = agent(&[NixlBackend::Ucx]);
-    let tier = RemoteTier::connect(&importer, &export, REMOTE_MAX_IN_FLIGHT).expect("connect");
-    Some(Fixture {
-        tier,
-        _keep: vec![Box::new(importer), Box::new(exporter), Box::new(host)],
-    })
-}
-
 fn memory(dims: LayoutDims, which: MemLayout) -> MemoryTier {
     MemoryTier::host(which.layout(dims)).expect("memory tier")
 }
@@ -155,9 +137,6 @@ conformance! {
     nixl_disk_buffered_small => nixl_disk(small_dims(), false);
     nixl_disk_direct_aligned => nixl_disk(aligned_dims(), true);
     nixl_disk_buffered_aligned => nixl_disk(aligned_dims(), false);
-    ucx_remote_contiguous_small => remote(small_dims(), MemLayout::Contiguous);
-    ucx_remote_outer_major_aligned => remote(aligned_dims(), MemLayout::OuterMajor);
-    ucx_remote_head_major_small => remote(small_dims(), MemLayout::HeadMajor);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -323,94 +302,6 @@ fn transfer_engine_round_trip_through_nixl_disk() {
     }
 }
 
-/// Verified remote reads (the G4 tier's guarantee): a block is served only while the exporter's
-/// header names the expected key and the bytes read hash to the header's checksum; after the
-/// exporter evicts and rewrites the block, a read for the old key fails, never served.
-#[test]
-fn verified_remote_reads_refuse_rewritten_blocks() {
-    need_nixl!();
-    let dims = small_dims();
-    let exporter = agent(&[NixlBackend::Ucx]);
-    let host: Arc<dyn StorageTier> = Arc::new(memory(dims, MemLayout::OuterMajor));
-    let id = exporter.register_host_tier(host.clone()).expect("register");
-    let headers = exporter.register_block_headers(id).expect("headers");
-    let export = exporter.export_tier(id).expect("export");
-    let export = TierExport::from_bytes(&export.to_bytes().expect("encode")).expect("decode");
-    assert!(export.headers.is_some());
-    let importer = agent(&[NixlBackend::Ucx]);
-    let remote =
-        Arc::new(RemoteTier::connect(&importer, &export, REMOTE_MAX_IN_FLIGHT).expect("connect"));
-    assert!(remote.has_headers());
-    let bpb = dims.bytes_per_block();
-    let (k1, k2) = (0x1111_u128 << 64 | 0x1111, 0x2222_u128);
-    let read = |block: usize, key: u128| {
-        let mut buf = vec![0u8; bpb];
-        remote
-            .read_verified(block, key, &mut [IoSliceMut::new(&mut buf)])
-            .map(|_| buf)
-    };
-    // Never published: not served.
-    write_image(host.as_ref(), 3, 1);
-    assert_eq!(read(3, k1).unwrap_err().kind(), ErrorKind::NotFound);
-    // Published: served, bytes verified.
-    headers.publish_from(host.as_ref(), 3, k1).expect("publish");
-    assert_eq!(headers.get(3).map(|h| h.0), Some(k1));
-    assert_eq!(read(3, k1).expect("verified read"), image(3, bpb, 1));
-    // Another key: refused.
-    assert_eq!(read(3, k2).unwrap_err().kind(), ErrorKind::NotFound);
-    // Rewritten in place without following the protocol (no invalidation): the checksum catches it.
-    write_image(host.as_ref(), 3, 2);
-    assert_eq!(read(3, k1).unwrap_err().kind(), ErrorKind::Corrupt);
-    // Evicted and reused for another key, per the protocol.
-    headers.invalidate(3).expect("invalidate");
-    assert_eq!(read(3, k1).unwrap_err().kind(), ErrorKind::NotFound);
-    write_image(host.as_ref(), 3, 5);
-    headers.publish_from(host.as_ref(), 3, k2).expect("publish");
-    assert_eq!(read(3, k1).unwrap_err().kind(), ErrorKind::NotFound);
-    assert_eq!(read(3, k2).expect("verified read"), image(3, bpb, 5));
-
-    // Through the transfer engine, as a worker's remote load would run: the stale block fails
-    // (a load error for the engine to recompute), the valid one lands, every byte checked.
-    write_image(host.as_ref(), 5, 7);
-    headers
-        .publish_from(host.as_ref(), 5, 0x5555)
-        .expect("publish");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let engine = TransferEngine::new(&TransferConfig {
-        max_concurrency: 2,
-        batch_blocks: 1,
-        ..Default::default()
-    })
-    .expect("engine");
-    let src: Arc<dyn StorageTier> =
-        Arc::new(VerifiedRemote::new(remote.clone(), [(3, k1), (5, 0x5555)]));
-    let dst: Arc<dyn StorageTier> = Arc::new(memory(dims, MemLayout::Contiguous));
-    let out = runtime
-        .block_on(engine.copy(src.clone(), dst.clone(), vec![(3, 0), (5, 1)]))
-        .expect("copy");
-    let failed: Vec<usize> = out.failed.iter().map(|f| f.dst_block).collect();
-    assert_eq!(failed, vec![0], "{:?}", out.failed);
-    assert_eq!(read_image(dst.as_ref(), 1), image(5, bpb, 7));
-    assert!(read_image(dst.as_ref(), 0).iter().all(|b| *b == 0));
-    // No headers in the export: verified reads are refused outright.
-    let bare = exporter
-        .register_host_tier(Arc::new(memory(dims, MemLayout::Contiguous)))
-        .expect("register");
-    let bare = RemoteTier::connect(&importer, &exporter.export_tier(bare).expect("export"), 2)
-        .expect("connect");
-    let mut buf = vec![0u8; bpb];
-    assert_eq!(
-        bare.read_verified(0, k1, &mut [IoSliceMut::new(&mut buf)])
-            .unwrap_err()
-            .kind(),
-        ErrorKind::Unsupported
-    );
-}
-
 #[test]
 fn agent_without_posix_cannot_make_a_disk_tier() {
     need_nixl!();
@@ -442,31 +333,9 @@ fn device_like_tier_that_is_not_host_addressable_is_refused() {
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
 }
 
-#[test]
-fn export_with_wrong_allocation_count_is_refused() {
-    need_nixl!();
-    let exporter = agent(&[NixlBackend::Ucx]);
-    let id = exporter
-        .register_host_tier(Arc::new(memory(small_dims(), MemLayout::BlockMajor)))
-        .expect("register");
-    let mut export = exporter.export_tier(id).expect("export");
-    export.allocations.pop();
-    let importer = agent(&[NixlBackend::Ucx]);
-    let err = RemoteTier::connect(&importer, &export, 2).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Decode, "{err}");
-}
-
 // ------------------------------------------------------------------------------------------------
-// Two processes over UCX
+// Helper processes
 // ------------------------------------------------------------------------------------------------
-
-const ROLE_DIR_ENV: &str = "KVBM_NIXL_TEST_DIR";
-const EXPORT_BLOCKS: usize = 16;
-
-/// The exporter's host tier: outer-major layer-separate (several allocations, many runs).
-fn exporter_layout() -> Layout {
-    Layout::layer_separate(aligned_dims(), EXPORT_BLOCKS, BlockOrder::OuterMajor).expect("layout")
-}
 
 fn self_command(test: &str) -> Command {
     let exe = std::env::current_exe().expect("test binary path");
@@ -479,139 +348,6 @@ fn self_command(test: &str) -> Command {
         "--test-threads=1",
     ]);
     cmd
-}
-
-/// Helper process for `two_processes_move_blocks_over_ucx`: exports a filled host tier, then
-/// checks on request that the parent's UCX write landed, byte for byte.
-#[test]
-#[ignore = "the exporting process of two_processes_move_blocks_over_ucx, started by it"]
-fn child_ucx_exporter() {
-    let Some(dir) = std::env::var_os(ROLE_DIR_ENV).map(PathBuf::from) else {
-        panic!(
-            "{ROLE_DIR_ENV} unset: this helper is started by two_processes_move_blocks_over_ucx"
-        );
-    };
-    let a = NixlAgent::new(
-        Some(&format!("kvbm-test-exporter-{}", std::process::id())),
-        &[NixlBackend::Ucx],
-    )
-    .expect("agent");
-    let host = Arc::new(MemoryTier::host(exporter_layout()).expect("host tier"));
-    write_all_blocks(host.as_ref(), 1);
-    let id = a.register_host_tier(host.clone()).expect("register");
-    let bytes = a
-        .export_tier(id)
-        .expect("export")
-        .to_bytes()
-        .expect("encode");
-    let tmp = dir.join("export.json.tmp");
-    std::fs::write(&tmp, bytes).expect("write export");
-    std::fs::rename(&tmp, dir.join("export.json")).expect("publish export");
-    println!("EXPORTED");
-    let stdin = std::io::stdin();
-    for line in stdin.lock().lines() {
-        let line = line.expect("stdin");
-        if let Some(rest) = line.strip_prefix("verify ") {
-            let mut it = rest
-                .split_whitespace()
-                .map(|x| x.parse::<u64>().expect("number"));
-            let (block, generation) = (it.next().expect("block") as usize, it.next().expect("gen"));
-            let got = host.read_block_to_vec(block).expect("read");
-            let ok = got == image(block, host.bytes_per_block(), generation);
-            // The other blocks are untouched.
-            let others = (0..EXPORT_BLOCKS).filter(|&b| b != block).all(|b| {
-                host.read_block_to_vec(b).expect("read") == image(b, host.bytes_per_block(), 1)
-            });
-            println!("{}", if ok && others { "VERIFIED" } else { "MISMATCH" });
-            std::io::stdout().flush().expect("flush");
-        }
-    }
-}
-
-/// Two processes: a child exports a host tier; this process imports it as a remote (G4) tier
-/// and reads every block over UCX (into a registered host tier via the transfer engine, and
-/// into plain buffers through the bounce pool), verifying every byte; then it writes one block
-/// and the child verifies it in its own memory.
-#[test]
-fn two_processes_move_blocks_over_ucx() {
-    need_nixl!();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let mut child = self_command("child_ucx_exporter")
-        .env(ROLE_DIR_ENV, dir.path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the exporting process");
-    let export_path = dir.path().join("export.json");
-    let start = Instant::now();
-    while !export_path.exists() {
-        if let Some(status) = child.try_wait().expect("child status") {
-            panic!("exporting process ended early: {status}");
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "exporting process published nothing within 60 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let export =
-        TierExport::from_bytes(&std::fs::read(&export_path).expect("read export")).expect("decode");
-    assert_eq!(export.layout, exporter_layout());
-
-    let a = agent(&[NixlBackend::Ucx]);
-    let remote: Arc<dyn StorageTier> =
-        Arc::new(RemoteTier::connect(&a, &export, REMOTE_MAX_IN_FLIGHT).expect("connect"));
-    assert_eq!(remote.kind(), TierKind::Remote);
-    let local: Arc<dyn StorageTier> = Arc::new(
-        MemoryTier::host(Layout::fully_contiguous(aligned_dims(), EXPORT_BLOCKS).expect("layout"))
-            .expect("host"),
-    );
-    a.register_host_tier(local.clone()).expect("register");
-
-    let t = Instant::now();
-    let pairs: Vec<(usize, usize)> = (0..EXPORT_BLOCKS).map(|b| (b, b)).collect();
-    let out = TransferEngine::copy_blocking(remote.as_ref(), local.as_ref(), &pairs).expect("copy");
-    assert!(out.failed.is_empty(), "{:?}", out.failed);
-    println!(
-        "UCX read of {} blocks ({} bytes) from process {} in {:?}",
-        EXPORT_BLOCKS,
-        out.bytes,
-        export.agent,
-        t.elapsed()
-    );
-    assert_all_blocks(local.as_ref(), 1);
-    // Unregistered buffers: through the bounce pool.
-    for b in 0..EXPORT_BLOCKS {
-        assert_eq!(
-            remote.read_block_to_vec(b).expect("read"),
-            image(b, remote.bytes_per_block(), 1)
-        );
-    }
-
-    // A UCX write into the other process's memory, checked there.
-    write_image(remote.as_ref(), 5, 9);
-    assert_image(remote.as_ref(), 5, 9);
-    let mut stdin = child.stdin.take().expect("child stdin");
-    let mut stdout = BufReader::new(child.stdout.take().expect("child stdout"));
-    writeln!(stdin, "verify 5 9").expect("ask the child");
-    stdin.flush().expect("flush");
-    let mut verdict = String::new();
-    loop {
-        let mut line = String::new();
-        if stdout.read_line(&mut line).expect("child output") == 0 {
-            break;
-        }
-        if line.starts_with("VERIFIED") || line.starts_with("MISMATCH") {
-            verdict = line.trim().to_owned();
-            break;
-        }
-    }
-    drop(stdin);
-    drop(remote);
-    let status = child.wait().expect("child exit");
-    assert_eq!(verdict, "VERIFIED", "the exporting process saw other bytes");
-    assert!(status.success(), "exporting process failed: {status}");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -742,8 +478,6 @@ fn public_types_are_send_sync() {
     fn is_send_sync<T: Send + Sync>() {}
     is_send_sync::<NixlAgent>();
     is_send_sync::<NixlDiskTier>();
-    is_send_sync::<RemoteTier>();
-    is_send_sync::<TierExport>();
     is_send_sync::<NixlInfo>();
 }
 
@@ -833,134 +567,5 @@ fn replay_with_nixl_disk_passes_integrity() {
             .unwrap()
             .iter()
             .any(|p| p["path"] == "disk->device" && p["blocks"].as_u64().unwrap() > 0));
-    }
-}
-
-// ------------------------------------------------------------------------------------------------
-// The remote (G4) tier through the connector: two instances sharing `remote.dir`
-// ------------------------------------------------------------------------------------------------
-
-mod remote_tier {
-    use super::common::{self, image as kv, info, Rig, BS};
-    use super::*;
-    use kvbm_connector::connector::adapter::SchedulerStep;
-    use kvbm_connector::connector::leader::MatchResult;
-    use kvbm_connector::connector::RequestId;
-
-    /// One instance (leader + worker) publishing to and reading from `remote_dir` as `name`.
-    fn instance(remote_dir: &Path, name: &str, host_blocks: usize) -> Rig {
-        let dir = tempfile::tempdir().unwrap();
-        let mut config = common::config(dir.path(), host_blocks, 0);
-        config
-            .apply_env(|k| match k {
-                "KVBM_REMOTE_DIR" => Some(remote_dir.display().to_string()),
-                "KVBM_REMOTE_INSTANCE" => Some(name.to_owned()),
-                "KVBM_REMOTE_PUBLISH_EVERY" => Some("1".to_owned()),
-                _ => None,
-            })
-            .expect("config");
-        common::rig_with(config, dir)
-    }
-
-    /// Matches and loads `tokens` as `id` into `blocks` (filled with 0xEE first); returns the
-    /// match and the device blocks whose load failed.
-    fn onboard(
-        r: &mut Rig,
-        id: &RequestId,
-        tokens: &[u32],
-        blocks: &[usize],
-    ) -> (MatchResult, Vec<usize>) {
-        for &b in blocks {
-            r.device
-                .write_block_from_slice(b, &vec![0xEE; common::dims().bytes_per_block()])
-                .unwrap();
-        }
-        let m = r
-            .leader
-            .get_num_new_matched_tokens(info(id, tokens), 0)
-            .unwrap();
-        r.leader
-            .update_state_after_alloc(id, blocks, m.external_tokens)
-            .unwrap();
-        let mut loaded = Vec::new();
-        for _ in 0..3 {
-            let (_, l) = r.step(SchedulerStep::default(), &[], &[]);
-            loaded.extend(l);
-            if !loaded.is_empty() {
-                break;
-            }
-        }
-        if m.external_tokens > 0 {
-            assert_eq!(loaded, vec![id.clone()], "load not reported");
-        }
-        let errors = r.worker.take_load_errors();
-        r.leader.request_finished(id, None, Some(0)).unwrap();
-        r.step(SchedulerStep::default(), &[], std::slice::from_ref(id));
-        (m, errors)
-    }
-
-    /// Instance B onboards a prefix instance A holds in its host tier, over UCX, every byte
-    /// checked; once A evicted and rewrote those host blocks, B's load from its stale index fails
-    /// as load errors (never served).
-    #[test]
-    fn leader_onboards_a_prefix_from_another_instances_host_tier() {
-        need_nixl!();
-        let dir = tempfile::tempdir().unwrap();
-        let mut a = instance(dir.path(), "inst-a", 4);
-        let mut b = instance(dir.path(), "inst-b", 0);
-        // 3 full blocks + 1 token: all 3 blocks are matchable.
-        let prompt: Vec<u32> = (0..13).map(|t| 1000 + t).collect();
-        a.offload(&RequestId::from("a1"), &prompt, &[0, 1, 2, 3]);
-        assert!(dir.path().join("inst-a.index.json").exists());
-        assert!(dir.path().join("inst-a.rank0.export.json").exists());
-        // B reads A's index on its next iteration.
-        b.step(SchedulerStep::default(), &[], &[]);
-        let (m, errors) = onboard(&mut b, &RequestId::from("b1"), &prompt, &[5, 6, 7, 8]);
-        assert_eq!(m.external_tokens, 3 * BS, "{m:?}");
-        assert_eq!(m.remote_tokens, 3 * BS, "{m:?}");
-        assert_eq!((m.host_tokens, m.disk_tokens), (0, 0));
-        assert!(errors.is_empty(), "{errors:?}");
-        for (k, dev) in [5, 6, 7].into_iter().enumerate() {
-            let got = b.device.read_block_to_vec(dev).unwrap();
-            assert_eq!(got, kv(&prompt, k), "block {k}");
-            assert_eq!(got, a.device.read_block_to_vec(k).unwrap(), "block {k}");
-        }
-        let s = b.leader.metrics().snapshot();
-        assert_eq!(s.remote_hit_tokens, (3 * BS) as u64, "{s:?}");
-        assert_eq!(s.load_error_blocks, 0);
-
-        // A evicts those blocks: another prompt fills its 4 host blocks.
-        let other: Vec<u32> = (0..21).map(|t| 5000 + t).collect();
-        a.offload(&RequestId::from("a2"), &other, &[8, 9, 10, 11, 12, 13]);
-        // B still holds A's old index (it has not built metadata since): the match is remote,
-        // the load fails verification, every block is a load error and none is served.
-        let (m, mut errors) = onboard(&mut b, &RequestId::from("b2"), &prompt, &[5, 6, 7, 8]);
-        assert_eq!(m.remote_tokens, 3 * BS, "{m:?}");
-        errors.sort();
-        assert_eq!(errors, vec![5, 6, 7]);
-        for dev in [5, 6, 7] {
-            assert!(
-                b.device
-                    .read_block_to_vec(dev)
-                    .unwrap()
-                    .iter()
-                    .all(|x| *x == 0xEE),
-                "device block {dev} was written by a failed load"
-            );
-        }
-        let s = b.leader.metrics().snapshot();
-        assert_eq!(s.remote_hit_tokens, (3 * BS) as u64, "{s:?}");
-        assert_eq!(s.load_error_blocks, 3, "{s:?}");
-        // B has refreshed meanwhile: A's index no longer lists the prompt, nothing matches.
-        let (m, _) = onboard(&mut b, &RequestId::from("b3"), &prompt, &[5, 6, 7, 8]);
-        assert_eq!(m.external_tokens, 0, "{m:?}");
-        // The new prompt A holds now loads from A, verified.
-        b.step(SchedulerStep::default(), &[], &[]);
-        let (m, errors) = onboard(&mut b, &RequestId::from("b4"), &other, &[0, 1, 2, 3, 4, 5]);
-        assert_eq!(m.remote_tokens, 4 * BS, "{m:?}");
-        assert!(errors.is_empty(), "{errors:?}");
-        for k in 0..4 {
-            assert_eq!(b.device.read_block_to_vec(k).unwrap(), kv(&other, k));
-        }
     }
 }

@@ -14,9 +14,7 @@
 //!
 //! * memory → disk and disk → memory through NIXL's POSIX plugin (`NixlDiskTier`, host memory
 //!   registered) vs raw O_DIRECT on the same file, memory and bytes, and vs the built-in disk
-//!   tier on the same memory and bytes, all three interleaved;
-//! * host → host over UCX (a `RemoteTier` on another agent's registered host tier, read into
-//!   a registered host tier) vs a memcpy of the same bytes.
+//!   tier on the same memory and bytes, all three interleaved.
 //!
 //! With `--redis URL` (a Redis / Valkey server or cluster, `remote.url`'s forms), also:
 //!
@@ -547,7 +545,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         None
     } else {
         if progress {
-            eprintln!("bench: NIXL paths (POSIX disk, UCX host->host)…");
+            eprintln!("bench: NIXL paths (POSIX disk)…");
         }
         match nixl_bench::paths(a.blocks, a.rounds, dir, a.in_flight) {
             Ok(r) => {
@@ -776,9 +774,7 @@ fn redis_paths(url: &str, blocks: usize, rounds: usize) -> Result<Vec<PathResult
 #[cfg(feature = "nixl")]
 mod nixl_bench {
     use super::*;
-    use kvbm_connector::backends::nixl::{
-        NixlAgent, NixlBackend, NixlDiskTier, RemoteTier, REMOTE_MAX_IN_FLIGHT,
-    };
+    use kvbm_connector::backends::nixl::{NixlAgent, NixlBackend, NixlDiskTier};
 
     /// Times three closures in turn, `rounds` times each after one warm-up; medians.
     fn interleaved3(
@@ -806,9 +802,7 @@ mod nixl_bench {
         dir: PathBuf,
         in_flight: usize,
     ) -> Result<Vec<PathResult>> {
-        let mut out = posix_paths(blocks, rounds, dir, in_flight)?;
-        out.push(ucx_path(blocks, rounds)?);
-        Ok(out)
+        posix_paths(blocks, rounds, dir, in_flight)
     }
 
     fn posix_paths(
@@ -881,52 +875,6 @@ mod nixl_bench {
             "built-in disk tier, same memory and bytes",
         ));
         Ok(out)
-    }
-
-    /// Two agents in this process, UCX between them (its shared-memory transports): what one
-    /// worker pulling another's host blocks costs, against a memcpy of the same bytes.
-    fn ucx_path(blocks: usize, rounds: usize) -> Result<PathResult> {
-        let d = dims();
-        let bytes = blocks * d.bytes_per_block();
-        let exporter = NixlAgent::new(None, &[NixlBackend::Ucx])?;
-        let theirs: Arc<dyn StorageTier> =
-            Arc::new(MemoryTier::host(Layout::fully_contiguous(d, blocks)?)?);
-        fill(theirs.as_ref())?;
-        let id = exporter.register_host_tier(theirs.clone())?;
-        let export = exporter.export_tier(id)?;
-        let importer = NixlAgent::new(None, &[NixlBackend::Ucx])?;
-        let remote: Arc<dyn StorageTier> = Arc::new(RemoteTier::connect(
-            &importer,
-            &export,
-            REMOTE_MAX_IN_FLIGHT,
-        )?);
-        let ours: Arc<dyn StorageTier> =
-            Arc::new(MemoryTier::host(Layout::fully_contiguous(d, blocks)?)?);
-        importer.register_host_tier(ours.clone())?;
-        let pairs: Vec<(usize, usize)> = (0..blocks).map(|i| (i, i)).collect();
-        let a = vec![7u8; bytes];
-        let mut b = vec![0u8; bytes];
-        let (l, o) = interleaved(
-            rounds * 3,
-            || {
-                b.copy_from_slice(std::hint::black_box(&a));
-                Ok(())
-            },
-            || {
-                check_outcome(TransferEngine::copy_blocking(
-                    remote.as_ref(),
-                    ours.as_ref(),
-                    &pairs,
-                )?)
-            },
-        )?;
-        Ok(bandwidth(
-            "host->host (UCX, other agent's host tier)",
-            bytes,
-            l,
-            o,
-            "memcpy of the same bytes",
-        ))
     }
 }
 

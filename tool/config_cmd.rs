@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use kvbm_connector::config::{Config, ENV_VARS};
+use kvbm_connector::config::{redact_url, Config, ENV_VARS, REMOTE_URL_ENV};
 use kvbm_connector::error::{Error, Result};
 
 use crate::ModelArgs;
@@ -37,7 +37,7 @@ pub fn run(a: &ConfigArgs) -> Result<ExitCode> {
     };
     let (host, disk) = config.block_counts(bpb)?;
     println!("# effective configuration (defaults < file < DYN_KVBM_* < KVBM_*)");
-    print!("{}", config.to_toml()?);
+    print!("{}", config.to_toml_redacted()?);
     println!();
     println!("# environment variables in effect");
     let mut any = false;
@@ -45,7 +45,12 @@ pub fn run(a: &ConfigArgs) -> Result<ExitCode> {
         if let Ok(val) = std::env::var(v.name) {
             any = true;
             let alias = if v.dynamo_alias { " (Dynamo name)" } else { "" };
-            println!("#   {}={} -> {}{alias}", v.name, v.shown(&val), v.key);
+            let shown = if v.name == REMOTE_URL_ENV {
+                format!("{:?}", redact_url(&val))
+            } else {
+                v.shown(&val)
+            };
+            println!("#   {}={} -> {}{alias}", v.name, shown, v.key);
         }
     }
     if !any {

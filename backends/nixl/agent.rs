@@ -19,13 +19,11 @@ use nixl_sys::{
 };
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use super::headers::BlockHeaders;
 use super::probe::{probe, NixlBackend, NixlInfo};
-use super::remote::TierExport;
 use crate::backends::disk::DISK_ALIGNMENT;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::{KvLayout, Layout};
-use crate::tier::{StorageTier, TierKind};
+use crate::tier::StorageTier;
 
 /// How often a transfer still running is logged.
 pub const SLOW_TRANSFER_LOG: Duration = Duration::from_secs(10);
@@ -82,13 +80,8 @@ struct HostRegistration {
     handles: Vec<RegistrationHandle>,
     /// Address ranges `[start, end)` of the tier's allocations.
     ranges: Vec<(usize, usize)>,
-    bases: Vec<u64>,
-    layout: Layout,
-    kind: TierKind,
     #[expect(dead_code, reason = "held to keep the registered memory alive")]
     tier: Arc<dyn StorageTier>,
-    /// The tier's block headers, once registered ([`NixlAgent::register_block_headers`]).
-    headers: Option<Arc<BlockHeaders>>,
 }
 
 pub(super) struct AgentShared {
@@ -244,7 +237,7 @@ impl NixlAgent {
 
     /// Registers the memory of a host-addressable tier (its allocations, whole) with every
     /// backend of the agent, and keeps the tier alive as long as the agent. Returns the tier's
-    /// id for [`export_tier`](Self::export_tier).
+    /// id.
     ///
     /// Blocks of a registered tier lent to a NIXL tier ([`StorageTier::with_block`], as the
     /// transfer engine does) are transferred with no bounce buffer.
@@ -281,36 +274,9 @@ impl NixlAgent {
         hosts.push(HostRegistration {
             handles,
             ranges,
-            bases,
-            layout,
-            kind: tier.kind(),
             tier,
-            headers: None,
         });
         Ok(hosts.len() - 1)
-    }
-
-    /// Registers (with the UCX backend) a block header array for host tier `id`: one
-    /// [`BLOCK_HEADER_BYTES`](super::BLOCK_HEADER_BYTES) entry per block, naming the key the block holds and the xxh3-64
-    /// checksum of its image. Exported with the tier ([`TierExport::headers`]), it lets an
-    /// importer verify a block it reads ([`RemoteTier::read_verified`](super::RemoteTier::read_verified)). Registering again
-    /// returns the same array.
-    ///
-    /// The owner keeps it true: [`BlockHeaders::invalidate`] a block **before** its bytes are
-    /// overwritten, [`BlockHeaders::publish_from`] once the new bytes are complete.
-    pub fn register_block_headers(&self, id: usize) -> Result<Arc<BlockHeaders>> {
-        self.require_backend(NixlBackend::Ucx)?;
-        let mut hosts = self.inner.hosts.write();
-        let n = hosts.len();
-        let h = hosts
-            .get_mut(id)
-            .ok_or_else(|| Error::out_of_range("host tier", id, n))?;
-        if let Some(existing) = &h.headers {
-            return Ok(existing.clone());
-        }
-        let headers = Arc::new(BlockHeaders::new(self, h.layout.num_blocks())?);
-        h.headers = Some(headers.clone());
-        Ok(headers)
     }
 
     /// Whether every non-empty segment lies inside one registered host tier allocation.
@@ -323,37 +289,6 @@ impl NixlAgent {
                     .iter()
                     .flat_map(|h| h.ranges.iter())
                     .any(|&(lo, hi)| a >= lo && a + n <= hi)
-        })
-    }
-
-    /// What another worker needs to read and write host tier `id` of this agent over UCX.
-    ///
-    /// Take it after every tier is registered: it carries the agent's metadata as of now.
-    pub fn export_tier(&self, id: usize) -> Result<TierExport> {
-        self.require_backend(NixlBackend::Ucx)?;
-        let (layout, bases, kind, headers) = {
-            let hosts = self.inner.hosts.read();
-            let h = hosts
-                .get(id)
-                .ok_or_else(|| Error::out_of_range("host tier", id, hosts.len()))?;
-            (
-                h.layout,
-                h.bases.clone(),
-                h.kind,
-                h.headers.as_ref().map(|x| x.addr() as u64),
-            )
-        };
-        let metadata =
-            self.inner.agent.get_local_md().map_err(|e| {
-                nixl_error("read the agent's metadata", e).with("agent", self.name())
-            })?;
-        Ok(TierExport {
-            agent: self.name().to_owned(),
-            kind,
-            layout,
-            allocations: bases,
-            metadata,
-            headers,
         })
     }
 

@@ -1,15 +1,12 @@
 //! The `nixl` backend (feature `nixl`): block I/O through NVIDIA's NIXL transfer library.
 //!
-//! NIXL moves bytes between registered memory and storage through plugins. This module uses two:
-//!
-//! * **POSIX** for the disk tier: [`NixlDiskTier`] stores blocks in the same checksummed slot
-//!   file as the built-in [`DiskTier`] (one shared implementation of the file's creation,
-//!   preallocation, O_DIRECT probe, removal, slots and checksums), but its reads and writes are
-//!   NIXL transfers between registered host memory and the registered file;
-//! * **UCX** between processes: a worker exports a host tier ([`NixlAgent::export_tier`] →
-//!   [`TierExport`]: the agent's metadata, the tier's layout and allocation addresses), another
-//!   worker imports it as a [`RemoteTier`] (G4, [`TierKind::Remote`]) whose reads and writes are
-//!   one-sided UCX transfers into and out of the exporter's memory.
+//! NIXL moves bytes between registered memory and storage through plugins. This module uses
+//! **POSIX** for the disk tier: [`NixlDiskTier`] stores blocks in the same checksummed slot file
+//! as the built-in [`DiskTier`] (one shared implementation of the file's creation,
+//! preallocation, O_DIRECT probe, removal, slots and checksums), but its reads and writes are
+//! NIXL transfers between registered host memory and the registered file. (The shared G4 tier
+//! across instances is the remote store, `connector::remote`; the UCX peer read of another
+//! instance's host tier, discovered through a shared directory, was removed with issue 17.)
 //!
 //! Each worker holds one [`NixlAgent`], with its host tiers registered
 //! ([`NixlAgent::register_host_tier`]): buffers inside registered memory go to NIXL as they are;
@@ -44,37 +41,26 @@
 //!   transfer whose peer died);
 //! * [`NixlDiskTier`] keeps the built-in disk tier's guarantees: a block never written is
 //!   [`ErrorKind::NotFound`], a checksum mismatch is [`ErrorKind::Corrupt`], writers of a block
-//!   are serialised against its readers;
-//! * [`RemoteTier`] serialises its own readers and writers of a block; it cannot see what the
-//!   exporting process does to that block meanwhile, so the exporter must not reuse a block
-//!   while another worker may read it (the leader's job; see `docs/nixl.md`).
+//!   are serialised against its readers.
 //!
 //! # Files
 //!
 //! * `probe.rs` — finding and loading the library and its plugins ([`probe`], [`NixlInfo`]);
 //! * `agent.rs` — [`NixlAgent`]: backends, registrations, transfers, registered bounce buffers;
 //! * `disk.rs` — [`NixlDiskTier`] (POSIX);
-//! * `remote.rs` — [`TierExport`], [`RemoteTier`] and [`VerifiedRemote`] (UCX);
-//! * `headers.rs` — [`BlockHeaders`]: what makes a remote block verifiable;
-//! * `worker.rs` — what a worker builds on NIXL ([`worker_parts`]) and its remote-tier hooks
-//!   ([`NixlWorkerRemote`]).
+//! * `worker.rs` — what a worker builds on NIXL ([`worker_parts`]).
 //!
 //! [`DiskTier`]: crate::backends::disk::DiskTier
-//! [`TierKind::Remote`]: crate::TierKind::Remote
 //! [`ErrorKind::Unsupported`]: crate::ErrorKind::Unsupported
 //! [`ErrorKind::NotFound`]: crate::ErrorKind::NotFound
 //! [`ErrorKind::Corrupt`]: crate::ErrorKind::Corrupt
 
 mod agent;
 mod disk;
-mod headers;
 mod probe;
-mod remote;
 mod worker;
 
 pub use agent::{NixlAgent, SLOW_TRANSFER_LOG};
 pub use disk::NixlDiskTier;
-pub use headers::{decode_header, BlockHeaders, BLOCK_HEADER_BYTES};
 pub use probe::{probe, NixlBackend, NixlInfo, CAPI_LIBRARY, LIB_DIR_ENV, PLUGIN_DIR_ENV};
-pub use remote::{RemoteTier, TierExport, VerifiedRemote, REMOTE_MAX_IN_FLIGHT};
-pub use worker::{worker_parts, NixlWorkerRemote, WorkerParts};
+pub use worker::{worker_parts, WorkerParts};

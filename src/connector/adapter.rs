@@ -130,6 +130,11 @@ pub trait Engine: 'static {
     type LeaderInit: InitMode;
     /// How each worker runs the barrier.
     type WorkerInit: InitMode;
+    /// Whether the engine accepts "not known yet, ask again later" from a match (vLLM: a
+    /// `None` count from `get_num_new_matched_tokens`); the leader then never waits for a remote
+    /// lookup ([`MatchResult::pending`](crate::connector::leader::MatchResult::pending)).
+    /// Default: false (a remote lookup is bounded by `remote.lookup_timeout_ms`).
+    const DEFERRED_MATCH: bool = false;
 }
 
 /// vLLM: offload by scheduled tokens (`num_computed_tokens + num_scheduled_tokens`).

@@ -112,56 +112,31 @@ pub trait Operation: Debug + Send + Sync {
     fn request_id(&self) -> Option<&RequestId> {
         self.transfer().request_id.as_ref()
     }
-    /// The key (sequence hash) of each pair's block, in pair order, when the operation carries
-    /// them (remote tier only: stores into host publish them, remote loads expect them); empty
-    /// otherwise.
+    /// The key (sequence hash) of each pair's source block (remote loads) or destination
+    /// block (remote writes), by the pair's index in the remote tier; empty otherwise.
     fn block_keys(&self) -> &[u128] {
         &[]
     }
-    /// For a load from the remote tier: the instance whose host tier holds the source blocks.
-    fn remote_instance(&self) -> Option<&str> {
-        None
-    }
 }
 
-/// A [`Store`] into the host tier that names the key of each destination block, so that a
-/// worker exporting its host tier (remote tier on) can publish the blocks' headers once written.
-/// Only built when the remote tier is on.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KeyedStore {
-    /// The copies (`dst` is the host tier).
-    pub transfer: BlockTransfer,
-    /// The key of each pair's block, in pair order.
-    pub keys: Vec<u128>,
-}
-
-/// A [`Load`] from another instance's host tier (the remote, G4, tier): each pair's source block
-/// is read only if verified to hold the expected key
-/// ([`WorkerRemote::source`](super::remote::WorkerRemote::source)).
+/// A [`Load`] from the remote (G4) store: pair `(k, device block)` reads `keys[k]` (this rank's
+/// shard) into the device block; a value missing or failing verification fails its block.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteLoad {
-    /// The copies (`src` is [`TierKind::Remote`], `dst` the device).
+    /// The copies (`src` is [`TierKind::Remote`] indexed by key, `dst` the device).
     pub transfer: BlockTransfer,
-    /// The exporting instance.
-    pub instance: String,
-    /// The key each pair's source block must hold, in pair order.
+    /// The keys, by source index.
     pub keys: Vec<u128>,
 }
 
-#[typetag::serde(name = "keyed_store")]
-impl Operation for KeyedStore {
-    fn direction(&self) -> Direction {
-        Direction::Store
-    }
-    fn transfer(&self) -> &BlockTransfer {
-        &self.transfer
-    }
-    fn clone_op(&self) -> Box<dyn Operation> {
-        Box::new(self.clone())
-    }
-    fn block_keys(&self) -> &[u128] {
-        &self.keys
-    }
+/// A write of host blocks to the remote (G4) store: pair `(host block, k)` writes the host
+/// block as `keys[k]` (this rank's shard), unless the store already holds it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteWrite {
+    /// The copies (`src` is the host tier, `dst` [`TierKind::Remote`] indexed by key).
+    pub transfer: BlockTransfer,
+    /// The keys, by destination index.
+    pub keys: Vec<u128>,
 }
 
 #[typetag::serde(name = "remote_load")]
@@ -178,8 +153,21 @@ impl Operation for RemoteLoad {
     fn block_keys(&self) -> &[u128] {
         &self.keys
     }
-    fn remote_instance(&self) -> Option<&str> {
-        Some(&self.instance)
+}
+
+#[typetag::serde(name = "remote_write")]
+impl Operation for RemoteWrite {
+    fn direction(&self) -> Direction {
+        Direction::Store
+    }
+    fn transfer(&self) -> &BlockTransfer {
+        &self.transfer
+    }
+    fn clone_op(&self) -> Box<dyn Operation> {
+        Box::new(self.clone())
+    }
+    fn block_keys(&self) -> &[u128] {
+        &self.keys
     }
 }
 
@@ -242,10 +230,6 @@ pub struct ConnectorMetadata {
     /// them once their operations are done, whether or not the engine tells them itself.
     #[serde(default)]
     pub finished: Vec<RequestId>,
-    /// The leader's instance name when the remote tier is on: workers export their host tier
-    /// under it. Absent otherwise.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub remote_instance: Option<String>,
 }
 
 impl ConnectorMetadata {
@@ -258,7 +242,6 @@ impl ConnectorMetadata {
             operations: Vec::new(),
             hold: Vec::new(),
             finished: Vec::new(),
-            remote_instance: None,
         }
     }
 
@@ -388,7 +371,6 @@ mod tests {
         fn rich() -> ConnectorMetadata {
             let mut m = sample();
             m.finished.push("c".into());
-            m.remote_instance = Some("peer-1".into());
             let t = |id, src, dst| BlockTransfer {
                 id: OperationId(id),
                 request_id: Some("a".into()),
@@ -396,13 +378,12 @@ mod tests {
                 dst,
                 pairs: vec![(0, 1), (2, 3)],
             };
-            m.operations.push(Box::new(KeyedStore {
-                transfer: t(3, TierKind::Device, TierKind::Host),
+            m.operations.push(Box::new(RemoteWrite {
+                transfer: t(3, TierKind::Host, TierKind::Remote),
                 keys: vec![11, 12],
             }));
             m.operations.push(Box::new(RemoteLoad {
                 transfer: t(4, TierKind::Remote, TierKind::Device),
-                instance: "peer-1".into(),
                 keys: vec![13, 14],
             }));
             m

@@ -90,6 +90,13 @@ pub struct Metrics {
     offload_dropped_blocks: AtomicU64,
     host_store_error_blocks: AtomicU64,
     disk_store_error_blocks: AtomicU64,
+    remote_store_error_blocks: AtomicU64,
+    remote_lookups: AtomicU64,
+    remote_lookup_timeouts: AtomicU64,
+    remote_lookup_errors: AtomicU64,
+    remote_lookup_skipped: AtomicU64,
+    /// 1 while the remote store answers, 0 while it is failing; 0 without a remote tier.
+    remote_available: AtomicU64,
     operations_submitted: AtomicU64,
     operations_completed: AtomicU64,
     operations_failed: AtomicU64,
@@ -143,13 +150,41 @@ impl Metrics {
     }
 
     /// `blocks` blocks whose store into `dst` failed (never registered, never matched). Counted
-    /// for [`TierKind::Host`] and [`TierKind::Disk`]; other tiers are not store destinations.
+    /// for [`TierKind::Host`], [`TierKind::Disk`] and [`TierKind::Remote`]; the device is not a
+    /// store destination.
     pub fn record_store_error(&self, dst: TierKind, blocks: u64) {
         match dst {
             TierKind::Host => add(&self.host_store_error_blocks, blocks),
             TierKind::Disk => add(&self.disk_store_error_blocks, blocks),
-            TierKind::Device | TierKind::Remote => {}
+            TierKind::Remote => add(&self.remote_store_error_blocks, blocks),
+            TierKind::Device => {}
         }
+    }
+
+    /// One lookup in the remote store answered (found or not).
+    pub fn record_remote_lookup(&self) {
+        add(&self.remote_lookups, 1);
+    }
+
+    /// One lookup in the remote store missed its deadline (counted as a miss).
+    pub fn record_remote_lookup_timeout(&self) {
+        add(&self.remote_lookup_timeouts, 1);
+    }
+
+    /// One lookup in the remote store failed (store down or erring; counted as a miss).
+    pub fn record_remote_lookup_error(&self) {
+        add(&self.remote_lookup_errors, 1);
+    }
+
+    /// One lookup not sent because the store failed or timed out moments ago (a miss).
+    pub fn record_remote_lookup_skipped(&self) {
+        add(&self.remote_lookup_skipped, 1);
+    }
+
+    /// Whether the remote store answers now.
+    pub fn set_remote_available(&self, available: bool) {
+        self.remote_available
+            .store(u64::from(available), Ordering::Relaxed);
     }
 
     /// One operation (load or store) was submitted.
@@ -194,6 +229,12 @@ impl Metrics {
             offload_dropped_blocks: get(&self.offload_dropped_blocks),
             host_store_error_blocks: get(&self.host_store_error_blocks),
             disk_store_error_blocks: get(&self.disk_store_error_blocks),
+            remote_store_error_blocks: get(&self.remote_store_error_blocks),
+            remote_lookups: get(&self.remote_lookups),
+            remote_lookup_timeouts: get(&self.remote_lookup_timeouts),
+            remote_lookup_errors: get(&self.remote_lookup_errors),
+            remote_lookup_skipped: get(&self.remote_lookup_skipped),
+            remote_available: get(&self.remote_available) != 0,
             operations_submitted: get(&self.operations_submitted),
             operations_completed: get(&self.operations_completed),
             operations_failed: get(&self.operations_failed),
@@ -239,6 +280,18 @@ pub struct MetricsSnapshot {
     pub host_store_error_blocks: u64,
     /// Blocks whose store into the disk tier failed (never matched).
     pub disk_store_error_blocks: u64,
+    /// Blocks whose write to the remote store failed.
+    pub remote_store_error_blocks: u64,
+    /// Lookups the remote store answered.
+    pub remote_lookups: u64,
+    /// Remote lookups past their deadline (misses).
+    pub remote_lookup_timeouts: u64,
+    /// Remote lookups that failed (misses).
+    pub remote_lookup_errors: u64,
+    /// Remote lookups not sent while the store was failing (misses).
+    pub remote_lookup_skipped: u64,
+    /// Whether the remote store answered its last call (false without a remote tier).
+    pub remote_available: bool,
     /// Operations submitted.
     pub operations_submitted: u64,
     /// Operations finished successfully.
@@ -283,10 +336,11 @@ impl MetricsSnapshot {
         ratio(hits, self.lookup_tokens)
     }
 
-    /// Blocks whose store failed, host and disk together.
+    /// Blocks whose store failed, host, disk and remote together.
     pub fn store_error_blocks(&self) -> u64 {
         self.host_store_error_blocks
             .saturating_add(self.disk_store_error_blocks)
+            .saturating_add(self.remote_store_error_blocks)
     }
 
     /// Operations submitted but not yet finished (0 if the counters were read mid-update).
@@ -369,8 +423,25 @@ impl MetricsSnapshot {
         for (tier, value) in [
             (TierKind::Host, self.host_store_error_blocks),
             (TierKind::Disk, self.disk_store_error_blocks),
+            (TierKind::Remote, self.remote_store_error_blocks),
         ] {
             line(&mut out, name, &format!("tier=\"{tier}\""), value);
+        }
+
+        let name = "kvbm_remote_lookups_total";
+        header(
+            &mut out,
+            name,
+            "Lookups in the remote store, by outcome (answered, timeout and error count as misses; skipped: not sent while the store was failing).",
+            "counter",
+        );
+        for (outcome, value) in [
+            ("answered", self.remote_lookups),
+            ("timeout", self.remote_lookup_timeouts),
+            ("error", self.remote_lookup_errors),
+            ("skipped", self.remote_lookup_skipped),
+        ] {
+            line(&mut out, name, &format!("outcome=\"{outcome}\""), value);
         }
 
         let pairs = self.rendered_pairs();
@@ -411,6 +482,11 @@ impl MetricsSnapshot {
             "kvbm_disk_hit_rate",
             "Disk hit tokens divided by lookup tokens (0 without lookups).",
             self.disk_hit_rate(),
+        );
+        gauge(
+            "kvbm_remote_available",
+            "1 while the remote store answers, 0 while it fails or without a remote tier.",
+            if self.remote_available { 1.0 } else { 0.0 },
         );
         out
     }

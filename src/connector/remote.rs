@@ -1,196 +1,42 @@
-//! The remote (G4) tier's discovery: instances sharing a directory (`remote.dir`) publish what
-//! their host tier holds and how to reach it, and onboard each other's blocks over UCX.
+//! The remote (G4) tier: a shared block store beyond this machine (Redis / Valkey, standalone
+//! or cluster) that every instance of a deployment looks up, reads and writes.
 //!
-//! Files in the directory (each written to a temporary name, then renamed):
-//! * `<instance>.index.json` ([`HostIndex`]), by the leader every `remote.publish_every`
-//!   iterations: the keys of its registered host blocks and where they are;
-//! * `<instance>.rank<r>.export.json`, by each worker: its host tier's export, as the storage
-//!   backend that provides the [`WorkerRemote`] hooks writes it (how to reach the tier, its
-//!   addresses, its block headers).
+//! The core knows the store only through the [`RemoteStore`] trait (a storage backend provides
+//! it through [`TierFactory::remote_store`](super::worker::TierFactory::remote_store)); every call
+//! is bounded by a deadline, and a value is never served unless verified. Around it the core
+//! builds:
 //!
-//! The index may be stale at any time; correctness never depends on it: every remote block is
-//! read verified ([`WorkerRemote::source`]: the exporter's header must name the expected key and
-//! the bytes must hash to its checksum), so a stale entry costs a load error (the engine
-//! recomputes), never wrong bytes. See docs/nixl.md.
+//! * [`RemoteScope::for_instance`] — the scope both the leader and every worker build from the
+//!   same facts (namespace, block dimensions, sharding, key hash), so they agree on keys;
+//! * [`RemoteSource`] / [`RemoteSink`] — one load's or one write's view of the store as a
+//!   [`StorageTier`], so reads and writes run through the transfer engine like any other copy
+//!   (batched: one pipelined `get`/`put` per transfer batch; a missing or invalid value fails
+//!   its block only);
+//! * [`LookupThread`] — the leader's background lookups (the engine never waits for the store
+//!   when it can be asked again later);
+//! * [`MemoryRemoteStore`] — an in-process store with injectable faults (down, slow, invalid
+//!   values): the test double of the trait.
+//!
+//! Correctness never depends on a lookup: the store may evict a value between a lookup and the
+//! read, and a value may have been planted or damaged; the read then fails that block (a load
+//! error the engine recomputes), it never serves wrong bytes.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+use parking_lot::{Condvar, Mutex};
 
-use crate::config::RemoteConfig;
-use crate::error::{Error, Result};
-use crate::identity::{HashAlgorithm, SequenceHash};
-use crate::tier::StorageTier;
+use crate::config::Config;
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::HashAlgorithm;
+use crate::layout::{KvLayout, Layout, LayoutDims};
+use crate::tier::{BatchCopy, Capability, StorageTier, TierKind};
 
-/// What an instance's host tier holds, as its leader last published it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HostIndex {
-    /// The publishing instance.
-    pub instance: String,
-    /// Its tensor-parallel size (an importer needs the same sharding).
-    pub world_size: usize,
-    /// Tokens per block.
-    pub page_size: usize,
-    /// Bytes of one block over all ranks.
-    pub bytes_per_block: usize,
-    /// Hash of the block keys.
-    pub hash: HashAlgorithm,
-    /// Width of the keys in bits ([`HostIndex::KEY_BITS`]). Indexes of older versions (64-bit
-    /// keys, no such field) do not parse, and are skipped.
-    pub key_bits: u32,
-    /// `(key, host block)` of every registered host block.
-    pub blocks: Vec<(u128, usize)>,
-}
-
-impl HostIndex {
-    /// The key width this version writes and reads.
-    pub const KEY_BITS: u32 = 128;
-}
-
-/// `<dir>/<instance>.index.json`.
-pub fn index_path(dir: &Path, instance: &str) -> PathBuf {
-    dir.join(format!("{instance}.index.json"))
-}
-
-/// `<dir>/<instance>.rank<rank>.export.json`.
-pub fn export_path(dir: &Path, instance: &str, rank: usize) -> PathBuf {
-    dir.join(format!("{instance}.rank{rank}.export.json"))
-}
-
-static NEXT_TMP: AtomicU64 = AtomicU64::new(0);
-
-/// Writes `bytes` to `path` atomically: a temporary name in the same folder, then `rename`.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|e| Error::io("create the remote directory", e))?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(
-        ".{name}.{}.{}.tmp",
-        std::process::id(),
-        NEXT_TMP.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::write(&tmp, bytes)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            Error::io("write a remote-tier file", e).with("path", path.display())
-        })
-}
-
-/// The leader's side: publishes its own index, reads the peers'.
-#[derive(Debug)]
-pub(crate) struct LeaderRemote {
-    pub dir: PathBuf,
-    pub instance: String,
-    pub every: u64,
-    /// Iteration of the last publish/refresh (`None`: never).
-    pub last: Option<u64>,
-    /// Key → (peer instance, its host block), from the peers' indexes.
-    pub index: HashMap<SequenceHash, (Arc<str>, usize)>,
-}
-
-impl LeaderRemote {
-    pub fn new(config: &RemoteConfig) -> Option<Self> {
-        let dir = config.dir.clone()?;
-        Some(Self {
-            dir,
-            instance: config.instance_name(),
-            every: config.publish_every(),
-            last: None,
-            index: HashMap::new(),
-        })
-    }
-
-    /// Whether it is time to publish and refresh at `iteration`.
-    pub fn due(&self, iteration: u64) -> bool {
-        self.last
-            .is_none_or(|l| iteration.saturating_sub(l) >= self.every)
-    }
-
-    /// Writes this instance's index.
-    pub fn publish(&self, index: &HostIndex) -> Result<()> {
-        let bytes = serde_json::to_vec(index)
-            .map_err(|e| Error::internal(format!("encode the host index: {e}")))?;
-        write_atomic(&index_path(&self.dir, &self.instance), &bytes)
-    }
-
-    /// Re-reads every peer's index, keeping those `compatible` with this instance.
-    pub fn refresh(&mut self, compatible: impl Fn(&HostIndex) -> bool) {
-        let mut index = HashMap::new();
-        let entries = match std::fs::read_dir(&self.dir) {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::debug!(dir = %self.dir.display(), error = %e, "cannot list the remote directory");
-                self.index = index;
-                return;
-            }
-        };
-        let own = format!("{}.index.json", self.instance);
-        let mut names: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok())
-            .map(|e| e.path())
-            .filter(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.ends_with(".index.json") && !n.starts_with('.') && n != own)
-            })
-            .collect();
-        names.sort();
-        for path in names {
-            let peer: HostIndex = match std::fs::read(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
-            {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::debug!(path = %path.display(), error = %e, "skipping an unreadable peer index");
-                    continue;
-                }
-            };
-            if peer.instance == self.instance
-                || peer.key_bits != HostIndex::KEY_BITS
-                || !compatible(&peer)
-            {
-                continue;
-            }
-            let name: Arc<str> = Arc::from(peer.instance.as_str());
-            for (key, block) in peer.blocks {
-                index
-                    .entry(SequenceHash(key))
-                    .or_insert_with(|| (name.clone(), block));
-            }
-        }
-        self.index = index;
-    }
-}
-
-/// The worker's side of the remote (G4) tier, as a storage backend provides it: its host tier
-/// exported to the peers sharing the directory, and the peers' host tiers it loads from. The
-/// worker calls these hooks; a [`TierFactory`](super::worker::TierFactory) builds them (when
-/// `remote.dir` is set) with the worker's other tiers.
-pub trait WorkerRemote: Send + Sync + std::fmt::Debug {
-    /// Writes this worker's host-tier export under the leader's instance name `instance` (once
-    /// per name; nothing when the worker has no host tier).
-    fn export_as(&self, instance: &str) -> Result<()>;
-
-    /// The source tier of one load from `instance`'s host tier: `keys` are `(peer host block,
-    /// expected key)`, and a block is read only if verified to hold its key (a block whose check
-    /// fails is a failed block, never served).
-    fn source(&self, instance: &str, keys: &[(usize, u128)]) -> Result<Arc<dyn StorageTier>>;
-
-    /// Marks host blocks as holding nothing verifiable: called before they are written.
-    fn invalidate(&self, blocks: &[usize]);
-
-    /// Publishes that host block `b` now holds `key`, for each `(b, key)`: called once their
-    /// writes completed.
-    fn publish(&self, blocks: &[(usize, u128)]);
-}
+/// Width of the block keys the scope covers, in bits.
+pub const KEY_BITS: u32 = 128;
 
 /// What a [`RemoteStore`]'s values belong to: two instances share blocks through a store only
 /// when their scopes are equal (same model and layout, same sharding, same keys).
@@ -207,6 +53,33 @@ pub struct RemoteScope {
 }
 
 impl RemoteScope {
+    /// The scope of an instance as the leader and every worker build it: the namespace
+    /// (`remote.namespace`), one rank's block dimensions `dims`, `world_size` ranks of
+    /// `bytes_per_block` bytes each, and the configured key hash.
+    pub fn for_instance(
+        config: &Config,
+        dims: &LayoutDims,
+        world_size: usize,
+        bytes_per_block: usize,
+    ) -> Result<Self> {
+        let description = format!(
+            "kvbm-v1;ns={:?};layers={};outer={};page={};inner={};dtype={}",
+            config.remote.namespace.as_deref().unwrap_or(""),
+            dims.num_layers,
+            dims.outer_dim,
+            dims.page_size,
+            dims.inner_dim,
+            dims.dtype_bytes
+        );
+        Self::new(
+            &description,
+            dims.page_size,
+            world_size,
+            bytes_per_block,
+            config.hash,
+        )
+    }
+
     /// The scope of an instance: `description` names the model and layout (anything whose
     /// change makes blocks incompatible: dtype, layers, heads, head size, block order).
     pub fn new(
@@ -230,7 +103,7 @@ impl RemoteScope {
             &(world_size as u64).to_le_bytes(),
             &(bytes_per_block as u64).to_le_bytes(),
             format!("{hash:?}").as_bytes(),
-            &HostIndex::KEY_BITS.to_le_bytes(),
+            &KEY_BITS.to_le_bytes(),
         ] {
             h.update((part.len() as u64).to_le_bytes());
             h.update(part);
@@ -283,7 +156,7 @@ pub struct RemoteStoreStats {
 }
 
 /// A shared block store beyond this machine (the G4 tier), as a storage backend provides it
-/// (e.g. Redis / Valkey). Keys are 128-bit block keys ([`SequenceHash`]`.0`); the store scopes
+/// (e.g. Redis / Valkey). Keys are 128-bit block keys ([`SequenceHash`](crate::identity::SequenceHash)`.0`); the store scopes
 /// them by its [`RemoteScope`] and by rank. Every call is bounded by `deadline`: a store that is
 /// down or slow answers [`crate::ErrorKind::Timeout`] or another error, never hangs, and
 /// reconnects in the background. A value is never served unless verified.
@@ -321,4 +194,870 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
 
     /// Its counters.
     fn stats(&self) -> RemoteStoreStats;
+}
+
+/// The error of a block a [`RemoteStore::get`] did not serve.
+fn read_error(key: u128, outcome: &RemoteRead) -> Error {
+    let e = match outcome {
+        RemoteRead::Missing => Error::new(
+            ErrorKind::NotFound,
+            "block not in the remote store (never written, evicted or expired)",
+        ),
+        RemoteRead::Invalid(why) => Error::new(
+            ErrorKind::Corrupt,
+            format!("remote value failed verification: {why}"),
+        ),
+        RemoteRead::Hit => Error::internal("a hit reported as a failure"),
+    };
+    e.with("tier", TierKind::Remote)
+        .with("key", format!("{key:032x}"))
+}
+
+fn remote_capability() -> Capability {
+    Capability {
+        host_addressable: false,
+        direct_io_alignment: 1,
+        checksummed: true,
+        max_in_flight: 4,
+    }
+}
+
+/// One load's view of the store: block `k` of this tier is `keys[k]` of rank `rank`. Reads go
+/// through the store's pipelined [`RemoteStore::get`], one batch per transfer batch (its
+/// [`BatchCopy::copy_to`]), each bounded by `io_timeout`; a block that is missing or fails
+/// verification fails alone (never written to the destination). Writes are refused.
+#[derive(Debug)]
+pub struct RemoteSource {
+    store: Arc<dyn RemoteStore>,
+    rank: usize,
+    keys: Vec<u128>,
+    layout: Layout,
+    io_timeout: Duration,
+}
+
+impl RemoteSource {
+    /// The source of a load of `keys` for worker `rank`, whose blocks have dimensions `dims`.
+    pub fn new(
+        store: Arc<dyn RemoteStore>,
+        rank: usize,
+        keys: Vec<u128>,
+        dims: LayoutDims,
+        io_timeout: Duration,
+    ) -> Result<Self> {
+        let layout = Layout::fully_contiguous(dims, keys.len())?;
+        let want = store.scope().bytes_per_block;
+        if layout.bytes_per_block() != want {
+            return Err(Error::invalid_layout(format!(
+                "remote values hold {want} bytes but this rank's blocks are {}",
+                layout.bytes_per_block()
+            )));
+        }
+        Ok(Self {
+            store,
+            rank,
+            keys,
+            layout,
+            io_timeout,
+        })
+    }
+
+    /// Reads `blocks` (indices into the keys) in one batch: one buffer or error per block.
+    fn fetch(&self, blocks: &[usize]) -> Vec<Result<Vec<u8>>> {
+        let bpb = self.layout.bytes_per_block();
+        let mut keys = Vec::with_capacity(blocks.len());
+        for &b in blocks {
+            match self.keys.get(b) {
+                Some(k) => keys.push(*k),
+                None => {
+                    let e = Error::out_of_range("block", b, self.keys.len())
+                        .with("tier", TierKind::Remote);
+                    return blocks.iter().map(|_| Err(e.clone())).collect();
+                }
+            }
+        }
+        let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; bpb]).collect();
+        let outcome = {
+            let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            self.store
+                .get(self.rank, &keys, &mut dst, Instant::now() + self.io_timeout)
+        };
+        match outcome {
+            Ok(reads) if reads.len() == keys.len() => bufs
+                .into_iter()
+                .zip(reads.iter().zip(&keys))
+                .map(|(buf, (r, k))| match r {
+                    RemoteRead::Hit => Ok(buf),
+                    other => Err(read_error(*k, other)),
+                })
+                .collect(),
+            Ok(reads) => {
+                let e = Error::internal(format!(
+                    "the remote store answered {} outcomes for {} keys",
+                    reads.len(),
+                    keys.len()
+                ));
+                keys.iter().map(|_| Err(e.clone())).collect()
+            }
+            Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+}
+
+impl StorageTier for RemoteSource {
+    fn kind(&self) -> TierKind {
+        TierKind::Remote
+    }
+    fn capability(&self) -> Capability {
+        remote_capability()
+    }
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    fn read_block(&self, block: usize, dst: &mut [IoSliceMut<'_>]) -> Result<()> {
+        let len = crate::tier::total_len(dst);
+        crate::tier::check_io(
+            TierKind::Remote,
+            "read",
+            block,
+            self.keys.len(),
+            len,
+            self.layout.bytes_per_block(),
+        )?;
+        let buf = self
+            .fetch(&[block])
+            .pop()
+            .unwrap_or_else(|| Err(Error::internal("the remote store answered nothing")))?;
+        crate::tier::copy_segments(&[IoSlice::new(&buf)], dst);
+        Ok(())
+    }
+    fn write_block(&self, block: usize, _src: &[IoSlice<'_>]) -> Result<()> {
+        Err(Error::unsupported("a remote load's source is read-only")
+            .with("tier", TierKind::Remote)
+            .with("block", block))
+    }
+    fn batch_copy(&self) -> Option<&dyn BatchCopy> {
+        Some(self)
+    }
+}
+
+impl BatchCopy for RemoteSource {
+    fn copy_to(&self, dst: &dyn StorageTier, pairs: &[(usize, usize)]) -> Option<Vec<Result<()>>> {
+        let blocks: Vec<usize> = pairs.iter().map(|p| p.0).collect();
+        let bufs = self.fetch(&blocks);
+        Some(
+            bufs.into_iter()
+                .zip(pairs)
+                .map(|(buf, &(_, d))| dst.write_block(d, &[IoSlice::new(&buf?)]))
+                .collect(),
+        )
+    }
+
+    fn copy_from(
+        &self,
+        _src: &dyn StorageTier,
+        _pairs: &[(usize, usize)],
+    ) -> Option<Vec<Result<()>>> {
+        None
+    }
+}
+
+/// One write's view of the store: block `k` of this tier is `keys[k]` of rank `rank`. Writes go
+/// through the store's pipelined [`RemoteStore::put`] (a value already present is not
+/// rewritten), one batch per transfer batch, each bounded by `io_timeout`. Reads are refused.
+#[derive(Debug)]
+pub struct RemoteSink {
+    store: Arc<dyn RemoteStore>,
+    rank: usize,
+    keys: Vec<u128>,
+    layout: Layout,
+    io_timeout: Duration,
+    written: AtomicU64,
+    present: AtomicU64,
+}
+
+impl RemoteSink {
+    /// The destination of a write of `keys` by worker `rank`, whose blocks have dimensions
+    /// `dims`.
+    pub fn new(
+        store: Arc<dyn RemoteStore>,
+        rank: usize,
+        keys: Vec<u128>,
+        dims: LayoutDims,
+        io_timeout: Duration,
+    ) -> Result<Self> {
+        let layout = Layout::fully_contiguous(dims, keys.len())?;
+        let want = store.scope().bytes_per_block;
+        if layout.bytes_per_block() != want {
+            return Err(Error::invalid_layout(format!(
+                "remote values hold {want} bytes but this rank's blocks are {}",
+                layout.bytes_per_block()
+            )));
+        }
+        Ok(Self {
+            store,
+            rank,
+            keys,
+            layout,
+            io_timeout,
+            written: AtomicU64::new(0),
+            present: AtomicU64::new(0),
+        })
+    }
+
+    /// Values written and values found already present so far.
+    pub fn counts(&self) -> RemotePut {
+        RemotePut {
+            written: self.written.load(Ordering::Relaxed) as usize,
+            present: self.present.load(Ordering::Relaxed) as usize,
+        }
+    }
+
+    fn put_batch(&self, blocks: &[(usize, Vec<u8>)]) -> Result<()> {
+        let mut batch = Vec::with_capacity(blocks.len());
+        for (b, bytes) in blocks {
+            let key = self.keys.get(*b).ok_or_else(|| {
+                Error::out_of_range("block", *b, self.keys.len()).with("tier", TierKind::Remote)
+            })?;
+            batch.push((*key, bytes.as_slice()));
+        }
+        let done = self
+            .store
+            .put(self.rank, &batch, Instant::now() + self.io_timeout)?;
+        self.written
+            .fetch_add(done.written as u64, Ordering::Relaxed);
+        self.present
+            .fetch_add(done.present as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl StorageTier for RemoteSink {
+    fn kind(&self) -> TierKind {
+        TierKind::Remote
+    }
+    fn capability(&self) -> Capability {
+        remote_capability()
+    }
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    fn read_block(&self, block: usize, _dst: &mut [IoSliceMut<'_>]) -> Result<()> {
+        Err(
+            Error::unsupported("a remote write's destination is write-only")
+                .with("tier", TierKind::Remote)
+                .with("block", block),
+        )
+    }
+    fn write_block(&self, block: usize, src: &[IoSlice<'_>]) -> Result<()> {
+        let len = crate::tier::total_len(src);
+        crate::tier::check_io(
+            TierKind::Remote,
+            "write",
+            block,
+            self.keys.len(),
+            len,
+            self.layout.bytes_per_block(),
+        )?;
+        let bytes: Vec<u8> = src.iter().flat_map(|s| s.iter().copied()).collect();
+        self.put_batch(&[(block, bytes)])
+    }
+    fn batch_copy(&self) -> Option<&dyn BatchCopy> {
+        Some(self)
+    }
+}
+
+impl BatchCopy for RemoteSink {
+    fn copy_to(
+        &self,
+        _dst: &dyn StorageTier,
+        _pairs: &[(usize, usize)],
+    ) -> Option<Vec<Result<()>>> {
+        None
+    }
+
+    fn copy_from(
+        &self,
+        src: &dyn StorageTier,
+        pairs: &[(usize, usize)],
+    ) -> Option<Vec<Result<()>>> {
+        let bpb = self.layout.bytes_per_block();
+        let mut results: Vec<Result<()>> = Vec::with_capacity(pairs.len());
+        let mut batch = Vec::with_capacity(pairs.len());
+        let mut slots = Vec::with_capacity(pairs.len());
+        for (i, &(s, d)) in pairs.iter().enumerate() {
+            let mut buf = vec![0u8; bpb];
+            match src.read_block(s, &mut [IoSliceMut::new(&mut buf)]) {
+                Ok(()) => {
+                    batch.push((d, buf));
+                    slots.push(i);
+                    results.push(Ok(()));
+                }
+                Err(e) => results.push(Err(e)),
+            }
+        }
+        if !batch.is_empty() {
+            if let Err(e) = self.put_batch(&batch) {
+                for i in slots {
+                    results[i] = Err(e.clone());
+                }
+            }
+        }
+        Some(results)
+    }
+}
+
+/// A lookup the leader asked [`LookupThread`] for.
+#[derive(Debug)]
+struct LookupJob {
+    /// Who asked (the request's id and the index of its first key), echoed in the answer.
+    tag: (String, usize),
+    keys: Vec<u128>,
+    /// The store call's deadline, from when it starts.
+    within: Duration,
+}
+
+/// How a background lookup turned out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LookupOutcome {
+    /// The store holds this many of the keys, from the first.
+    Found(usize),
+    /// The store did not answer in time (a miss).
+    Timeout,
+    /// The store failed (a miss); the error says why.
+    Failed(String),
+    /// Not asked: the store failed (or kept timing out) less than [`LookupThread::BACKOFF`] ago
+    /// (a miss).
+    Skipped,
+}
+
+/// The leader's lookups: one thread that runs [`RemoteStore::lookup_prefix`] for the jobs it
+/// is given, each bounded by its own deadline, and keeps the answers until taken. The
+/// scheduler's thread queues a job and later takes its answer ([`LookupThread::take`]: never
+/// waits), or waits for it up to a deadline of its own ([`LookupThread::wait`]: an engine that
+/// must answer at once); a store that misbehaves past its deadline delays only this thread.
+/// After a failure, or [`LookupThread::TIMEOUTS_TO_BACK_OFF`] timeouts in a row, the store is
+/// not asked for [`LookupThread::BACKOFF`] (jobs are answered [`LookupOutcome::Skipped`]), so a
+/// store that is down or slow costs the scheduler nothing. Jobs queue at most [`LookupThread::MAX_QUEUED`] deep (beyond: refused, a miss).
+#[derive(Debug)]
+pub struct LookupThread {
+    shared: Arc<LookupShared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Debug, Default)]
+struct LookupQueue {
+    jobs: std::collections::VecDeque<LookupJob>,
+    done: HashMap<(String, usize), LookupOutcome>,
+    /// Jobs whose waiter gave up while they ran: their answers are dropped.
+    abandoned: std::collections::HashSet<(String, usize)>,
+    stop: bool,
+    down_until: Option<Instant>,
+    /// Lookups past their deadline in a row.
+    timeouts_in_a_row: u32,
+}
+
+#[derive(Debug, Default)]
+struct LookupShared {
+    queue: Mutex<LookupQueue>,
+    wake: Condvar,
+    answered: Condvar,
+}
+
+impl LookupThread {
+    /// Most jobs waiting at once.
+    pub const MAX_QUEUED: usize = 1024;
+    /// Most answers kept untaken (all are dropped beyond it).
+    const MAX_DONE: usize = 4096;
+    /// How long the store is not asked after a failure, or after
+    /// [`LookupThread::TIMEOUTS_TO_BACK_OFF`] timeouts in a row.
+    pub const BACKOFF: Duration = Duration::from_secs(1);
+    /// Timeouts in a row that make the thread back off (a single late answer is a miss only).
+    pub const TIMEOUTS_TO_BACK_OFF: u32 = 3;
+
+    /// Starts the thread.
+    pub fn start(store: Arc<dyn RemoteStore>) -> Result<Self> {
+        let shared = Arc::new(LookupShared::default());
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvbm-remote-lookup".into())
+            .spawn(move || loop {
+                let (job, down) = {
+                    let mut q = s.queue.lock();
+                    loop {
+                        if q.stop {
+                            return;
+                        }
+                        if let Some(j) = q.jobs.pop_front() {
+                            let down = q.down_until.is_some_and(|t| Instant::now() < t);
+                            break (j, down);
+                        }
+                        s.wake.wait(&mut q);
+                    }
+                };
+                let outcome = if down {
+                    LookupOutcome::Skipped
+                } else {
+                    match store.lookup_prefix(&job.keys, Instant::now() + job.within) {
+                        Ok(n) => LookupOutcome::Found(n.min(job.keys.len())),
+                        Err(e) if e.kind() == ErrorKind::Timeout => LookupOutcome::Timeout,
+                        Err(e) => LookupOutcome::Failed(e.to_string()),
+                    }
+                };
+                let mut q = s.queue.lock();
+                match outcome {
+                    LookupOutcome::Failed(_) => {
+                        q.down_until = Some(Instant::now() + Self::BACKOFF);
+                    }
+                    LookupOutcome::Timeout => {
+                        q.timeouts_in_a_row += 1;
+                        if q.timeouts_in_a_row >= Self::TIMEOUTS_TO_BACK_OFF {
+                            q.down_until = Some(Instant::now() + Self::BACKOFF);
+                        }
+                    }
+                    LookupOutcome::Found(_) => {
+                        q.down_until = None;
+                        q.timeouts_in_a_row = 0;
+                    }
+                    LookupOutcome::Skipped => {}
+                }
+                if q.done.len() >= Self::MAX_DONE {
+                    q.done.clear();
+                }
+                if !q.abandoned.remove(&job.tag) {
+                    q.done.insert(job.tag, outcome);
+                }
+                s.answered.notify_all();
+            })
+            .map_err(|e| Error::io("start the remote lookup thread", e))?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues a lookup of `keys` for `(request, first)`, whose store call gets `within`; false
+    /// when the queue is full (nothing queued).
+    pub fn submit(&self, request: &str, first: usize, keys: Vec<u128>, within: Duration) -> bool {
+        let mut q = self.shared.queue.lock();
+        if q.jobs.len() >= Self::MAX_QUEUED {
+            return false;
+        }
+        let tag = (request.to_owned(), first);
+        q.done.remove(&tag);
+        q.abandoned.remove(&tag);
+        q.jobs.push_back(LookupJob { tag, keys, within });
+        self.shared.wake.notify_one();
+        true
+    }
+
+    /// The answer for `(request, first)`, if it arrived (taken: a second call answers `None`).
+    pub fn take(&self, request: &str, first: usize) -> Option<LookupOutcome> {
+        self.shared
+            .queue
+            .lock()
+            .done
+            .remove(&(request.to_owned(), first))
+    }
+
+    /// Waits until the answer for `(request, first)` arrived or `deadline` passed; takes it.
+    /// `None` past the deadline (the job is withdrawn if it has not started).
+    pub fn wait(&self, request: &str, first: usize, deadline: Instant) -> Option<LookupOutcome> {
+        let tag = (request.to_owned(), first);
+        let mut q = self.shared.queue.lock();
+        loop {
+            if let Some(o) = q.done.remove(&tag) {
+                return Some(o);
+            }
+            if self
+                .shared
+                .answered
+                .wait_until(&mut q, deadline)
+                .timed_out()
+            {
+                if let Some(o) = q.done.remove(&tag) {
+                    return Some(o);
+                }
+                let queued = q.jobs.len();
+                q.jobs.retain(|j| j.tag != tag);
+                if q.jobs.len() == queued {
+                    // Running now: its answer is dropped when it comes.
+                    if q.abandoned.len() >= Self::MAX_DONE {
+                        q.abandoned.clear();
+                    }
+                    q.abandoned.insert(tag);
+                }
+                return None;
+            }
+        }
+    }
+
+    /// True while the store is not being asked (a failure or timeout less than
+    /// [`LookupThread::BACKOFF`] ago).
+    pub fn backing_off(&self) -> bool {
+        self.shared
+            .queue
+            .lock()
+            .down_until
+            .is_some_and(|t| Instant::now() < t)
+    }
+
+    /// Forgets `request`'s answers and queued jobs (it finished).
+    pub fn forget(&self, request: &str) {
+        let mut q = self.shared.queue.lock();
+        q.jobs.retain(|j| j.tag.0 != request);
+        q.done.retain(|k, _| k.0 != request);
+        q.abandoned.retain(|k| k.0 != request);
+    }
+}
+
+impl Drop for LookupThread {
+    fn drop(&mut self) {
+        self.shared.queue.lock().stop = true;
+        self.shared.wake.notify_all();
+        // A lookup stuck in the store is bounded by its deadline; it is not waited for here.
+        drop(self.thread.take());
+    }
+}
+
+/// Faults a [`MemoryRemoteStore`] injects (each can be changed while it runs).
+#[derive(Debug, Default)]
+pub struct MemoryFaults {
+    /// Every call fails at once (connection refused) while set.
+    pub down: AtomicBool,
+    /// Every call first sleeps this many milliseconds (0: none), then answers
+    /// [`ErrorKind::Timeout`] if that passed its deadline.
+    pub delay_ms: AtomicU64,
+    /// Reads of stored values answer [`RemoteRead::Invalid`] while set (a planted or damaged
+    /// value).
+    pub invalid: AtomicBool,
+}
+
+/// An in-process [`RemoteStore`]: values in a map under `(scope, rank, key)`, with injectable
+/// [`MemoryFaults`]. Cloning the `Arc` of its map lets several instances (in one process)
+/// share one store, as instances share a Redis. The test double of the trait; also what
+/// `kvbm replay` uses for `--remote-url memory://`.
+#[derive(Debug, Clone)]
+pub struct MemoryRemoteStore {
+    scope: RemoteScope,
+    data: MemoryRemoteData,
+    /// The faults in effect.
+    pub faults: Arc<MemoryFaults>,
+    counters: Arc<MemoryCounters>,
+}
+
+#[derive(Debug, Default)]
+struct MemoryCounters {
+    errors: AtomicU64,
+    timeouts: AtomicU64,
+    invalid: AtomicU64,
+    available: AtomicBool,
+    gets: AtomicU64,
+    puts: AtomicU64,
+    lookups: AtomicU64,
+}
+
+/// The values of [`MemoryRemoteStore`]s that share them.
+pub type MemoryRemoteData = Arc<Mutex<HashMap<(String, usize, u128), Vec<u8>>>>;
+
+impl MemoryRemoteStore {
+    /// An empty store for `scope`.
+    pub fn new(scope: RemoteScope) -> Self {
+        Self::shared(scope, MemoryRemoteData::default(), Arc::default())
+    }
+
+    /// A store for `scope` over `data` (shared with other stores) and `faults`.
+    pub fn shared(scope: RemoteScope, data: MemoryRemoteData, faults: Arc<MemoryFaults>) -> Self {
+        let counters = Arc::new(MemoryCounters::default());
+        counters.available.store(true, Ordering::Relaxed);
+        Self {
+            scope,
+            data,
+            faults,
+            counters,
+        }
+    }
+
+    /// Values held (all scopes and ranks).
+    pub fn len(&self) -> usize {
+        self.data.lock().len()
+    }
+
+    /// True when it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `(lookups, gets, puts)` calls so far.
+    pub fn calls(&self) -> (u64, u64, u64) {
+        (
+            self.counters.lookups.load(Ordering::Relaxed),
+            self.counters.gets.load(Ordering::Relaxed),
+            self.counters.puts.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Replaces the value of `key` for `rank` (tests: plant a value).
+    pub fn plant(&self, rank: usize, key: u128, bytes: Vec<u8>) {
+        self.data
+            .lock()
+            .insert((self.scope.fingerprint.clone(), rank, key), bytes);
+    }
+
+    /// Empties the store (a restarted server).
+    pub fn clear(&self) {
+        self.data.lock().clear();
+    }
+
+    /// Applies the faults before a call: down, then the delay against `deadline`.
+    fn enter(&self, deadline: Instant) -> Result<()> {
+        if self.faults.down.load(Ordering::Relaxed) {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            self.counters.available.store(false, Ordering::Relaxed);
+            return Err(Error::io(
+                "reach the remote store",
+                std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+            ));
+        }
+        let delay = self.faults.delay_ms.load(Ordering::Relaxed);
+        if delay > 0 {
+            let now = Instant::now();
+            let wait = Duration::from_millis(delay);
+            if now + wait > deadline {
+                std::thread::sleep(deadline.saturating_duration_since(now));
+                self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    "the remote store did not answer before the deadline",
+                ));
+            }
+            std::thread::sleep(wait);
+        }
+        self.counters.available.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl RemoteStore for MemoryRemoteStore {
+    fn describe(&self) -> String {
+        "memory".to_string()
+    }
+
+    fn scope(&self) -> &RemoteScope {
+        &self.scope
+    }
+
+    fn lookup_prefix(&self, keys: &[u128], deadline: Instant) -> Result<usize> {
+        self.counters.lookups.fetch_add(1, Ordering::Relaxed);
+        self.enter(deadline)?;
+        let data = self.data.lock();
+        let fp = &self.scope.fingerprint;
+        Ok(keys
+            .iter()
+            .take_while(|k| {
+                (0..self.scope.world_size).all(|r| data.contains_key(&(fp.clone(), r, **k)))
+            })
+            .count())
+    }
+
+    fn get(
+        &self,
+        rank: usize,
+        keys: &[u128],
+        dst: &mut [&mut [u8]],
+        deadline: Instant,
+    ) -> Result<Vec<RemoteRead>> {
+        self.counters.gets.fetch_add(1, Ordering::Relaxed);
+        if keys.len() != dst.len() {
+            return Err(Error::invalid_argument(format!(
+                "{} keys but {} buffers",
+                keys.len(),
+                dst.len()
+            )));
+        }
+        self.enter(deadline)?;
+        let data = self.data.lock();
+        let invalid = self.faults.invalid.load(Ordering::Relaxed);
+        let mut out = Vec::with_capacity(keys.len());
+        for (k, buf) in keys.iter().zip(dst.iter_mut()) {
+            match data.get(&(self.scope.fingerprint.clone(), rank, *k)) {
+                None => out.push(RemoteRead::Missing),
+                Some(_) if invalid => {
+                    self.counters.invalid.fetch_add(1, Ordering::Relaxed);
+                    out.push(RemoteRead::Invalid("checksum mismatch (injected)".into()));
+                }
+                Some(v) if v.len() != buf.len() => {
+                    self.counters.invalid.fetch_add(1, Ordering::Relaxed);
+                    out.push(RemoteRead::Invalid(format!(
+                        "value holds {} bytes, expected {}",
+                        v.len(),
+                        buf.len()
+                    )));
+                }
+                Some(v) => {
+                    buf.copy_from_slice(v);
+                    out.push(RemoteRead::Hit);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn put(&self, rank: usize, blocks: &[(u128, &[u8])], deadline: Instant) -> Result<RemotePut> {
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
+        self.enter(deadline)?;
+        let mut data = self.data.lock();
+        let mut done = RemotePut::default();
+        for (k, bytes) in blocks {
+            if bytes.len() != self.scope.bytes_per_block {
+                return Err(Error::invalid_argument(format!(
+                    "a value of {} bytes for blocks of {}",
+                    bytes.len(),
+                    self.scope.bytes_per_block
+                )));
+            }
+            let e = data.entry((self.scope.fingerprint.clone(), rank, *k));
+            match e {
+                std::collections::hash_map::Entry::Occupied(_) => done.present += 1,
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(bytes.to_vec());
+                    done.written += 1;
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    fn stats(&self) -> RemoteStoreStats {
+        RemoteStoreStats {
+            available: self.counters.available.load(Ordering::Relaxed),
+            errors: self.counters.errors.load(Ordering::Relaxed),
+            timeouts: self.counters.timeouts.load(Ordering::Relaxed),
+            reconnects: 0,
+            invalid: self.counters.invalid.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims() -> LayoutDims {
+        LayoutDims {
+            num_layers: 2,
+            outer_dim: 2,
+            page_size: 4,
+            inner_dim: 8,
+            dtype_bytes: 2,
+        }
+    }
+
+    fn store() -> MemoryRemoteStore {
+        let config = Config::default();
+        let d = dims();
+        let scope = RemoteScope::for_instance(&config, &d, 1, d.bytes_per_block()).unwrap();
+        MemoryRemoteStore::new(scope)
+    }
+
+    const IO: Duration = Duration::from_secs(2);
+
+    #[test]
+    fn scopes_differ_by_namespace_shape_sharding_and_hash() {
+        let d = dims();
+        let base = Config::default();
+        let a = RemoteScope::for_instance(&base, &d, 1, d.bytes_per_block()).unwrap();
+        assert_eq!(
+            a,
+            RemoteScope::for_instance(&base, &d, 1, d.bytes_per_block()).unwrap()
+        );
+        let mut ns = base.clone();
+        ns.remote.namespace = Some("other-model".into());
+        let mut xxh = base.clone();
+        xxh.hash = HashAlgorithm::Xxh3;
+        let mut wider = d;
+        wider.inner_dim = 16;
+        for other in [
+            RemoteScope::for_instance(&ns, &d, 1, d.bytes_per_block()).unwrap(),
+            RemoteScope::for_instance(&xxh, &d, 1, d.bytes_per_block()).unwrap(),
+            RemoteScope::for_instance(&base, &d, 2, d.bytes_per_block()).unwrap(),
+            RemoteScope::for_instance(&base, &wider, 1, wider.bytes_per_block()).unwrap(),
+        ] {
+            assert_ne!(a.fingerprint, other.fingerprint);
+        }
+        assert!(RemoteScope::new("x", 4, 0, 8, HashAlgorithm::Sha256).is_err());
+    }
+
+    #[test]
+    fn lookups_answer_later_wait_up_to_a_deadline_and_back_off() {
+        let s = Arc::new(store());
+        s.plant(0, 1, vec![0; 1]);
+        s.plant(0, 2, vec![0; 1]);
+        let t = LookupThread::start(s.clone()).unwrap();
+        // Asked, then answered later (taken once).
+        assert!(t.submit("r", 0, vec![1, 2, 3], IO));
+        let deadline = Instant::now() + IO;
+        let mut got = None;
+        while got.is_none() && Instant::now() < deadline {
+            got = t.take("r", 0);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(got, Some(LookupOutcome::Found(2)));
+        assert_eq!(t.take("r", 0), None);
+        // Waited for: within the deadline.
+        assert!(t.submit("r", 5, vec![3, 1], IO));
+        assert_eq!(
+            t.wait("r", 5, Instant::now() + IO),
+            Some(LookupOutcome::Found(0))
+        );
+        // A slow store: the wait ends at its own deadline; the lookup times out in the thread
+        // and the store is then not asked for a moment.
+        s.faults.delay_ms.store(300, Ordering::Relaxed);
+        assert!(t.submit("q", 0, vec![1], Duration::from_millis(20)));
+        let start = Instant::now();
+        assert_eq!(t.wait("q", 0, start + Duration::from_millis(5)), None);
+        assert!(start.elapsed() < Duration::from_millis(200));
+        // One late answer is a miss, not a reason to stop asking; three in a row are.
+        assert_eq!(
+            t.wait("q", 0, Instant::now() + Duration::from_millis(300)),
+            None,
+            "an abandoned answer is dropped"
+        );
+        assert!(!t.backing_off());
+        for k in 1..3 {
+            assert!(t.submit("q", 10 + k, vec![1], Duration::from_millis(20)));
+            assert_eq!(
+                t.wait("q", 10 + k, Instant::now() + IO),
+                Some(LookupOutcome::Timeout)
+            );
+        }
+        let deadline = Instant::now() + IO;
+        while !t.backing_off() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(t.backing_off());
+        let (lookups, _, _) = s.calls();
+        assert!(t.submit("q", 1, vec![1], IO));
+        assert_eq!(
+            t.wait("q", 1, Instant::now() + IO),
+            Some(LookupOutcome::Skipped)
+        );
+        assert_eq!(
+            s.calls().0,
+            lookups,
+            "a backing-off thread does not ask the store"
+        );
+        // Down: failed at once.
+        s.faults.delay_ms.store(0, Ordering::Relaxed);
+        s.faults.down.store(true, Ordering::Relaxed);
+        t.shared.queue.lock().down_until = None;
+        assert!(t.submit("d", 0, vec![1], IO));
+        assert!(matches!(
+            t.wait("d", 0, Instant::now() + IO),
+            Some(LookupOutcome::Failed(_))
+        ));
+        // Forgotten requests leave nothing behind.
+        t.forget("d");
+        t.forget("r");
+        assert!(t.shared.queue.lock().done.is_empty());
+    }
 }

@@ -40,7 +40,7 @@ use crate::connector::fence::FencedDevice;
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
 use crate::connector::metrics::{Metrics, WarnLimiter};
 use crate::connector::metrics_server::MetricsServer;
-use crate::connector::remote::WorkerRemote;
+use crate::connector::remote::{RemoteScope, RemoteSink, RemoteSource, RemoteStore};
 use crate::connector::transport::{
     Completion, FinishWork, LeaderMessage, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
 };
@@ -69,8 +69,9 @@ pub struct WorkerTiers {
     pub disk: Option<Arc<dyn StorageTier>>,
     /// The counts the leader chose.
     pub counts: TierCounts,
-    /// The remote (G4) tier's hooks, when `remote.dir` is set.
-    pub remote: Option<Arc<dyn WorkerRemote>>,
+    /// The shared remote store (G4), when `remote.url` is set. Factories leave it `None`: the
+    /// worker fills it from [`TierFactory::remote_store`] after [`TierFactory::build`].
+    pub remote: Option<Arc<dyn RemoteStore>>,
 }
 
 /// Builds a worker's own tiers once the start-up barrier chose their sizes: storage providers
@@ -80,7 +81,7 @@ pub struct WorkerTiers {
 /// `build` runs once per worker, on the thread running the barrier, with the worker's
 /// configuration, its rank, the engine's device tier and the counts the leader chose. It returns
 /// every tier the counts and the configuration ask for (a host tier when `num_host_blocks > 0`, a
-/// disk tier when `num_disk_blocks > 0`, the remote hooks when `remote.dir` is set), or an error,
+/// disk tier when `num_disk_blocks > 0`; `remote` is left `None`), or an error,
 /// which fails the worker's start-up (for instance [`ErrorKind::Unsupported`] for a setting this
 /// build cannot serve). The returned [`WorkerTiers`] carry `device` and `counts` as given.
 pub trait TierFactory: Send + Sync + std::fmt::Debug {
@@ -93,9 +94,11 @@ pub trait TierFactory: Send + Sync + std::fmt::Debug {
         counts: TierCounts,
     ) -> Result<WorkerTiers>;
 
-    /// The shared remote store (G4) the configuration names, built for `scope`, or `None` when
-    /// none is configured. The leader and every worker each hold one (they look up, read and
-    /// write through it); the default builds none.
+    /// The shared remote store (G4) the configuration names (`remote.url`), built for `scope`,
+    /// or `None` when none is configured. The leader and every worker each build one (the
+    /// leader looks up through it, the workers read and write their shards); called only when
+    /// `remote.url` is set. It must not wait for the store to be reachable: a store that is down
+    /// at start is reached later (reconnecting in the background). The default builds none.
     fn remote_store(
         &self,
         config: &Config,
@@ -360,8 +363,25 @@ impl Worker {
         let rank = hello.rank;
         let init = initialise(self.mode.1, "kvbm-worker-init", move || {
             let mut tiers = None;
+            let world_size = hello.world_size;
             worker_barrier(transport.as_ref(), hello, timeout, |counts| {
-                tiers = Some(factory.build(&config, rank, device.clone(), counts)?);
+                let mut built = factory.build(&config, rank, device.clone(), counts)?;
+                built.remote = None;
+                if config.remote.enabled() {
+                    let scope = RemoteScope::for_instance(
+                        &config,
+                        device.layout().dims(),
+                        world_size,
+                        device.bytes_per_block(),
+                    )?;
+                    built.remote = factory.remote_store(&config, &scope)?;
+                    if built.remote.is_none() {
+                        tracing::warn!(
+                            "remote.url is set but this build's tier factory provides no remote store: the remote tier is off"
+                        );
+                    }
+                }
+                tiers = Some(built);
                 Ok(())
             })?;
             tiers.ok_or_else(|| Error::internal("barrier finished without tiers"))
@@ -394,9 +414,6 @@ impl Worker {
     pub fn bind_metadata(&mut self, bytes: &[u8]) -> Result<()> {
         let _span = tracing::debug_span!("kvbm.worker.bind", rank = self.rank()).entered();
         let meta = ConnectorMetadata::decode(bytes)?;
-        if let (Some(instance), Some(tiers)) = (&meta.remote_instance, self.tiers()) {
-            export_remote(tiers, instance);
-        }
         if !self.is_ready() {
             if meta.operations.is_empty() {
                 return Ok(());
@@ -644,18 +661,16 @@ impl Worker {
             complete(&shared, transport.as_ref(), done, Err(e));
             return;
         }
-        let src = if t.src == TierKind::Remote {
-            match remote_source(tiers, op.as_ref()) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    complete(&shared, transport.as_ref(), done, Err(e.with("op", t.id)));
-                    return;
-                }
+        let io_timeout = self.config.remote.io_timeout();
+        let rank = self.rank();
+        let (src, dst) = match remote_sides(tiers, op.as_ref(), rank, io_timeout) {
+            Ok(sides) => sides,
+            Err(e) => {
+                complete(&shared, transport.as_ref(), done, Err(e.with("op", t.id)));
+                return;
             }
-        } else {
-            tiers.get(t.src).cloned()
         };
-        let (src, dst) = match (src, tiers.get(t.dst)) {
+        let (src, dst) = match (src, dst) {
             (Some(s), Some(d)) => (s, d.clone()),
             _ => {
                 let e =
@@ -665,9 +680,6 @@ impl Worker {
                 return;
             }
         };
-        // A host block being rewritten is first withdrawn from remote readers; once written, the
-        // blocks whose keys the leader named are published again.
-        let publish = publish_after(tiers, op.as_ref());
         let does_io = |k: TierKind| matches!(k, TierKind::Disk | TierKind::Remote);
         let engine = if does_io(t.src) || does_io(t.dst) {
             &self.io_engine
@@ -714,9 +726,6 @@ impl Worker {
                             )),
                         },
                     };
-                    if let Some(publish) = publish {
-                        publish(&outcome);
-                    }
                     complete(&shared, transport.as_ref(), done, outcome);
                 });
             }
@@ -1036,67 +1045,45 @@ fn abandoned(
     }
 }
 
-/// Writes this worker's host tier export under the leader's instance name (remote tier on).
-fn export_remote(tiers: &WorkerTiers, instance: &str) {
-    if let Some(r) = &tiers.remote {
-        if let Err(e) = r.export_as(instance) {
-            tracing::warn!(error = %e, "cannot write the host tier export");
-        }
-    }
-}
+type Sides = (Option<Arc<dyn StorageTier>>, Option<Arc<dyn StorageTier>>);
 
-/// The source of a load from the remote tier: the peer's host tier, read verified against the
-/// keys the operation expects (a block whose check fails is a failed block, never served).
-fn remote_source(tiers: &WorkerTiers, op: &dyn Operation) -> Result<Arc<dyn StorageTier>> {
+/// The source and destination tiers of `op` on this worker: its own tiers, or, for a side that
+/// is the remote store, that operation's view of it ([`RemoteSource`] for a load, keyed by the
+/// pairs' source index; [`RemoteSink`] for a write, keyed by their destination index).
+fn remote_sides(
+    tiers: &WorkerTiers,
+    op: &dyn Operation,
+    rank: usize,
+    io_timeout: Duration,
+) -> Result<Sides> {
     let t = op.transfer();
-    let (Some(remote), Some(instance)) = (&tiers.remote, op.remote_instance()) else {
+    if t.src != TierKind::Remote && t.dst != TierKind::Remote {
+        return Ok((tiers.get(t.src).cloned(), tiers.get(t.dst).cloned()));
+    }
+    let Some(store) = tiers.remote.clone() else {
         return Err(Error::unsupported(
-            "a load from the remote tier needs remote.dir (KVBM_REMOTE_DIR) and its instance",
+            "an operation on the remote tier, but this worker has no remote store (remote.url / KVBM_REMOTE_URL)",
         ));
     };
-    let keys = op.block_keys();
-    if keys.len() != t.pairs.len() {
-        return Err(Error::invalid_argument(format!(
-            "a remote load names {} keys for {} blocks",
-            keys.len(),
-            t.pairs.len()
-        )));
+    let keys = op.block_keys().to_vec();
+    let idx = |p: &(usize, usize)| if t.src == TierKind::Remote { p.0 } else { p.1 };
+    if let Some(bad) = t.pairs.iter().map(idx).find(|&k| k >= keys.len()) {
+        return Err(Error::out_of_range("remote key index", bad, keys.len()));
     }
-    let keys: Vec<(usize, u128)> = t
-        .pairs
-        .iter()
-        .map(|p| p.0)
-        .zip(keys.iter().copied())
-        .collect();
-    remote.source(instance, &keys)
-}
-
-type Publish = Box<dyn FnOnce(&Result<TransferOutcome>) + Send>;
-
-/// For an operation writing host blocks while the host tier is exported: invalidates their
-/// headers now and returns what publishes the keyed ones once written.
-fn publish_after(tiers: &WorkerTiers, op: &dyn Operation) -> Option<Publish> {
-    let t = op.transfer();
-    let remote = tiers.remote.clone()?;
-    if t.dst != TierKind::Host {
-        return None;
+    if t.src == TierKind::Remote {
+        let dims = *tiers.device.layout().dims();
+        let src: Arc<dyn StorageTier> =
+            Arc::new(RemoteSource::new(store, rank, keys, dims, io_timeout)?);
+        Ok((Some(src), tiers.get(t.dst).cloned()))
+    } else {
+        let Some(host) = tiers.get(t.src).cloned() else {
+            return Ok((None, None));
+        };
+        let dims = *host.layout().dims();
+        let dst: Arc<dyn StorageTier> =
+            Arc::new(RemoteSink::new(store, rank, keys, dims, io_timeout)?);
+        Ok((Some(host), Some(dst)))
     }
-    let dst: Vec<usize> = t.pairs.iter().map(|p| p.1).collect();
-    remote.invalidate(&dst);
-    let keys = op.block_keys();
-    if keys.len() != t.pairs.len() {
-        return None; // no keys: withdrawn, never served
-    }
-    let blocks: Vec<(usize, u128)> = dst.into_iter().zip(keys.iter().copied()).collect();
-    Some(Box::new(move |outcome: &Result<TransferOutcome>| {
-        let Ok(o) = outcome else { return };
-        let failed: HashSet<usize> = o.failed.iter().map(|f| f.dst_block).collect();
-        let written: Vec<(usize, u128)> = blocks
-            .into_iter()
-            .filter(|(b, _)| !failed.contains(b))
-            .collect();
-        remote.publish(&written);
-    }))
 }
 
 #[cfg(test)]

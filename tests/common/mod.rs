@@ -124,8 +124,18 @@ pub fn rig_with(config: Config, dir: tempfile::TempDir) -> Rig {
     rig_with_factory(config, dir, StandardTiers::shared())
 }
 
-/// A rig over `config` whose worker's tiers `factory` builds.
+/// A rig over `config` whose worker's tiers `factory` builds (and the leader's remote store,
+/// when `remote.url` is set).
 pub fn rig_with_factory(
+    config: Config,
+    dir: tempfile::TempDir,
+    factory: Arc<dyn TierFactory>,
+) -> Rig {
+    rig_of_engine::<TestEngine<Blocking, Blocking>>(config, dir, factory)
+}
+
+/// As [`rig_with_factory`], with the leader of engine `E` (its `DEFERRED_MATCH` matters).
+pub fn rig_of_engine<E: Engine<Adapter = ScheduledTokens>>(
     config: Config,
     dir: tempfile::TempDir,
     factory: Arc<dyn TierFactory>,
@@ -133,10 +143,11 @@ pub fn rig_with_factory(
     let (lt, wts) = in_process(1);
     let device = device();
     let mut worker = new_worker(config.clone(), 1, wts[0].clone(), NonBlocking).unwrap();
-    worker.set_tier_factory(factory).unwrap();
+    worker.set_tier_factory(factory.clone()).unwrap();
     worker.register(device.clone()).unwrap();
-    let mut leader = new_leader(config, BS, lt, Blocking).unwrap();
-    assert!(leader.is_ready());
+    let mut leader = Leader::new::<E>(ScheduledTokens, config, BS, lt).unwrap();
+    leader.set_tier_factory(factory);
+    wait_until("leader ready", || leader.is_ready());
     wait_until("worker ready", || worker.is_ready());
     Rig {
         leader,

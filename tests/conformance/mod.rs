@@ -43,8 +43,9 @@ pub fn aligned_dims() -> LayoutDims {
     }
 }
 
-/// The memory tier's built-in layouts.
+/// The memory tier's built-in layouts (each test binary uses some of them).
 #[derive(Clone, Copy)]
+#[allow(dead_code)]
 pub enum MemLayout {
     Contiguous,
     BlockMajor,

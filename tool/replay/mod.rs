@@ -89,6 +89,11 @@ pub struct ReplayArgs {
     /// Configuration file (TOML); the environment still overrides it.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// The remote (G4) store shared with other instances (overrides `KVBM_REMOTE_URL` and the
+    /// configuration): `redis://[user:pass@]host:port[/db]`, `rediss://...`,
+    /// `redis+cluster://h1:p1,h2:p2,...`.
+    #[arg(long)]
+    pub remote_url: Option<String>,
     /// The engine's own on-device prefix reuse.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub device_prefix_cache: OnOff,
@@ -148,6 +153,11 @@ pub fn replay_config(a: &ReplayArgs) -> Result<Config> {
     }
     if let Some(d) = &a.disk_dir {
         config.disk.dir = d.clone();
+    }
+    if let Some(u) = &a.remote_url {
+        kvbm_connector::config::validate_url(u)
+            .map_err(|e| Error::invalid_argument(format!("--remote-url: {}", e.message())))?;
+        config.remote.url = Some(u.clone());
     }
     config.validate()?;
     Ok(config)

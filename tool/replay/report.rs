@@ -40,6 +40,8 @@ pub struct MatchedFrom {
     pub host: usize,
     /// From the disk tier.
     pub disk: usize,
+    /// From the remote (G4) store.
+    pub remote: usize,
 }
 
 /// Latency of one connector method, in microseconds.
@@ -115,6 +117,39 @@ pub struct Summary {
     pub mean_ttft_ms: f64,
     /// Wall time of the replay, seconds.
     pub wall_s: f64,
+    /// The remote (G4) store, when the remote tier is on (`null` otherwise).
+    pub remote: Option<RemoteReport>,
+}
+
+/// The remote store's side of a replay: what the leader counted and the store's own counters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RemoteReport {
+    /// The store (no password).
+    pub store: String,
+    /// Whether it answered its last call.
+    pub available: bool,
+    /// Lookups it answered.
+    pub lookups: u64,
+    /// Lookups past their deadline (misses).
+    pub lookup_timeouts: u64,
+    /// Lookups that failed (misses).
+    pub lookup_errors: u64,
+    /// Lookups not sent while it was failing (misses).
+    pub lookup_skipped: u64,
+    /// Blocks sent to it (a block it already held is not rewritten).
+    pub sent_blocks: u64,
+    /// Blocks whose write failed.
+    pub write_errors: u64,
+    /// Tokens loaded from it.
+    pub hit_tokens: u64,
+    /// The leader's store: failed calls.
+    pub store_errors: u64,
+    /// The leader's store: calls past their deadline.
+    pub store_timeouts: u64,
+    /// The leader's store: reconnections.
+    pub reconnects: u64,
+    /// The leader's store: values that failed verification.
+    pub invalid_values: u64,
 }
 
 /// A replay's report.
@@ -206,6 +241,12 @@ pub fn render_table(r: &Report) -> String {
         s.matched_from.disk,
         pct(s.matched_from.disk, s.prompt_tokens)
     );
+    let _ = writeln!(
+        out,
+        "    from remote         {:>10}  ({:.1}%)",
+        s.matched_from.remote,
+        pct(s.matched_from.remote, s.prompt_tokens)
+    );
     let _ = writeln!(out, "  device cache hits     {:>10}", s.device_hit_tokens);
     let _ = writeln!(out, "  tokens computed       {:>10}", s.computed_tokens);
     for p in s.offloaded.iter().chain(s.onboarded.iter()) {
@@ -232,6 +273,20 @@ pub fn render_table(r: &Report) -> String {
     );
     let _ = writeln!(out, "  load errors           {:>10}", s.load_errors);
     let _ = writeln!(out, "  store errors          {:>10}", s.store_errors);
+    if let Some(r) = &s.remote {
+        let _ = writeln!(
+            out,
+            "  remote {} ({}): {} lookups, {} timeouts, {} errors, {} skipped; {} blocks sent, {} write errors",
+            r.store,
+            if r.available { "available" } else { "unavailable" },
+            r.lookups,
+            r.lookup_timeouts,
+            r.lookup_errors,
+            r.lookup_skipped,
+            r.sent_blocks,
+            r.write_errors
+        );
+    }
     let _ = writeln!(out, "  preemptions           {:>10}", s.preemptions);
     let _ = writeln!(out, "  mean TTFT (simulated) {:>10.2} ms", s.mean_ttft_ms);
     let _ = writeln!(out, "  wall time             {:>10.2} s", s.wall_s);

@@ -30,10 +30,16 @@ pub(super) enum Holds {
         /// The device block each source block goes to (same order).
         dst: Vec<usize>,
     },
-    /// A load from another instance's host tier: nothing held here (the peer owns the blocks).
+    /// A load from the remote store: nothing held here (the store owns the values).
     Remote {
         keys: Vec<SequenceHash>,
         dst: Vec<usize>,
+    },
+    /// A write of host blocks to the remote store: pair `k` writes `src[k]` as `keys[k]` (the
+    /// workers report failed pairs by `k`); the host blocks are held until it completes.
+    RemoteWrite {
+        keys: Vec<SequenceHash>,
+        src: Vec<ImmutableBlock>,
     },
     Store {
         tier: TierKind,
@@ -49,6 +55,7 @@ impl Holds {
         match self {
             Holds::Load { dst, .. } | Holds::Remote { dst, .. } => dst.clone(),
             Holds::Store { dst, .. } => dst.iter().map(|(b, _)| b.block_id()).collect(),
+            Holds::RemoteWrite { keys, .. } => (0..keys.len()).collect(),
         }
     }
 }
@@ -209,16 +216,15 @@ impl<A: SchedulerAdapter> Leader<A> {
                 let failed = (track.failed.len() as u64).min(total);
                 let ok = total - failed;
                 if failed > 0 {
-                    // Stale: the peer evicted or rewrote it. No later match tries it again
-                    // until the peer publishes it anew.
-                    if let Some(r) = self.remote.as_mut() {
-                        for (k, d) in keys.iter().zip(&dst) {
-                            if track.failed.contains(d) {
-                                r.index.remove(k);
-                            }
+                    // Evicted since the lookup, or failed verification: recomputed.
+                    tracing::debug!(failed, "remote blocks failed to load");
+                }
+                if let Some(r) = self.remote.as_mut() {
+                    for (k, d) in keys.iter().zip(&dst) {
+                        if !track.failed.contains(d) {
+                            r.remember(*k);
                         }
                     }
-                    tracing::debug!(failed, "remote blocks failed verification or transfer");
                 }
                 self.metrics.record_hit(TierKind::Remote, ok * bs);
                 self.metrics
@@ -227,6 +233,35 @@ impl<A: SchedulerAdapter> Leader<A> {
                     self.metrics.record_load_error(failed);
                 }
                 self.request_op_done(track.request.as_ref(), true);
+            }
+            Holds::RemoteWrite { keys, src } => {
+                let bpb_rank = bpb;
+                let mut written = 0u64;
+                let mut failed = 0u64;
+                for (k, hash) in keys.iter().enumerate() {
+                    self.pending_keys.remove(&(TierKind::Remote, *hash));
+                    if track.failed.contains(&k) {
+                        failed += 1;
+                    } else {
+                        written += 1;
+                        if let Some(r) = self.remote.as_mut() {
+                            r.remember(*hash);
+                        }
+                    }
+                }
+                self.metrics.record_transfer(
+                    TierKind::Host,
+                    TierKind::Remote,
+                    written,
+                    written * bpb_rank,
+                );
+                if failed > 0 {
+                    self.metrics.record_store_error(TierKind::Remote, failed);
+                    if let Some(r) = self.remote.as_mut() {
+                        r.write_failed(failed);
+                    }
+                }
+                drop(src);
             }
             Holds::Load { tier, src, dst } => {
                 let total = src.len() as u64;
@@ -258,6 +293,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                 // A block read from host was just reused: count the sighting for disk admission.
                 if tier == TierKind::Host && failed == 0 {
                     for b in src {
+                        self.consider_for_remote(&b);
                         self.consider_for_disk(b);
                     }
                 }
@@ -287,6 +323,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                         Ok(registered) => {
                             stored += 1;
                             if tier == TierKind::Host {
+                                self.consider_for_remote(&registered);
                                 self.consider_for_disk(registered);
                             }
                         }

@@ -4,9 +4,8 @@
 //! Invariants: matched blocks are held (staged) from the match until the allocation maps them or
 //! drops them, so they cannot be evicted in between; the block holding a request's last token is
 //! never matched (the engine must compute at least one token); nothing is matched while a rank is
-//! lost; remote blocks continue a match where host and disk stopped, all from one peer.
-
-use std::sync::Arc;
+//! lost; remote blocks continue a match where host and disk stopped (looked up in the store,
+//! see `remote`); a pending remote lookup stages nothing.
 
 use crate::connector::adapter::SchedulerAdapter;
 use crate::connector::lifecycle::{Lifecycle, RequestState};
@@ -18,6 +17,7 @@ use crate::pool::{match_across, BlockPool, ImmutableBlock};
 use crate::tier::TierKind;
 
 use super::completion::Holds;
+use super::remote::RemoteAnswer;
 use super::{unknown_request, Leader, MatchResult, RequestInfo, Slot};
 
 /// Matched blocks held for a request until the engine allocates device blocks for them.
@@ -27,9 +27,8 @@ pub(super) struct Staged {
     start: usize,
     host: Vec<ImmutableBlock>,
     disk: Vec<ImmutableBlock>,
-    /// Remote blocks after the disk ones: `(key, the peer's host block)`, all of `remote_peer`.
-    remote: Vec<(SequenceHash, usize)>,
-    remote_peer: Option<Arc<str>>,
+    /// Keys of the remote blocks after the disk ones (in the store when looked up).
+    remote: Vec<SequenceHash>,
 }
 
 impl Staged {
@@ -124,19 +123,23 @@ impl<A: SchedulerAdapter> Leader<A> {
                     _ => {}
                 }
             }
-            // The remote tier continues where host and disk stopped, from one peer.
+            // The remote store continues where host and disk stopped.
             let mut remote = Vec::new();
-            let mut remote_peer: Option<Arc<str>> = None;
-            if let Some(r) = &self.remote {
-                for &hash in hashes.iter().skip(host.len() + disk.len()) {
-                    let Some((peer, block)) = r.index.get(&hash) else {
-                        break;
-                    };
-                    if remote_peer.as_ref().is_some_and(|p| p != peer) {
-                        break;
+            if let Some(r) = self.remote.as_mut() {
+                let local = host.len() + disk.len();
+                let rest = &hashes[local..];
+                match r.lookup(request.id, start + local, rest, &self.metrics) {
+                    RemoteAnswer::Found(n) => remote = rest[..n.min(rest.len())].to_vec(),
+                    RemoteAnswer::Pending => {
+                        // Ask again later; nothing staged, nothing counted yet.
+                        slot.life.unstage()?;
+                        let m = MatchResult {
+                            pending: true,
+                            ..MatchResult::NONE
+                        };
+                        self.last_match = m;
+                        return Ok(m);
                     }
-                    remote_peer.get_or_insert_with(|| peer.clone());
-                    remote.push((hash, *block));
                 }
             }
             if !host.is_empty() || !disk.is_empty() || !remote.is_empty() {
@@ -145,7 +148,6 @@ impl<A: SchedulerAdapter> Leader<A> {
                     host,
                     disk,
                     remote,
-                    remote_peer,
                 });
             }
         }
@@ -167,6 +169,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             host_tokens: host_blocks * bs,
             disk_tokens: disk_blocks * bs,
             remote_tokens: remote_blocks * bs,
+            pending: false,
         };
         self.last_match = m;
         Ok(m)
@@ -248,14 +251,10 @@ impl<A: SchedulerAdapter> Leader<A> {
             .map(|(k, b)| (b.block_id(), block_ids[disk_start + k]))
             .collect();
         let remote_start = disk_start + staged.disk.len();
-        let remote_pairs: Vec<(usize, usize)> = staged
-            .remote
-            .iter()
-            .enumerate()
-            .map(|(k, (_, b))| (*b, block_ids[remote_start + k]))
+        let remote_pairs: Vec<(usize, usize)> = (0..staged.remote.len())
+            .map(|k| (k, block_ids[remote_start + k]))
             .collect();
-        let remote_keys: Vec<SequenceHash> = staged.remote.iter().map(|(h, _)| *h).collect();
-        let remote_peer = staged.remote_peer.clone();
+        let remote_keys = staged.remote.clone();
         let mut loads = Vec::new();
         for (tier, pairs, src) in [
             (TierKind::Host, host_pairs, staged.host),
@@ -281,7 +280,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                 slot.loads_in_flight += 1;
             }
         }
-        if let (false, Some(peer)) = (remote_pairs.is_empty(), remote_peer) {
+        if !remote_pairs.is_empty() {
             let op = self.next_op_id();
             let dst: Vec<usize> = remote_pairs.iter().map(|p| p.1).collect();
             self.outbox.operations.push(Box::new(RemoteLoad {
@@ -292,7 +291,6 @@ impl<A: SchedulerAdapter> Leader<A> {
                     dst: TierKind::Device,
                     pairs: remote_pairs,
                 },
-                instance: peer.to_string(),
                 keys: remote_keys.iter().map(|h| h.0).collect(),
             }));
             self.track(

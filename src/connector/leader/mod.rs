@@ -37,6 +37,7 @@
 mod completion;
 mod matching;
 mod offload;
+mod remote;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -49,8 +50,9 @@ use crate::connector::barrier::{
 use crate::connector::lifecycle::{Lifecycle, RequestState};
 use crate::connector::metadata::OperationId;
 use crate::connector::metrics::Metrics;
-use crate::connector::remote::LeaderRemote;
+use crate::connector::remote::RemoteScope;
 use crate::connector::transport::LeaderTransport;
+use crate::connector::worker::TierFactory;
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::{SequenceHash, Token, TokenSequence};
@@ -84,9 +86,13 @@ pub struct MatchResult {
     pub host_tokens: usize,
     /// Of `external_tokens`, those held in the disk tier.
     pub disk_tokens: usize,
-    /// Of `external_tokens`, those in another instance's host tier (the remote tier; only with
-    /// `remote.dir` set).
+    /// Of `external_tokens`, those in the remote (G4) store (only with `remote.url` set).
     pub remote_tokens: usize,
+    /// The answer is not known yet (a remote lookup is running): the engine asks again later
+    /// (vLLM: `None`). Only for engines with
+    /// [`Engine::DEFERRED_MATCH`]; nothing is
+    /// staged meanwhile.
+    pub pending: bool,
 }
 
 impl MatchResult {
@@ -97,6 +103,7 @@ impl MatchResult {
         host_tokens: 0,
         disk_tokens: 0,
         remote_tokens: 0,
+        pending: false,
     };
 }
 
@@ -170,8 +177,14 @@ pub struct Leader<A: SchedulerAdapter> {
     /// Ranks whose connection was lost. While any is dead the leader is degraded: it matches
     /// nothing and stores nothing, and operations count as failed on the dead ranks.
     dead: Vec<bool>,
-    /// The remote (G4) tier's discovery, when `remote.dir` is set.
-    remote: Option<LeaderRemote>,
+    /// The remote (G4) store, when `remote.url` is set and the tier factory provides one.
+    remote: Option<remote::LeaderStore>,
+    /// Builds the remote store once the barrier completed (see [`Leader::set_tier_factory`]).
+    factory: Option<Arc<dyn TierFactory>>,
+    /// Whether building the remote store was attempted.
+    remote_tried: bool,
+    /// The engine accepts "ask again later" from a match (see [`MatchResult::pending`]).
+    deferred_match: bool,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -228,8 +241,10 @@ impl<A: SchedulerAdapter> Leader<A> {
             last_match: MatchResult::NONE,
             dead: Vec::new(),
             remote: None,
+            factory: None,
+            remote_tried: false,
+            deferred_match: E::DEFERRED_MATCH,
         };
-        leader.remote = LeaderRemote::new(&leader.config.remote);
         if let Some(addr) = leader.config.tcp.metrics_addr {
             leader.metrics_server = Some(crate::connector::metrics_server::MetricsServer::start(
                 addr,
@@ -306,6 +321,7 @@ impl<A: SchedulerAdapter> Leader<A> {
     pub fn has_pending_work(&self) -> bool {
         !self.ops.is_empty()
             || !self.disk_queue.is_empty()
+            || self.remote.as_ref().is_some_and(|r| !r.queue.is_empty())
             || !self.outbox.operations.is_empty()
             || !self.outbox.hold.is_empty()
     }
@@ -344,8 +360,69 @@ impl<A: SchedulerAdapter> Leader<A> {
         })
     }
 
+    /// Sets the factory whose [`TierFactory::remote_store`] builds this leader's remote store
+    /// (with `remote.url` set; the engine adapters pass the standard one). The store is built
+    /// once the barrier completed; a factory set later is used if none was built yet.
+    pub fn set_tier_factory(&mut self, factory: Arc<dyn TierFactory>) {
+        self.factory = Some(factory);
+        if self.remote.is_none() {
+            self.remote_tried = false;
+        }
+        if self.tiers.is_some() {
+            self.build_remote();
+        }
+    }
+
+    /// The remote store, once built.
+    pub fn remote_store(&self) -> Option<&Arc<dyn crate::connector::remote::RemoteStore>> {
+        self.remote.as_ref().map(|r| &r.store)
+    }
+
+    /// Builds the remote store if configured and not tried yet. A failure leaves the remote
+    /// tier off (the workers fail their start-up with the same error).
+    fn build_remote(&mut self) {
+        if self.remote_tried || !self.config.remote.enabled() {
+            return;
+        }
+        let (Some(factory), Some(tiers)) = (self.factory.clone(), self.tiers.as_ref()) else {
+            return;
+        };
+        self.remote_tried = true;
+        let r = &tiers.readiness;
+        let bpb = r.bytes_per_block.first().copied().unwrap_or(0);
+        if r.bytes_per_block.iter().any(|b| *b != bpb) {
+            tracing::warn!(
+                "kvbm: the ranks' blocks differ in size ({:?}): the remote tier is off",
+                r.bytes_per_block
+            );
+            return;
+        }
+        let built = RemoteScope::for_instance(&self.config, &r.dims, r.bytes_per_block.len(), bpb)
+            .and_then(|scope| factory.remote_store(&self.config, &scope))
+            .and_then(|store| {
+                store
+                    .map(|s| remote::LeaderStore::new(s, &self.config, self.deferred_match))
+                    .transpose()
+            });
+        match built {
+            Ok(Some(store)) => {
+                self.metrics.set_remote_available(store.store.stats().available);
+                self.remote = Some(store);
+            }
+            Ok(None) => tracing::warn!(
+                "kvbm: remote.url is set but the tier factory provides no remote store: the remote tier is off"
+            ),
+            Err(e) => {
+                tracing::error!(error = %e, "kvbm: cannot build the remote store: the remote tier is off")
+            }
+        }
+    }
+
     fn ensure_ready(&mut self) -> bool {
         if self.tiers.is_some() {
+            if !self.remote_tried && self.factory.is_some() {
+                self.build_remote();
+            }
             return true;
         }
         match self.init.status() {
@@ -362,6 +439,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                 match self.build_tiers(r) {
                     Ok(t) => {
                         self.tiers = Some(t);
+                        self.build_remote();
                         true
                     }
                     Err(e) => {

@@ -1,7 +1,7 @@
 //! Offload: the metadata of each engine iteration, and the stores it carries — device → host (or
 //! device → disk without a host tier) for every full, computed block, host → disk for blocks the
-//! admission filter lets through — plus finishing requests and publishing the host index for the
-//! remote tier.
+//! admission filter lets through, host → remote store writes for blocks its admission lets
+//! through — plus finishing requests.
 //!
 //! Invariants: a block is considered for offload once (a slot's `offloaded` only grows); a key is
 //! stored to a tier at most once at a time (`pending_keys`), never when the tier already holds it;
@@ -13,8 +13,7 @@ use std::collections::HashSet;
 
 use crate::connector::adapter::{SchedulerAdapter, SchedulerStep};
 use crate::connector::lifecycle::RequestState;
-use crate::connector::metadata::{BlockTransfer, ConnectorMetadata, KeyedStore, Store};
-use crate::connector::remote::HostIndex;
+use crate::connector::metadata::{BlockTransfer, ConnectorMetadata, RemoteWrite, Store};
 use crate::connector::transport::{FinishWork, LeaderMessage};
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
@@ -138,9 +137,15 @@ impl<A: SchedulerAdapter> Leader<A> {
             self.offload(&id, computed);
         }
         self.queue_disk_offloads();
-        self.remote_publish_and_refresh();
+        self.queue_remote_writes();
+        if let Some(r) = &self.remote {
+            // Cheap (counters): the gauge follows the store between lookups.
+            let st = r.store.stats();
+            if !r.backing_off() {
+                self.metrics.set_remote_available(st.available);
+            }
+        }
         let mut meta = ConnectorMetadata::empty(self.iteration);
-        meta.remote_instance = self.remote.as_ref().map(|r| r.instance.clone());
         let outbox = std::mem::take(&mut self.outbox);
         meta.new_slots = outbox.new_slots;
         meta.operations = outbox.operations;
@@ -190,6 +195,12 @@ impl<A: SchedulerAdapter> Leader<A> {
             }
         }
         slot.staged = None;
+        if let Some(r) = self.remote.as_mut() {
+            r.forget(id);
+        }
+        let Some(slot) = self.slots.get_mut(id) else {
+            return Ok(false);
+        };
         let computed = computed_tokens
             .unwrap_or(slot.computed)
             .min(slot.seq.total_tokens());
@@ -387,15 +398,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             dst: kind,
             pairs,
         };
-        if self.remote.is_some() && kind == TierKind::Host {
-            // The workers publish each block's key once written (remote readers verify it).
-            let keys = dst.iter().map(|(_, h)| h.0).collect();
-            self.outbox
-                .operations
-                .push(Box::new(KeyedStore { transfer, keys }));
-        } else {
-            self.outbox.operations.push(Box::new(Store(transfer)));
-        }
+        self.outbox.operations.push(Box::new(Store(transfer)));
         self.track(
             op,
             Some(id.clone()),
@@ -459,39 +462,60 @@ impl<A: SchedulerAdapter> Leader<A> {
         );
     }
 
-    /// Remote tier on: every `remote.publish_every` iterations, writes this instance's host index
-    /// and re-reads the peers' (skipping those whose sharding, block size or hash differ).
-    fn remote_publish_and_refresh(&mut self) {
-        let iteration = self.iteration;
-        let (Some(remote), Some(tiers)) = (self.remote.as_mut(), self.tiers.as_ref()) else {
+    /// Turns queued host blocks into one host → remote write (each worker writes its shard).
+    /// While the store is failing the queue is dropped (nothing waits on a store that is down).
+    fn queue_remote_writes(&mut self) {
+        let degraded = self.degraded();
+        let Some(r) = self.remote.as_mut() else {
             return;
         };
-        if !remote.due(iteration) {
+        if r.queue.is_empty() {
             return;
         }
-        remote.last = Some(iteration);
-        let own = HostIndex {
-            instance: remote.instance.clone(),
-            world_size: self.transport.world_size(),
-            page_size: self.page_size,
-            bytes_per_block: tiers.readiness.total_bytes_per_block(),
-            hash: self.config.hash,
-            key_bits: HostIndex::KEY_BITS,
-            blocks: tiers
-                .host
-                .as_ref()
-                .map(|p| p.registered().into_iter().map(|(h, b)| (h.0, b)).collect())
-                .unwrap_or_default(),
-        };
-        if let Err(e) = remote.publish(&own) {
-            tracing::warn!(error = %e, "cannot publish the host index");
+        if degraded || r.backing_off() {
+            r.queue.clear();
+            return;
         }
-        remote.refresh(|peer| {
-            peer.world_size == own.world_size
-                && peer.page_size == own.page_size
-                && peer.bytes_per_block == own.bytes_per_block
-                && peer.hash == own.hash
-        });
+        let mut queue = std::mem::take(&mut r.queue);
+        queue.sort_by_key(|(b, _)| b.block_id());
+        let mut pairs = Vec::new();
+        let mut keys = Vec::new();
+        let mut src = Vec::new();
+        for (host_block, hash) in queue {
+            if r.knows(hash) || self.pending_keys.contains(&(TierKind::Remote, hash)) {
+                continue;
+            }
+            pairs.push((host_block.block_id(), keys.len()));
+            keys.push(hash);
+            src.push(host_block);
+            self.pending_keys.insert((TierKind::Remote, hash));
+        }
+        if pairs.is_empty() {
+            return;
+        }
+        let op = self.next_op_id();
+        self.outbox.operations.push(Box::new(RemoteWrite {
+            transfer: BlockTransfer {
+                id: op,
+                request_id: None,
+                src: TierKind::Host,
+                dst: TierKind::Remote,
+                pairs,
+            },
+            keys: keys.iter().map(|h| h.0).collect(),
+        }));
+        self.track(op, None, Holds::RemoteWrite { keys, src });
+    }
+
+    /// Counts a sighting of a host block for the remote store's admission; queues it for
+    /// writing when admitted.
+    pub(super) fn consider_for_remote(&mut self, block: &ImmutableBlock) {
+        let pending = self
+            .pending_keys
+            .contains(&(TierKind::Remote, block.sequence_hash()));
+        if let Some(r) = self.remote.as_mut() {
+            r.consider(block.clone(), pending);
+        }
     }
 
     /// Counts a sighting of a host block and queues it for disk when admitted.

@@ -32,6 +32,7 @@ use kvbm_connector::connector::adapter::SchedulerAdapter;
 use kvbm_connector::connector::leader::{Leader, LeaderStatus, MatchResult};
 use kvbm_connector::connector::lifecycle::RequestState;
 use kvbm_connector::connector::metrics::MetricsSnapshot;
+use kvbm_connector::connector::remote::RemoteStoreStats;
 use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
 use kvbm_connector::connector::worker::{TierFactory, Worker};
 use kvbm_connector::connector::RequestId;
@@ -117,13 +118,14 @@ pub trait SchedulerSide: Send {
     fn call_order(&self) -> CallOrder;
 
     /// `get_num_new_matched_tokens` for `r` with `local` tokens found in the device cache: tokens
-    /// the connector will load.
+    /// the connector will load, or `None`: not known yet (a remote lookup is running; vLLM
+    /// keeps the request waiting and asks again next step).
     fn get_num_new_matched_tokens(
         &mut self,
         r: &Req,
         local: usize,
         timings: &mut Timings,
-    ) -> Result<usize>;
+    ) -> Result<Option<usize>>;
 
     /// `update_state_after_alloc` for `r` at admission, `external` tokens to load.
     fn update_state_after_alloc(
@@ -196,6 +198,8 @@ pub trait LeaderCalls {
     fn match_split(&self) -> MatchResult;
     /// The leader's counters.
     fn metrics(&self) -> MetricsSnapshot;
+    /// The remote store's name and counters, when the remote tier is on.
+    fn remote_store(&self) -> Option<(String, RemoteStoreStats)>;
 }
 
 impl<A: SchedulerAdapter> LeaderCalls for Leader<A> {
@@ -222,6 +226,9 @@ impl<A: SchedulerAdapter> LeaderCalls for Leader<A> {
     }
     fn metrics(&self) -> MetricsSnapshot {
         Leader::metrics(self).snapshot()
+    }
+    fn remote_store(&self) -> Option<(String, RemoteStoreStats)> {
+        Leader::remote_store(self).map(|s| (s.describe(), s.stats()))
     }
 }
 

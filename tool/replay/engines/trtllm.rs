@@ -118,13 +118,13 @@ impl SchedulerSide for Scheduler {
         r: &Req,
         local: usize,
         timings: &mut Timings,
-    ) -> Result<usize> {
+    ) -> Result<Option<usize>> {
         let req = llm_request(r);
         let sched = &mut self.sched;
         let (n, _) = timings.time("get_num_new_matched_tokens", || {
             sched.get_num_new_matched_tokens(&req, local)
         })?;
-        Ok(n)
+        Ok(Some(n))
     }
 
     fn update_state_after_alloc(

@@ -128,13 +128,13 @@ impl SchedulerSide for Scheduler {
         r: &Req,
         local: usize,
         timings: &mut Timings,
-    ) -> Result<usize> {
+    ) -> Result<Option<usize>> {
         let req = request(r, local);
         let sched = &mut self.sched;
         let (n, _) = timings.time("get_num_new_matched_tokens", || {
             sched.get_num_new_matched_tokens(&req, local)
         })?;
-        Ok(n.unwrap_or(0))
+        Ok(n)
     }
 
     fn update_state_after_alloc(

@@ -38,7 +38,9 @@ use super::model::Shard;
 use super::options::SimOptions;
 use super::pool::DevicePool;
 use super::rank::{LocalRank, RankExecutor};
-use super::report::{MatchedFrom, PathReport, Report, RequestReport, Summary, Timings};
+use super::report::{
+    MatchedFrom, PathReport, RemoteReport, Report, RequestReport, Summary, Timings,
+};
 use super::request::{Phase, Req};
 use super::wait_for;
 use super::workload::TraceRequest;
@@ -73,6 +75,8 @@ pub struct Simulator {
     blocks_verified: usize,
     load_errors: usize,
     preemptions: usize,
+    /// Matches answered "ask again later" (remote lookups running).
+    match_pending: usize,
 }
 
 impl Simulator {
@@ -157,6 +161,7 @@ impl Simulator {
             blocks_verified: 0,
             load_errors: 0,
             preemptions: 0,
+            match_pending: 0,
             opts,
         };
         engine.wait_ready()?;
@@ -344,7 +349,12 @@ impl Simulator {
     }
 
     fn one_step(&mut self) -> Result<()> {
+        let pending_before = self.match_pending;
         let admitted = self.admit()?;
+        if self.match_pending > pending_before && self.running.is_empty() && admitted == 0 {
+            // Only requests waiting for remote lookups: let the lookup thread run.
+            std::thread::sleep(Duration::from_micros(200));
+        }
         let scheduled = self.schedule()?;
         let computed_before: Vec<usize> = scheduled
             .iter()
@@ -434,6 +444,29 @@ impl Simulator {
             .fold(MatchedFrom::default(), |a, r| MatchedFrom {
                 host: a.host + r.matched_from.host,
                 disk: a.disk + r.matched_from.disk,
+                remote: a.remote + r.matched_from.remote,
+            });
+        let metrics = self.sched.leader().metrics();
+        let remote = self
+            .sched
+            .leader()
+            .remote_store()
+            .map(|(store, st)| RemoteReport {
+                store,
+                available: metrics.remote_available,
+                lookups: metrics.remote_lookups,
+                lookup_timeouts: metrics.remote_lookup_timeouts,
+                lookup_errors: metrics.remote_lookup_errors,
+                lookup_skipped: metrics.remote_lookup_skipped,
+                sent_blocks: metrics
+                    .transfer(TierKind::Host, TierKind::Remote)
+                    .map_or(0, |t| t.blocks),
+                write_errors: metrics.remote_store_error_blocks,
+                hit_tokens: metrics.remote_hit_tokens,
+                store_errors: st.errors,
+                store_timeouts: st.timeouts,
+                reconnects: st.reconnects,
+                invalid_values: st.invalid,
             });
         let ttft: Vec<f64> = requests.iter().map(|r| r.ttft_ms).collect();
         Report {
@@ -468,6 +501,7 @@ impl Simulator {
                     ttft.iter().sum::<f64>() / ttft.len() as f64
                 },
                 wall_s: wall.as_secs_f64(),
+                remote,
             },
             requests,
         }

@@ -58,7 +58,14 @@ impl Simulator {
                 break;
             }
             let local = local_blocks.len() * bs;
-            let m = self.connector_match(i, local)?;
+            let Some(m) = self.connector_match(i, local)? else {
+                // The connector asks to be asked again (a remote lookup is running): the
+                // request keeps waiting, those behind it may go first (vLLM's skipped queue).
+                self.pool.release(&local_blocks, &[]);
+                self.match_pending += 1;
+                still.push_back(i);
+                continue;
+            };
             let mut blocks = local_blocks;
             for _ in 0..fresh {
                 match self.pool.alloc() {
@@ -72,6 +79,7 @@ impl Simulator {
             r.report.matched_tokens += m.0;
             r.report.matched_from.host += m.1;
             r.report.matched_from.disk += m.2;
+            r.report.matched_from.remote += m.3;
             r.computed = local;
             self.connector_alloc(i, m.0)?;
             admitted += 1;
@@ -97,13 +105,20 @@ impl Simulator {
         Ok(())
     }
 
-    /// (external tokens, from host, from disk).
-    fn connector_match(&mut self, i: usize, local: usize) -> Result<(usize, usize, usize)> {
-        let ext = self
-            .sched
-            .get_num_new_matched_tokens(&self.reqs[i], local, &mut self.timings)?;
+    /// (external tokens, from host, from disk, from remote), or `None`: ask again later.
+    fn connector_match(
+        &mut self,
+        i: usize,
+        local: usize,
+    ) -> Result<Option<(usize, usize, usize, usize)>> {
+        let Some(ext) =
+            self.sched
+                .get_num_new_matched_tokens(&self.reqs[i], local, &mut self.timings)?
+        else {
+            return Ok(None);
+        };
         let m = self.sched.leader().match_split();
-        Ok((ext, m.host_tokens, m.disk_tokens))
+        Ok(Some((ext, m.host_tokens, m.disk_tokens, m.remote_tokens)))
     }
 
     fn connector_alloc(&mut self, i: usize, external: usize) -> Result<()> {

@@ -1,0 +1,598 @@
+//! The remote (G4) tier end to end in one process, against the in-memory store
+//! (`MemoryRemoteStore`, the test double of `RemoteStore`, with injected faults): two instances
+//! share prefixes through it; a lookup never blocks an engine that can be asked again, and is
+//! bounded by `remote.lookup_timeout_ms` for one that cannot; a store that is down, slow,
+//! emptied or holding invalid values costs misses or load errors (recomputed), never an error to
+//! the engine and never wrong bytes. The same scenarios against real Redis servers are in
+//! tests/redis_e2e.rs.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvbm_connector::backends::StandardTiers;
+use kvbm_connector::connector::adapter::{Engine, ScheduledTokens, SchedulerStep};
+use kvbm_connector::connector::remote::{
+    MemoryFaults, MemoryRemoteData, MemoryRemoteStore, RemoteScope, RemoteStore,
+};
+use kvbm_connector::connector::transport::TierCounts;
+use kvbm_connector::connector::worker::{TierFactory, WorkerTiers};
+use kvbm_connector::connector::{Blocking, RequestId};
+use kvbm_connector::{Config, Result, StorageTier, StorageTierExt, TierKind};
+
+/// The standard tiers plus an in-memory remote store over shared `data`, with `faults`.
+#[derive(Debug)]
+struct MemoryRemoteTiers {
+    data: MemoryRemoteData,
+    faults: Arc<MemoryFaults>,
+    /// Every store built (the leader's and the worker's).
+    built: parking_lot::Mutex<Vec<MemoryRemoteStore>>,
+}
+
+impl MemoryRemoteTiers {
+    /// (lookups, gets, puts) over every store built.
+    fn calls(&self) -> (u64, u64, u64) {
+        self.built.lock().iter().fold((0, 0, 0), |a, s| {
+            let c = s.calls();
+            (a.0 + c.0, a.1 + c.1, a.2 + c.2)
+        })
+    }
+}
+
+impl TierFactory for MemoryRemoteTiers {
+    fn build(
+        &self,
+        config: &Config,
+        rank: usize,
+        device: Arc<dyn StorageTier>,
+        counts: TierCounts,
+    ) -> Result<WorkerTiers> {
+        StandardTiers.build(config, rank, device, counts)
+    }
+
+    fn remote_store(
+        &self,
+        config: &Config,
+        scope: &RemoteScope,
+    ) -> Result<Option<Arc<dyn RemoteStore>>> {
+        let _ = config;
+        let store =
+            MemoryRemoteStore::shared(scope.clone(), self.data.clone(), self.faults.clone());
+        self.built.lock().push(store.clone());
+        Ok(Some(Arc::new(store)))
+    }
+}
+
+/// vLLM's way: "ask again later" is allowed.
+struct Deferred;
+impl Engine for Deferred {
+    type Adapter = ScheduledTokens;
+    type LeaderInit = Blocking;
+    type WorkerInit = Blocking;
+    const DEFERRED_MATCH: bool = true;
+}
+
+type Sync_ = TestEngine<Blocking, Blocking>;
+
+/// An instance (leader + worker) sharing `data`; its own faults.
+fn instance<E: Engine<Adapter = ScheduledTokens>>(
+    data: &MemoryRemoteData,
+    tweak: impl FnOnce(&mut Config),
+) -> (Rig, Arc<MemoryFaults>) {
+    let (r, f) = instance_with::<E>(data, tweak);
+    (r, f.faults.clone())
+}
+
+fn instance_with<E: Engine<Adapter = ScheduledTokens>>(
+    data: &MemoryRemoteData,
+    tweak: impl FnOnce(&mut Config),
+) -> (Rig, Arc<MemoryRemoteTiers>) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path(), 16, 0);
+    // Never contacted: the factory above builds the store.
+    config.remote.url = Some("redis://127.0.0.1:1".into());
+    config.remote.lookup_timeout_ms = Some(50);
+    config.remote.io_timeout_ms = Some(2000);
+    tweak(&mut config);
+    let factory = Arc::new(MemoryRemoteTiers {
+        data: data.clone(),
+        faults: Arc::default(),
+        built: Default::default(),
+    });
+    (rig_of_engine::<E>(config, dir, factory.clone()), factory)
+}
+
+fn id(s: &str) -> RequestId {
+    s.into()
+}
+
+/// 3 full blocks and one token.
+fn prompt() -> Vec<u32> {
+    (0..13).map(|t| 900 + t).collect()
+}
+
+fn values(data: &MemoryRemoteData) -> usize {
+    data.lock().len()
+}
+
+/// Instance A offloads the prompt: host, then the store.
+fn publish(data: &MemoryRemoteData) -> Rig {
+    let (mut a, _) = instance::<Sync_>(data, |_| {});
+    a.offload(&id("a"), &prompt(), &[0, 1, 2, 3]);
+    assert_eq!(values(data), 3, "A wrote its 3 full blocks to the store");
+    let m = a.leader.metrics().snapshot();
+    assert_eq!(
+        m.transfer(TierKind::Host, TierKind::Remote)
+            .map(|t| t.blocks),
+        Some(3)
+    );
+    a
+}
+
+/// Loads what `who` matched into `blocks` (sentinel-filled first) and runs until it loaded;
+/// the load errors.
+fn load(r: &mut Rig, who: &RequestId, blocks: &[usize], external: usize) -> Vec<usize> {
+    r.leader
+        .update_state_after_alloc(who, blocks, external)
+        .unwrap();
+    let mut loaded = Vec::new();
+    let mut errors = Vec::new();
+    for _ in 0..5 {
+        let (_, l) = r.step(SchedulerStep::default(), &[], &[]);
+        loaded.extend(l);
+        errors.extend(r.worker.take_load_errors());
+        if !loaded.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(loaded, vec![who.clone()]);
+    errors
+}
+
+fn sentinel(r: &Rig, blocks: &[usize]) -> Vec<u8> {
+    let s = vec![0xEE; dims().bytes_per_block()];
+    for &b in blocks {
+        r.device.write_block_from_slice(b, &s).unwrap();
+    }
+    s
+}
+
+#[test]
+fn a_second_instance_onboards_the_first_ones_prefix_through_the_store() {
+    let data = MemoryRemoteData::default();
+    let _a = publish(&data);
+    let (mut b, fb) = instance_with::<Sync_>(&data, |_| {});
+    let tokens = prompt();
+    assert_eq!(b.onboard(&id("b"), &tokens, &[5, 6, 7, 8]), 12);
+    let last = b.leader.last_match();
+    assert_eq!((last.host_tokens, last.remote_tokens), (0, 12));
+    let m = b.leader.metrics().snapshot();
+    assert_eq!(m.remote_hit_tokens, 12);
+    assert_eq!(m.remote_lookups, 1);
+    assert!(m.remote_available);
+    assert_eq!(m.load_error_blocks, 0);
+    // B recomputes nothing it loaded and rewrites nothing the store holds.
+    let (_, _, puts_before) = fb.calls();
+    b.leader.request_finished(&id("b"), None, Some(12)).unwrap();
+    for _ in 0..3 {
+        b.step(SchedulerStep::default(), &[], &[id("b")]);
+    }
+    assert_eq!(values(&data), 3);
+    assert_eq!(
+        fb.calls().2,
+        puts_before,
+        "known blocks are not offered again"
+    );
+    let text = b.leader.metrics().render_prometheus();
+    assert!(
+        text.contains("kvbm_hit_tokens_total{tier=\"remote\"} 12"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kvbm_remote_lookups_total{outcome=\"answered\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("kvbm_remote_available 1"), "{text}");
+}
+
+#[test]
+fn an_engine_that_can_be_asked_again_never_waits_for_a_lookup() {
+    let data = MemoryRemoteData::default();
+    let _a = publish(&data);
+    let (mut b, faults) = instance::<Deferred>(&data, |_| {});
+    // The store takes 100 ms to answer; every match returns at once meanwhile.
+    faults.delay_ms.store(100, Ordering::Relaxed);
+    let tokens = prompt();
+    let who = id("b");
+    let started = Instant::now();
+    let mut pending = 0;
+    let m = loop {
+        let t = Instant::now();
+        let m = b
+            .leader
+            .get_num_new_matched_tokens(info(&who, &tokens), 0)
+            .unwrap();
+        assert!(t.elapsed() < Duration::from_millis(50), "a match waited");
+        if !m.pending {
+            break m;
+        }
+        assert_eq!(m.external_tokens, 0);
+        pending += 1;
+        assert!(started.elapsed() < Duration::from_secs(5), "never answered");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(pending > 0, "the first answer was pending");
+    assert_eq!((m.external_tokens, m.remote_tokens), (12, 12));
+    let blocks = [5, 6, 7, 8];
+    sentinel(&b, &blocks);
+    assert!(load(&mut b, &who, &blocks, 12).is_empty());
+    for (k, &d) in blocks.iter().enumerate().take(3) {
+        assert_eq!(b.device.read_block_to_vec(d).unwrap(), image(&tokens, k));
+    }
+}
+
+#[test]
+fn a_synchronous_lookup_is_bounded_and_a_slow_store_is_a_miss() {
+    let data = MemoryRemoteData::default();
+    let _a = publish(&data);
+    let (mut b, faults) = instance::<Sync_>(&data, |c| c.remote.lookup_timeout_ms = Some(10));
+    faults.delay_ms.store(2_000, Ordering::Relaxed);
+    let tokens = prompt();
+    let t = Instant::now();
+    let m = b
+        .leader
+        .get_num_new_matched_tokens(info(&id("b"), &tokens), 0)
+        .unwrap();
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(m.external_tokens, 0);
+    assert!(!m.pending);
+    b.leader
+        .update_state_after_alloc(&id("b"), &[5, 6, 7, 8], 0)
+        .unwrap();
+    let snap = b.leader.metrics().snapshot();
+    assert_eq!(snap.remote_lookup_timeouts, 1);
+    // Two more late answers in a row: then the store is not asked at all (a miss at once).
+    for who in ["c1", "c2"] {
+        let m = b
+            .leader
+            .get_num_new_matched_tokens(info(&id(who), &tokens), 0)
+            .unwrap();
+        assert_eq!(m.external_tokens, 0);
+    }
+    assert_eq!(b.leader.metrics().snapshot().remote_lookup_timeouts, 3);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut skipped = 0;
+    while skipped == 0 && Instant::now() < deadline {
+        let t = Instant::now();
+        let m = b
+            .leader
+            .get_num_new_matched_tokens(info(&id("c"), &tokens), 0)
+            .unwrap();
+        assert_eq!(m.external_tokens, 0);
+        skipped = b.leader.metrics().snapshot().remote_lookup_skipped;
+        if skipped > 0 {
+            assert!(t.elapsed() < Duration::from_millis(5), "{:?}", t.elapsed());
+        }
+    }
+    assert_eq!(skipped, 1);
+}
+
+#[test]
+fn a_store_that_is_down_leaves_local_tiers_serving() {
+    let data = MemoryRemoteData::default();
+    let _a = publish(&data);
+    let (mut b, faults) = instance::<Sync_>(&data, |_| {});
+    faults.down.store(true, Ordering::Relaxed);
+    // B's own host tier still serves what B offloaded itself.
+    let own: Vec<u32> = (0..9).map(|t| 7000 + t).collect();
+    b.offload(&id("own"), &own, &[10, 11, 12]);
+    let m = b
+        .leader
+        .get_num_new_matched_tokens(info(&id("b"), &prompt()), 0)
+        .unwrap();
+    assert_eq!(m.external_tokens, 0);
+    b.leader
+        .update_state_after_alloc(&id("b"), &[5, 6, 7, 8], 0)
+        .unwrap();
+    assert_eq!(b.onboard(&id("own2"), &own, &[13, 14, 15]), 8);
+    let snap = b.leader.metrics().snapshot();
+    assert!(
+        snap.remote_lookup_errors + snap.remote_lookup_skipped >= 1,
+        "{snap:?}"
+    );
+    assert!(!snap.remote_available);
+    assert!(b
+        .leader
+        .metrics()
+        .render_prometheus()
+        .contains("kvbm_remote_available 0"));
+}
+
+#[test]
+fn invalid_or_evicted_values_are_load_errors_never_served() {
+    let data = MemoryRemoteData::default();
+    let _a = publish(&data);
+    let (mut b, faults) = instance::<Sync_>(&data, |_| {});
+    let tokens = prompt();
+    let who = id("b");
+    let m = b
+        .leader
+        .get_num_new_matched_tokens(info(&who, &tokens), 0)
+        .unwrap();
+    assert_eq!(m.remote_tokens, 12);
+    // Between the lookup and the read every value turns invalid (planted / damaged).
+    faults.invalid.store(true, Ordering::Relaxed);
+    let blocks = [5, 6, 7, 8];
+    let s = sentinel(&b, &blocks);
+    let mut errors = load(&mut b, &who, &blocks, 12);
+    errors.sort_unstable();
+    assert_eq!(errors, vec![5, 6, 7]);
+    for &d in &blocks[..3] {
+        assert_eq!(
+            b.device.read_block_to_vec(d).unwrap(),
+            s,
+            "an invalid value was served"
+        );
+    }
+    let snap = b.leader.metrics().snapshot();
+    assert_eq!((snap.load_error_blocks, snap.remote_hit_tokens), (3, 0));
+
+    // Evicted (a server restarted empty) between lookup and read: load errors too.
+    faults.invalid.store(false, Ordering::Relaxed);
+    let who = id("c");
+    let m = b
+        .leader
+        .get_num_new_matched_tokens(info(&who, &tokens), 0)
+        .unwrap();
+    assert_eq!(m.remote_tokens, 12);
+    data.lock().clear();
+    let blocks = [9, 10, 11, 12];
+    let s = sentinel(&b, &blocks);
+    let errors = load(&mut b, &who, &blocks, 12);
+    assert_eq!(errors.len(), 3);
+    assert_eq!(b.device.read_block_to_vec(9).unwrap(), s);
+    // And a store emptied before the lookup is simply a miss.
+    let m = b
+        .leader
+        .get_num_new_matched_tokens(info(&id("d"), &tokens), 0)
+        .unwrap();
+    assert_eq!(m.external_tokens, 0);
+}
+
+#[test]
+fn writes_are_admitted_by_frequency_and_skipped_while_the_store_fails() {
+    let data = MemoryRemoteData::default();
+    let (mut a, faults) = instance::<Sync_>(&data, |c| c.remote.min_frequency = Some(2));
+    let tokens = prompt();
+    a.offload(&id("a"), &tokens, &[0, 1, 2, 3]);
+    assert_eq!(values(&data), 0, "seen once: not admitted");
+    // Reused from host: seen twice, written.
+    assert_eq!(a.onboard(&id("a2"), &tokens, &[4, 5, 6, 7]), 12);
+    for _ in 0..3 {
+        a.step(SchedulerStep::default(), &[], &[]);
+    }
+    assert_eq!(values(&data), 3);
+
+    // While lookups fail, writes are skipped (nothing is sent to a store that is down).
+    let data2 = MemoryRemoteData::default();
+    let (mut c, f2) = instance_with::<Sync_>(&data2, |_| {});
+    f2.faults.down.store(true, Ordering::Relaxed);
+    c.offload(&id("x"), &tokens, &[0, 1, 2, 3]);
+    assert_eq!(values(&data2), 0);
+    assert_eq!(f2.calls().2, 0, "no write sent while the store is failing");
+    assert!(!c.leader.has_pending_work());
+
+    // A store that fails after the lookup: the writes fail, are counted, nothing waits on them.
+    let data3 = MemoryRemoteData::default();
+    let (mut d, f3) = instance_with::<Sync_>(&data3, |_| {});
+    let who = id("y");
+    let m = d
+        .leader
+        .get_num_new_matched_tokens(info(&who, &tokens), 0)
+        .unwrap();
+    assert_eq!(m.external_tokens, 0);
+    d.leader
+        .update_state_after_alloc(&who, &[0, 1, 2, 3], 0)
+        .unwrap();
+    f3.faults.down.store(true, Ordering::Relaxed);
+    let writes: Vec<(&[u32], usize, usize)> = (0..3).map(|b| (&tokens[..], b, b)).collect();
+    d.step(
+        SchedulerStep {
+            requests: vec![prefill(&who, 0, tokens.len())],
+            ..Default::default()
+        },
+        &writes,
+        &[],
+    );
+    d.leader.request_finished(&who, None, None).unwrap();
+    for _ in 0..3 {
+        d.step(SchedulerStep::default(), &[], std::slice::from_ref(&who));
+    }
+    assert_eq!(values(&data3), 0);
+    let snap = d.leader.metrics().snapshot();
+    assert_eq!(snap.remote_store_error_blocks, 3);
+    assert!(!d.leader.has_pending_work());
+    let _ = faults;
+}
+
+/// `RemoteSource` / `RemoteSink`: the store as a transfer engine's source and destination.
+mod tiers {
+    use std::io::{IoSlice, IoSliceMut};
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use kvbm_connector::backends::memory::MemoryTier;
+    use kvbm_connector::connector::remote::{
+        MemoryRemoteStore, RemotePut, RemoteScope, RemoteSink, RemoteSource, RemoteStore,
+    };
+    use kvbm_connector::transfer::TransferEngine;
+    use kvbm_connector::{Config, ErrorKind, Layout, StorageTier, StorageTierExt};
+
+    use super::common::dims;
+
+    fn host(n: usize) -> Arc<dyn StorageTier> {
+        Arc::new(MemoryTier::host(Layout::fully_contiguous(dims(), n).unwrap()).unwrap())
+    }
+
+    fn fill(tier: &dyn StorageTier, block: usize, seed: u8) {
+        let v: Vec<u8> = (0..tier.bytes_per_block())
+            .map(|i| seed.wrapping_add(i as u8))
+            .collect();
+        tier.write_block_from_slice(block, &v).unwrap();
+    }
+
+    const IO: Duration = Duration::from_secs(2);
+
+    fn store() -> MemoryRemoteStore {
+        let config = Config::default();
+        let d = dims();
+        let scope = RemoteScope::for_instance(&config, &d, 1, d.bytes_per_block()).unwrap();
+        MemoryRemoteStore::new(scope)
+    }
+
+    #[test]
+    fn blocks_round_trip_through_the_store_with_the_transfer_engine() {
+        let s = Arc::new(store());
+        let h = host(4);
+        for b in 0..4 {
+            fill(h.as_ref(), b, b as u8 * 10);
+        }
+        let keys = vec![0xA1, 0xA2, 0xA3];
+        let sink: Arc<dyn StorageTier> =
+            Arc::new(RemoteSink::new(s.clone(), 0, keys.clone(), dims(), IO).unwrap());
+        let out =
+            TransferEngine::copy_blocking(h.as_ref(), sink.as_ref(), &[(1, 0), (2, 1), (3, 2)])
+                .unwrap();
+        assert!(out.is_ok(), "{out:?}");
+        assert_eq!(s.len(), 3);
+        assert_eq!(
+            s.lookup_prefix(&[0xA1, 0xA2, 0xA3, 0xA4], Instant::now() + IO)
+                .unwrap(),
+            3
+        );
+        assert_eq!(
+            s.lookup_prefix(&[0xA4, 0xA1], Instant::now() + IO).unwrap(),
+            0
+        );
+        // Already present: not rewritten.
+        let sink2 = RemoteSink::new(s.clone(), 0, keys.clone(), dims(), IO).unwrap();
+        let out = TransferEngine::copy_blocking(h.as_ref(), &sink2, &[(0, 0)]).unwrap();
+        assert!(out.is_ok());
+        assert_eq!(
+            sink2.counts(),
+            RemotePut {
+                written: 0,
+                present: 1
+            }
+        );
+        // Read back into another host tier: the bytes of blocks 1..3.
+        let back = host(4);
+        let src: Arc<dyn StorageTier> =
+            Arc::new(RemoteSource::new(s.clone(), 0, keys, dims(), IO).unwrap());
+        let out =
+            TransferEngine::copy_blocking(src.as_ref(), back.as_ref(), &[(0, 3), (2, 0)]).unwrap();
+        assert!(out.is_ok(), "{out:?}");
+        assert_eq!(
+            back.read_block_to_vec(3).unwrap(),
+            h.read_block_to_vec(1).unwrap()
+        );
+        assert_eq!(
+            back.read_block_to_vec(0).unwrap(),
+            h.read_block_to_vec(3).unwrap()
+        );
+        // Per-block path too.
+        let mut buf = vec![0u8; back.bytes_per_block()];
+        src.read_block(1, &mut [IoSliceMut::new(&mut buf)]).unwrap();
+        assert_eq!(buf, h.read_block_to_vec(2).unwrap());
+        assert!(src.write_block(0, &[IoSlice::new(&buf)]).is_err());
+    }
+
+    #[test]
+    fn missing_and_invalid_values_fail_only_their_blocks_and_are_never_written() {
+        let s = Arc::new(store());
+        let h = host(2);
+        fill(h.as_ref(), 0, 1);
+        let sink = RemoteSink::new(s.clone(), 0, vec![7], dims(), IO).unwrap();
+        assert!(TransferEngine::copy_blocking(h.as_ref(), &sink, &[(0, 0)])
+            .unwrap()
+            .is_ok());
+        // A truncated value planted under key 9; key 8 never written.
+        s.plant(0, 9, vec![1, 2, 3]);
+        let dst = host(3);
+        for b in 0..3 {
+            fill(dst.as_ref(), b, 0xEE);
+        }
+        let sentinel = dst.read_block_to_vec(1).unwrap();
+        let src = RemoteSource::new(s.clone(), 0, vec![7, 8, 9], dims(), IO).unwrap();
+        let out =
+            TransferEngine::copy_blocking(&src, dst.as_ref(), &[(0, 0), (1, 1), (2, 2)]).unwrap();
+        assert_eq!(out.blocks, 1);
+        let mut failed: Vec<(usize, ErrorKind)> = out
+            .failed
+            .iter()
+            .map(|f| (f.dst_block, f.error.kind()))
+            .collect();
+        failed.sort_by_key(|f| f.0);
+        assert_eq!(
+            failed,
+            vec![(1, ErrorKind::NotFound), (2, ErrorKind::Corrupt)]
+        );
+        assert_eq!(
+            dst.read_block_to_vec(0).unwrap(),
+            h.read_block_to_vec(0).unwrap()
+        );
+        assert_eq!(dst.read_block_to_vec(1).unwrap(), sentinel);
+        assert_eq!(s.stats().invalid, 1);
+        // Every value invalid (a planted block with a bad MAC): nothing served.
+        s.faults.invalid.store(true, Ordering::Relaxed);
+        let out = TransferEngine::copy_blocking(&src, dst.as_ref(), &[(0, 1)]).unwrap();
+        assert_eq!(out.failed.len(), 1);
+        assert_eq!(out.failed[0].error.kind(), ErrorKind::Corrupt);
+        assert_eq!(dst.read_block_to_vec(1).unwrap(), sentinel);
+    }
+
+    #[test]
+    fn a_store_that_is_down_or_slow_fails_the_batch_within_its_deadline() {
+        let s = Arc::new(store());
+        let dst = host(2);
+        s.faults.down.store(true, Ordering::Relaxed);
+        let src = RemoteSource::new(s.clone(), 0, vec![1, 2], dims(), IO).unwrap();
+        let out = TransferEngine::copy_blocking(&src, dst.as_ref(), &[(0, 0), (1, 1)]).unwrap();
+        assert_eq!(out.failed.len(), 2);
+        assert!(!s.stats().available);
+        s.faults.down.store(false, Ordering::Relaxed);
+        s.faults.delay_ms.store(5_000, Ordering::Relaxed);
+        let src =
+            RemoteSource::new(s.clone(), 0, vec![1], dims(), Duration::from_millis(30)).unwrap();
+        let t = Instant::now();
+        let out = TransferEngine::copy_blocking(&src, dst.as_ref(), &[(0, 0)]).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+        assert_eq!(out.failed[0].error.kind(), ErrorKind::Timeout);
+        assert_eq!(s.stats().timeouts, 1);
+    }
+
+    #[test]
+    fn a_sink_or_source_of_the_wrong_block_size_is_refused() {
+        let s = Arc::new(store());
+        let mut d = dims();
+        d.inner_dim = 4;
+        assert_eq!(
+            RemoteSource::new(s.clone(), 0, vec![1], d, IO)
+                .unwrap_err()
+                .kind(),
+            ErrorKind::InvalidLayout
+        );
+        assert_eq!(
+            RemoteSink::new(s, 0, vec![1], d, IO).unwrap_err().kind(),
+            ErrorKind::InvalidLayout
+        );
+    }
+}
