@@ -2,7 +2,8 @@
 # Redis servers for the tests, on free loopback ports in a temporary directory:
 #   * a standalone server, no auth                -> KVBM_TEST_REDIS_URL
 #   * a standalone server with requirepass        -> KVBM_TEST_REDIS_AUTH_URL  (redis://:pass@…)
-#     and an ACL user `kvbm` on the same server   -> KVBM_TEST_REDIS_ACL_URL   (redis://kvbm:pass@…)
+#     and an ACL user `kvbm` on the same server,  -> KVBM_TEST_REDIS_ACL_URL   (redis://kvbm:pass@…)
+#     allowed only the commands and keys the tier uses
 #   * a 3-node Redis Cluster (3 primaries, no replicas)
 #                                                 -> KVBM_TEST_REDIS_CLUSTER_URL (redis+cluster://h:p,h:p,h:p)
 # No persistence (`--save ""`, no AOF). Needs redis-server and redis-cli (Debian: apt-get install
@@ -94,8 +95,11 @@ kvbm_redis_start() {
   p_plain=$(kvbm_redis_free_port)
   kvbm_redis_server standalone "$p_plain" || return 1
   p_auth=$(kvbm_redis_free_port)
+  # `kvbm`: every command on the keys the tier uses and nothing else (the least a deployment
+  # needs; docs/deployment.md).
   kvbm_redis_server auth "$p_auth" "requirepass $pass" \
-    "user kvbm on >$upass ~* &* +@all" || return 1
+    "user kvbm on >$upass resetkeys ~kvbm:* resetchannels -@all +ping +exists +getrange +set +select +cluster|slots" \
+    || return 1
   local ports=()
   for _ in 1 2 3; do
     local p

@@ -1173,6 +1173,46 @@ fn bench_json_has_every_path_with_finite_ratios() {
     assert!(left.is_empty(), "bench left files behind: {left:?}");
 }
 
+#[test]
+fn bench_redis_rows_against_raw_set_get() {
+    let dir = tmp();
+    let out = kvbm(dir.path())
+        .args(["bench", "--only", "memory,bogus"])
+        .output()
+        .expect("run kvbm bench");
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("bogus"), "{}", text(&out.stderr));
+    let Ok(url) = std::env::var("KVBM_TEST_REDIS_URL") else {
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            panic!("CI=true and KVBM_TEST_REDIS_URL is not set (scripts/test.sh starts Redis)");
+        }
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIP bench_redis_rows_against_raw_set_get: KVBM_TEST_REDIS_URL is not set"
+        );
+        return;
+    };
+    let out = kvbm(dir.path())
+        .args(["bench", "--only", "redis", "--redis", &url])
+        .args(["--redis-blocks", "2", "--rounds", "1", "--json"])
+        .output()
+        .expect("run kvbm bench");
+    assert_ok(&out, "kvbm bench --only redis");
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("bench JSON: {e}\n{}", text(&out.stdout)));
+    let paths = v["paths"].as_array().expect("paths");
+    assert_eq!(paths.len(), 2, "{v}");
+    for (p, name) in paths.iter().zip(["host -> redis", "redis -> host"]) {
+        assert!(
+            p["path"].as_str().is_some_and(|s| s.starts_with(name)),
+            "{p}"
+        );
+        let x = p["ratio"].as_f64().unwrap_or(f64::NAN);
+        assert!(x.is_finite() && x > 0.0, "{p}");
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // 9. Command line
 // ------------------------------------------------------------------------------------------------

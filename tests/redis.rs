@@ -382,6 +382,24 @@ fn planted_values_are_never_served(url: &RedisUrl) {
             "nothing served"
         );
         assert_eq!(store.stats().invalid, cases.len() as u64);
+        // Invalid values are withdrawn (deleted in the background), so a good write replaces
+        // them instead of finding them "present".
+        wait_for(
+            "invalid values to be withdrawn",
+            Duration::from_secs(5),
+            || {
+                keys.iter().all(|&k| {
+                    store
+                        .raw_command(&[b"EXISTS", name(k).as_bytes()], soon())
+                        .unwrap()
+                        == b"0"
+                })
+            },
+        );
+        let fresh: Vec<(u128, Vec<u8>)> = keys.iter().map(|&k| (k, good.clone())).collect();
+        assert_eq!(put(&store, 1, &fresh).written, keys.len());
+        let (reads, _) = get(&store, 1, &keys);
+        assert!(reads.iter().all(|r| *r == RemoteRead::Hit), "{reads:?}");
         // The valid value next to them is still served.
         put(&store, 1, &[(20, good.clone())]);
         let (reads, bufs) = get(&store, 1, &[20]);
@@ -496,11 +514,34 @@ fn auth_required_and_refused_when_wrong() {
         return;
     };
     for url in [&auth, &acl] {
-        let store = connect(url, scope(1, 16), None);
-        put(&store, 0, &[(1, vec![1; 16])]);
-        assert_eq!(get(&store, 0, &[1]).0, vec![RemoteRead::Hit]);
+        let store = connect(url, scope(2, 16), None);
+        for rank in 0..2 {
+            put(&store, rank, &[(1, vec![1; 16])]);
+            assert_eq!(put(&store, rank, &[(1, vec![1; 16])]).present, 1);
+        }
+        assert_eq!(
+            get(&store, 0, &[1, 2]).0,
+            vec![RemoteRead::Hit, RemoteRead::Missing]
+        );
+        assert_eq!(store.lookup_prefix(&[1, 2], soon()).unwrap(), 1);
         assert!(!store.describe().contains("pass"), "{}", store.describe());
+        assert_eq!(store.stats().errors, 0);
     }
+    // The ACL user (scripts/redis-servers.sh) may use only the tier's commands on `kvbm:*`
+    // keys: the least a deployment needs works, and the rest is refused.
+    let store = connect(&acl, scope(1, 16), None);
+    let e = store.raw_command(&[b"FLUSHALL"], soon()).unwrap_err();
+    assert!(
+        e.to_string().contains("NOPERM") || e.to_string().contains("permission"),
+        "{e}"
+    );
+    let e = store
+        .raw_command(&[b"SET", b"other", b"x"], soon())
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("NOPERM") || e.to_string().contains("permission"),
+        "{e}"
+    );
     let port = auth.nodes[0].1;
     for (url, secret) in [
         (format!("redis://127.0.0.1:{port}/0"), None),

@@ -19,6 +19,16 @@
 //!   registered) vs raw O_DIRECT on the same file, memory and bytes, and vs the built-in disk
 //!   tier on the same memory and bytes, all three interleaved.
 //!
+//! With `--redis URL` (a Redis / Valkey server or cluster, `remote.url`'s forms), also:
+//!
+//! * host → Redis: `RedisStore::put` of the blocks (header, checksum, `SET NX`, one pipeline) vs a
+//!   raw pipelined `SET` of the same bytes from the same client, on fresh keys each round;
+//! * Redis → host: `RedisStore::get` (bounded `GETRANGE`, verification, copy into the host
+//!   buffers) vs a raw pipelined `GET` of the same bytes into the same buffers.
+//!
+//! The keys of both are deleted after each round (outside the timing); nothing else on the
+//! server is touched.
+//!
 //! Rounds alternate limit and ours; medians are reported. The ratio is the figure to quote.
 
 use std::io::IsTerminal;
@@ -68,6 +78,16 @@ pub struct BenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also measure host <-> Redis against raw pipelined SET/GET, on this server (URL forms of
+    /// `remote.url`: redis://, rediss://, redis+cluster://).
+    #[arg(long, value_name = "URL")]
+    pub redis: Option<String>,
+    /// Blocks per batch for the Redis paths (each 2 MiB, one rank's share).
+    #[arg(long, default_value_t = 16)]
+    pub redis_blocks: usize,
+    /// Only these groups of paths, comma-separated: memory, disk, nixl, cuda, leader, redis.
+    #[arg(long, value_name = "GROUPS")]
+    pub only: Option<String>,
     /// Also measure the CUDA paths: GPU device tier <-> pinned host tier, against a plain
     /// cudaMemcpy of the same bytes (feature `cuda`; fails without a usable GPU).
     #[cfg(feature = "cuda")]
@@ -623,6 +643,20 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let config = Config::load(None)?;
     let dir = a.dir.clone().unwrap_or(config.disk.dir);
     let progress = !a.json && std::io::stderr().is_terminal();
+    let groups = ["memory", "disk", "nixl", "cuda", "leader", "redis"];
+    if let Some(only) = &a.only {
+        if let Some(bad) = only.split(',').find(|g| !groups.contains(&g.trim())) {
+            return Err(Error::invalid_argument(format!(
+                "--only: unknown group `{bad}` (groups: {})",
+                groups.join(", ")
+            )));
+        }
+    }
+    let want = |g: &str| {
+        a.only
+            .as_ref()
+            .is_none_or(|o| o.split(',').any(|x| x.trim() == g))
+    };
     let mut results = Vec::new();
     if a.curve {
         let peak = memory_paths_peak_bytes(a.blocks);
@@ -651,17 +685,25 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    if progress {
-        eprintln!("bench: memory paths…");
+    if want("memory") {
+        if progress {
+            eprintln!("bench: memory paths…");
+        }
+        results.extend(memory_paths(a.blocks, a.rounds, false)?);
     }
-    results.extend(memory_paths(a.blocks, a.rounds, false)?);
-    if progress {
-        eprintln!("bench: disk paths in {}…", dir.display());
+    let mut note = None;
+    if want("disk") {
+        if progress {
+            eprintln!("bench: disk paths in {}…", dir.display());
+        }
+        let (disk, n) = disk_paths(a.blocks, a.rounds, dir.clone(), a.in_flight)?;
+        results.extend(disk);
+        note = n;
     }
-    let (disk, note) = disk_paths(a.blocks, a.rounds, dir.clone(), a.in_flight)?;
-    results.extend(disk);
     #[cfg(feature = "nixl")]
-    let nixl_note = {
+    let nixl_note = if !want("nixl") {
+        None
+    } else {
         if progress {
             eprintln!("bench: NIXL paths (POSIX disk)…");
         }
@@ -678,16 +720,24 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         }
     };
     #[cfg(feature = "cuda")]
-    if a.cuda {
+    if a.cuda && want("cuda") {
         if progress {
             eprintln!("bench: CUDA paths (device <-> pinned host)…");
         }
         results.extend(cuda_bench::paths(a.cuda_blocks, a.rounds, a.cuda_device)?);
     }
-    if progress {
-        eprintln!("bench: leader hot path…");
+    if want("leader") {
+        if progress {
+            eprintln!("bench: leader hot path…");
+        }
+        results.extend(leader_paths(a.rounds)?);
     }
-    results.extend(leader_paths(a.rounds)?);
+    if let Some(url) = a.redis.as_deref().filter(|_| want("redis")) {
+        if progress {
+            eprintln!("bench: Redis paths (host <-> Redis)…");
+        }
+        results.extend(redis_paths(url, a.redis_blocks, a.rounds)?);
+    }
     if a.json {
         #[cfg_attr(not(feature = "nixl"), expect(unused_mut))]
         let mut v = serde_json::json!({ "paths": results, "disk_note": note });
@@ -729,6 +779,165 @@ fn print_row(r: &PathResult) {
 fn print_table(results: &[PathResult]) {
     print_header();
     results.iter().for_each(print_row);
+}
+
+/// host → Redis and Redis → host against raw pipelined `SET`/`GET` of the same bytes from the
+/// same client (see the [module docs](self)).
+fn redis_paths(url: &str, blocks: usize, rounds: usize) -> Result<Vec<PathResult>> {
+    use kvbm_connector::backends::redis::{RedisOptions, RedisStore, RedisUrl};
+    use kvbm_connector::connector::remote::{RemoteRead, RemoteScope, RemoteStore};
+    if blocks == 0 {
+        return Err(Error::invalid_argument("--redis-blocks must be at least 1"));
+    }
+    let url = RedisUrl::parse(url)?;
+    let d = dims();
+    let bpb = d.num_layers * d.outer_dim * d.page_size * d.inner_dim * d.dtype_bytes;
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|t| t.as_nanos())
+        .unwrap_or_default();
+    let description = format!("kvbm-bench-{}-{nonce}", std::process::id());
+    let scope = RemoteScope::new(&description, d.page_size, 1, bpb, HashAlgorithm::Sha256)?;
+    let store = RedisStore::connect(&url, scope, RedisOptions::default())?;
+    let deadline = || Instant::now() + Duration::from_secs(120);
+    // Fails now, with the reason, if the server cannot be reached.
+    store.raw_command(&[b"PING"], deadline())?;
+    let host: Vec<Vec<u8>> = (0..blocks)
+        .map(|b| (0..bpb).map(|i| (i * 31 + b * 7) as u8).collect())
+        .collect();
+    let mut dst: Vec<Vec<u8>> = vec![vec![0u8; bpb]; blocks];
+    let bytes = blocks * bpb;
+    let mut round = 0u128;
+    let raw_key = |round: u128, b: usize| format!("kvbm-bench:{{{description}}}:raw:{round}:{b}");
+    let ours_keys =
+        |round: u128| -> Vec<u128> { (0..blocks as u128).map(|b| (round << 32) | b).collect() };
+    let delete = |names: Vec<String>| -> Result<()> {
+        for n in names {
+            store.raw_command(&[b"UNLINK", n.as_bytes()], deadline())?;
+        }
+        Ok(())
+    };
+    // Writes: fresh keys every round (SET NX of a present key writes nothing).
+    let (mut lw, mut ow) = (Vec::new(), Vec::new());
+    for r in 0..=rounds {
+        round += 1;
+        let names: Vec<String> = (0..blocks).map(|b| raw_key(round, b)).collect();
+        let pairs: Vec<(String, &[u8])> = names
+            .iter()
+            .cloned()
+            .zip(host.iter().map(|h| h.as_slice()))
+            .collect();
+        let keys = ours_keys(round);
+        let refs: Vec<(u128, &[u8])> = keys
+            .iter()
+            .copied()
+            .zip(host.iter().map(|h| h.as_slice()))
+            .collect();
+        // Alternate which goes first: the second of a round writes into memory the server has
+        // not reused yet (the previous round's values are freed between rounds).
+        let raw = |pairs: &[(String, &[u8])]| -> Result<Duration> {
+            let t = Instant::now();
+            store.raw_set(pairs, deadline())?;
+            Ok(t.elapsed())
+        };
+        let ours_put = |refs: &[(u128, &[u8])]| -> Result<(Duration, _)> {
+            let t = Instant::now();
+            let put = store.put(0, refs, deadline())?;
+            Ok((t.elapsed(), put))
+        };
+        let (limit, (ours, put)) = if r % 2 == 0 {
+            let l = raw(&pairs)?;
+            (l, ours_put(&refs)?)
+        } else {
+            let o = ours_put(&refs)?;
+            (raw(&pairs)?, o)
+        };
+        if put.written != blocks {
+            return Err(Error::internal(format!(
+                "bench: {} of {blocks} blocks written",
+                put.written
+            )));
+        }
+        if r > 0 {
+            lw.push(limit);
+            ow.push(ours);
+        }
+        delete(names)?;
+        delete(keys.iter().map(|&k| store.key_name(k, 0)).collect())?;
+    }
+    // Reads: one set of values, read every round.
+    round += 1;
+    let names: Vec<String> = (0..blocks).map(|b| raw_key(round, b)).collect();
+    let pairs: Vec<(String, &[u8])> = names
+        .iter()
+        .cloned()
+        .zip(host.iter().map(|h| h.as_slice()))
+        .collect();
+    store.raw_set(&pairs, deadline())?;
+    let keys = ours_keys(round);
+    let refs: Vec<(u128, &[u8])> = keys
+        .iter()
+        .copied()
+        .zip(host.iter().map(|h| h.as_slice()))
+        .collect();
+    store.put(0, &refs, deadline())?;
+    let (mut l, mut o) = (Vec::new(), Vec::new());
+    for r in 0..=rounds {
+        let raw = |dst: &mut [Vec<u8>]| -> Result<Duration> {
+            let mut d: Vec<&mut [u8]> = dst.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let t = Instant::now();
+            store.raw_get(&names, &mut d, deadline())?;
+            Ok(t.elapsed())
+        };
+        let ours_get = |dst: &mut [Vec<u8>]| -> Result<(Duration, Vec<RemoteRead>)> {
+            let mut d: Vec<&mut [u8]> = dst.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let t = Instant::now();
+            let got = store.get(0, &keys, &mut d, deadline())?;
+            Ok((t.elapsed(), got))
+        };
+        // Alternate which goes first, as for writes.
+        let (limit, (ours, got)) = if r % 2 == 0 {
+            let l = raw(&mut dst)?;
+            (l, ours_get(&mut dst)?)
+        } else {
+            let o = ours_get(&mut dst)?;
+            (raw(&mut dst)?, o)
+        };
+        if got.iter().any(|g| *g != RemoteRead::Hit) || dst != host {
+            return Err(Error::internal(format!(
+                "bench: Redis reads did not return the blocks written: {got:?}"
+            )));
+        }
+        if r > 0 {
+            l.push(limit);
+            o.push(ours);
+        }
+    }
+    delete(names)?;
+    delete(keys.iter().map(|&k| store.key_name(k, 0)).collect())?;
+    let stats = store.stats();
+    if stats.errors + stats.timeouts + stats.invalid > 0 {
+        return Err(Error::internal(format!(
+            "bench: Redis store counters {stats:?}"
+        )));
+    }
+    let what = format!("{blocks} x {} MiB, {}", bpb >> 20, url);
+    Ok(vec![
+        bandwidth(
+            &format!("host -> redis ({blocks} blocks)"),
+            bytes,
+            median(lw),
+            median(ow),
+            &format!("raw pipelined SET of the same bytes, same client; {what}"),
+        ),
+        bandwidth(
+            &format!("redis -> host ({blocks} blocks)"),
+            bytes,
+            median(l),
+            median(o),
+            &format!("raw pipelined GET of the same bytes into the same buffers; {what}"),
+        ),
+    ])
 }
 
 /// `kvbm bench`'s NIXL paths (feature `nixl`); see the [module docs](self).

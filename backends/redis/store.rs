@@ -10,7 +10,7 @@ use redis::{Cmd, ConnectionAddr, ConnectionInfo, RedisConnectionInfo, Value};
 use tokio::sync::Notify;
 
 use super::url::RedisUrl;
-use super::value::Codec;
+use super::value::{Codec, Head};
 use crate::connector::remote::{RemotePut, RemoteRead, RemoteScope, RemoteStore, RemoteStoreStats};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -250,6 +250,31 @@ impl RedisStore {
         }
     }
 
+    /// Deletes invalid values in the background (nobody waits): otherwise a lookup would keep
+    /// matching them, and `SET NX` would never replace them with a good value.
+    fn withdraw(&self, names: Vec<String>) {
+        if names.is_empty() {
+            return;
+        }
+        let (Ok(conn), Ok(handle)) = (self.conn(), self.handle()) else {
+            return;
+        };
+        let commands = names
+            .into_iter()
+            .map(|n| {
+                let mut c = redis::cmd("UNLINK");
+                c.arg(n);
+                c
+            })
+            .collect();
+        let timeout = self.inner.options.connect_timeout;
+        handle.spawn(async move {
+            if let Ok(Err(e)) = tokio::time::timeout(timeout, execute(conn, commands)).await {
+                tracing::debug!(error = %e, "could not withdraw invalid Redis values");
+            }
+        });
+    }
+
     fn check_rank(&self, rank: usize) -> Result<()> {
         if rank >= self.scope.world_size {
             return Err(Error::out_of_range("rank", rank, self.scope.world_size));
@@ -479,6 +504,23 @@ async fn reconnect_loop(inner: Arc<Inner>) {
     }
 }
 
+/// One argument made of a value's head and its payload, written into the command without first
+/// copying the payload into a value of its own.
+struct Joined<'a>(Head, &'a [u8]);
+
+impl redis::ToRedisArgs for Joined<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        use std::io::Write;
+        let mut w = out.writer_for_next_arg();
+        // Writes into the command's own buffer: they cannot fail.
+        let _ = w.write_all(self.0.as_slice());
+        let _ = w.write_all(self.1);
+    }
+}
+
 impl RemoteStore for RedisStore {
     fn describe(&self) -> String {
         format!("redis {}", self.inner.url)
@@ -567,6 +609,7 @@ impl RemoteStore for RedisStore {
             ));
         }
         let mut out = Vec::with_capacity(keys.len());
+        let mut withdraw = Vec::new();
         for ((&k, v), d) in keys.iter().zip(values).zip(dst.iter_mut()) {
             let read = match v {
                 v if as_server_error(&v).is_some() => RemoteRead::Invalid(format!(
@@ -578,11 +621,14 @@ impl RemoteStore for RedisStore {
                 Value::BulkString(b) => self.codec.decode_into(k, rank, &b, d),
                 other => RemoteRead::Invalid(format!("unexpected answer {other:?}")),
             };
-            if matches!(read, RemoteRead::Invalid(_)) {
+            if let RemoteRead::Invalid(why) = &read {
                 self.inner.counters.invalid.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(key = %self.codec.key(k, rank), why, "invalid value in Redis; withdrawn");
+                withdraw.push(self.codec.key(k, rank));
             }
             out.push(read);
         }
+        self.withdraw(withdraw);
         Ok(out)
     }
 
@@ -609,7 +655,7 @@ impl RemoteStore for RedisStore {
             .map(|&(k, bytes)| {
                 let mut c = redis::cmd("SET");
                 c.arg(self.codec.key(k, rank))
-                    .arg(self.codec.encode(k, rank, bytes))
+                    .arg(Joined(self.codec.head(k, rank, bytes), bytes))
                     .arg("NX");
                 if let Some(ms) = ttl_ms {
                     c.arg("PX").arg(ms);
@@ -711,6 +757,9 @@ impl RedisStore {
             c.arg(*a);
         }
         let v = self.run(vec![c], deadline)?;
+        if let Some(e) = v.first().and_then(as_server_error) {
+            return Err(Error::new(ErrorKind::Io, format!("Redis answered: {e}")));
+        }
         Ok(match v.into_iter().next() {
             Some(Value::BulkString(b)) => b,
             Some(Value::Int(n)) => n.to_string().into_bytes(),

@@ -38,6 +38,20 @@ const FLAG_MAC: u16 = 1;
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// A value's header and MAC ([`Codec::head`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Head {
+    bytes: [u8; HEADER_BYTES + MAC_BYTES],
+    len: usize,
+}
+
+impl Head {
+    /// Its bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
 /// Encodes and verifies one scope's values.
 #[derive(Clone)]
 pub struct Codec {
@@ -114,27 +128,39 @@ impl Codec {
 
     /// The value storing `payload` as `key`'s share of `rank`.
     pub fn encode(&self, key: u128, rank: usize, payload: &[u8]) -> Vec<u8> {
-        let mac_len = if self.mac.is_some() { MAC_BYTES } else { 0 };
-        let mut v = Vec::with_capacity(HEADER_BYTES + mac_len + payload.len());
-        v.extend_from_slice(MAGIC);
-        v.extend_from_slice(&VERSION.to_le_bytes());
-        let flags = if self.mac.is_some() { FLAG_MAC } else { 0 };
-        v.extend_from_slice(&flags.to_le_bytes());
-        v.extend_from_slice(&key.to_le_bytes());
-        v.extend_from_slice(&self.fingerprint);
-        v.extend_from_slice(&(rank as u32).to_le_bytes());
-        v.extend_from_slice(&self.world_size.to_le_bytes());
-        v.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        v.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(payload).to_le_bytes());
-        debug_assert_eq!(v.len(), HEADER_BYTES);
-        if let Some(mac) = &self.mac {
-            let mut m = mac.clone();
-            m.update(&v);
-            m.update(payload);
-            v.extend_from_slice(&m.finalize().into_bytes());
-        }
+        let head = self.head(key, rank, payload);
+        let mut v = Vec::with_capacity(head.as_slice().len() + payload.len());
+        v.extend_from_slice(head.as_slice());
         v.extend_from_slice(payload);
         v
+    }
+
+    /// What precedes `payload` in its value (header, and MAC with a secret): the value is
+    /// `head ‖ payload`, written as one argument without copying the payload first.
+    pub fn head(&self, key: u128, rank: usize, payload: &[u8]) -> Head {
+        let mut h = Head {
+            bytes: [0u8; HEADER_BYTES + MAC_BYTES],
+            len: HEADER_BYTES,
+        };
+        let b = &mut h.bytes;
+        b[0..4].copy_from_slice(MAGIC);
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        let flags = if self.mac.is_some() { FLAG_MAC } else { 0 };
+        b[6..8].copy_from_slice(&flags.to_le_bytes());
+        b[8..24].copy_from_slice(&key.to_le_bytes());
+        b[24..40].copy_from_slice(&self.fingerprint);
+        b[40..44].copy_from_slice(&(rank as u32).to_le_bytes());
+        b[44..48].copy_from_slice(&self.world_size.to_le_bytes());
+        b[48..56].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+        b[56..64].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(payload).to_le_bytes());
+        if let Some(mac) = &self.mac {
+            let mut m = mac.clone();
+            m.update(&b[..HEADER_BYTES]);
+            m.update(payload);
+            b[HEADER_BYTES..].copy_from_slice(&m.finalize().into_bytes());
+            h.len = HEADER_BYTES + MAC_BYTES;
+        }
+        h
     }
 
     /// Verifies `value` as `key`'s share of `rank` and copies its payload into `dst` (exactly
