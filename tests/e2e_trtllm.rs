@@ -202,7 +202,7 @@ impl WorkerTransport for Tap {
     fn recv_timeout(&self, timeout: Duration) -> KvResult<Option<LeaderMessage>> {
         let m = self.inner.recv_timeout(timeout)?;
         if let Some(LeaderMessage::Finish(w)) = &m {
-            let meta = ConnectorMetadata::decode(w.metadata.as_bytes()).unwrap();
+            let meta = ConnectorMetadata::decode(&w.metadata).unwrap();
             assert_eq!(meta.iteration, w.after_iteration);
             let at = self.iteration.load(Ordering::SeqCst);
             self.log.lock().unwrap().push((at, meta));

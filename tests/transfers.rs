@@ -14,6 +14,30 @@ use kvbm_connector::{
 };
 
 /// Small model: 4 layers, K/V, 16 tokens, 2 heads × 64 dims, bf16 → 4 KiB runs, 32 KiB blocks.
+/// A few pairs into a large tier take the sorted duplicate check (not a flag per tier block):
+/// a destination named twice is still refused, and distinct ones still copy.
+#[test]
+fn duplicate_destinations_in_a_large_tier_are_refused() {
+    let rt = runtime();
+    let d = dims();
+    let a: Arc<dyn StorageTier> =
+        Arc::new(MemoryTier::host(Layout::fully_contiguous(d, 4).unwrap()).unwrap());
+    let big: Arc<dyn StorageTier> =
+        Arc::new(MemoryTier::host(Layout::fully_contiguous(d, 512).unwrap()).unwrap());
+    a.write_block_from_slice(2, &image(&d, 2)).unwrap();
+    let e = rt
+        .block_on(engine().copy(a.clone(), big.clone(), vec![(0, 300), (1, 5), (2, 300)]))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.to_string().contains("block 300 appears twice"), "{e}");
+    assert!(big.read_block_to_vec(300).unwrap().iter().all(|&x| x == 0));
+    assert!(rt
+        .block_on(engine().copy(a.clone(), big.clone(), vec![(0, 300), (2, 511)]))
+        .unwrap()
+        .is_ok());
+    assert_eq!(big.read_block_to_vec(511).unwrap(), image(&d, 2));
+}
+
 fn dims() -> LayoutDims {
     LayoutDims {
         num_layers: 4,

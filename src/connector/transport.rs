@@ -98,8 +98,9 @@ pub struct FinishWork {
     /// Apply only after binding the metadata of this iteration (or a later one).
     pub after_iteration: u64,
     /// An encoded [`ConnectorMetadata`](crate::connector::metadata::ConnectorMetadata) holding
-    /// the operations and holds of the finished requests only.
-    pub metadata: String,
+    /// the operations and holds of the finished requests only (binary; a JSON array of bytes on
+    /// the TCP transport).
+    pub metadata: Vec<u8>,
 }
 
 /// Leader → worker.

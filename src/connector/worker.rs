@@ -521,7 +521,7 @@ impl Worker {
                 Ok(Some(LeaderMessage::Finish(FinishWork {
                     after_iteration,
                     metadata,
-                }))) => match ConnectorMetadata::decode(metadata.as_bytes()) {
+                }))) => match ConnectorMetadata::decode(&metadata) {
                     Ok(meta) => self.finish_queue.push((after_iteration, meta)),
                     Err(e) => {
                         tracing::error!(rank = self.rank(), error = %e, "undecodable finished-request work from the leader");

@@ -674,11 +674,14 @@ impl PyVllmWorker {
         Ok(cache.gpu)
     }
 
-    /// Takes this step's metadata bytes.
+    /// Takes this step's metadata bytes. Decoded in place with the GIL held (no copy of the
+    /// bytes; decoding a step's metadata takes microseconds, less than releasing the GIL costs
+    /// the engine's other threads).
     fn bind_connector_metadata(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<()> {
-        let metadata = metadata.to_vec();
-        self.inner.call(py, "bind_connector_metadata", move |w| {
-            w.bind_connector_metadata(&metadata)
+        let op = "bind_connector_metadata";
+        self.inner.call_attached(py, op, |w| {
+            w.bind_connector_metadata(metadata)
+                .map_err(rust_err(py, op))
         })
     }
 
@@ -694,17 +697,22 @@ impl PyVllmWorker {
         self.inner.call(py, "start_load_kv", |w| w.start_load_kv())
     }
 
-    /// Checks the layer name (loads finish before vLLM schedules their request).
-    fn wait_for_layer_load(&self, py: Python<'_>, layer_name: String) -> PyResult<()> {
-        self.inner.call(py, "wait_for_layer_load", move |w| {
-            w.wait_for_layer_load(&layer_name)
+    /// Checks the layer name (loads finish before vLLM schedules their request). Called once
+    /// per layer, so it keeps the GIL: a name lookup costs less than releasing it.
+    fn wait_for_layer_load(&self, py: Python<'_>, layer_name: &str) -> PyResult<()> {
+        let op = "wait_for_layer_load";
+        self.inner.call_attached(py, op, |w| {
+            w.wait_for_layer_load(layer_name).map_err(rust_err(py, op))
         })
     }
 
-    /// Starts the stores after the last layer.
-    fn save_kv_layer(&self, py: Python<'_>, layer_name: String) -> PyResult<()> {
-        self.inner
-            .call(py, "save_kv_layer", move |w| w.save_kv_layer(&layer_name))
+    /// Starts the stores after the last layer. Called once per layer, so it keeps the GIL (the
+    /// last layer's submission only queues the copies; they run on the worker's threads).
+    fn save_kv_layer(&self, py: Python<'_>, layer_name: &str) -> PyResult<()> {
+        let op = "save_kv_layer";
+        self.inner.call_attached(py, op, |w| {
+            w.save_kv_layer(layer_name).map_err(rust_err(py, op))
+        })
     }
 
     /// Starts the stores if the last layer did not.

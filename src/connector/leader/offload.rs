@@ -276,9 +276,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         meta.operations = self.outbox.operations.split_off(split);
         self.outbox.hold.retain(|h| h != id);
         meta.hold.push(id.clone());
-        let metadata = match meta.encode().and_then(|b| {
-            String::from_utf8(b).map_err(|e| Error::internal(format!("metadata is not UTF-8: {e}")))
-        }) {
+        let metadata = match meta.encode() {
             Ok(m) => m,
             Err(e) => {
                 // Nothing was sent: it goes with the next metadata instead.

@@ -930,7 +930,7 @@ mod fuzz {
             })),
             serde_json::to_vec(&LeaderMessage::Finish(FinishWork {
                 after_iteration: 3,
-                metadata: "{}".into(),
+                metadata: vec![1, 2, 255],
             })),
             serde_json::to_vec(&HandshakeHello {
                 rank: 1,

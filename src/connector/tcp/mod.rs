@@ -47,7 +47,7 @@
 //!   `{"Completed":[{"op":7,"failed_dst_blocks":[],"error":null}]}`,
 //!   `{"Allocate":{"num_host_blocks":8,"num_disk_blocks":0,"num_device_blocks":32}}`,
 //!   `{"Refused":"why"}`,
-//!   `{"Finish":{"after_iteration":12,"metadata":"…"}}` (a finished request's last stores and hold,
+//!   `{"Finish":{"after_iteration":12,"metadata":[75,86,77,68,…]}}` (the metadata's bytes) (a finished request's last stores and hold,
 //!   sent when the engine may build no more metadata; see `Leader::request_finished_now`). At most
 //!   16 MiB.
 //!   [`WorkerMessage::Disconnected`] is generated locally and never sent; a leader that receives
