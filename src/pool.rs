@@ -36,8 +36,9 @@
 //! 2Q, five for the prefix policy, whose victim is the best of the five heads) are intrusive
 //! doubly-linked lists and the free list an intrusive stack, all threaded through one per-block
 //! slot array with `u32` links (about 48 bytes per block, no per-block allocation); the hash →
-//! block map and the ghost of evicted keys (2Q: `num_blocks` keys, prefix: 8 × `num_blocks`,
-//! about 25 bytes each) are sized up front so they never grow under the lock. All state sits behind one
+//! block map and the ghost of evicted keys (2Q: the last `num_blocks` evictions, prefix: the
+//! last 8 × `num_blocks`; a bucketed table of 8-byte entries, no map, 8 to 16 bytes per key) are
+//! sized up front so they never grow under the lock. All state sits behind one
 //! `parking_lot::Mutex`; handles hold an `Arc` of the pool and lock briefly on clone and drop.
 //!
 //! The module also holds [`match_across`] (prefix match over host then disk) and the
@@ -643,73 +644,105 @@ impl State {
 
 // --- ghost keys ----------------------------------------------------------------------------------
 
-/// Recently evicted keys with their reuse counts: a ring of the last `len` evictions (64-bit
-/// fingerprints of the keys) and a map from fingerprint to its newest ring position. Both are
-/// sized up front; recording and taking are O(1) and allocate nothing.
+/// Recently evicted keys with their reuse counts: a table of packed entries (32-bit key tag,
+/// eviction number mod 2^28, reuse count) in buckets of [`GHOST_WAYS`] (one 64-byte cache
+/// line), the bucket picked by the key's low bits. Recording overwrites an empty or expired
+/// entry of the key's bucket, else its oldest; taking reads one bucket. The table is sized up
+/// front (a power of two at least twice the keys to remember, which keeps buckets from
+/// overflowing: 8 to 16 bytes per key), so both are a few
+/// compares in one cache line and allocate nothing. A bucket that fills before its keys expire
+/// forgets its oldest early; a tag collision (one in 2^32 per compare) hands a reuse count to
+/// the wrong key, which costs nothing but a slightly different eviction order.
 #[derive(Debug)]
 struct Ghost {
-    /// Most keys remembered (0: none).
-    cap: usize,
-    ring: Vec<u64>,
-    /// Next ring position to write.
-    pos: usize,
-    /// Fingerprint → (ring position, reuse count).
-    map: HashMap<u64, (u32, u8), BuildSeqHasher>,
+    table: Vec<u64>,
+    /// Buckets - 1 (the number of buckets is a power of two).
+    mask: usize,
+    /// An entry is forgotten once this many evictions were recorded after it.
+    window: u64,
+    /// Evictions recorded so far.
+    count: u64,
 }
+
+/// Entries per ghost bucket.
+const GHOST_WAYS: usize = 8;
+/// Bits of an entry's eviction number.
+const GHOST_AGE_BITS: u32 = 28;
+const GHOST_AGE_MASK: u64 = (1 << GHOST_AGE_BITS) - 1;
 
 impl Ghost {
     fn new(len: usize) -> Result<Self> {
-        // Ring positions are u32; a longer ring would not fit (and would be absurd anyway).
-        let len = len.min(MAX_POOL_BLOCKS);
-        let mut ring = Vec::new();
-        ring.try_reserve_exact(len).map_err(|e| {
-            Error::invalid_argument(format!("cannot allocate {len} ghost entries: {e}"))
+        // Ages wrap at 2^28 evictions: a longer window could not be told apart.
+        let len = len.min(GHOST_AGE_MASK as usize);
+        let slots = if len == 0 {
+            0
+        } else {
+            len.saturating_mul(2).next_power_of_two().max(GHOST_WAYS)
+        };
+        let mut table = Vec::new();
+        table.try_reserve_exact(slots).map_err(|e| {
+            Error::invalid_argument(format!("cannot allocate {slots} ghost entries: {e}"))
         })?;
-        let mut map = HashMap::with_hasher(BuildSeqHasher::default());
-        map.try_reserve(len).map_err(|e| {
-            Error::invalid_argument(format!("cannot allocate the ghost map for {len} keys: {e}"))
-        })?;
+        table.resize(slots, 0);
         Ok(Self {
-            cap: len,
-            ring,
-            pos: 0,
-            map,
+            table,
+            mask: (slots / GHOST_WAYS).saturating_sub(1),
+            window: len as u64,
+            count: 0,
         })
     }
 
-    fn fingerprint(hash: SequenceHash) -> u64 {
-        (hash.0 as u64) ^ ((hash.0 >> 64) as u64).rotate_left(32)
+    /// First entry of `hash`'s bucket and its tag: the high 31 bits of the key's 64-bit
+    /// fingerprint (mixed, so low-entropy keys spread too) with the top bit set (an empty entry
+    /// is 0).
+    fn locate(&self, hash: SequenceHash) -> (usize, u64) {
+        let mut h = SeqHasher::default();
+        h.write_u128(hash.0);
+        let fp = h.finish();
+        (
+            ((fp as usize) & self.mask) * GHOST_WAYS,
+            (fp >> 32) | 0x8000_0000,
+        )
     }
 
-    /// Remembers an evicted key, forgetting the oldest one when the ring is full.
+    /// Evictions recorded since `entry` was, itself included.
+    fn age(&self, entry: u64) -> u64 {
+        self.count.wrapping_sub(entry >> 4) & GHOST_AGE_MASK
+    }
+
+    /// Remembers an evicted key in its bucket: over its own older entry, else the first empty or
+    /// expired entry, else the oldest.
     fn record(&mut self, hash: SequenceHash, uses: u8) {
-        let cap = self.cap;
-        if cap == 0 {
+        let (first, tag) = self.locate(hash);
+        let entry = (tag << 32) | ((self.count & GHOST_AGE_MASK) << 4) | u64::from(uses & 0xF);
+        let Some(bucket) = self.table.get(first..first + GHOST_WAYS) else {
             return;
-        }
-        let fp = Self::fingerprint(hash);
-        let pos = self.pos;
-        if let Some(old) = self.ring.get_mut(pos) {
-            let old_fp = std::mem::replace(old, fp);
-            // One lookup: forget the overwritten key unless a newer entry took it over.
-            if let Entry::Occupied(e) = self.map.entry(old_fp) {
-                if e.get().0 as usize == pos {
-                    e.remove();
-                }
+        };
+        let (mut at, mut oldest) = (0, 0);
+        for (w, &e) in bucket.iter().enumerate() {
+            let age = self.age(e);
+            if e == 0 || age > self.window || e >> 32 == tag {
+                at = w;
+                break;
             }
-        } else {
-            self.ring.push(fp);
+            if age > oldest {
+                (at, oldest) = (w, age);
+            }
         }
-        self.map.insert(fp, (pos as u32, uses));
-        self.pos = if pos + 1 >= cap { 0 } else { pos + 1 };
+        if let Some(e) = self.table.get_mut(first + at) {
+            *e = entry;
+        }
+        self.count += 1;
     }
 
-    /// Forgets `hash` and returns its reuse count, if it was remembered.
+    /// Forgets `hash` and returns its reuse count, if it is remembered.
     fn take(&mut self, hash: SequenceHash) -> Option<u8> {
-        if self.map.is_empty() {
-            return None;
-        }
-        self.map.remove(&Self::fingerprint(hash)).map(|(_, u)| u)
+        let (first, tag) = self.locate(hash);
+        let bucket = self.table.get(first..first + GHOST_WAYS)?;
+        let w = bucket.iter().position(|&e| e >> 32 == tag)?;
+        let e = self.table.get_mut(first + w)?;
+        let entry = std::mem::take(e);
+        (self.age(entry) <= self.window).then_some((entry & 0xF) as u8)
     }
 }
 
@@ -1374,6 +1407,30 @@ mod tests {
             let got: Vec<SequenceHash> = (0..3).map(|_| evict_one(&p, &keys, &mut held)).collect();
             assert_eq!(got, want.map(h).to_vec(), "{policy}");
         }
+    }
+
+    #[test]
+    fn ghost_remembers_the_last_window_evictions_once_each() {
+        // A window of 3, as a ring of the last three evictions would keep.
+        let mut g = Ghost::new(3).unwrap();
+        g.record(h(1), 2);
+        g.record(h(2), 0);
+        g.record(h(3), 1);
+        assert_eq!(g.take(h(1)), Some(2), "two evictions after it: remembered");
+        assert_eq!(g.take(h(1)), None, "taken once");
+        assert_eq!(g.take(h(7)), None, "never evicted");
+        g.record(h(4), 0);
+        g.record(h(5), 0);
+        assert_eq!(g.take(h(2)), None, "three evictions after it: forgotten");
+        assert_eq!(g.take(h(3)), Some(1), "two after it: still there");
+        // Evicted again, a key's newest count is the one remembered.
+        g.record(h(6), 3);
+        g.record(h(6), 1);
+        assert_eq!(g.take(h(6)), Some(1));
+        // LRU keeps no ghost.
+        let mut none = Ghost::new(0).unwrap();
+        none.record(h(1), 1);
+        assert_eq!(none.take(h(1)), None);
     }
 
     #[test]
