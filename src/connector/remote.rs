@@ -235,6 +235,20 @@ pub struct RemoteSource {
     io_timeout: Duration,
 }
 
+/// The layout of `n` values of `store` for a rank whose blocks have dimensions `dims`: refused
+/// when the store's values are not exactly one such block.
+fn value_layout(store: &dyn RemoteStore, dims: LayoutDims, n: usize) -> Result<Layout> {
+    let layout = Layout::fully_contiguous(dims, n)?;
+    let want = store.scope().bytes_per_block;
+    if layout.bytes_per_block() != want {
+        return Err(Error::invalid_layout(format!(
+            "remote values hold {want} bytes but this rank's blocks are {}",
+            layout.bytes_per_block()
+        )));
+    }
+    Ok(layout)
+}
+
 impl RemoteSource {
     /// The source of a load of `keys` for worker `rank`, whose blocks have dimensions `dims`.
     pub fn new(
@@ -244,14 +258,7 @@ impl RemoteSource {
         dims: LayoutDims,
         io_timeout: Duration,
     ) -> Result<Self> {
-        let layout = Layout::fully_contiguous(dims, keys.len())?;
-        let want = store.scope().bytes_per_block;
-        if layout.bytes_per_block() != want {
-            return Err(Error::invalid_layout(format!(
-                "remote values hold {want} bytes but this rank's blocks are {}",
-                layout.bytes_per_block()
-            )));
-        }
+        let layout = value_layout(store.as_ref(), dims, keys.len())?;
         Ok(Self {
             store,
             rank,
@@ -385,14 +392,7 @@ impl RemoteSink {
         dims: LayoutDims,
         io_timeout: Duration,
     ) -> Result<Self> {
-        let layout = Layout::fully_contiguous(dims, keys.len())?;
-        let want = store.scope().bytes_per_block;
-        if layout.bytes_per_block() != want {
-            return Err(Error::invalid_layout(format!(
-                "remote values hold {want} bytes but this rank's blocks are {}",
-                layout.bytes_per_block()
-            )));
-        }
+        let layout = value_layout(store.as_ref(), dims, keys.len())?;
         Ok(Self {
             store,
             rank,
