@@ -14,9 +14,10 @@
 
 #![cfg(feature = "redis")]
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod redis_server;
+use redis_server::{skip, OwnServer};
 
 use kvbm_connector::backends::redis::{RedisOptions, RedisStore, RedisUrl};
 use kvbm_connector::connector::remote::{RemotePut, RemoteRead, RemoteScope, RemoteStore};
@@ -25,19 +26,6 @@ use kvbm_connector::{ErrorKind, HashAlgorithm};
 // ------------------------------------------------------------------------------------------------
 // Servers: from the environment, or our own; missing → SKIP (a failure under CI=true)
 // ------------------------------------------------------------------------------------------------
-
-fn skip(reason: &str) {
-    let test = std::thread::current()
-        .name()
-        .unwrap_or("redis test")
-        .to_owned();
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!("CI=true and {reason} (scripts/test.sh installs and starts the Redis servers)");
-    }
-    // Past the harness's capture (eprintln! is captured).
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr().lock(), "SKIP {test}: {reason}");
-}
 
 /// The URL in `var`, or `None` after a skip.
 fn env_url(var: &str) -> Option<RedisUrl> {
@@ -49,84 +37,6 @@ fn env_url(var: &str) -> Option<RedisUrl> {
             ));
             None
         }
-    }
-}
-
-/// A `redis-server` of this test's own, on a free loopback port.
-struct OwnServer {
-    child: Option<Child>,
-    port: u16,
-    dir: tempfile::TempDir,
-    args: Vec<String>,
-}
-
-impl OwnServer {
-    fn start(extra: &[&str]) -> Option<Self> {
-        if Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_err()
-        {
-            skip("redis-server is not on PATH (apt-get install redis-server)");
-            return None;
-        }
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let mut s = Self {
-            child: None,
-            port,
-            dir: tempfile::tempdir().expect("temp dir"),
-            args: extra.iter().map(|s| s.to_string()).collect(),
-        };
-        s.spawn();
-        Some(s)
-    }
-
-    fn spawn(&mut self) {
-        let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(self.dir.path())
-            .args(&self.args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        self.child = Some(cmd.spawn().expect("redis-server starts"));
-        let until = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                Instant::now() < until,
-                "redis-server did not listen on {}",
-                self.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn url(&self) -> RedisUrl {
-        RedisUrl::parse(&format!("redis://127.0.0.1:{}/0", self.port)).unwrap()
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn signal(&self, sig: i32) {
-        let pid = self.child.as_ref().expect("running").id() as i32;
-        // SAFETY: kill(2) on our own child's pid.
-        assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
-    }
-}
-
-impl Drop for OwnServer {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 
@@ -475,7 +385,7 @@ fn flushed_and_evicted_values_are_missing() {
         return;
     };
     let n = 64 * 1024;
-    let store = connect(&server.url(), scope(1, n), None);
+    let store = connect(&RedisUrl::parse(&server.url()).unwrap(), scope(1, n), None);
     // 200 blocks of 64 KiB (12.5 MiB) into 4 MiB: most are evicted.
     let keys: Vec<u128> = (0..200u128).collect();
     for chunk in keys.chunks(20) {
@@ -581,7 +491,11 @@ fn killed_server_errors_within_the_deadline_then_reconnects() {
     let Some(mut server) = OwnServer::start(&[]) else {
         return;
     };
-    let store = connect(&server.url(), scope(2, 1024), None);
+    let store = connect(
+        &RedisUrl::parse(&server.url()).unwrap(),
+        scope(2, 1024),
+        None,
+    );
     put(&store, 0, &[(1, vec![1; 1024])]);
     server.kill();
     // Calls fail (never hang) within their deadline, then fail fast while it is down.
@@ -629,7 +543,7 @@ fn a_server_that_stops_answering_times_out_at_the_deadline() {
     let Some(server) = OwnServer::start(&[]) else {
         return;
     };
-    let store = connect(&server.url(), scope(1, 64), None);
+    let store = connect(&RedisUrl::parse(&server.url()).unwrap(), scope(1, 64), None);
     put(&store, 0, &[(1, vec![1; 64])]);
     server.signal(libc::SIGSTOP);
     for _ in 0..3 {
@@ -670,7 +584,7 @@ fn a_store_made_while_the_server_is_down_connects_later() {
         return;
     };
     server.kill();
-    let store = connect(&server.url(), scope(1, 64), None);
+    let store = connect(&RedisUrl::parse(&server.url()).unwrap(), scope(1, 64), None);
     assert!(!store.stats().available);
     assert_eq!(
         store.lookup_prefix(&[1], soon()).unwrap_err().kind(),

@@ -13,10 +13,12 @@
 
 #![cfg(all(feature = "cli", feature = "redis"))]
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+mod redis_server;
+use redis_server::{skip, OwnServer};
 
 use kvbm_connector::config::{AUTH_TOKEN_ENV, CONFIG_FILE_VAR, ENV_VARS, LEADER_ADDR_ENV};
 use serde_json::Value;
@@ -24,98 +26,6 @@ use serde_json::Value;
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
 /// Bound on one replay of these small workloads (a few seconds in debug).
 const REPLAY_LIMIT: Duration = Duration::from_secs(120);
-
-fn skip(reason: &str) {
-    let test = std::thread::current()
-        .name()
-        .unwrap_or("redis e2e test")
-        .to_owned();
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!("CI=true and {reason} (scripts/test.sh installs and starts the Redis servers)");
-    }
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr().lock(), "SKIP {test}: {reason}");
-}
-
-/// A `redis-server` of this test's own on a free loopback port; killed when dropped.
-struct Server {
-    child: Option<Child>,
-    port: u16,
-    dir: tempfile::TempDir,
-}
-
-impl Server {
-    fn start() -> Option<Self> {
-        if Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_err()
-        {
-            skip("redis-server is not on PATH (apt-get install redis-server)");
-            return None;
-        }
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let mut s = Self {
-            child: None,
-            port,
-            dir: tempfile::tempdir().expect("temp dir"),
-        };
-        s.spawn();
-        Some(s)
-    }
-
-    /// Starts (again) on the same port, empty (no persistence).
-    fn spawn(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server starts");
-        self.child = Some(child);
-        let until = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < until, "redis-server did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Runs one command with `redis-cli` against this server; its output.
-    fn cli(&self, args: &[&str]) -> Option<String> {
-        let out = Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 /// A namespace no other run shares.
 fn namespace() -> String {
@@ -258,7 +168,7 @@ fn share(url: &str, framework: &str, extra: &[&str]) {
 
 #[test]
 fn two_instances_share_prefixes_through_redis() {
-    let Some(server) = Server::start() else {
+    let Some(server) = OwnServer::start(&[]) else {
         return;
     };
     for framework in ["vllm", "trtllm"] {
@@ -280,7 +190,7 @@ fn two_instances_share_prefixes_through_a_redis_cluster() {
 
 #[test]
 fn two_tp2_instances_share_prefixes_through_redis() {
-    let Some(server) = Server::start() else {
+    let Some(server) = OwnServer::start(&[]) else {
         return;
     };
     for framework in ["vllm", "trtllm"] {
@@ -290,7 +200,7 @@ fn two_tp2_instances_share_prefixes_through_redis() {
 
 #[test]
 fn redis_restarted_empty_is_only_misses() {
-    let Some(mut server) = Server::start() else {
+    let Some(mut server) = OwnServer::start(&[]) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -310,7 +220,7 @@ fn redis_restarted_empty_is_only_misses() {
 
 #[test]
 fn redis_killed_mid_run_costs_misses_and_load_errors_never_wrong_bytes() {
-    let Some(mut server) = Server::start() else {
+    let Some(mut server) = OwnServer::start(&[]) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -350,7 +260,7 @@ fn redis_killed_mid_run_costs_misses_and_load_errors_never_wrong_bytes() {
 
 #[test]
 fn a_wrong_value_planted_under_every_key_is_a_load_error_never_served() {
-    let Some(server) = Server::start() else {
+    let Some(server) = OwnServer::start(&[]) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
