@@ -335,14 +335,13 @@ fn a_bad_mooncake_file_fails_the_replay_naming_the_line() {
     }
 }
 
-#[test]
-fn sweep_prints_hit_rates_per_capacity_and_draws_the_plot() {
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let trace = dir.path().join("hand.jsonl");
+/// `kvbm sweep` of the hand trace (written into `dir`) in Mooncake format, sequential, with the
+/// tiny shape and outputs capped at 1; the caller adds capacities, policies and the plot.
+fn hand_sweep(dir: &Path) -> Command {
+    let trace = dir.join("hand.jsonl");
     std::fs::write(&trace, HAND_TRACE).expect("write trace");
-    let plot = dir.path().join("curve.svg");
-    let out = kvbm(dir.path())
-        .args(["sweep", "--quiet", "--trace-format", "mooncake", "--trace"])
+    let mut cmd = kvbm(dir);
+    cmd.args(["sweep", "--quiet", "--trace-format", "mooncake", "--trace"])
         .arg(&trace)
         .args(SHAPE)
         .args([
@@ -351,7 +350,15 @@ fn sweep_prints_hit_rates_per_capacity_and_draws_the_plot() {
             "off",
             "--max-output-tokens",
             "1",
-        ])
+        ]);
+    cmd
+}
+
+#[test]
+fn sweep_prints_hit_rates_per_capacity_and_draws_the_plot() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let plot = dir.path().join("curve.svg");
+    let out = hand_sweep(dir.path())
         // Out of order and repeated on purpose: the table is sorted and deduplicated.
         .args(["--capacities", "2048,1536,1K,2048", "--disk-tokens", "2048"])
         .args(["--eviction", "lru", "--jobs", "2", "--plot"])
@@ -419,20 +426,8 @@ fn sweep_refuses_what_it_sets_itself_and_unknown_policies() {
 #[test]
 fn sweep_compares_eviction_policies_one_line_each() {
     let dir = tempfile::tempdir().expect("temporary directory");
-    let trace = dir.path().join("hand.jsonl");
-    std::fs::write(&trace, HAND_TRACE).expect("write trace");
     let plot = dir.path().join("policies.svg");
-    let out = kvbm(dir.path())
-        .args(["sweep", "--quiet", "--trace-format", "mooncake", "--trace"])
-        .arg(&trace)
-        .args(SHAPE)
-        .args([
-            "--sequential",
-            "--device-prefix-cache",
-            "off",
-            "--max-output-tokens",
-            "1",
-        ])
+    let out = hand_sweep(dir.path())
         .args([
             "--capacities",
             "1536,2048",
