@@ -98,7 +98,9 @@ impl LeaderStore {
         if keys.is_empty() {
             return RemoteAnswer::Found(0);
         }
-        let raw: Vec<u128> = keys.iter().map(|k| k.0).collect();
+        // The keys as the store takes them, built only when a lookup is submitted (not on a
+        // re-ask that is still pending).
+        let raw = || keys.iter().map(|k| k.0).collect::<Vec<u128>>();
         if self.deferred {
             if let Some(outcome) = self.lookups.take(id.as_str(), first) {
                 self.asked.remove(id);
@@ -119,7 +121,7 @@ impl LeaderStore {
                 }
                 if !self
                     .lookups
-                    .submit(id.as_str(), first, raw, self.io_timeout)
+                    .submit(id.as_str(), first, raw(), self.io_timeout)
                 {
                     metrics.record_remote_lookup_skipped();
                     return RemoteAnswer::Found(0);
@@ -136,7 +138,7 @@ impl LeaderStore {
         let deadline = Instant::now() + self.lookup_timeout;
         if !self
             .lookups
-            .submit(id.as_str(), first, raw, self.lookup_timeout)
+            .submit(id.as_str(), first, raw(), self.lookup_timeout)
         {
             metrics.record_remote_lookup_skipped();
             return RemoteAnswer::Found(0);
