@@ -38,7 +38,10 @@
 //! slot array with `u32` links (about 48 bytes per block, no per-block allocation); the hash →
 //! block map and the ghost of evicted keys (2Q: the last `num_blocks` evictions, prefix: the
 //! last 8 × `num_blocks`; a bucketed table of 8-byte entries, no map, 8 to 16 bytes per key) are
-//! sized up front so they never grow under the lock. All state sits behind one
+//! sized up front so they never grow under the lock. The prefix policy also runs two miniature
+//! pools over a sample of the keys (its duel, which turns the credit on and off; a pool below
+//! 512 blocks is simulated whole, a larger one at 128 to 255 blocks each): a sampled key costs
+//! two more pool operations. All state sits behind one
 //! `parking_lot::Mutex`; handles hold an `Arc` of the pool and lock briefly on clone and drop.
 //!
 //! The module also holds [`match_across`] (prefix match over host then disk) and the
@@ -170,7 +173,10 @@ pub enum EvictionPolicy {
     /// and a child never has more reuses than its parent, so a parent outlives its children:
     /// a cached block is (almost) never orphaned. The reuse counts of evicted keys are
     /// remembered for 8 × `num_blocks` evictions, so a conversation returning after the cache
-    /// turned over regains its credit.
+    /// turned over regains its credit. The credit is switched off while it loses: two
+    /// miniature pools (one with the credit, one without) replay a sample of the keys the pool
+    /// matches and stores, and the pool applies the credit while the credited one has been
+    /// right at least as often lately.
     Prefix,
 }
 
@@ -258,9 +264,15 @@ struct State {
     epoch: u64,
     /// Prefix policy: credit of list `c`, in clock ticks (`num_blocks << (c - 1)`, 0 for c = 0).
     credit: [u64; NUM_LISTS],
+    /// Prefix policy: whether the credit applies now (the duel's verdict; always for a
+    /// miniature).
+    credit_on: bool,
     /// 2Q: the probation list is evicted from first once it holds this many blocks.
     probation_target: usize,
     ghost: Ghost,
+    /// Prefix policy: the miniature simulations that turn the credit on and off (`None` in a
+    /// miniature itself and for the other policies).
+    duel: Option<Box<Duel>>,
     mutable: usize,
     active: usize,
     evictions: u64,
@@ -268,6 +280,16 @@ struct State {
 
 impl State {
     fn new(num_blocks: u32, policy: EvictionPolicy) -> Result<Self> {
+        let mut st = Self::bare(num_blocks, policy, true)?;
+        if policy == EvictionPolicy::Prefix {
+            st.duel = Some(Box::new(Duel::new(num_blocks)?));
+        }
+        Ok(st)
+    }
+
+    /// A state without a duel; `credit`: the prefix policy's credit and ghost (false: a
+    /// miniature of prefix order alone, which needs neither).
+    fn bare(num_blocks: u32, policy: EvictionPolicy, credit: bool) -> Result<Self> {
         let n = num_blocks as usize;
         let mut slots = Vec::new();
         slots.try_reserve_exact(n).map_err(|e| {
@@ -292,8 +314,10 @@ impl State {
         let ghost_len = match policy {
             EvictionPolicy::Lru => 0,
             EvictionPolicy::TwoQ => n,
-            EvictionPolicy::Prefix => n.saturating_mul(PREFIX_GHOST_FACTOR),
+            EvictionPolicy::Prefix if credit => n.saturating_mul(PREFIX_GHOST_FACTOR),
+            EvictionPolicy::Prefix => 0,
         };
+        let credit_on = credit;
         let mut credit = [0u64; NUM_LISTS];
         for (c, slot) in credit.iter_mut().enumerate().skip(1) {
             *slot = (n as u64).saturating_mul(1u64 << (c - 1));
@@ -309,8 +333,10 @@ impl State {
             clock: 0,
             epoch: 0,
             credit,
+            credit_on,
             probation_target: (n / TWO_Q_PROBATION_DIVISOR).max(1),
             ghost: Ghost::new(ghost_len)?,
+            duel: None,
             mutable: 0,
             active: 0,
             evictions: 0,
@@ -439,7 +465,8 @@ impl State {
                     let Some(head) = self.slots.get(list.head as usize) else {
                         continue;
                     };
-                    let p = head.stamp.saturating_add(self.credit[l]);
+                    let credit = if self.credit_on { self.credit[l] } else { 0 };
+                    let p = head.stamp.saturating_add(credit);
                     if best.is_none_or(|(b, _)| p < b) {
                         best = Some((p, list.head));
                     }
@@ -449,12 +476,54 @@ impl State {
         }
     }
 
+    // --- the prefix policy's duel ---
+
+    /// A new request's releases start: the prefix policy stamps every block released from now
+    /// until the next call with the clock as it is now (and so do the miniatures).
+    fn new_epoch(&mut self) {
+        self.epoch = self.clock;
+        if let Some(d) = self.duel.as_mut() {
+            d.credited.epoch = d.credited.clock;
+            d.plain.epoch = d.plain.clock;
+        }
+    }
+
+    /// A key is used (matched, or stored): the duel's miniatures see it if it is sampled, and
+    /// the credit follows the one of them that has been right more often lately.
+    fn observe(&mut self, hash: SequenceHash) {
+        let Some(d) = self.duel.as_mut() else {
+            return;
+        };
+        if let Some(on) = d.observe(hash) {
+            self.credit_on = on;
+        }
+    }
+
+    /// A miniature's use of `hash`: a hit (the block is reused and released at once) or a miss
+    /// (the key is stored in a free or evicted block and released). True on a hit.
+    fn access(&mut self, hash: SequenceHash) -> bool {
+        if let Some(&id) = self.map.get(&hash) {
+            if self.acquire(id, true) {
+                self.release_immutable(id);
+                return true;
+            }
+            return false;
+        }
+        if let Some(id) = self.take_one() {
+            // Cannot fail: `id` was just made mutable and `hash` is not registered.
+            if let Ok(id) = self.register(TierKind::Host, id, hash) {
+                self.release_immutable(id);
+            }
+        }
+        false
+    }
+
     // --- transitions ---
 
     /// Takes `n` blocks (free first, then evictions in the policy's order) and marks them
     /// mutable. All or nothing.
     fn allocate(&mut self, kind: TierKind, n: usize) -> Result<Vec<u32>> {
-        self.epoch = self.clock;
+        self.new_epoch();
         let available = self.free_len + self.inactive;
         if n > available {
             return Err(Error::no_space("blocks", self.slots.len(), available, n)
@@ -609,6 +678,7 @@ impl State {
                 None
             }
         };
+        self.observe(hash);
         match existing {
             Some(other) => {
                 if !self.acquire(other, true) {
@@ -639,6 +709,79 @@ impl State {
                 Ok(id)
             }
         }
+    }
+}
+
+// --- the duel -----------------------------------------------------------------------------------
+
+/// The prefix policy's two miniature simulations ("set dueling", after Qureshi et al., ISCA
+/// 2007, over a key sample as in Waldspurger et al., USENIX ATC 2017): one keeps the reuse
+/// credit, the other evicts in prefix order alone (credit 0). Both see the same sampled keys
+/// (one key in `rate`, by its hash) with `num_blocks / rate` blocks each; every use of a
+/// sampled key (matched, or stored) that one of them holds and the other does not moves a
+/// saturating score one step, and the full pool applies the credit while the score favours it.
+/// Credit pays where reuse predicts reuse (long-lived chat traffic) and costs where it does not
+/// (conversations of a fixed length keep their past reuses after their last turn): the duel
+/// measures which on the traffic at hand instead of guessing.
+#[derive(Debug)]
+struct Duel {
+    /// A key is sampled when these bits of its fingerprint are all 0 (`rate - 1`, `rate` a
+    /// power of two).
+    mask: u64,
+    credited: State,
+    plain: State,
+    /// In `-DUEL_SCORE_MAX..=DUEL_SCORE_MAX`: up when only `credited` holds a used key, down when
+    /// only `plain` does. The credit applies while it is at least 0.
+    score: i32,
+}
+
+/// A pool below this many blocks is simulated whole (rate 1): its miniatures are exact copies
+/// of the two policies, and cost little in absolute terms.
+const DUEL_WHOLE_BELOW: u32 = 512;
+
+/// A larger pool's miniatures hold at least this many blocks (the largest power-of-two rate
+/// that leaves them this many).
+const DUEL_MIN_BLOCKS: u32 = 128;
+
+/// The duel's score saturates here: after a long run one way, this many uses going the other
+/// way turn the credit over.
+const DUEL_SCORE_MAX: i32 = 32;
+
+impl Duel {
+    fn new(num_blocks: u32) -> Result<Self> {
+        // Rate 1 for a small pool; else the largest power of two `rate` with
+        // num_blocks / rate >= DUEL_MIN_BLOCKS.
+        let ratio = if num_blocks < DUEL_WHOLE_BELOW {
+            1
+        } else {
+            num_blocks / DUEL_MIN_BLOCKS
+        };
+        let rate = 1u32 << (31 - ratio.leading_zeros());
+        let mini = num_blocks.div_ceil(rate).max(1);
+        Ok(Self {
+            mask: u64::from(rate - 1),
+            credited: State::bare(mini, EvictionPolicy::Prefix, true)?,
+            plain: State::bare(mini, EvictionPolicy::Prefix, false)?,
+            score: 0,
+        })
+    }
+
+    /// Runs a use of `hash` through both miniatures if it is sampled; returns whether the credit
+    /// applies now if this use moved the score.
+    fn observe(&mut self, hash: SequenceHash) -> Option<bool> {
+        // Keys are hashes already: their top bits pick the sample.
+        if ((hash.0 >> 104) as u64) & self.mask != 0 {
+            return None;
+        }
+        let with = self.credited.access(hash);
+        let without = self.plain.access(hash);
+        let step = match (with, without) {
+            (true, false) => 1,
+            (false, true) => -1,
+            _ => return None,
+        };
+        self.score = (self.score + step).clamp(-DUEL_SCORE_MAX, DUEL_SCORE_MAX);
+        Some(self.score >= 0)
     }
 }
 
@@ -891,7 +1034,7 @@ impl BlockPool {
         let mut out = Vec::with_capacity(hashes.len().min(self.inner.num_blocks));
         // Declared after `out`, so the guard is dropped first even on unwind.
         let mut st = self.inner.state.lock();
-        st.epoch = st.clock;
+        st.new_epoch();
         for &hash in hashes {
             let Some(&id) = st.map.get(&hash) else {
                 break;
@@ -899,6 +1042,7 @@ impl BlockPool {
             if !st.acquire(id, true) {
                 break;
             }
+            st.observe(hash);
             out.push(ImmutableBlock {
                 inner: Arc::clone(&self.inner),
                 id,
@@ -1467,6 +1611,74 @@ mod tests {
             );
         }
         assert!(p.contains(h(1)));
+    }
+
+    /// A key as the leader uses it: matched if cached, else computed and stored.
+    fn use_key(p: &BlockPool, k: SequenceHash) -> bool {
+        if p.match_prefix(&[k]).is_empty() {
+            cache(p, k);
+            return false;
+        }
+        true
+    }
+
+    #[test]
+    fn prefix_duel_turns_the_credit_off_where_past_reuse_predicts_nothing() {
+        // Like conversations of a fixed length: four keys reused three times and then never
+        // again, then a stream of new keys each used once more three keys later. With the credit
+        // the dead keys hold half of the 8 blocks for 32 ticks, so each new key is evicted
+        // before its reuse; without it they leave first and every reuse hits. The first reuse
+        // the miniatures disagree on turns the credit off.
+        let run = |policy| {
+            let p = BlockPool::with_policy(TierKind::Host, 8, policy).unwrap();
+            let dead: Vec<SequenceHash> = (100..104).map(h).collect();
+            for &k in &dead {
+                cache(&p, k);
+            }
+            for _ in 0..3 {
+                for &k in &dead {
+                    assert!(use_key(&p, k));
+                }
+            }
+            let mut hits = 0;
+            for i in 0..40 {
+                use_key(&p, h(i));
+                if i >= 3 && use_key(&p, h(i - 3)) {
+                    hits += 1;
+                }
+            }
+            (hits, dead.iter().any(|&k| p.contains(k)))
+        };
+        assert_eq!(run(EvictionPolicy::Lru), (37, false));
+        let (hits, dead_kept) = run(EvictionPolicy::Prefix);
+        assert!(!dead_kept, "the dead keys' credit kept them");
+        assert!(
+            hits >= 35,
+            "prefix with its duel hit {hits} of 37 reuses (LRU: 37)"
+        );
+    }
+
+    #[test]
+    fn prefix_duel_keeps_the_credit_where_reuse_predicts_reuse() {
+        // Four keys used every round and ten one-off keys between rounds in 8 blocks: LRU loses
+        // the four to the one-offs every round; the credit keeps them, and the duel agrees.
+        let run = |policy| {
+            let p = BlockPool::with_policy(TierKind::Host, 8, policy).unwrap();
+            let mut hits = 0;
+            for round in 0..30u64 {
+                for k in 1..=4 {
+                    if use_key(&p, h(k)) && round >= 10 {
+                        hits += 1;
+                    }
+                }
+                for j in 0..10 {
+                    use_key(&p, h(1000 + round * 10 + j));
+                }
+            }
+            hits
+        };
+        assert_eq!(run(EvictionPolicy::Lru), 0);
+        assert_eq!(run(EvictionPolicy::Prefix), 80);
     }
 
     #[test]

@@ -12,7 +12,10 @@
 //! with their list, stamp and release sequence number, the victim found by a scan (LRU: oldest
 //! release; 2Q: oldest probation block while probation holds a quarter of the pool or main is
 //! empty, else oldest main block; prefix: smallest stamp + credit, then lower list, older stamp,
-//! newer release), and a ghost queue of evicted keys.
+//! newer release), and a ghost queue of evicted keys. The prefix policy's credit is switched by
+//! its duel: the model runs two miniature models of its own (credit on, credit off; a pool this
+//! small samples every key) on every matched or stored key and applies the credit while the
+//! credited one has been right at least as often (a score saturating at ±32).
 
 use std::cmp::Reverse;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -94,14 +97,40 @@ struct Model {
     ghost: VecDeque<(u64, u8, bool)>,
     ghost_cap: usize,
     evictions: u64,
+    /// Prefix policy: whether the credit applies (the duel's verdict), and the duel.
+    credit_on: bool,
+    duel: Option<Box<ModelDuel>>,
+    /// Ids for blocks a miniature takes from its free count.
+    next_id: usize,
+}
+
+/// The reference duel: two miniature models and the score.
+#[derive(Debug)]
+struct ModelDuel {
+    credited: Model,
+    plain: Model,
+    score: i32,
 }
 
 impl Model {
     fn new(num_blocks: usize, policy: EvictionPolicy) -> Self {
+        let mut m = Self::bare(num_blocks, policy, true);
+        if policy == EvictionPolicy::Prefix {
+            m.duel = Some(Box::new(ModelDuel {
+                credited: Self::bare(num_blocks, policy, true),
+                plain: Self::bare(num_blocks, policy, false),
+                score: 0,
+            }));
+        }
+        m
+    }
+
+    fn bare(num_blocks: usize, policy: EvictionPolicy, credit: bool) -> Self {
         let ghost_cap = match policy {
             EvictionPolicy::Lru => 0,
             EvictionPolicy::TwoQ => num_blocks,
-            EvictionPolicy::Prefix => 8 * num_blocks,
+            EvictionPolicy::Prefix if credit => 8 * num_blocks,
+            EvictionPolicy::Prefix => 0,
         };
         Self {
             policy,
@@ -119,7 +148,59 @@ impl Model {
             ghost: VecDeque::new(),
             ghost_cap,
             evictions: 0,
+            credit_on: credit,
+            duel: None,
+            next_id: num_blocks,
         }
+    }
+
+    /// The clock at an allocate or match call (the miniatures' too).
+    fn new_epoch(&mut self) {
+        self.epoch = self.clock;
+        if let Some(d) = self.duel.as_mut() {
+            d.credited.epoch = d.credited.clock;
+            d.plain.epoch = d.plain.clock;
+        }
+    }
+
+    /// A matched or stored key: both miniatures use it; the score moves when they disagree.
+    fn observe(&mut self, h: u64) {
+        let Some(d) = self.duel.as_mut() else {
+            return;
+        };
+        let with = d.credited.access(h);
+        let without = d.plain.access(h);
+        let step = match (with, without) {
+            (true, false) => 1,
+            (false, true) => -1,
+            _ => return,
+        };
+        d.score = (d.score + step).clamp(-32, 32);
+        self.credit_on = d.score >= 0;
+    }
+
+    /// A miniature's use of `h`: a hit is reused and released; a miss takes a free or evicted
+    /// block, registers `h` there and releases it.
+    fn access(&mut self, h: u64) -> bool {
+        if let Some(&id) = self.registered.get(&h) {
+            self.acquire(id, true);
+            self.release(id);
+            return true;
+        }
+        let id = if self.free > 0 {
+            self.free -= 1;
+            self.next_id += 1;
+            self.next_id
+        } else {
+            self.evict()
+        };
+        self.registered.insert(h, id);
+        self.hash_of.insert(id, h);
+        let uses = self.register_uses(h);
+        self.uses.insert(id, uses);
+        self.acquire(id, false);
+        self.release(id);
+        false
     }
 
     /// A handle on registered block `id` was taken; `reuse`: by a match or a dedup (not a clone).
@@ -188,6 +269,7 @@ impl Model {
             }
             EvictionPolicy::Prefix => {
                 let credit = |list: u8| match list {
+                    _ if !self.credit_on => 0,
                     0 => 0,
                     c => (self.num_blocks as u64) << (c - 1),
                 };
@@ -263,7 +345,7 @@ impl World {
         } = self;
         match op {
             Op::Allocate(n) => {
-                model.epoch = model.clock;
+                model.new_epoch();
                 let available = model.free + model.inactive.len();
                 let before = pool.stats();
                 match pool.allocate(n) {
@@ -307,6 +389,7 @@ impl World {
                     .register(m, sh(h))
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 prop_assert_eq!(imm.sequence_hash(), sh(h));
+                model.observe(h);
                 match model.registered.get(&h).copied() {
                     Some(existing) => {
                         prop_assert_eq!(
@@ -354,7 +437,7 @@ impl World {
             }
             Op::Match(list, hold) => {
                 let hashes: Vec<SequenceHash> = list.iter().copied().map(sh).collect();
-                model.epoch = model.clock;
+                model.new_epoch();
                 let want = model.prefix_len(&list);
                 let got = pool.match_prefix(&hashes);
                 prop_assert_eq!(got.len(), want);
@@ -362,6 +445,7 @@ impl World {
                     prop_assert_eq!(b.sequence_hash(), sh(*h));
                     prop_assert_eq!(Some(&b.block_id()), model.registered.get(h));
                     model.acquire(b.block_id(), true);
+                    model.observe(*h);
                 }
                 if hold {
                     immutables.extend(got);
