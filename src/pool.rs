@@ -71,7 +71,7 @@ const NIL: u32 = u32::MAX;
 /// A pure pass-through would be enough for real keys (xxh3 / SHA-256 outputs), but the fold also
 /// spreads low-entropy keys (tests, small integers) over the top bits the map uses for its tags.
 #[derive(Debug, Default, Clone, Copy)]
-struct SeqHasher(u64);
+pub(crate) struct SeqHasher(u64);
 
 impl Hasher for SeqHasher {
     fn finish(&self) -> u64 {
@@ -97,7 +97,8 @@ impl Hasher for SeqHasher {
     }
 }
 
-type BuildSeqHasher = BuildHasherDefault<SeqHasher>;
+/// Builds [`SeqHasher`]s: for maps and sets keyed by [`SequenceHash`] (alone or with a tier).
+pub(crate) type BuildSeqHasher = BuildHasherDefault<SeqHasher>;
 
 // --- stats ---------------------------------------------------------------------------------------
 
@@ -850,6 +851,29 @@ impl BlockPool {
             .collect())
     }
 
+    /// As [`BlockPool::allocate`], but takes as many of the `n` blocks as are free or inactive
+    /// (possibly none) instead of failing, in the order `allocate(1)` calls would, under one lock.
+    pub fn allocate_up_to(&self, n: usize) -> Vec<MutableBlock> {
+        let ids = {
+            let mut st = self.inner.state.lock();
+            let n = n.min(st.free_len + st.inactive);
+            st.allocate(self.inner.kind, n).unwrap_or_default()
+        };
+        ids.into_iter()
+            .map(|id| MutableBlock {
+                inner: Arc::clone(&self.inner),
+                id,
+                armed: true,
+            })
+            .collect()
+    }
+
+    /// Keeps the items of `items` whose key (`key`) is not registered, under one lock.
+    pub fn retain_unregistered<T>(&self, items: &mut Vec<T>, key: impl Fn(&T) -> SequenceHash) {
+        let st = self.inner.state.lock();
+        items.retain(|item| !st.map.contains_key(&key(item)));
+    }
+
     /// Registers a written block under `hash` and returns it as an [`ImmutableBlock`].
     ///
     /// If `hash` is already registered to another block, that block is returned instead (a handle
@@ -882,6 +906,49 @@ impl BlockPool {
             id,
             hash,
         })
+    }
+
+    /// Registers written blocks under their keys as [`BlockPool::register`] does, each handle
+    /// dropped at once (the block is then inactive: matchable and evictable), under one lock for
+    /// all of them: for a caller that keeps no handle, like a store completing. Returns how many
+    /// were registered (deduplicated ones count: their key is held) and an error per block that
+    /// was not (such a block goes back to its own pool's free list, as with `register`).
+    pub fn register_all(&self, blocks: Vec<(MutableBlock, SequenceHash)>) -> (usize, Vec<Error>) {
+        let mut registered = 0;
+        let mut errors = Vec::new();
+        // Refused blocks are dropped after the lock is released (their Drop locks their pool).
+        let mut refused = Vec::new();
+        {
+            let mut st = self.inner.state.lock();
+            for (mut block, hash) in blocks {
+                if !Arc::ptr_eq(&block.inner, &self.inner) {
+                    errors.push(
+                        Error::invalid_argument(format!(
+                            "block {} belongs to another pool ({} tier)",
+                            block.id, block.inner.kind
+                        ))
+                        .with("tier", self.inner.kind)
+                        .with("op", "register")
+                        .with("block", block.id),
+                    );
+                    refused.push(block);
+                    continue;
+                }
+                match st.register(self.inner.kind, block.id, hash) {
+                    Ok(id) => {
+                        block.armed = false;
+                        st.release_immutable(id);
+                        registered += 1;
+                    }
+                    Err(e) => {
+                        errors.push(e);
+                        refused.push(block);
+                    }
+                }
+            }
+        }
+        drop(refused);
+        (registered, errors)
     }
 
     /// Walks `hashes` in order and stops at the first one not registered; returns a handle on
