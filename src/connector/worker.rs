@@ -278,6 +278,7 @@ impl Worker {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("kvbm-worker")
+            .on_thread_start(background_thread_policy)
             .enable_time()
             .build()
             .map_err(|e| Error::io("start the worker runtime", e))?;
@@ -1037,6 +1038,20 @@ struct OpDone {
     reads_device: bool,
     writes_device: bool,
     dst_blocks: Vec<usize>,
+}
+
+/// Run by each of the worker runtime's threads as it starts (its task thread and the blocking
+/// threads that run copies): on Linux the thread is put under `SCHED_BATCH`, so waking it — the
+/// engine's thread hands a step's operations over in `save` — never preempts the engine's
+/// thread on its CPU; the copies run when a CPU is free (at once on an idle one), and the next
+/// `bind_metadata` waits for their device reads as before. Best effort: a refusal is ignored.
+fn background_thread_policy() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: `param` is a valid sched_param; pid 0 is the calling thread.
+        let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+    }
 }
 
 /// A worker's metrics address: the leader's port + 1 + rank (port 0 stays 0: any free port).
