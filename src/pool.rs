@@ -1264,6 +1264,66 @@ mod tests {
     }
 
     #[test]
+    fn register_all_registers_inactive_dedups_and_refuses_another_pools_block() {
+        let p = pool(6);
+        let other = pool(2);
+        let dup = cache(&p, h(1));
+        let mut blocks: Vec<(MutableBlock, SequenceHash)> = p
+            .allocate(3)
+            .unwrap()
+            .into_iter()
+            .zip([h(2), h(3), h(1)])
+            .collect();
+        let dup_id = blocks[2].0.block_id();
+        blocks.push((other.allocate(1).unwrap().pop().unwrap(), h(4)));
+        let (n, errors) = p.register_all(blocks);
+        assert_eq!(n, 3);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].kind(), ErrorKind::InvalidArgument);
+        // Registered and released: matchable, inactive (evictable), nothing held.
+        let s = p.stats();
+        assert_eq!(
+            (s.registered, s.active, s.inactive, s.mutable),
+            (3, 0, 3, 0),
+            "{s:?}"
+        );
+        assert_eq!(p.prefix_len(&[h(1), h(2), h(3)]), 3);
+        // The duplicate key kept its first block; the second went back to the free list.
+        assert_eq!(p.match_prefix(&[h(1)])[0].block_id(), dup);
+        assert_ne!(dup, dup_id);
+        assert_eq!(s.free, 3);
+        check_sum(&p);
+        // The refused block went back to its own pool.
+        assert_eq!(other.stats().free, 2);
+        assert!(!other.contains(h(4)) && !p.contains(h(4)));
+    }
+
+    #[test]
+    fn allocate_up_to_takes_what_is_free_or_evictable() {
+        let p = pool(4);
+        cache(&p, h(1));
+        let held = p.allocate(1).unwrap();
+        // 2 free + 1 inactive (evicted when taken) of the 5 asked.
+        let got = p.allocate_up_to(5);
+        assert_eq!(got.len(), 3);
+        assert!(!p.contains(h(1)));
+        assert!(p.allocate_up_to(1).is_empty());
+        assert!(p.allocate_up_to(0).is_empty());
+        drop((got, held));
+        assert_eq!(p.stats().free, 4);
+        check_sum(&p);
+    }
+
+    #[test]
+    fn retain_unregistered_drops_registered_keys() {
+        let p = pool(4);
+        cache(&p, h(2));
+        let mut items = vec![(10, h(1)), (11, h(2)), (12, h(3))];
+        p.retain_unregistered(&mut items, |i| i.1);
+        assert_eq!(items, vec![(10, h(1)), (12, h(3))]);
+    }
+
+    #[test]
     fn new_rejects_zero_blocks() {
         let e = BlockPool::new(TierKind::Disk, 0).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);

@@ -109,7 +109,7 @@ fn list_tokens(list: &Bound<'_, PyList>, from: usize, out: &mut Vec<Token>) -> O
 
 /// [`list_tokens`] for any integer type `T`: the items of `list` from `from` on, read in place;
 /// the index of the first item that is not an exact `int` in `T`'s range, if any.
-fn list_ints<T: TryFrom<std::os::raw::c_long>>(
+fn list_ints<T: TryFrom<std::os::raw::c_ulong>>(
     list: &Bound<'_, PyList>,
     from: usize,
     out: &mut Vec<T>,
@@ -122,7 +122,8 @@ fn list_ints<T: TryFrom<std::os::raw::c_long>>(
         };
         // SAFETY: the GIL is held and `list` is a live list. `PyList_GetItem` checks the index
         // (NULL, with an IndexError set, past the end) and returns a borrowed reference, used
-        // only before any Python code can run: `PyLong_AsLong` on an exact `int` runs none.
+        // only before any Python code can run: `PyLong_AsUnsignedLong` on an exact `int` runs
+        // none (a negative or too large one sets an OverflowError, cleared here).
         let v = unsafe {
             let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), index);
             if item.is_null() {
@@ -132,8 +133,8 @@ fn list_ints<T: TryFrom<std::os::raw::c_long>>(
             if pyo3::ffi::PyLong_CheckExact(item) == 0 {
                 return Some(i);
             }
-            let v = pyo3::ffi::PyLong_AsLong(item);
-            if v == -1 && !pyo3::ffi::PyErr_Occurred().is_null() {
+            let v = pyo3::ffi::PyLong_AsUnsignedLong(item);
+            if v == std::os::raw::c_ulong::MAX && !pyo3::ffi::PyErr_Occurred().is_null() {
                 pyo3::ffi::PyErr_Clear();
                 return Some(i);
             }
@@ -151,12 +152,30 @@ fn list_ints<T: TryFrom<std::os::raw::c_long>>(
 /// `ConstantList` (`Request.all_token_ids`) wraps as `_x`, read directly instead of through the
 /// wrapper's Python-level `__iter__` / `__getitem__` (same items, no copy).
 fn backing_list<'py>(seq: &Bound<'py, PyAny>) -> Option<Bound<'py, PyList>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    /// The `ConstantList` class seen first (its address; a reference to it is kept, so the
+    /// address is never reused): later calls know it without reading its name.
+    static CONSTANT_LIST: AtomicUsize = AtomicUsize::new(0);
     if let Ok(list) = seq.cast::<PyList>() {
         return Some(list.clone());
     }
     let py = seq.py();
-    if seq.get_type().name().ok()?.to_cow().ok()? != "ConstantList" {
-        return None;
+    let ty = seq.get_type();
+    let known = CONSTANT_LIST.load(Ordering::Relaxed);
+    if known == 0 || ty.as_ptr() as usize != known {
+        if ty.name().ok()?.to_cow().ok()? != "ConstantList" {
+            return None;
+        }
+        if known == 0 {
+            let addr = ty.as_ptr() as usize;
+            if CONSTANT_LIST
+                .compare_exchange(0, addr, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                // Kept for the life of the process (one class object).
+                std::mem::forget(ty.clone().unbind());
+            }
+        }
     }
     let inner = seq.getattr_opt(intern!(py, "_x")).ok()??;
     inner.cast_into::<PyList>().ok()

@@ -90,7 +90,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         let bs = self.page_size;
         let algorithm = self.config.hash;
-        let slot = match self.slots.get_mut(request.id) {
+        let mut slot = match self.slots.get_mut(request.id) {
             Some(s) => s,
             None => {
                 let salt = Salt::new(algorithm, request.cache_salt, request.lora_name);
@@ -133,24 +133,22 @@ impl<A: SchedulerAdapter> Leader<A> {
         if let Some(rest) = request.tokens.get(skip..) {
             slot.seq.append(rest);
         }
-        if fresh && !self.pending_keys.is_empty() {
-            let pending = {
-                let hashes = slot.seq.hashes();
-                let pending = &self.pending_keys;
-                hashes.iter().any(|h| {
-                    [TierKind::Host, TierKind::Disk, TierKind::Remote]
-                        .into_iter()
-                        .any(|t| pending.contains(&(t, *h)))
-                })
+        let pending = &self.pending_keys;
+        if fresh
+            && !pending.is_empty()
+            && slot.seq.hashes().iter().any(|h| {
+                [TierKind::Host, TierKind::Disk, TierKind::Remote]
+                    .into_iter()
+                    .any(|t| pending.contains(&(t, *h)))
+            })
+        {
+            // A store of one of its keys is in flight: its completion may have arrived.
+            self.poll_completions();
+            slot = match self.slots.get_mut(request.id) {
+                Some(s) => s,
+                None => return Ok(MatchResult::NONE),
             };
-            if pending {
-                // A store of one of its keys is in flight: its completion may have arrived.
-                self.poll_completions();
-            }
         }
-        let Some(slot) = self.slots.get_mut(request.id) else {
-            return Ok(MatchResult::NONE);
-        };
         slot.staged = None;
         let n = slot.seq.total_tokens();
         let aligned = num_computed_tokens % bs == 0;
