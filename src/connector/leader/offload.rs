@@ -331,7 +331,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             return;
         };
         let kind = pool.kind();
-        let mut wanted: Vec<(usize, SequenceHash)> = Vec::new();
+        let mut wanted: Vec<(usize, SequenceHash)> = Vec::with_capacity(full - slot.offloaded);
         let mut upto = slot.offloaded;
         for i in slot.offloaded..full {
             let Some(&device) = slot.device_blocks.get(i) else {
@@ -358,7 +358,10 @@ impl<A: SchedulerAdapter> Leader<A> {
         } else {
             None
         };
-        let mut first = Staging::default();
+        let mut first = Staging {
+            pairs: Vec::with_capacity(wanted.len()),
+            dst: Vec::with_capacity(wanted.len()),
+        };
         let mut spill = Staging::default();
         let mut dropped = 0usize;
         // As many destination blocks as the first tier can give now, in one call.
