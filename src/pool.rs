@@ -74,7 +74,7 @@ const NIL: u32 = u32::MAX;
 /// A pure pass-through would be enough for real keys (xxh3 / SHA-256 outputs), but the fold also
 /// spreads low-entropy keys (tests, small integers) over the top bits the map uses for its tags.
 #[derive(Debug, Default, Clone, Copy)]
-struct SeqHasher(u64);
+pub(crate) struct SeqHasher(u64);
 
 impl Hasher for SeqHasher {
     fn finish(&self) -> u64 {
@@ -100,7 +100,8 @@ impl Hasher for SeqHasher {
     }
 }
 
-type BuildSeqHasher = BuildHasherDefault<SeqHasher>;
+/// Builds [`SeqHasher`]s: for maps and sets keyed by [`SequenceHash`] (alone or with a tier).
+pub(crate) type BuildSeqHasher = BuildHasherDefault<SeqHasher>;
 
 // --- stats ---------------------------------------------------------------------------------------
 
@@ -311,6 +312,14 @@ impl State {
         map.try_reserve(n).map_err(|e| {
             Error::invalid_argument(format!("cannot allocate the hash map for {n} blocks: {e}"))
         })?;
+        // Touch the table's memory now: reserving only maps it, so otherwise the first key stored
+        // in each of its pages takes a page fault on the engine's hot path (a store's
+        // completion), for as long as the pool is filling. Filling it once and clearing it keeps
+        // the memory (about 20 ns per block, once).
+        for i in 0..num_blocks {
+            map.insert(SequenceHash(u128::from(i)), i);
+        }
+        map.clear();
         let ghost_len = match policy {
             EvictionPolicy::Lru => 0,
             EvictionPolicy::TwoQ => n,
@@ -993,6 +1002,29 @@ impl BlockPool {
             .collect())
     }
 
+    /// As [`BlockPool::allocate`], but takes as many of the `n` blocks as are free or inactive
+    /// (possibly none) instead of failing, in the order `allocate(1)` calls would, under one lock.
+    pub fn allocate_up_to(&self, n: usize) -> Vec<MutableBlock> {
+        let ids = {
+            let mut st = self.inner.state.lock();
+            let n = n.min(st.free_len + st.inactive);
+            st.allocate(self.inner.kind, n).unwrap_or_default()
+        };
+        ids.into_iter()
+            .map(|id| MutableBlock {
+                inner: Arc::clone(&self.inner),
+                id,
+                armed: true,
+            })
+            .collect()
+    }
+
+    /// Keeps the items of `items` whose key (`key`) is not registered, under one lock.
+    pub fn retain_unregistered<T>(&self, items: &mut Vec<T>, key: impl Fn(&T) -> SequenceHash) {
+        let st = self.inner.state.lock();
+        items.retain(|item| !st.map.contains_key(&key(item)));
+    }
+
     /// Registers a written block under `hash` and returns it as an [`ImmutableBlock`].
     ///
     /// If `hash` is already registered to another block, that block is returned instead (a handle
@@ -1025,6 +1057,49 @@ impl BlockPool {
             id,
             hash,
         })
+    }
+
+    /// Registers written blocks under their keys as [`BlockPool::register`] does, each handle
+    /// dropped at once (the block is then inactive: matchable and evictable), under one lock for
+    /// all of them: for a caller that keeps no handle, like a store completing. Returns how many
+    /// were registered (deduplicated ones count: their key is held) and an error per block that
+    /// was not (such a block goes back to its own pool's free list, as with `register`).
+    pub fn register_all(&self, blocks: Vec<(MutableBlock, SequenceHash)>) -> (usize, Vec<Error>) {
+        let mut registered = 0;
+        let mut errors = Vec::new();
+        // Refused blocks are dropped after the lock is released (their Drop locks their pool).
+        let mut refused = Vec::new();
+        {
+            let mut st = self.inner.state.lock();
+            for (mut block, hash) in blocks {
+                if !Arc::ptr_eq(&block.inner, &self.inner) {
+                    errors.push(
+                        Error::invalid_argument(format!(
+                            "block {} belongs to another pool ({} tier)",
+                            block.id, block.inner.kind
+                        ))
+                        .with("tier", self.inner.kind)
+                        .with("op", "register")
+                        .with("block", block.id),
+                    );
+                    refused.push(block);
+                    continue;
+                }
+                match st.register(self.inner.kind, block.id, hash) {
+                    Ok(id) => {
+                        block.armed = false;
+                        st.release_immutable(id);
+                        registered += 1;
+                    }
+                    Err(e) => {
+                        errors.push(e);
+                        refused.push(block);
+                    }
+                }
+            }
+        }
+        drop(refused);
+        (registered, errors)
     }
 
     /// Walks `hashes` in order and stops at the first one not registered; returns a handle on
@@ -1338,6 +1413,66 @@ mod tests {
         let s = p.stats();
         assert_eq!(s.total(), p.num_blocks(), "{s:?}");
         assert_eq!(s.registered, s.active + s.inactive, "{s:?}");
+    }
+
+    #[test]
+    fn register_all_registers_inactive_dedups_and_refuses_another_pools_block() {
+        let p = pool(6);
+        let other = pool(2);
+        let dup = cache(&p, h(1));
+        let mut blocks: Vec<(MutableBlock, SequenceHash)> = p
+            .allocate(3)
+            .unwrap()
+            .into_iter()
+            .zip([h(2), h(3), h(1)])
+            .collect();
+        let dup_id = blocks[2].0.block_id();
+        blocks.push((other.allocate(1).unwrap().pop().unwrap(), h(4)));
+        let (n, errors) = p.register_all(blocks);
+        assert_eq!(n, 3);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].kind(), ErrorKind::InvalidArgument);
+        // Registered and released: matchable, inactive (evictable), nothing held.
+        let s = p.stats();
+        assert_eq!(
+            (s.registered, s.active, s.inactive, s.mutable),
+            (3, 0, 3, 0),
+            "{s:?}"
+        );
+        assert_eq!(p.prefix_len(&[h(1), h(2), h(3)]), 3);
+        // The duplicate key kept its first block; the second went back to the free list.
+        assert_eq!(p.match_prefix(&[h(1)])[0].block_id(), dup);
+        assert_ne!(dup, dup_id);
+        assert_eq!(s.free, 3);
+        check_sum(&p);
+        // The refused block went back to its own pool.
+        assert_eq!(other.stats().free, 2);
+        assert!(!other.contains(h(4)) && !p.contains(h(4)));
+    }
+
+    #[test]
+    fn allocate_up_to_takes_what_is_free_or_evictable() {
+        let p = pool(4);
+        cache(&p, h(1));
+        let held = p.allocate(1).unwrap();
+        // 2 free + 1 inactive (evicted when taken) of the 5 asked.
+        let got = p.allocate_up_to(5);
+        assert_eq!(got.len(), 3);
+        assert!(!p.contains(h(1)));
+        assert!(p.allocate_up_to(1).is_empty());
+        assert!(p.allocate_up_to(0).is_empty());
+        drop((got, held));
+        assert_eq!(p.stats().free, 4);
+        check_sum(&p);
+    }
+
+    #[test]
+    fn retain_unregistered_drops_registered_keys() {
+        let p = pool(4);
+        cache(&p, h(2));
+        let mut items = vec![(10, h(1)), (11, h(2)), (12, h(3))];
+        p.retain_unregistered(&mut items, |i| i.1);
+        assert_eq!(items, vec![(10, h(1)), (12, h(3))]);
     }
 
     #[test]

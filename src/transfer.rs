@@ -212,9 +212,21 @@ impl TransferEngine {
         })?;
         let same = Arc::ptr_eq(&src, &dst);
         Self::validate(src.as_ref(), dst.as_ref(), same, &pairs)?;
+        Ok(self.start_on(&runtime, src, dst, pairs))
+    }
+
+    /// Starts a transfer [`TransferEngine::validate`] accepted, on `runtime` (for a caller that
+    /// validated it on another thread and starts it from a task of its own).
+    pub(crate) fn start_on(
+        &self,
+        runtime: &tokio::runtime::Handle,
+        src: Arc<dyn StorageTier>,
+        dst: Arc<dyn StorageTier>,
+        pairs: Vec<(usize, usize)>,
+    ) -> TransferHandle {
         let engine = self.clone();
         let task = runtime.spawn(async move { engine.run(src, dst, pairs).await });
-        Ok(TransferHandle { task })
+        TransferHandle { task }
     }
 
     /// Validates, runs and awaits a transfer.

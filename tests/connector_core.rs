@@ -22,6 +22,61 @@ fn store_then_hit_from_host_then_from_disk() {
     assert_eq!(snap.load_error_blocks, 0);
 }
 
+/// A new request's lookup applies the completions that arrived when a store of one of its keys
+/// is in flight, with no other leader call in between: what finished storing matches at once. A
+/// new request none of whose keys is being stored leaves them to the step's other calls.
+#[test]
+fn a_new_requests_lookup_applies_the_completions_of_its_keys_stores() {
+    use kvbm_connector::connector::adapter::SchedulerStep;
+    use kvbm_connector::StorageTierExt;
+    let mut r = rig(16, 0);
+    let prompt: Vec<u32> = (100..140).collect(); // 10 blocks
+    let a: RequestId = "a".into();
+    let m = r
+        .leader
+        .get_num_new_matched_tokens(info(&a, &prompt), 0)
+        .unwrap();
+    assert_eq!(m.external_tokens, 0);
+    let blocks: Vec<usize> = (0..10).collect();
+    r.leader.update_state_after_alloc(&a, &blocks, 0).unwrap();
+    let step = SchedulerStep {
+        requests: vec![prefill(&a, 0, prompt.len())],
+        ..Default::default()
+    };
+    let bytes = r.leader.build_connector_meta(&step).unwrap();
+    r.worker.bind_metadata(&bytes).unwrap();
+    r.worker.start_load().unwrap();
+    for b in 0..10 {
+        r.device
+            .write_block_from_slice(b, &image(&prompt, b))
+            .unwrap();
+    }
+    r.worker.save().unwrap();
+    // Every store done and its completion sent; no leader call has applied them.
+    r.worker
+        .wait_idle(std::time::Duration::from_secs(10))
+        .unwrap();
+    r.worker.get_finished(&[], None);
+    let in_flight = r.leader.num_operations_in_flight();
+    assert!(in_flight > 0);
+    let c: RequestId = "c".into();
+    let other: Vec<u32> = (500..540).collect();
+    let m = r
+        .leader
+        .get_num_new_matched_tokens(info(&c, &other), 0)
+        .unwrap();
+    assert_eq!(m.external_tokens, 0);
+    assert_eq!(r.leader.num_operations_in_flight(), in_flight);
+    // b shares a's prompt: the block holding its last token aside, all of it matches.
+    let b: RequestId = "b".into();
+    let m = r
+        .leader
+        .get_num_new_matched_tokens(info(&b, &prompt), 0)
+        .unwrap();
+    assert_eq!(m.external_tokens, 36);
+    assert_eq!(r.leader.num_operations_in_flight(), 0);
+}
+
 /// `tcp.metrics_addr` (`KVBM_METRICS_ADDR`): the leader serves its counters at `GET /metrics`
 /// and each worker its own transfer counters (port + 1 + rank; here port 0: any free port);
 /// after a prefix reuse a scrape shows the hits and the worker's copies. Without the setting

@@ -328,19 +328,24 @@ class KvbmConnector(_Base):
     # yet (the leader keeps each request's tokens and block hashes, so a call hashes only what is
     # new); build_connector_meta reads the whole SchedulerOutput in one call.
 
+    # The per-request calls read ``self._scheduler`` themselves (one Python call less than
+    # ``_sched``, which they use only to raise its error on a worker).
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:
-        return self._sched("get_num_new_matched_tokens").match_request(
-            request, num_computed_tokens
-        )
+        s = self._scheduler
+        if s is None:
+            s = self._sched("get_num_new_matched_tokens")
+        return s.match_request(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         """Splits the tokens loaded for ``request`` by the tier that held them (host, disk)."""
         n = int(num_external_tokens)
-        host, disk = self._sched("get_external_cache_hit_sources").take_hit_sources(
-            str(request.request_id)
-        )
+        s = self._scheduler
+        if s is None:
+            s = self._sched("get_external_cache_hit_sources")
+        host, disk = s.take_hit_sources(str(request.request_id))
         if n == 0:
             return {}
         if host + disk != n:
@@ -350,9 +355,10 @@ class KvbmConnector(_Base):
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
-        self._sched("update_state_after_alloc").alloc_request(
-            request, blocks, num_external_tokens
-        )
+        s = self._scheduler
+        if s is None:
+            s = self._sched("update_state_after_alloc")
+        s.alloc_request(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         return KvbmConnectorMetadata(
@@ -360,7 +366,10 @@ class KvbmConnector(_Base):
         )
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
-        return self._sched("request_finished").finish_request(request), None
+        s = self._scheduler
+        if s is None:
+            s = self._sched("request_finished")
+        return s.finish_request(request), None
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched("update_connector_output").update_connector_output()

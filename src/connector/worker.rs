@@ -278,6 +278,7 @@ impl Worker {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("kvbm-worker")
+            .on_thread_start(background_thread_policy)
             .enable_time()
             .build()
             .map_err(|e| Error::io("start the worker runtime", e))?;
@@ -564,13 +565,15 @@ impl Worker {
             .into_iter()
             .partition(|(after, _)| *after <= bound);
         self.finish_queue = later;
+        let mut jobs = Vec::new();
         for (_, meta) in due {
             let orphans = self.account(&meta);
             for op in meta.operations {
                 let orphan = orphans.contains(&op.id());
-                self.submit(&tiers, op, orphan);
+                jobs.extend(self.prepare(&tiers, op, orphan));
             }
         }
+        self.start_jobs(jobs);
     }
 
     /// Drops the current metadata (after the iteration), submitting anything not yet started.
@@ -619,15 +622,45 @@ impl Worker {
             .tiers()
             .cloned()
             .ok_or_else(|| Error::new(ErrorKind::NotReady, "worker is not ready"))?;
-        for op in ops {
-            let orphan = self.orphans.contains(&op.id());
-            self.submit(&tiers, op, orphan);
-        }
+        let jobs = ops
+            .into_iter()
+            .filter_map(|op| {
+                let orphan = self.orphans.contains(&op.id());
+                self.prepare(&tiers, op, orphan)
+            })
+            .collect();
+        self.start_jobs(jobs);
         Ok(())
     }
 
-    /// Submits one operation; an `orphan` (naming a request no metadata announced) is refused.
-    fn submit(&self, tiers: &WorkerTiers, op: Box<dyn Operation>, orphan: bool) {
+    /// Starts checked operations: all of them from one task on the worker's runtime, so the
+    /// engine's thread hands a step's operations over with one wake-up of the runtime, not two
+    /// spawns per operation (each transfer still runs as its own task, concurrently).
+    fn start_jobs(&self, mut jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let shared = self.shared.clone();
+        let outbox = self.outbox.clone();
+        let handle = self.runtime.handle().clone();
+        if jobs.len() == 1 {
+            if let Some(job) = jobs.pop() {
+                let _enter = self.runtime.enter();
+                job.start(&handle, shared, outbox);
+            }
+            return;
+        }
+        self.runtime.spawn(async move {
+            for job in jobs {
+                job.start(&handle, shared.clone(), outbox.clone());
+            }
+        });
+    }
+
+    /// Checks one operation and counts it in flight; returns what starts it, or `None` when it
+    /// completed at once (refused: an `orphan`, naming a request no metadata announced; no tier
+    /// for one of its sides; a transfer [`TransferEngine::validate`] refuses).
+    fn prepare(&self, tiers: &WorkerTiers, op: Box<dyn Operation>, orphan: bool) -> Option<Job> {
         let t = op.transfer().clone();
         let direction = op.direction();
         let touches_device = t.reads_device() || t.writes_device();
@@ -669,7 +702,7 @@ impl Worker {
                 ..done
             };
             complete(&shared, &outbox, done, Err(e));
-            return;
+            return None;
         }
         let io_timeout = self.config.remote.io_timeout();
         let rank = self.rank();
@@ -677,7 +710,7 @@ impl Worker {
             Ok(sides) => sides,
             Err(e) => {
                 complete(&shared, &outbox, done, Err(e.with("op", t.id)));
-                return;
+                return None;
             }
         };
         let (src, dst) = match (src, dst) {
@@ -687,7 +720,7 @@ impl Worker {
                     Error::unsupported(format!("{} → {} has no tier on this worker", t.src, t.dst))
                         .with("op", t.id);
                 complete(&shared, &outbox, done, Err(e));
-                return;
+                return None;
             }
         };
         let does_io = |k: TierKind| matches!(k, TierKind::Disk | TierKind::Remote);
@@ -713,34 +746,23 @@ impl Worker {
         } else {
             Vec::new()
         };
-        let handle = {
-            let _enter = self.runtime.enter();
-            engine.submit(src, target, t.pairs)
-        };
-        let deadline = self.config.transfer.load_timeout();
-        match handle {
-            Ok(h) => {
-                self.runtime.spawn(async move {
-                    let outcome = match fence {
-                        None => h.await,
-                        Some(fence) => match tokio::time::timeout(deadline, h).await {
-                            Ok(outcome) => outcome,
-                            // The transfer runs on (dropping its handle does not stop it), but
-                            // nothing it reads reaches the device any more.
-                            Err(_) => Ok(abandoned(
-                                (src_kind, dst_kind),
-                                bytes_per_block,
-                                &pairs,
-                                &fence.close(),
-                                deadline,
-                            )),
-                        },
-                    };
-                    complete(&shared, &outbox, done, outcome);
-                });
-            }
-            Err(e) => complete(&shared, &outbox, done, Err(e)),
+        let same = Arc::ptr_eq(&src, &target);
+        if let Err(e) = TransferEngine::validate(src.as_ref(), target.as_ref(), same, &t.pairs) {
+            complete(&shared, &outbox, done, Err(e));
+            return None;
         }
+        Some(Job {
+            engine: engine.clone(),
+            src,
+            target,
+            pairs: t.pairs,
+            fence,
+            fence_pairs: pairs,
+            kinds: (src_kind, dst_kind),
+            bytes_per_block,
+            deadline: self.config.transfer.load_timeout(),
+            done,
+        })
     }
 
     /// Waits until no store is reading device blocks.
@@ -952,6 +974,60 @@ impl Drop for Worker {
     }
 }
 
+/// An operation checked on the engine's thread, to be started on the worker's runtime.
+struct Job {
+    engine: TransferEngine,
+    src: Arc<dyn StorageTier>,
+    /// The destination tier, or its fence for a load from a tier doing I/O.
+    target: Arc<dyn StorageTier>,
+    pairs: Vec<(usize, usize)>,
+    /// A load from a tier doing I/O writes the device through this, and has `deadline`.
+    fence: Option<Arc<FencedDevice>>,
+    /// The pairs again, kept only for a fenced load (to name its failed pairs if abandoned).
+    fence_pairs: Vec<(usize, usize)>,
+    kinds: (TierKind, TierKind),
+    bytes_per_block: usize,
+    deadline: Duration,
+    done: OpDone,
+}
+
+impl Job {
+    /// Starts the transfer on `runtime` and a task that completes the operation when it ends.
+    fn start(self, runtime: &tokio::runtime::Handle, shared: Arc<Shared>, outbox: Arc<Outbox>) {
+        let Job {
+            engine,
+            src,
+            target,
+            pairs,
+            fence,
+            fence_pairs,
+            kinds,
+            bytes_per_block,
+            deadline,
+            done,
+        } = self;
+        let h = engine.start_on(runtime, src, target, pairs);
+        runtime.spawn(async move {
+            let outcome = match fence {
+                None => h.await,
+                Some(fence) => match tokio::time::timeout(deadline, h).await {
+                    Ok(outcome) => outcome,
+                    // The transfer runs on (dropping its handle does not stop it), but
+                    // nothing it reads reaches the device any more.
+                    Err(_) => Ok(abandoned(
+                        kinds,
+                        bytes_per_block,
+                        &fence_pairs,
+                        &fence.close(),
+                        deadline,
+                    )),
+                },
+            };
+            complete(&shared, &outbox, done, outcome);
+        });
+    }
+}
+
 struct OpDone {
     op: OperationId,
     request: Option<RequestId>,
@@ -962,6 +1038,20 @@ struct OpDone {
     reads_device: bool,
     writes_device: bool,
     dst_blocks: Vec<usize>,
+}
+
+/// Run by each of the worker runtime's threads as it starts (its task thread and the blocking
+/// threads that run copies): on Linux the thread is put under `SCHED_BATCH`, so waking it — the
+/// engine's thread hands a step's operations over in `save` — never preempts the engine's
+/// thread on its CPU; the copies run when a CPU is free (at once on an idle one), and the next
+/// `bind_metadata` waits for their device reads as before. Best effort: a refusal is ignored.
+fn background_thread_policy() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: `param` is a valid sched_param; pid 0 is the calling thread.
+        let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+    }
 }
 
 /// A worker's metrics address: the leader's port + 1 + rank (port 0 stays 0: any free port).

@@ -99,6 +99,88 @@ fn extend_ints<T: for<'a, 'py> FromPyObject<'a, 'py>>(
     Ok(())
 }
 
+/// Appends the tokens of `list` from index `from` on to `out`, reading each item in place (no
+/// new reference, no iterator): the hot path of every lookup. Stops at the first item that is
+/// not an `int` in `0..=u32::MAX` and returns its index, for the caller to read the rest the
+/// general way (which names what is wrong); `None` when every item was read.
+fn list_tokens(list: &Bound<'_, PyList>, from: usize, out: &mut Vec<Token>) -> Option<usize> {
+    list_ints(list, from, out)
+}
+
+/// [`list_tokens`] for any integer type `T`: the items of `list` from `from` on, read in place;
+/// the index of the first item that is not an exact `int` in `T`'s range, if any.
+fn list_ints<T: TryFrom<std::os::raw::c_ulong>>(
+    list: &Bound<'_, PyList>,
+    from: usize,
+    out: &mut Vec<T>,
+) -> Option<usize> {
+    let n = list.len();
+    out.reserve(n.saturating_sub(from));
+    for i in from..n {
+        let Ok(index) = pyo3::ffi::Py_ssize_t::try_from(i) else {
+            return Some(i);
+        };
+        // SAFETY: the GIL is held and `list` is a live list. `PyList_GetItem` checks the index
+        // (NULL, with an IndexError set, past the end) and returns a borrowed reference, used
+        // only before any Python code can run: `PyLong_AsUnsignedLong` on an exact `int` runs
+        // none (a negative or too large one sets an OverflowError, cleared here).
+        let v = unsafe {
+            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), index);
+            if item.is_null() {
+                pyo3::ffi::PyErr_Clear();
+                return Some(i);
+            }
+            if pyo3::ffi::PyLong_CheckExact(item) == 0 {
+                return Some(i);
+            }
+            let v = pyo3::ffi::PyLong_AsUnsignedLong(item);
+            if v == std::os::raw::c_ulong::MAX && !pyo3::ffi::PyErr_Occurred().is_null() {
+                pyo3::ffi::PyErr_Clear();
+                return Some(i);
+            }
+            v
+        };
+        match T::try_from(v) {
+            Ok(t) => out.push(t),
+            Err(_) => return Some(i),
+        }
+    }
+    None
+}
+
+/// The list behind a sequence of tokens: the object itself when it is a list, or the list vLLM's
+/// `ConstantList` (`Request.all_token_ids`) wraps as `_x`, read directly instead of through the
+/// wrapper's Python-level `__iter__` / `__getitem__` (same items, no copy).
+fn backing_list<'py>(seq: &Bound<'py, PyAny>) -> Option<Bound<'py, PyList>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    /// The `ConstantList` class seen first (its address; a reference to it is kept, so the
+    /// address is never reused): later calls know it without reading its name.
+    static CONSTANT_LIST: AtomicUsize = AtomicUsize::new(0);
+    if let Ok(list) = seq.cast::<PyList>() {
+        return Some(list.clone());
+    }
+    let py = seq.py();
+    let ty = seq.get_type();
+    let known = CONSTANT_LIST.load(Ordering::Relaxed);
+    if known == 0 || ty.as_ptr() as usize != known {
+        if ty.name().ok()?.to_cow().ok()? != "ConstantList" {
+            return None;
+        }
+        if known == 0 {
+            let addr = ty.as_ptr() as usize;
+            if CONSTANT_LIST
+                .compare_exchange(0, addr, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                // Kept for the life of the process (one class object).
+                std::mem::forget(ty.clone().unbind());
+            }
+        }
+    }
+    let inner = seq.getattr_opt(intern!(py, "_x")).ok()??;
+    inner.cast_into::<PyList>().ok()
+}
+
 /// A request's tokens from index `from` on, from any sequence of integers (a list, vLLM's
 /// `ConstantList`, a tuple, a numpy array): only those are read. `None` reads as no tokens.
 fn tokens_from(
@@ -112,10 +194,14 @@ fn tokens_from(
         return Ok(out);
     }
     let mut read = || -> PyResult<()> {
-        if let Ok(list) = seq.cast::<PyList>() {
+        if let Some(list) = backing_list(seq) {
+            let Some(stop) = list_tokens(&list, from, &mut out) else {
+                return Ok(());
+            };
+            // An item the fast path does not take: read it and the rest the general way, which
+            // raises the error that names it.
             let n = list.len();
-            out.reserve(n.saturating_sub(from));
-            for i in from..n {
+            for i in stop..n {
                 out.push(list.get_item(i)?.extract()?);
             }
             return Ok(());
@@ -146,7 +232,10 @@ fn groups(
     }
     let read = || -> PyResult<Vec<Vec<usize>>> {
         let get = intern!(py, "get_block_ids");
-        let ids = if blocks.hasattr(get)? {
+        // A tuple or list is the ids themselves (vLLM's SchedulerOutput); asking it for
+        // get_block_ids would raise and swallow an AttributeError on every call.
+        let plain = blocks.is_instance_of::<PyTuple>() || blocks.is_instance_of::<PyList>();
+        let ids = if !plain && blocks.hasattr(get)? {
             blocks.call_method0(get)?
         } else {
             blocks.clone()
@@ -155,6 +244,17 @@ fn groups(
         let mut flat: Vec<usize> = Vec::new();
         for item in ids.try_iter()? {
             let item = item?;
+            if let Ok(list) = item.cast::<PyList>() {
+                // One group as a list (the usual case): its ids read in place.
+                let mut g = Vec::new();
+                if let Some(stop) = list_ints(list, 0, &mut g) {
+                    for i in stop..list.len() {
+                        g.push(list.get_item(i)?.extract()?);
+                    }
+                }
+                out.push(g);
+                continue;
+            }
             if item.is_instance_of::<PyInt>() || !item.hasattr(intern!(py, "__iter__"))? {
                 flat.push(item.extract()?);
             } else {
@@ -438,13 +538,22 @@ impl PyVllmScheduler {
             c.req_ids.push(key);
         }
         let n = c.req_ids.len();
-        if let Some(flags) = cached.getattr_opt(intern!(py, "resumed_from_preemption"))? {
+        // Newer vLLM (0.11+) names the resumed requests in `resumed_req_ids`; older versions
+        // have one flag per request in `resumed_from_preemption`. The newer name is asked first:
+        // asking an object for an attribute it lacks raises (and swallows) an AttributeError.
+        let resumed = cached
+            .getattr_opt(intern!(py, "resumed_req_ids"))?
+            .filter(|r| !r.is_none());
+        let flags = match resumed {
+            Some(_) => None,
+            None => cached.getattr_opt(intern!(py, "resumed_from_preemption"))?,
+        };
+        if let Some(flags) = flags.filter(|f| !f.is_none()) {
             for f in flags.try_iter()? {
                 c.resumed_from_preemption.push(f?.is_truthy()?);
             }
         } else {
-            let resumed = cached.getattr_opt(intern!(py, "resumed_req_ids"))?;
-            match resumed.filter(|r| !r.is_none() && r.len().map_or(true, |l| l > 0)) {
+            match resumed.filter(|r| r.len().map_or(true, |l| l > 0)) {
                 Some(set) => {
                     for id in ids.try_iter()? {
                         c.resumed_from_preemption.push(set.contains(id?)?);

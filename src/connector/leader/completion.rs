@@ -307,27 +307,47 @@ impl<A: SchedulerAdapter> Leader<A> {
                 };
                 let mut stored = 0u64;
                 let mut failed = 0u64;
+                let pool = self.tiers.as_ref().and_then(|t| match tier {
+                    TierKind::Host => t.host.clone(),
+                    TierKind::Disk => t.disk.clone(),
+                    _ => None,
+                });
+                let mut written = Vec::with_capacity(dst.len());
                 for (block, hash) in dst {
                     self.pending_keys.remove(&(tier, hash));
                     if track.failed.contains(&block.block_id()) {
                         failed += 1;
                         continue; // dropped: back to the free list, never matchable
                     }
-                    let pool = self.tiers.as_ref().and_then(|t| match tier {
-                        TierKind::Host => t.host.clone(),
-                        TierKind::Disk => t.disk.clone(),
-                        _ => None,
-                    });
-                    let Some(pool) = pool else { continue };
-                    match pool.register(block, hash) {
-                        Ok(registered) => {
-                            stored += 1;
-                            if tier == TierKind::Host {
-                                self.consider_for_remote(&registered);
-                                self.consider_for_disk(registered);
+                    written.push((block, hash));
+                }
+                // A host block may go on to disk or the remote store: each is considered with
+                // its handle. Otherwise nothing keeps one: all are registered under one lock.
+                let onward = tier == TierKind::Host
+                    && (self.remote.is_some()
+                        || self.tiers.as_ref().is_some_and(|t| t.disk.is_some()));
+                match pool {
+                    None => {} // dropped: back to the free list
+                    Some(pool) if !onward => {
+                        let (n, errors) = pool.register_all(written);
+                        stored += n as u64;
+                        for e in errors {
+                            tracing::warn!(error = %e, "cannot register a stored block");
+                        }
+                    }
+                    Some(pool) => {
+                        for (block, hash) in written {
+                            match pool.register(block, hash) {
+                                Ok(registered) => {
+                                    stored += 1;
+                                    self.consider_for_remote(&registered);
+                                    self.consider_for_disk(registered);
+                                }
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "cannot register a stored block")
+                                }
                             }
                         }
-                        Err(e) => tracing::warn!(error = %e, "cannot register a stored block"),
                     }
                 }
                 self.metrics

@@ -76,13 +76,21 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         let _span = tracing::debug_span!("kvbm.leader.match", request = %request.id).entered();
         self.last_match = MatchResult::NONE;
-        self.poll_completions();
+        // Completions that arrived are applied first when they can change the answer. A request
+        // seen for the first time applies them below only if an operation in flight stores one
+        // of its keys (only such a completion can make more of it match); otherwise the step's
+        // other leader calls (build_connector_meta, request_finished, update_connector_output)
+        // apply them, so a step's first lookup does not carry the previous step's stores.
+        let fresh = !self.slots.contains_key(request.id);
+        if !fresh {
+            self.poll_completions();
+        }
         if !self.ensure_ready() {
             return Ok(MatchResult::NONE);
         }
         let bs = self.page_size;
         let algorithm = self.config.hash;
-        let slot = match self.slots.get_mut(request.id) {
+        let mut slot = match self.slots.get_mut(request.id) {
             Some(s) => s,
             None => {
                 let salt = Salt::new(algorithm, request.cache_salt, request.lora_name);
@@ -124,6 +132,22 @@ impl<A: SchedulerAdapter> Leader<A> {
         let skip = slot.seq.total_tokens() - first_token;
         if let Some(rest) = request.tokens.get(skip..) {
             slot.seq.append(rest);
+        }
+        let pending = &self.pending_keys;
+        if fresh
+            && !pending.is_empty()
+            && slot.seq.hashes().iter().any(|h| {
+                [TierKind::Host, TierKind::Disk, TierKind::Remote]
+                    .into_iter()
+                    .any(|t| pending.contains(&(t, *h)))
+            })
+        {
+            // A store of one of its keys is in flight: its completion may have arrived.
+            self.poll_completions();
+            slot = match self.slots.get_mut(request.id) {
+                Some(s) => s,
+                None => return Ok(MatchResult::NONE),
+            };
         }
         slot.staged = None;
         let n = slot.seq.total_tokens();

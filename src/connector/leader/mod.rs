@@ -56,7 +56,7 @@ use crate::connector::worker::TierFactory;
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::{SequenceHash, Token, TokenSequence};
-use crate::pool::{BlockPool, FrequencyFilter, ImmutableBlock};
+use crate::pool::{BlockPool, BuildSeqHasher, FrequencyFilter, ImmutableBlock};
 use crate::tier::TierKind;
 
 use completion::OpTrack;
@@ -164,7 +164,7 @@ pub struct Leader<A: SchedulerAdapter> {
     /// Host blocks waiting to be copied down to disk.
     disk_queue: Vec<(ImmutableBlock, SequenceHash)>,
     /// Keys with a store in flight, per destination tier (no second copy of the same block).
-    pending_keys: HashSet<(TierKind, SequenceHash)>,
+    pending_keys: HashSet<(TierKind, SequenceHash), BuildSeqHasher>,
     iteration: u64,
     next_op: u64,
     metrics: Arc<Metrics>,
@@ -229,7 +229,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             ops: HashMap::new(),
             outbox: Outbox::default(),
             disk_queue: Vec::new(),
-            pending_keys: HashSet::new(),
+            pending_keys: HashSet::default(),
             iteration: 0,
             next_op: 0,
             metrics: Arc::new(Metrics::new()),

@@ -331,7 +331,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             return;
         };
         let kind = pool.kind();
-        let mut wanted: Vec<(usize, SequenceHash)> = Vec::new();
+        let mut wanted: Vec<(usize, SequenceHash)> = Vec::with_capacity(full - slot.offloaded);
         let mut upto = slot.offloaded;
         for i in slot.offloaded..full {
             let Some(&device) = slot.device_blocks.get(i) else {
@@ -341,12 +341,14 @@ impl<A: SchedulerAdapter> Leader<A> {
             let Some(&hash) = slot.seq.hashes().get(i) else {
                 break;
             };
-            if pool.contains(hash) || self.pending_keys.contains(&(kind, hash)) {
+            if self.pending_keys.contains(&(kind, hash)) {
                 continue;
             }
             wanted.push((device, hash));
         }
         slot.offloaded = upto;
+        // Those the tier holds already: one lock for the request's blocks, not one per block.
+        pool.retain_unregistered(&mut wanted, |w| w.1);
         if wanted.is_empty() {
             return;
         }
@@ -356,11 +358,16 @@ impl<A: SchedulerAdapter> Leader<A> {
         } else {
             None
         };
-        let mut first = Staging::default();
+        let mut first = Staging {
+            pairs: Vec::with_capacity(wanted.len()),
+            dst: Vec::with_capacity(wanted.len()),
+        };
         let mut spill = Staging::default();
         let mut dropped = 0usize;
+        // As many destination blocks as the first tier can give now, in one call.
+        let mut blocks = pool.allocate_up_to(wanted.len()).into_iter();
         for (device, hash) in wanted {
-            if let Some(b) = pool.allocate(1).ok().and_then(|mut v| v.pop()) {
+            if let Some(b) = blocks.next() {
                 first.add(device, b, hash);
                 self.pending_keys.insert((kind, hash));
                 continue;
