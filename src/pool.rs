@@ -155,9 +155,10 @@ impl PoolStats {
 #[strum(serialize_all = "lowercase", ascii_case_insensitive)]
 pub enum EvictionPolicy {
     /// Least recently used first (released blocks join the most-recently-used end). The
-    /// default: the prefix policy wins on long-running chat traffic (the Mooncake trace) but
-    /// loses to LRU where conversations stop after a fixed number of turns (the replay's
-    /// built-in `multi-turn` workload); see docs/benchmarks.md.
+    /// default: the prefix policy wins on long-running chat traffic (the Mooncake trace) and is
+    /// level with LRU on the replay's built-in workloads at their default settings, but still
+    /// loses 1–2.4 points on `multi-turn` with the engine's prefix cache off; see
+    /// docs/benchmarks.md.
     #[default]
     Lru,
     /// 2Q (Johnson & Shasha, 1994), simplified: blocks never reused wait in a FIFO probation
