@@ -194,13 +194,19 @@ impl Model {
         } else {
             self.evict()
         };
+        self.register_new(h, id);
+        self.release(id);
+        false
+    }
+
+    /// `h`, not registered, is registered on block `id` with one handle (its reuse count from
+    /// the ghost).
+    fn register_new(&mut self, h: u64, id: usize) {
         self.registered.insert(h, id);
         self.hash_of.insert(id, h);
         let uses = self.register_uses(h);
         self.uses.insert(id, uses);
         self.acquire(id, false);
-        self.release(id);
-        false
     }
 
     /// A handle on registered block `id` was taken; `reuse`: by a match or a dedup (not a clone).
@@ -402,11 +408,7 @@ impl World {
                     }
                     None => {
                         prop_assert_eq!(imm.block_id(), mid);
-                        model.registered.insert(h, mid);
-                        model.hash_of.insert(mid, h);
-                        let uses = model.register_uses(h);
-                        model.uses.insert(mid, uses);
-                        model.acquire(mid, false);
+                        model.register_new(h, mid);
                     }
                 }
                 immutables.push(imm);
