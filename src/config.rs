@@ -8,7 +8,7 @@
 //!
 //! ```toml
 //! hash = "sha256"          # or "xxh3" (trusted single-tenant deployments only)
-//! eviction = "lru"         # host and disk eviction: "lru" (default), "prefix" or "2q"
+//! eviction = "prefix"      # host and disk eviction: "prefix" (default), "lru" or "2q"
 //!
 //! [host]
 //! cache_gb = 4.0           # or cache_blocks = 1024 (a block count wins over GB)
@@ -1414,7 +1414,7 @@ mod tests {
 
     #[test]
     fn eviction_policy_from_env_and_file() {
-        assert_eq!(Config::default().eviction, EvictionPolicy::Lru);
+        assert_eq!(Config::default().eviction, EvictionPolicy::Prefix);
         let c = Config::load_with(None, env(&[("KVBM_EVICTION", " Prefix ")])).unwrap();
         assert_eq!(c.eviction, EvictionPolicy::Prefix);
         let c = Config::load_with(None, env(&[("KVBM_EVICTION", "2q")])).unwrap();
