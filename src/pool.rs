@@ -1823,8 +1823,8 @@ mod tests {
         // Like conversations of a fixed length: four keys reused three times and then never
         // again, then a stream of new keys each used once more three keys later. With the credit
         // the dead keys hold half of the 8 blocks for 32 ticks, so each new key is evicted
-        // before its reuse; without it they leave first and every reuse hits. The first reuse
-        // the miniatures disagree on turns the credit off.
+        // before its reuse; without it they leave first and every reuse hits. A fresh pool has
+        // the credit off, and the miniatures' disagreements keep it off.
         let run = |policy| {
             let p = BlockPool::with_policy(TierKind::Host, 8, policy).unwrap();
             let dead: Vec<SequenceHash> = (100..104).map(h).collect();
@@ -1857,7 +1857,8 @@ mod tests {
     #[test]
     fn prefix_duel_keeps_the_credit_where_reuse_predicts_reuse() {
         // Four keys used every round and ten one-off keys between rounds in 8 blocks: LRU loses
-        // the four to the one-offs every round; the credit keeps them, and the duel agrees.
+        // the four to the one-offs every round; the credit keeps them, and the duel turns it on
+        // (the pool starts without it).
         let run = |policy| {
             let p = BlockPool::with_policy(TierKind::Host, 8, policy).unwrap();
             let mut hits = 0;
