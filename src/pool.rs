@@ -1169,14 +1169,26 @@ impl BlockPool {
                 hash,
             });
         }
-        if let Some(mask) = st.duel.as_ref().map(|d| d.mask) {
-            // The duel sees the whole demand, past the first miss too: what the pool holds
-            // beyond a miss is not stored again, so keys seen only when matched or stored
-            // would leave the miniatures blind to exactly the keys the policy kept.
-            for &hash in hashes {
-                if Duel::in_sample(hash, mask) {
-                    st.observe(hash);
+        if let Some((mask, cap)) = st.duel.as_ref().map(|d| (d.mask, d.credited.slots.len())) {
+            // The duel sees the demand, past the first miss too: what the pool holds beyond a
+            // miss is not stored again, so keys seen only when matched or stored would leave
+            // the miniatures blind to exactly the keys the policy kept. Past the miss, at most
+            // as many sampled keys as a miniature has blocks: a longer demand would only churn
+            // its last block (a request's blocks share a stamp and leave deepest first), at a
+            // cost growing with the prompt on the engine's hot path.
+            let matched = out.len();
+            let mut past = 0;
+            for (i, &hash) in hashes.iter().enumerate() {
+                if !Duel::in_sample(hash, mask) {
+                    continue;
                 }
+                if i >= matched {
+                    if past == cap {
+                        break;
+                    }
+                    past += 1;
+                }
+                st.observe(hash);
             }
         }
         drop(st);
@@ -1852,6 +1864,33 @@ mod tests {
             hits >= 35,
             "prefix with its duel hit {hits} of 37 reuses (LRU: 37)"
         );
+    }
+
+    #[test]
+    fn prefix_duel_sees_a_lookups_keys_past_the_first_miss_up_to_a_miniatures_size() {
+        // 8 blocks: simulated whole (rate 1), miniatures of 8 blocks.
+        let p = BlockPool::with_policy(TierKind::Host, 8, EvictionPolicy::Prefix).unwrap();
+        cache(&p, h(1));
+        let uses = |p: &BlockPool| {
+            let st = p.inner.state.lock();
+            let d = st.duel.as_ref().unwrap();
+            (
+                d.credited.clock,
+                d.plain.clock,
+                d.credited.map.contains_key(&h(3)),
+            )
+        };
+        // h1 is stored (it enters both miniatures, one release each).
+        assert_eq!(uses(&p), (1, 1, false));
+        // h1 matches, h2 misses, h3 past the miss: all three are uses in both miniatures,
+        // although the pool returns h1 alone.
+        assert_eq!(p.match_prefix(&[h(1), h(2), h(3)]).len(), 1);
+        assert_eq!(uses(&p), (4, 4, true));
+        // A demand of 1 match + 20 misses: the match and 8 keys past the miss (a miniature's
+        // size), not 20.
+        let long: Vec<SequenceHash> = std::iter::once(h(1)).chain((100..120).map(h)).collect();
+        assert_eq!(p.match_prefix(&long).len(), 1);
+        assert_eq!(uses(&p).0, 4 + 1 + 8);
     }
 
     #[test]

@@ -42,7 +42,7 @@ enum Op {
 }
 
 fn hash_list() -> impl Strategy<Value = Vec<u64>> {
-    prop::collection::vec(0..NUM_HASHES, 0..5)
+    prop::collection::vec(0..NUM_HASHES, 0..10)
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -462,7 +462,10 @@ impl World {
                     prop_assert_eq!(Some(&b.block_id()), model.registered.get(h));
                     model.acquire(b.block_id(), true);
                 }
-                for &h in &list {
+                // Every matched key, then at most a miniature's size (here the pool's: a pool
+                // this small samples every key) past the first miss.
+                let cap = got.len() + model.num_blocks;
+                for &h in list.iter().take(cap) {
                     model.observe(h);
                 }
                 if hold {
@@ -596,10 +599,12 @@ fn pool_matches_model(
 }
 
 proptest! {
-    // More cases for the prefix policy: its duel's corner cases (a score back at 0, a match
-    // asking for keys the pool holds past its first miss) decide an eviction in few of the
-    // random sequences; at 256 cases a duel that ignored either went unnoticed, at 2048 both
-    // are caught (a few seconds).
+    // More cases for the prefix policy: its duel's corner cases decide an eviction in few of
+    // the random sequences. At 256 cases a duel that gave a tied score to the credit went
+    // unnoticed; at 2048 it is caught (a few seconds), as are miniatures keeping their own
+    // clock and a lookup's keys past the first miss observed without the miniature-size cap.
+    // That keys past the miss are observed at all is checked by a unit test in src/pool.rs
+    // (`prefix_duel_sees_…`): random sequences this small rarely depend on it.
     #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
 
     #[test]
