@@ -283,7 +283,7 @@ impl State {
         let mut st = Self::bare(num_blocks, policy, true)?;
         if policy == EvictionPolicy::Prefix {
             st.duel = Some(Box::new(Duel::new(num_blocks)?));
-            // No credit until the duel shows it pays (see `Duel::observe`).
+            // No credit until the duel shows it pays (see `Duel::use_key`).
             st.credit_on = false;
         }
         Ok(st)
@@ -503,14 +503,14 @@ impl State {
         }
     }
 
-    /// A key is asked for (a lookup, whether or not the pool holds it): the duel's miniatures
-    /// see it if it is sampled, and the credit follows the one of them that has been right more
-    /// often lately.
-    fn observe(&mut self, hash: SequenceHash) {
+    /// A lookup asked for `hashes` and the pool matched the first `matched` of them: the duel's
+    /// miniatures see the sampled ones (see [`Duel::observe_demand`]), and the credit follows
+    /// the one of them that has been right more often lately.
+    fn observe_demand(&mut self, hashes: &[SequenceHash], matched: usize) {
         let Some(d) = self.duel.as_mut() else {
             return;
         };
-        if let Some(on) = d.observe(hash) {
+        if let Some(on) = d.observe_demand(hashes, matched) {
             self.credit_on = on;
         }
     }
@@ -802,12 +802,7 @@ impl Duel {
 
     /// Whether `hash` is in the sample. Keys are hashes already: their top bits pick it.
     fn sampled(&self, hash: SequenceHash) -> bool {
-        Self::in_sample(hash, self.mask)
-    }
-
-    #[inline]
-    fn in_sample(hash: SequenceHash, mask: u64) -> bool {
-        ((hash.0 >> 104) as u64) & mask == 0
+        ((hash.0 >> 104) as u64) & self.mask == 0
     }
 
     /// A store of `hash`: each miniature that lacks it (and samples it) stores it.
@@ -822,12 +817,35 @@ impl Duel {
         }
     }
 
-    /// Runs a use of `hash` (a key asked for) through both miniatures if it is sampled; returns
-    /// whether the credit applies now if this use moved the score.
-    fn observe(&mut self, hash: SequenceHash) -> Option<bool> {
-        if !self.sampled(hash) {
-            return None;
+    /// A lookup's demand: the sampled keys of `hashes` are uses, past the pool's first miss
+    /// (`matched`) too, since what the pool holds beyond a miss is not stored again, so keys
+    /// seen only when matched or stored would leave the miniatures blind to exactly the keys the
+    /// policy kept. Past the miss, at most as many sampled keys as a miniature has blocks: a
+    /// longer demand would only churn its last block (a request's blocks share a stamp and leave
+    /// deepest first), at a cost growing with the prompt on the engine's hot path. Returns
+    /// whether the credit applies now if the score moved.
+    fn observe_demand(&mut self, hashes: &[SequenceHash], matched: usize) -> Option<bool> {
+        let cap = self.credited.slots.len();
+        let mut past = 0;
+        let mut verdict = None;
+        for (i, &hash) in hashes.iter().enumerate() {
+            if !self.sampled(hash) {
+                continue;
+            }
+            if i >= matched {
+                if past == cap {
+                    break;
+                }
+                past += 1;
+            }
+            verdict = self.use_key(hash).or(verdict);
         }
+        verdict
+    }
+
+    /// Runs a use of sampled `hash` through both miniatures; returns whether the credit applies
+    /// now if this use moved the score.
+    fn use_key(&mut self, hash: SequenceHash) -> Option<bool> {
         let with = self.credited.access(hash);
         let without = self.plain.access(hash);
         let step = match (with, without) {
@@ -1169,28 +1187,7 @@ impl BlockPool {
                 hash,
             });
         }
-        if let Some((mask, cap)) = st.duel.as_ref().map(|d| (d.mask, d.credited.slots.len())) {
-            // The duel sees the demand, past the first miss too: what the pool holds beyond a
-            // miss is not stored again, so keys seen only when matched or stored would leave
-            // the miniatures blind to exactly the keys the policy kept. Past the miss, at most
-            // as many sampled keys as a miniature has blocks: a longer demand would only churn
-            // its last block (a request's blocks share a stamp and leave deepest first), at a
-            // cost growing with the prompt on the engine's hot path.
-            let matched = out.len();
-            let mut past = 0;
-            for (i, &hash) in hashes.iter().enumerate() {
-                if !Duel::in_sample(hash, mask) {
-                    continue;
-                }
-                if i >= matched {
-                    if past == cap {
-                        break;
-                    }
-                    past += 1;
-                }
-                st.observe(hash);
-            }
-        }
+        st.observe_demand(hashes, out.len());
         drop(st);
         out
     }
