@@ -105,6 +105,7 @@ impl TierFactory for StandardTiers {
                 secret: config.remote.secret()?,
                 ttl: config.remote.ttl(),
                 connect_timeout: config.remote.io_timeout(),
+                tls: config.remote.tls_files()?,
             };
             let store = RedisStore::connect(&RedisUrl::parse(url)?, scope.clone(), options)?;
             Ok(Some(Arc::new(store)))

@@ -6,8 +6,15 @@
 #     allowed only the commands and keys the tier uses
 #   * a 3-node Redis Cluster (3 primaries, no replicas)
 #                                                 -> KVBM_TEST_REDIS_CLUSTER_URL (redis+cluster://h:p,h:p,h:p)
-# No persistence (`--save ""`, no AOF). Needs redis-server and redis-cli (Debian: apt-get install
-# redis-server).
+#   * a TLS-only server whose certificate a private test CA signed
+#                                                 -> KVBM_TEST_REDIS_TLS_URL   (rediss://…)
+#   * a TLS-only server that also wants a client certificate from that CA (tls-auth-clients yes)
+#                                                 -> KVBM_TEST_REDIS_MTLS_URL  (rediss://…)
+#     with the PEM files in                       -> KVBM_TEST_REDIS_TLS_DIR: ca.pem, client.pem,
+#     client.key, other-ca.pem (a CA that signed nothing here), other-client.pem/.key (a client
+#     certificate from that other CA)
+# No persistence (`--save ""`, no AOF). Needs redis-server and redis-cli built with TLS (Debian's
+# are: apt-get install redis-server) and openssl.
 #
 # Two ways to use it:
 #   source scripts/redis-servers.sh      # starts them, exports the URLs, stops them on EXIT
@@ -71,6 +78,38 @@ kvbm_redis_server() {
   echo $! > "$dir/redis.pid"
 }
 
+# kvbm_redis_certs DIR: a test CA, a server certificate for 127.0.0.1/localhost, a client
+# certificate, and a second CA with its own client certificate (EC P-256, PKCS#8 keys, 2 days).
+kvbm_redis_certs() {
+  local d=$1
+  (
+    set -e
+    cd "$d"
+    for ca in ca other-ca; do
+      openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$ca.key" 2>/dev/null
+      openssl req -x509 -new -key "$ca.key" -days 2 -subj "/CN=kvbm test $ca" -out "$ca.pem" \
+        -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+    done
+    # name CA SUBJECT EXTENSIONS
+    leaf() {
+      openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1.key" 2>/dev/null
+      openssl req -new -key "$1.key" -subj "/CN=$3" -out "$1.csr"
+      printf '%s\n' "$4" > "$1.ext"
+      openssl x509 -req -in "$1.csr" -CA "$2.pem" -CAkey "$2.key" -CAcreateserial -days 2 \
+        -extfile "$1.ext" -out "$1.pem" 2>/dev/null
+    }
+    leaf server ca "127.0.0.1" \
+      "subjectAltName=IP:127.0.0.1,DNS:localhost
+basicConstraints=CA:FALSE
+extendedKeyUsage=serverAuth"
+    leaf client ca "kvbm-client" "basicConstraints=CA:FALSE
+extendedKeyUsage=clientAuth"
+    leaf other-client other-ca "kvbm-other-client" "basicConstraints=CA:FALSE
+extendedKeyUsage=clientAuth"
+    chmod 600 ./*.key
+  )
+}
+
 kvbm_redis_stop() {
   [ -n "${KVBM_REDIS_DIR:-}" ] && [ -d "$KVBM_REDIS_DIR" ] || return 0
   local pidfile pid
@@ -86,6 +125,10 @@ kvbm_redis_stop() {
 kvbm_redis_start() {
   if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
     echo "redis-servers.sh: redis-server/redis-cli not found (apt-get install redis-server)" >&2
+    return 1
+  fi
+  if ! command -v openssl >/dev/null; then
+    echo "redis-servers.sh: openssl not found (apt-get install openssl)" >&2
     return 1
   fi
   KVBM_REDIS_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvbm-redis.XXXXXX")
@@ -109,6 +152,17 @@ kvbm_redis_start() {
     ports+=("$p")
   done
   c1=${ports[0]} c2=${ports[1]} c3=${ports[2]}
+  local tls="$KVBM_REDIS_DIR/tls" p_tls p_mtls
+  mkdir -p "$tls"
+  kvbm_redis_certs "$tls" || { echo "redis-servers.sh: openssl could not make the test certificates" >&2; return 1; }
+  p_tls=$(kvbm_redis_free_port)
+  kvbm_redis_server tls "$p_tls" "port 0" "tls-port $p_tls" "tls-cert-file $tls/server.pem" \
+    "tls-key-file $tls/server.key" "tls-ca-cert-file $tls/ca.pem" "tls-auth-clients no" || return 1
+  p_mtls=$(kvbm_redis_free_port)
+  kvbm_redis_server mtls "$p_mtls" "port 0" "tls-port $p_mtls" "tls-cert-file $tls/server.pem" \
+    "tls-key-file $tls/server.key" "tls-ca-cert-file $tls/ca.pem" "tls-auth-clients yes" || return 1
+  kvbm_redis_wait "$p_tls" --tls --cacert "$tls/ca.pem" || return 1
+  kvbm_redis_wait "$p_mtls" --tls --cacert "$tls/ca.pem" --cert "$tls/client.pem" --key "$tls/client.key" || return 1
   kvbm_redis_wait "$p_plain" || return 1
   kvbm_redis_wait "$p_auth" -a "$pass" || return 1
   for p in "${ports[@]}"; do kvbm_redis_wait "$p" || return 1; done
@@ -136,6 +190,9 @@ kvbm_redis_start() {
   export KVBM_TEST_REDIS_AUTH_URL="redis://:$pass@127.0.0.1:$p_auth/0"
   export KVBM_TEST_REDIS_ACL_URL="redis://kvbm:$upass@127.0.0.1:$p_auth/0"
   export KVBM_TEST_REDIS_CLUSTER_URL="redis+cluster://127.0.0.1:$c1,127.0.0.1:$c2,127.0.0.1:$c3"
+  export KVBM_TEST_REDIS_TLS_URL="rediss://127.0.0.1:$p_tls/0"
+  export KVBM_TEST_REDIS_MTLS_URL="rediss://127.0.0.1:$p_mtls/0"
+  export KVBM_TEST_REDIS_TLS_DIR="$tls"
   echo "redis-servers.sh: standalone $KVBM_TEST_REDIS_URL, auth on port $p_auth, cluster $KVBM_TEST_REDIS_CLUSTER_URL"
 }
 

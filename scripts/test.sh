@@ -18,16 +18,18 @@ cd "$(dirname "$0")/.."
 # shellcheck source=nixl-env.sh
 source scripts/nixl-env.sh
 
-echo "=== Redis servers for the remote-tier tests (standalone, requirepass + ACL user, 3-node cluster)"
-# Debian 12's redis-server (7.0; Valkey speaks the same protocol). scripts/redis-servers.sh starts
-# them on free loopback ports, exports KVBM_TEST_REDIS_URL, KVBM_TEST_REDIS_AUTH_URL,
-# KVBM_TEST_REDIS_ACL_URL and KVBM_TEST_REDIS_CLUSTER_URL, and stops them when this script exits.
-# With CI=true a test that finds no server fails.
-if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+echo "=== Redis servers for the remote-tier tests (standalone, requirepass + ACL user, 3-node cluster, TLS, mutual TLS)"
+# Debian 12's redis-server (7.0, built with TLS; Valkey speaks the same protocol); openssl makes
+# the TLS servers' test CA and certificates. scripts/redis-servers.sh starts them on free loopback
+# ports, exports KVBM_TEST_REDIS_URL, KVBM_TEST_REDIS_AUTH_URL, KVBM_TEST_REDIS_ACL_URL,
+# KVBM_TEST_REDIS_CLUSTER_URL, KVBM_TEST_REDIS_TLS_URL, KVBM_TEST_REDIS_MTLS_URL and
+# KVBM_TEST_REDIS_TLS_DIR, and stops them when this script exits. With CI=true a test that finds
+# no server fails.
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null || ! command -v openssl >/dev/null; then
   sudo_=""
   if [ "$(id -u)" -ne 0 ]; then sudo_=sudo; fi
   $sudo_ apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq redis-server
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq redis-server openssl
 fi
 # shellcheck source=redis-servers.sh
 source scripts/redis-servers.sh

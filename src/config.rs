@@ -33,6 +33,9 @@
 //! io_timeout_ms = 2000     # one read/write batch, or a background lookup
 //! min_frequency = 1        # write blocks to the store once seen this many times in host
 //! ttl_secs = 86400         # values expire after a day (default: none; maxmemory evicts)
+//! tls_ca_file = "/etc/kvbm/redis-ca.pem"      # rediss:// signed by a private CA (default: system roots)
+//! tls_cert_file = "/etc/kvbm/redis-client.pem" # client certificate, for tls-auth-clients yes
+//! tls_key_file = "/etc/kvbm/redis-client.key"  # its private key
 //!
 //! [tcp]                    # the network transport (connector::tcp)
 //! leader_addr = "10.0.0.1:5557"
@@ -280,7 +283,50 @@ pub struct RemoteConfig {
     /// Time to live of every value written, in seconds (the store then evicts it: a miss).
     /// Default (unset or 0): none (the store's own `maxmemory` policy evicts).
     pub ttl_secs: Option<u64>,
+    /// PEM file of the certificate authorities trusted for a `rediss://` server
+    /// (`KVBM_REMOTE_TLS_CA_FILE`), in place of the system's roots: a private CA. Default: the
+    /// system's roots.
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM file of the client certificate (chain) shown to a server that asks for one
+    /// (`tls-auth-clients yes`; `KVBM_REMOTE_TLS_CERT_FILE`). Needs `tls_key_file`. Default: none.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM file of the client certificate's private key (`KVBM_REMOTE_TLS_KEY_FILE`). Needs
+    /// `tls_cert_file`. Default: none.
+    pub tls_key_file: Option<PathBuf>,
 }
+
+/// A PEM file named by a `remote.tls_*_file` setting, read (bounded) but not parsed. `Debug`
+/// shows its path and size, never its contents.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PemFile {
+    /// The setting that named it (`remote.tls_ca_file`, ...), for errors.
+    pub key: &'static str,
+    /// Where it was read from.
+    pub path: PathBuf,
+    /// Its contents.
+    pub bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for PemFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({} bytes)", self.path.display(), self.bytes.len())
+    }
+}
+
+/// The PEM files of a `rediss://` connection, read by [`RemoteConfig::tls_files`] (the store
+/// parses them).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemoteTlsFiles {
+    /// Trusted roots (`remote.tls_ca_file`), replacing the system's.
+    pub ca: Option<PemFile>,
+    /// Client certificate chain and its private key (`remote.tls_cert_file`,
+    /// `remote.tls_key_file`).
+    pub client: Option<(PemFile, PemFile)>,
+}
+
+/// The largest PEM file `remote.tls_*_file` may name (a CA bundle of a few hundred certificates
+/// is well under it).
+pub const MAX_TLS_FILE_BYTES: u64 = 4 << 20;
 
 impl std::fmt::Debug for RemoteConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -293,6 +339,9 @@ impl std::fmt::Debug for RemoteConfig {
             .field("io_timeout_ms", &self.io_timeout_ms)
             .field("min_frequency", &self.min_frequency)
             .field("ttl_secs", &self.ttl_secs)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .finish()
     }
 }
@@ -377,6 +426,84 @@ impl RemoteConfig {
         Ok(Some(trimmed.to_vec()))
     }
 
+    /// Whether any `remote.tls_*_file` is set.
+    pub fn tls_files_set(&self) -> bool {
+        self.tls_ca_file.is_some() || self.tls_cert_file.is_some() || self.tls_key_file.is_some()
+    }
+
+    /// The TLS files' contents (`None` when none is set). Each file is bounded by
+    /// [`MAX_TLS_FILE_BYTES`] before it is read; a missing, unreadable, empty or oversized file is
+    /// [`ErrorKind::InvalidConfig`] naming its setting (never the key's contents). Whether the
+    /// contents are valid PEM is the store's to check.
+    pub fn tls_files(&self) -> Result<Option<RemoteTlsFiles>> {
+        if !self.tls_files_set() {
+            return Ok(None);
+        }
+        let ca = match &self.tls_ca_file {
+            Some(p) => Some(read_bounded("remote.tls_ca_file", p)?),
+            None => None,
+        };
+        if let Some(e) = self.client_pair_error() {
+            return Err(e);
+        }
+        let client = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(c), Some(k)) => Some((
+                read_bounded("remote.tls_cert_file", c)?,
+                read_bounded("remote.tls_key_file", k)?,
+            )),
+            _ => None,
+        };
+        Ok(Some(RemoteTlsFiles { ca, client }))
+    }
+
+    /// Checks the settings that constrain each other: TLS files are refused with a plain
+    /// `redis` URL, and a client certificate and its key come together.
+    fn validate_relations(&self) -> Result<()> {
+        let first_tls_file = [
+            ("remote.tls_ca_file", &self.tls_ca_file),
+            ("remote.tls_cert_file", &self.tls_cert_file),
+            ("remote.tls_key_file", &self.tls_key_file),
+        ]
+        .into_iter()
+        .find_map(|(k, p)| p.as_ref().map(|p| (k, p)));
+        if let Some((key, path)) = first_tls_file {
+            // Without a URL the remote tier is off and the files unused (a tool's flag may set
+            // the URL later); with a plain one they would be silently ignored.
+            let plain = self
+                .url
+                .as_deref()
+                .is_some_and(|u| !u.trim().to_ascii_lowercase().starts_with("rediss"));
+            if plain {
+                return Err(Error::invalid_config(
+                    key,
+                    path.display(),
+                    "TLS files need a TLS remote.url (rediss:// or rediss+cluster://)",
+                ));
+            }
+            if let Some(e) = self.client_pair_error() {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// A client certificate without its key, or a key without its certificate.
+    fn client_pair_error(&self) -> Option<Error> {
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(c), None) => Some(Error::invalid_config(
+                "remote.tls_cert_file",
+                c.display(),
+                "a client certificate needs its key: set remote.tls_key_file (KVBM_REMOTE_TLS_KEY_FILE) too",
+            )),
+            (None, Some(k)) => Some(Error::invalid_config(
+                "remote.tls_key_file",
+                k.display(),
+                "a client key needs its certificate: set remote.tls_cert_file (KVBM_REMOTE_TLS_CERT_FILE) too",
+            )),
+            _ => None,
+        }
+    }
+
     /// Checks the settings' forms and ranges (the URL's scheme and shape; the store parses the
     /// rest when it connects).
     fn validate(&self) -> Result<()> {
@@ -422,6 +549,31 @@ impl RemoteConfig {
         }
         Ok(())
     }
+}
+
+/// Reads the file `path` set by `key`, refusing (before reading) one over [`MAX_TLS_FILE_BYTES`]
+/// and an empty one.
+fn read_bounded(key: &'static str, path: &std::path::Path) -> Result<PemFile> {
+    use std::io::Read;
+    let bad = |why: String| Error::invalid_config(key, path.display(), why);
+    let file = std::fs::File::open(path).map_err(|e| bad(format!("cannot open the file ({e})")))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_TLS_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| bad(format!("cannot read the file ({e})")))?;
+    if bytes.len() as u64 > MAX_TLS_FILE_BYTES {
+        return Err(bad(format!(
+            "the file is larger than {MAX_TLS_FILE_BYTES} bytes: not a PEM certificate or key"
+        )));
+    }
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(bad("the file is empty".to_string()));
+    }
+    Ok(PemFile {
+        key,
+        path: path.to_path_buf(),
+        bytes,
+    })
 }
 
 /// `url` with the password of its `user:pass@` part (if any) replaced by `<redacted>`.
@@ -938,6 +1090,9 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_REMOTE_IO_TIMEOUT_MS", "remote.io_timeout_ms"),
     ours("KVBM_REMOTE_MIN_FREQUENCY", "remote.min_frequency"),
     ours("KVBM_REMOTE_TTL_SECS", "remote.ttl_secs"),
+    ours("KVBM_REMOTE_TLS_CA_FILE", "remote.tls_ca_file"),
+    ours("KVBM_REMOTE_TLS_CERT_FILE", "remote.tls_cert_file"),
+    ours("KVBM_REMOTE_TLS_KEY_FILE", "remote.tls_key_file"),
     ours(LEADER_ADDR_ENV, "tcp.leader_addr"),
     secret(AUTH_TOKEN_ENV, "tcp.auth_token"),
     ours(RENDEZVOUS_DIR_ENV, "tcp.rendezvous_dir"),
@@ -1107,6 +1262,21 @@ impl Config {
             "remote.secret" => {
                 self.remote.secret = Some(raw).filter(|t| !t.is_empty()).map(str::to_owned)
             }
+            "remote.tls_ca_file" => {
+                self.remote.tls_ca_file = Some(raw.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(PathBuf::from)
+            }
+            "remote.tls_cert_file" => {
+                self.remote.tls_cert_file = Some(raw.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(PathBuf::from)
+            }
+            "remote.tls_key_file" => {
+                self.remote.tls_key_file = Some(raw.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(PathBuf::from)
+            }
             "remote.namespace" => {
                 self.remote.namespace = Some(raw.trim())
                     .filter(|s| !s.is_empty())
@@ -1178,7 +1348,8 @@ impl Config {
     /// Checks every value's range, and the settings that constrain each other.
     pub fn validate(&self) -> Result<()> {
         self.validate_values()?;
-        self.tcp.validate_relations()
+        self.tcp.validate_relations()?;
+        self.remote.validate_relations()
     }
 
     /// Checks every value's range on its own.
@@ -1749,5 +1920,123 @@ mod tests {
         let e =
             Config::from_toml_str("[remote]\nurl = \"redis://h:1\"\ndir = \"/x\"\n").unwrap_err();
         assert!(e.to_string().contains("dir"), "{e}");
+    }
+
+    #[test]
+    fn remote_tls_files_from_env_and_toml_bounded_and_paired() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        let cert = dir.path().join("client.pem");
+        let key = dir.path().join("client.key");
+        std::fs::write(&ca, "ca bytes\n").unwrap();
+        std::fs::write(&cert, "cert bytes\n").unwrap();
+        std::fs::write(&key, "key bytes\n").unwrap();
+        let (ca_s, cert_s, key_s) = (
+            ca.display().to_string(),
+            cert.display().to_string(),
+            key.display().to_string(),
+        );
+        // Environment: all three, read as they are (the store parses them).
+        let c = Config::load_with(
+            None,
+            env(&[
+                ("KVBM_REMOTE_URL", "rediss://h:1"),
+                ("KVBM_REMOTE_TLS_CA_FILE", &ca_s),
+                ("KVBM_REMOTE_TLS_CERT_FILE", &cert_s),
+                ("KVBM_REMOTE_TLS_KEY_FILE", &key_s),
+            ]),
+        )
+        .unwrap();
+        let files = c.remote.tls_files().unwrap().unwrap();
+        assert_eq!(files.ca.as_ref().unwrap().bytes, b"ca bytes\n");
+        let (c_pem, k_pem) = files.client.as_ref().unwrap();
+        assert_eq!(
+            (c_pem.key, k_pem.key),
+            ("remote.tls_cert_file", "remote.tls_key_file")
+        );
+        assert_eq!(k_pem.bytes, b"key bytes\n");
+        // Debug shows paths and sizes, never the key.
+        let shown = format!("{files:?}");
+        assert!(
+            !shown.contains("key bytes") && shown.contains("client.key"),
+            "{shown}"
+        );
+        // TOML: the same settings.
+        let t = Config::from_toml_str(&format!(
+            "[remote]\nurl = \"rediss+cluster://h:1,h:2\"\ntls_ca_file = \"{ca_s}\"\n"
+        ))
+        .unwrap();
+        assert_eq!(t.remote.tls_ca_file.as_deref(), Some(ca.as_path()));
+        assert!(t.remote.tls_files().unwrap().unwrap().client.is_none());
+        let e = Config::from_toml_str(&format!(
+            "[remote]\nurl = \"redis://h:1\"\ntls_ca_file = \"{ca_s}\"\n"
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("remote.tls_ca_file"), "{e}");
+        // Nothing set: none.
+        assert!(Config::default().remote.tls_files().unwrap().is_none());
+        // A plain URL with TLS files, a certificate without its key and a key without its
+        // certificate: refused when the configuration loads, naming the setting.
+        for (vars, want) in [
+            (
+                vec![
+                    ("KVBM_REMOTE_URL", "redis://h:1"),
+                    ("KVBM_REMOTE_TLS_CA_FILE", ca_s.as_str()),
+                ],
+                "remote.tls_ca_file",
+            ),
+            (
+                vec![("KVBM_REMOTE_TLS_KEY_FILE", key_s.as_str())],
+                "remote.tls_cert_file",
+            ),
+            (
+                vec![
+                    ("KVBM_REMOTE_URL", "rediss://h:1"),
+                    ("KVBM_REMOTE_TLS_CERT_FILE", cert_s.as_str()),
+                ],
+                "remote.tls_key_file",
+            ),
+            (
+                vec![
+                    ("KVBM_REMOTE_URL", "rediss://h:1"),
+                    ("KVBM_REMOTE_TLS_KEY_FILE", key_s.as_str()),
+                ],
+                "remote.tls_cert_file",
+            ),
+        ] {
+            let e = Config::load_with(None, env(&vars)).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{vars:?}");
+            assert!(e.to_string().contains(want), "{vars:?}: {e}");
+        }
+        // Missing, empty and oversized files: refused naming the setting (the oversized one
+        // before it is read whole).
+        let big = dir.path().join("big.pem");
+        let f = std::fs::File::create(&big).unwrap();
+        f.set_len(MAX_TLS_FILE_BYTES + 1).unwrap();
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, " \n").unwrap();
+        for (path, why) in [
+            (dir.path().join("missing.pem"), "cannot open"),
+            (empty, "empty"),
+            (big, "larger than"),
+        ] {
+            let mut r = RemoteConfig {
+                url: Some("rediss://h:1".into()),
+                tls_ca_file: Some(path.clone()),
+                ..Default::default()
+            };
+            let e = r.tls_files().unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+            let text = e.to_string();
+            assert!(
+                text.contains("remote.tls_ca_file") && text.contains(why),
+                "{text}"
+            );
+            r.tls_ca_file = None;
+            r.tls_cert_file = Some(cert.clone());
+            r.tls_key_file = Some(path);
+            let e = r.tls_files().unwrap_err();
+            assert!(e.to_string().contains("remote.tls_key_file"), "{e}");
+        }
     }
 }

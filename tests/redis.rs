@@ -1,11 +1,13 @@
 //! The Redis backend (`backends::redis`) against real servers: a standalone server, a 3-node
-//! Redis Cluster, a server with `requirepass` and an ACL user, and servers each test starts
-//! itself when it kills, stops, restarts or fills one.
+//! Redis Cluster, a server with `requirepass` and an ACL user, TLS servers (one also wanting a
+//! client certificate) signed by a throw-away CA, and servers each test starts itself when it
+//! kills, stops, restarts or fills one.
 //!
 //! Run with the servers of `scripts/redis-servers.sh`: `scripts/redis-servers.sh cargo test
 //! --features redis --test redis` (scripts/test.sh does). The tests read their URLs from
 //! `KVBM_TEST_REDIS_URL`, `KVBM_TEST_REDIS_CLUSTER_URL`, `KVBM_TEST_REDIS_AUTH_URL` and
-//! `KVBM_TEST_REDIS_ACL_URL`, and start their own servers with `redis-server` from `PATH`. A test
+//! `KVBM_TEST_REDIS_ACL_URL`, `KVBM_TEST_REDIS_TLS_URL`, `KVBM_TEST_REDIS_MTLS_URL` (with the PEM
+//! files in `KVBM_TEST_REDIS_TLS_DIR`), and start their own servers with `redis-server` from `PATH`. A test
 //! whose server is missing prints `SKIP <test>: <reason>` and returns, except under `CI=true`,
 //! where it fails.
 //!
@@ -645,4 +647,204 @@ fn tls_url_to_a_plain_server_is_an_error_not_a_hang() {
         assert!(!store.stats().available);
         assert!(store.lookup_prefix(&[1], soon()).is_err());
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// TLS: a private CA, client certificates (the TLS servers of scripts/redis-servers.sh)
+// ------------------------------------------------------------------------------------------------
+
+/// The TLS test files' directory, or `None` after a skip.
+fn tls_dir() -> Option<std::path::PathBuf> {
+    match std::env::var("KVBM_TEST_REDIS_TLS_DIR") {
+        Ok(d) if !d.is_empty() => Some(d.into()),
+        _ => {
+            skip("KVBM_TEST_REDIS_TLS_DIR is not set (run under scripts/redis-servers.sh)");
+            None
+        }
+    }
+}
+
+/// The TLS options a deployment would set: read through the configuration, as the engine does.
+fn tls_options(
+    dir: &std::path::Path,
+    ca: Option<&str>,
+    client: Option<(&str, &str)>,
+) -> kvbm_connector::Result<RedisOptions> {
+    let remote = kvbm_connector::config::RemoteConfig {
+        tls_ca_file: ca.map(|f| dir.join(f)),
+        tls_cert_file: client.map(|(c, _)| dir.join(c)),
+        tls_key_file: client.map(|(_, k)| dir.join(k)),
+        ..Default::default()
+    };
+    Ok(RedisOptions {
+        tls: remote.tls_files()?,
+        connect_timeout: Duration::from_secs(2),
+        ..RedisOptions::default()
+    })
+}
+
+/// Writes, reads back and looks up blocks over `store` on two ranks.
+fn tls_round_trip(store: &RedisStore) {
+    let keys: Vec<u128> = (0..6u128).map(|i| (i << 64) | 0x7150).collect();
+    for rank in 0..2 {
+        let blocks: Vec<(u128, Vec<u8>)> = keys
+            .iter()
+            .map(|&k| (k, random_bytes(4099, k as u64 ^ rank as u64)))
+            .collect();
+        assert_eq!(put(store, rank, &blocks).written, keys.len());
+        let (reads, bufs) = get(store, rank, &keys);
+        assert!(reads.iter().all(|r| *r == RemoteRead::Hit), "{reads:?}");
+        for ((_, want), got) in blocks.iter().zip(&bufs) {
+            assert_eq!(want, got, "rank {rank}: bytes differ over TLS");
+        }
+    }
+    assert_eq!(store.lookup_prefix(&keys, soon()).unwrap(), keys.len());
+    assert_eq!(store.stats().errors, 0);
+}
+
+/// A connection refused over certificates: a typed error naming `key`, quickly, never a store
+/// that keeps retrying something that cannot work.
+fn assert_tls_refused(r: kvbm_connector::Result<RedisStore>, key: &str, what: &str) {
+    let t = Instant::now();
+    let e = r.expect_err(what);
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "{what}: {:?}",
+        t.elapsed()
+    );
+    assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{what}: {e}");
+    assert!(e.to_string().contains(key), "{what}: {e}");
+}
+
+#[test]
+fn tls_with_a_private_ca_round_trips_and_an_untrusted_server_is_refused() {
+    let (Some(url), Some(dir)) = (env_url("KVBM_TEST_REDIS_TLS_URL"), tls_dir()) else {
+        return;
+    };
+    assert!(url.tls);
+    let store = RedisStore::connect(
+        &url,
+        scope(2, 4099),
+        tls_options(&dir, Some("ca.pem"), None).unwrap(),
+    )
+    .expect("TLS with the test CA");
+    assert!(store.stats().available);
+    tls_round_trip(&store);
+    // The system's roots do not know the test CA, nor does another CA.
+    for (ca, what) in [(None, "system roots"), (Some("other-ca.pem"), "another CA")] {
+        let options = match ca {
+            None => RedisOptions::default(),
+            Some(_) => tls_options(&dir, ca, None).unwrap(),
+        };
+        assert_tls_refused(
+            RedisStore::connect(&url, scope(1, 16), options),
+            "remote.tls_ca_file",
+            what,
+        );
+    }
+}
+
+#[test]
+fn mutual_tls_needs_a_client_certificate_from_the_servers_ca() {
+    let (Some(url), Some(dir)) = (env_url("KVBM_TEST_REDIS_MTLS_URL"), tls_dir()) else {
+        return;
+    };
+    let store = RedisStore::connect(
+        &url,
+        scope(2, 4099),
+        tls_options(&dir, Some("ca.pem"), Some(("client.pem", "client.key"))).unwrap(),
+    )
+    .expect("mutual TLS with the test client certificate");
+    tls_round_trip(&store);
+    for (client, what) in [
+        (None, "no client certificate"),
+        (
+            Some(("other-client.pem", "other-client.key")),
+            "a client certificate from another CA",
+        ),
+    ] {
+        assert_tls_refused(
+            RedisStore::connect(
+                &url,
+                scope(1, 16),
+                tls_options(&dir, Some("ca.pem"), client).unwrap(),
+            ),
+            "remote.tls_cert_file",
+            what,
+        );
+    }
+}
+
+/// A CA file, a client certificate and key, and the setting the error must name.
+type TlsCase = (
+    Option<std::path::PathBuf>,
+    Option<(std::path::PathBuf, std::path::PathBuf)>,
+    &'static str,
+);
+
+#[test]
+fn bad_tls_files_are_typed_errors_naming_the_setting() {
+    let (Some(url), Some(dir)) = (env_url("KVBM_TEST_REDIS_TLS_URL"), tls_dir()) else {
+        return;
+    };
+    let scratch = tempfile::tempdir().unwrap();
+    let key_text = std::fs::read_to_string(dir.join("client.key")).unwrap();
+    let junk = scratch.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    let key_as_ca = dir.join("client.key");
+    let cases: Vec<TlsCase> = vec![
+        // A CA file with no certificate in it.
+        (Some(junk.clone()), None, "remote.tls_ca_file"),
+        (Some(key_as_ca), None, "remote.tls_ca_file"),
+        // A client certificate file with no certificate; a key file with no key.
+        (
+            None,
+            Some((junk.clone(), dir.join("client.key"))),
+            "remote.tls_cert_file",
+        ),
+        (
+            None,
+            Some((dir.join("client.pem"), junk.clone())),
+            "remote.tls_key_file",
+        ),
+        // A key that is not the certificate's.
+        (
+            None,
+            Some((dir.join("client.pem"), dir.join("other-client.key"))),
+            "remote.tls_cert_file",
+        ),
+    ];
+    for (ca, client, key) in cases {
+        let remote = kvbm_connector::config::RemoteConfig {
+            tls_ca_file: ca.clone(),
+            tls_cert_file: client.as_ref().map(|(c, _)| c.clone()),
+            tls_key_file: client.as_ref().map(|(_, k)| k.clone()),
+            ..Default::default()
+        };
+        let options = RedisOptions {
+            tls: remote.tls_files().unwrap(),
+            ..RedisOptions::default()
+        };
+        let what = format!("{ca:?} {client:?}");
+        let e = RedisStore::connect(&url, scope(1, 16), options).expect_err(&what);
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{what}: {e}");
+        let text = e.to_string();
+        assert!(text.contains(key), "{what}: want {key} in {text}");
+        for line in key_text.lines().filter(|l| !l.starts_with("-----")) {
+            assert!(
+                !text.contains(line),
+                "{what}: the key's contents are shown: {text}"
+            );
+        }
+    }
+    // TLS files with a plain URL: refused, not ignored.
+    let plain = RedisUrl::parse(&format!("redis://127.0.0.1:{}/0", url.nodes[0].1)).unwrap();
+    let e = RedisStore::connect(
+        &plain,
+        scope(1, 16),
+        tls_options(&dir, Some("ca.pem"), None).unwrap(),
+    )
+    .expect_err("TLS files with redis://");
+    assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{e}");
+    assert!(e.to_string().contains("rediss://"), "{e}");
 }

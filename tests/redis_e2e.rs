@@ -131,13 +131,18 @@ fn n(v: &Value, path: &[&str]) -> u64 {
         .unwrap_or_else(|| panic!("{path:?} is not a count in {v}"))
 }
 
-/// A writes its blocks to the store; B, a second process, matches them from the store.
-fn share(url: &str, framework: &str, extra: &[&str]) {
+/// A writes its blocks to the store; B, a second process, matches them from the store. Both
+/// run with the environment variables `env` set.
+fn share(url: &str, framework: &str, extra: &[&str], env: &[(&str, String)]) {
     let dir = tempfile::tempdir().unwrap();
     let ns = namespace();
     let mut args = vec!["--framework", framework, "--requests", "20"];
     args.extend_from_slice(extra);
-    run(replay(dir.path(), "a", url, &ns, &args));
+    let with_env = |mut c: Command| {
+        c.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
+        c
+    };
+    run(with_env(replay(dir.path(), "a", url, &ns, &args)));
     let a = summary(dir.path(), "a");
     assert_eq!(n(&a, &["integrity_errors"]), 0);
     assert_eq!(
@@ -149,7 +154,7 @@ fn share(url: &str, framework: &str, extra: &[&str]) {
         n(&a, &["remote", "sent_blocks"]) > 0,
         "A wrote nothing: {a}"
     );
-    run(replay(dir.path(), "b", url, &ns, &args));
+    run(with_env(replay(dir.path(), "b", url, &ns, &args)));
     let b = summary(dir.path(), "b");
     assert_eq!(n(&b, &["integrity_errors"]), 0, "{b}");
     assert_eq!(n(&b, &["load_errors"]), 0, "{b}");
@@ -172,7 +177,7 @@ fn two_instances_share_prefixes_through_redis() {
         return;
     };
     for framework in ["vllm", "trtllm"] {
-        share(&server.url(), framework, &[]);
+        share(&server.url(), framework, &[], &[]);
     }
 }
 
@@ -185,7 +190,55 @@ fn two_instances_share_prefixes_through_a_redis_cluster() {
             return;
         }
     };
-    share(&url, "vllm", &[]);
+    share(&url, "vllm", &[], &[]);
+}
+
+/// Through a server that wants TLS with a client certificate, configured the way a deployment
+/// does (`KVBM_REMOTE_TLS_*` variables); then refused, naming the setting, without the client
+/// certificate.
+#[test]
+fn two_instances_share_prefixes_over_mutual_tls() {
+    let (url, dir) = match (
+        std::env::var("KVBM_TEST_REDIS_MTLS_URL"),
+        std::env::var("KVBM_TEST_REDIS_TLS_DIR"),
+    ) {
+        (Ok(u), Ok(d)) if !u.is_empty() && !d.is_empty() => (u, PathBuf::from(d)),
+        _ => {
+            skip("KVBM_TEST_REDIS_MTLS_URL / KVBM_TEST_REDIS_TLS_DIR are not set (run under scripts/redis-servers.sh)");
+            return;
+        }
+    };
+    let file = |f: &str| dir.join(f).display().to_string();
+    let ca = ("KVBM_REMOTE_TLS_CA_FILE", file("ca.pem"));
+    let env = [
+        ca.clone(),
+        ("KVBM_REMOTE_TLS_CERT_FILE", file("client.pem")),
+        ("KVBM_REMOTE_TLS_KEY_FILE", file("client.key")),
+    ];
+    for framework in ["vllm", "trtllm"] {
+        share(&url, framework, &[], &env);
+    }
+    let scratch = tempfile::tempdir().unwrap();
+    let mut c = replay(
+        scratch.path(),
+        "c",
+        &url,
+        &namespace(),
+        &["--requests", "2"],
+    );
+    c.env(ca.0, &ca.1);
+    let child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvbm starts");
+    let out = wait_bounded(child);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "ran without a client certificate:\n{stderr}"
+    );
+    assert!(stderr.contains("remote.tls_cert_file"), "{stderr}");
 }
 
 #[test]
@@ -194,7 +247,7 @@ fn two_tp2_instances_share_prefixes_through_redis() {
         return;
     };
     for framework in ["vllm", "trtllm"] {
-        share(&server.url(), framework, &["--tp", "2"]);
+        share(&server.url(), framework, &["--tp", "2"], &[]);
     }
 }
 

@@ -11,6 +11,7 @@ use tokio::sync::Notify;
 
 use super::url::RedisUrl;
 use super::value::{Codec, Head};
+use crate::config::{PemFile, RemoteTlsFiles};
 use crate::connector::remote::{RemotePut, RemoteRead, RemoteScope, RemoteStore, RemoteStoreStats};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -34,6 +35,9 @@ pub struct RedisOptions {
     pub ttl: Option<Duration>,
     /// Deadline of one connection attempt (TCP, TLS, AUTH, SELECT; a cluster's slot map).
     pub connect_timeout: Duration,
+    /// A private CA and/or a client certificate for a `rediss://` URL (`None`: the system's
+    /// roots, no client certificate).
+    pub tls: Option<RemoteTlsFiles>,
 }
 
 impl Default for RedisOptions {
@@ -42,6 +46,7 @@ impl Default for RedisOptions {
             secret: None,
             ttl: None,
             connect_timeout: Duration::from_secs(2),
+            tls: None,
         }
     }
 }
@@ -52,6 +57,7 @@ impl std::fmt::Debug for RedisOptions {
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("ttl", &self.ttl)
             .field("connect_timeout", &self.connect_timeout)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -73,6 +79,8 @@ struct Counters {
 struct Inner {
     url: RedisUrl,
     options: RedisOptions,
+    /// The parsed `options.tls` (checked once, at [`RedisStore::connect`]).
+    certs: Option<redis::TlsCertificates>,
     conn: Mutex<Option<Conn>>,
     available: AtomicBool,
     consecutive_timeouts: AtomicU32,
@@ -112,13 +120,28 @@ impl RedisStore {
     /// Connects to `url` for `scope`. A server that cannot be reached does not fail this: the
     /// store starts unavailable and keeps reconnecting in the background. Fails on a server that
     /// refuses the credentials ([`ErrorKind::InvalidConfig`] naming `remote.url`), on a database
-    /// the server does not have, and when the runtime cannot start.
+    /// the server does not have, and when the runtime cannot start. With TLS, fails on PEM files
+    /// that hold no usable certificate or key, a key that is not the certificate's, TLS files
+    /// with a plain `redis://` URL, and a server whose certificate is not trusted or that refuses
+    /// ours (each [`ErrorKind::InvalidConfig`] naming its `remote.tls_*_file` setting).
     pub fn connect(url: &RedisUrl, scope: RemoteScope, options: RedisOptions) -> Result<Self> {
         let codec = Codec::new(&scope, options.secret.as_deref())?;
         if url.tls {
             // rustls needs a process-wide crypto provider; ring unless the program chose one.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
+        let certs = match &options.tls {
+            Some(files) if !url.tls => {
+                let file = files.ca.as_ref().or(files.client.as_ref().map(|(c, _)| c));
+                return Err(Error::invalid_config(
+                    file.map_or("remote.tls_ca_file", |f| f.key),
+                    file.map_or_else(String::new, |f| f.path.display().to_string()),
+                    "TLS files need a TLS remote.url (rediss:// or rediss+cluster://)",
+                ));
+            }
+            Some(files) => Some(tls_certificates(files)?),
+            None => None,
+        };
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("kvbm-redis")
@@ -128,6 +151,7 @@ impl RedisStore {
         let inner = Arc::new(Inner {
             url: url.clone(),
             options,
+            certs,
             conn: Mutex::new(None),
             available: AtomicBool::new(false),
             consecutive_timeouts: AtomicU32::new(0),
@@ -158,6 +182,9 @@ impl RedisStore {
                     &inner.url,
                     format!("the server refused the connection's setup: {e}"),
                 ))
+            }
+            Ok(Err(e)) if tls_rejection(&e).is_some() => {
+                return Err(tls_refused(&inner, &e));
             }
             Ok(Err(e)) => {
                 tracing::warn!(url = %inner.url, error = %e, "Redis unreachable; the remote tier reconnects in the background");
@@ -410,6 +437,123 @@ fn connection_info(url: &RedisUrl, host: &str, port: u16) -> ConnectionInfo {
     }
 }
 
+/// The configuration error for a TLS handshake refused over certificates (see
+/// [`tls_rejection`]), naming the setting to fix and its file.
+fn tls_refused(inner: &Inner, e: &redis::RedisError) -> Error {
+    let Some((key, why)) = tls_rejection(e) else {
+        return Error::new(ErrorKind::Io, format!("TLS failed: {e}")).with("remote", &inner.url);
+    };
+    let tls = inner.options.tls.as_ref();
+    let file = if key == "remote.tls_ca_file" {
+        tls.and_then(|t| t.ca.as_ref())
+    } else {
+        tls.and_then(|t| t.client.as_ref().map(|(c, _)| c))
+    };
+    let shown = file.map_or_else(|| "(not set)".to_string(), |f| f.path.display().to_string());
+    Error::invalid_config(
+        key,
+        shown,
+        format!("TLS with {} failed: {why} ({e})", inner.url),
+    )
+}
+
+/// Parses and checks the TLS files: every file holds what it should, the CA's certificates are
+/// usable trust anchors, the key is of a supported type and belongs to the first certificate.
+fn tls_certificates(files: &RemoteTlsFiles) -> Result<redis::TlsCertificates> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let bad = |f: &PemFile, why: String| Error::invalid_config(f.key, f.path.display(), why);
+    let certificates = |f: &PemFile| -> Result<Vec<CertificateDer<'static>>> {
+        let certs = CertificateDer::pem_slice_iter(&f.bytes)
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| bad(f, format!("not a PEM certificate file ({e})")))?;
+        if certs.is_empty() {
+            return Err(bad(
+                f,
+                "holds no certificate (no -----BEGIN CERTIFICATE----- block)".to_string(),
+            ));
+        }
+        Ok(certs)
+    };
+    if let Some(ca) = &files.ca {
+        let mut roots = rustls::RootCertStore::empty();
+        for (k, cert) in certificates(ca)?.into_iter().enumerate() {
+            roots
+                .add(cert)
+                .map_err(|e| bad(ca, format!("certificate {k} is not a usable CA ({e})")))?;
+        }
+    }
+    if let Some((cert, key)) = &files.client {
+        let chain = certificates(cert)?;
+        // Never show the key's contents: the PEM parser's message names a section, not bytes.
+        let der = PrivateKeyDer::from_pem_slice(&key.bytes)
+            .map_err(|e| bad(key, format!("holds no PEM private key ({e})")))?;
+        let provider = rustls::crypto::ring::default_provider();
+        rustls::sign::CertifiedKey::from_der(chain, der, &provider).map_err(|e| {
+            let f = if matches!(e, rustls::Error::InconsistentKeys(_)) {
+                cert
+            } else {
+                key
+            };
+            bad(
+                f,
+                format!("the client key and certificate cannot be used together ({e})"),
+            )
+        })?;
+    }
+    Ok(redis::TlsCertificates {
+        client_tls: files.client.as_ref().map(|(c, k)| redis::ClientTlsConfig {
+            client_cert: c.bytes.clone(),
+            client_key: k.bytes.clone(),
+        }),
+        root_cert: files.ca.as_ref().map(|c| c.bytes.clone()),
+    })
+}
+
+/// Whether `e` is a TLS handshake the other side or we refused over certificates, and then the
+/// setting to fix with a reason: an untrusted server certificate (`remote.tls_ca_file`), or a
+/// server that wants a (different) client certificate (`remote.tls_cert_file`).
+fn tls_rejection(e: &redis::RedisError) -> Option<(&'static str, String)> {
+    use std::error::Error as _;
+    let mut source = e.source();
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if let Some(t) = io.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+                return tls_error_setting(t);
+            }
+        }
+        if let Some(t) = s.downcast_ref::<rustls::Error>() {
+            return tls_error_setting(t);
+        }
+        source = s.source();
+    }
+    None
+}
+
+fn tls_error_setting(t: &rustls::Error) -> Option<(&'static str, String)> {
+    use rustls::AlertDescription as A;
+    match t {
+        rustls::Error::InvalidCertificate(c) => Some((
+            "remote.tls_ca_file",
+            format!("the server's certificate is not trusted ({c:?})"),
+        )),
+        rustls::Error::AlertReceived(
+            a @ (A::CertificateRequired
+            | A::BadCertificate
+            | A::UnknownCA
+            | A::CertificateUnknown
+            | A::UnsupportedCertificate
+            | A::CertificateRevoked
+            | A::CertificateExpired
+            | A::AccessDenied),
+        ) => Some((
+            "remote.tls_cert_file",
+            format!("the server refused our client certificate (alert {a:?})"),
+        )),
+        _ => None,
+    }
+}
+
 /// Opens a connection (no deadline of its own: the caller bounds it).
 async fn open(inner: &Inner) -> redis::RedisResult<Conn> {
     let url = &inner.url;
@@ -435,6 +579,9 @@ async fn open(inner: &Inner) -> redis::RedisResult<Conn> {
         if url.tls {
             b = b.tls(redis::TlsMode::Secure);
         }
+        if let Some(certs) = &inner.certs {
+            b = b.certs(certs.clone());
+        }
         let client = b.build()?;
         let mut c = client.get_async_connection().await?;
         // The slot map may come from one live seed while a node is down: ask once.
@@ -442,7 +589,11 @@ async fn open(inner: &Inner) -> redis::RedisResult<Conn> {
         Ok(Conn::Cluster(c))
     } else {
         let (host, port) = &url.nodes[0];
-        let client = redis::Client::open(connection_info(url, host, *port))?;
+        let info = connection_info(url, host, *port);
+        let client = match &inner.certs {
+            Some(certs) => redis::Client::build_with_tls(info, certs.clone())?,
+            None => redis::Client::open(info)?,
+        };
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(timeout)
             .set_response_timeout(timeout);
