@@ -6,6 +6,8 @@
 #     allowed only the commands and keys the tier uses
 #   * a 3-node Redis Cluster (3 primaries, no replicas)
 #                                                 -> KVBM_TEST_REDIS_CLUSTER_URL (redis+cluster://h:p,h:p,h:p)
+#   * a 3-node cluster on TLS only (clients and cluster bus), the same CA
+#                                                 -> KVBM_TEST_REDIS_TLS_CLUSTER_URL (rediss+cluster://…)
 #   * a TLS-only server whose certificate a private test CA signed
 #                                                 -> KVBM_TEST_REDIS_TLS_URL   (rediss://…)
 #   * a TLS-only server that also wants a client certificate from that CA (tls-auth-clients yes)
@@ -101,7 +103,7 @@ kvbm_redis_certs() {
     leaf server ca "127.0.0.1" \
       "subjectAltName=IP:127.0.0.1,DNS:localhost
 basicConstraints=CA:FALSE
-extendedKeyUsage=serverAuth"
+extendedKeyUsage=serverAuth,clientAuth"
     leaf client ca "kvbm-client" "basicConstraints=CA:FALSE
 extendedKeyUsage=clientAuth"
     leaf other-client other-ca "kvbm-other-client" "basicConstraints=CA:FALSE
@@ -118,8 +120,61 @@ kvbm_redis_stop() {
     pid=$(cat "$pidfile" 2>/dev/null) || continue
     [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
   done
+  # Servers started from a subshell (the clusters) are not our children: wait until they are gone
+  # (5 s at most) so that nothing outlives the caller.
+  for pidfile in "$KVBM_REDIS_DIR"/*/redis.pid; do
+    [ -f "$pidfile" ] || continue
+    pid=$(cat "$pidfile" 2>/dev/null) || continue
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  done
   rm -rf "$KVBM_REDIS_DIR"
   unset KVBM_REDIS_DIR
+}
+
+# kvbm_redis_cluster NAME [REDIS-CLI ARGS… [-- EXTRA CONFIG LINES…]]: a 3-node cluster (3
+# primaries); prints its nodes as h:p,h:p,h:p once every node sees the whole slot map. With
+# config lines, the nodes listen on TLS only (`port 0`, `tls-port`).
+kvbm_redis_cluster() {
+  local name=$1; shift
+  local cli=() conf=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do cli+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  conf=("$@")
+  local ports=() p
+  for _ in 1 2 3; do
+    p=$(kvbm_redis_free_port)
+    if [ ${#conf[@]} -gt 0 ]; then
+      kvbm_redis_server "$name" "$p" "port 0" "tls-port $p" "${conf[@]}" "cluster-enabled yes" \
+        "cluster-config-file nodes.conf" "cluster-node-timeout 2000" || return 1
+    else
+      kvbm_redis_server "$name" "$p" "cluster-enabled yes" "cluster-config-file nodes.conf" \
+        "cluster-node-timeout 2000" || return 1
+    fi
+    ports+=("$p")
+  done
+  for p in "${ports[@]}"; do kvbm_redis_wait "$p" "${cli[@]}" || return 1; done
+  local log="$KVBM_REDIS_DIR/$name-create.log"
+  timeout 60 redis-cli "${cli[@]}" --cluster create "127.0.0.1:${ports[0]}" "127.0.0.1:${ports[1]}" \
+    "127.0.0.1:${ports[2]}" --cluster-replicas 0 --cluster-yes >"$log" 2>&1 || {
+    echo "redis-servers.sh: redis-cli --cluster create ($name) failed:" >&2
+    cat "$log" >&2
+    return 1
+  }
+  # Every node must see the whole slot map before the tests use it.
+  local ok
+  for _ in $(seq 100); do
+    ok=0
+    for p in "${ports[@]}"; do
+      redis-cli -h 127.0.0.1 -p "$p" "${cli[@]}" cluster info 2>/dev/null | grep -q 'cluster_state:ok' && ok=$((ok + 1))
+    done
+    [ "$ok" -eq 3 ] && break
+    sleep 0.1
+  done
+  if [ "$ok" -ne 3 ]; then
+    echo "redis-servers.sh: the cluster ($name) did not reach cluster_state:ok" >&2
+    return 1
+  fi
+  echo "127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}"
 }
 
 kvbm_redis_start() {
@@ -134,7 +189,7 @@ kvbm_redis_start() {
   KVBM_REDIS_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvbm-redis.XXXXXX")
   export KVBM_REDIS_DIR
   local pass=kvbm-test-pass upass=kvbm-user-pass
-  local p_plain p_auth c1 c2 c3
+  local p_plain p_auth
   p_plain=$(kvbm_redis_free_port)
   kvbm_redis_server standalone "$p_plain" || return 1
   p_auth=$(kvbm_redis_free_port)
@@ -143,15 +198,6 @@ kvbm_redis_start() {
   kvbm_redis_server auth "$p_auth" "requirepass $pass" \
     "user kvbm on >$upass resetkeys ~kvbm:* resetchannels -@all +ping +exists +getrange +set +select +cluster|slots" \
     || return 1
-  local ports=()
-  for _ in 1 2 3; do
-    local p
-    p=$(kvbm_redis_free_port)
-    kvbm_redis_server cluster "$p" "cluster-enabled yes" "cluster-config-file nodes.conf" \
-      "cluster-node-timeout 2000" || return 1
-    ports+=("$p")
-  done
-  c1=${ports[0]} c2=${ports[1]} c3=${ports[2]}
   local tls="$KVBM_REDIS_DIR/tls" p_tls p_mtls
   mkdir -p "$tls"
   kvbm_redis_certs "$tls" || { echo "redis-servers.sh: openssl could not make the test certificates" >&2; return 1; }
@@ -161,39 +207,26 @@ kvbm_redis_start() {
   p_mtls=$(kvbm_redis_free_port)
   kvbm_redis_server mtls "$p_mtls" "port 0" "tls-port $p_mtls" "tls-cert-file $tls/server.pem" \
     "tls-key-file $tls/server.key" "tls-ca-cert-file $tls/ca.pem" "tls-auth-clients yes" || return 1
-  kvbm_redis_wait "$p_tls" --tls --cacert "$tls/ca.pem" || return 1
-  kvbm_redis_wait "$p_mtls" --tls --cacert "$tls/ca.pem" --cert "$tls/client.pem" --key "$tls/client.key" || return 1
   kvbm_redis_wait "$p_plain" || return 1
   kvbm_redis_wait "$p_auth" -a "$pass" || return 1
-  for p in "${ports[@]}"; do kvbm_redis_wait "$p" || return 1; done
-  redis-cli --cluster create "127.0.0.1:$c1" "127.0.0.1:$c2" "127.0.0.1:$c3" \
-    --cluster-replicas 0 --cluster-yes >"$KVBM_REDIS_DIR/cluster-create.log" 2>&1 || {
-    echo "redis-servers.sh: redis-cli --cluster create failed:" >&2
-    cat "$KVBM_REDIS_DIR/cluster-create.log" >&2
-    return 1
-  }
-  # Every node must see the whole slot map before the tests use it.
-  local ok
-  for _ in $(seq 100); do
-    ok=0
-    for p in "${ports[@]}"; do
-      redis-cli -h 127.0.0.1 -p "$p" cluster info 2>/dev/null | grep -q 'cluster_state:ok' && ok=$((ok + 1))
-    done
-    [ "$ok" -eq 3 ] && break
-    sleep 0.1
-  done
-  if [ "$ok" -ne 3 ]; then
-    echo "redis-servers.sh: the cluster did not reach cluster_state:ok" >&2
-    return 1
-  fi
+  kvbm_redis_wait "$p_tls" --tls --cacert "$tls/ca.pem" || return 1
+  kvbm_redis_wait "$p_mtls" --tls --cacert "$tls/ca.pem" --cert "$tls/client.pem" --key "$tls/client.key" || return 1
+  local plain_nodes tls_nodes
+  plain_nodes=$(kvbm_redis_cluster cluster) || return 1
+  # The TLS cluster's nodes also talk TLS on the cluster bus (tls-cluster yes), with the server
+  # certificate as their client certificate.
+  tls_nodes=$(kvbm_redis_cluster tlscluster --tls --cacert "$tls/ca.pem" -- "tls-cluster yes" \
+    "tls-cert-file $tls/server.pem" "tls-key-file $tls/server.key" "tls-ca-cert-file $tls/ca.pem" \
+    "tls-auth-clients no") || return 1
   export KVBM_TEST_REDIS_URL="redis://127.0.0.1:$p_plain/0"
   export KVBM_TEST_REDIS_AUTH_URL="redis://:$pass@127.0.0.1:$p_auth/0"
   export KVBM_TEST_REDIS_ACL_URL="redis://kvbm:$upass@127.0.0.1:$p_auth/0"
-  export KVBM_TEST_REDIS_CLUSTER_URL="redis+cluster://127.0.0.1:$c1,127.0.0.1:$c2,127.0.0.1:$c3"
+  export KVBM_TEST_REDIS_CLUSTER_URL="redis+cluster://$plain_nodes"
+  export KVBM_TEST_REDIS_TLS_CLUSTER_URL="rediss+cluster://$tls_nodes"
   export KVBM_TEST_REDIS_TLS_URL="rediss://127.0.0.1:$p_tls/0"
   export KVBM_TEST_REDIS_MTLS_URL="rediss://127.0.0.1:$p_mtls/0"
   export KVBM_TEST_REDIS_TLS_DIR="$tls"
-  echo "redis-servers.sh: standalone $KVBM_TEST_REDIS_URL, auth on port $p_auth, cluster $KVBM_TEST_REDIS_CLUSTER_URL"
+  echo "redis-servers.sh: standalone $KVBM_TEST_REDIS_URL, auth on port $p_auth, cluster $KVBM_TEST_REDIS_CLUSTER_URL, TLS $KVBM_TEST_REDIS_TLS_URL, mutual TLS $KVBM_TEST_REDIS_MTLS_URL, TLS cluster $KVBM_TEST_REDIS_TLS_CLUSTER_URL"
 }
 
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then

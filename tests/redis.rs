@@ -6,7 +6,8 @@
 //! Run with the servers of `scripts/redis-servers.sh`: `scripts/redis-servers.sh cargo test
 //! --features redis --test redis` (scripts/test.sh does). The tests read their URLs from
 //! `KVBM_TEST_REDIS_URL`, `KVBM_TEST_REDIS_CLUSTER_URL`, `KVBM_TEST_REDIS_AUTH_URL` and
-//! `KVBM_TEST_REDIS_ACL_URL`, `KVBM_TEST_REDIS_TLS_URL`, `KVBM_TEST_REDIS_MTLS_URL` (with the PEM
+//! `KVBM_TEST_REDIS_ACL_URL`, `KVBM_TEST_REDIS_TLS_URL`, `KVBM_TEST_REDIS_MTLS_URL`,
+//! `KVBM_TEST_REDIS_TLS_CLUSTER_URL` (with the PEM
 //! files in `KVBM_TEST_REDIS_TLS_DIR`), and start their own servers with `redis-server` from `PATH`. A test
 //! whose server is missing prints `SKIP <test>: <reason>` and returns, except under `CI=true`,
 //! where it fails.
@@ -742,6 +743,26 @@ fn tls_with_a_private_ca_round_trips_and_an_untrusted_server_is_refused() {
             what,
         );
     }
+}
+
+#[test]
+fn tls_cluster_with_a_private_ca_round_trips_and_an_untrusted_one_is_refused() {
+    let (Some(url), Some(dir)) = (env_url("KVBM_TEST_REDIS_TLS_CLUSTER_URL"), tls_dir()) else {
+        return;
+    };
+    assert!(url.tls && url.cluster);
+    let store = RedisStore::connect(
+        &url,
+        scope(2, 4099),
+        tls_options(&dir, Some("ca.pem"), None).unwrap(),
+    )
+    .expect("TLS cluster with the test CA");
+    tls_round_trip(&store);
+    assert_tls_refused(
+        RedisStore::connect(&url, scope(1, 16), RedisOptions::default()),
+        "remote.tls_ca_file",
+        "a TLS cluster with the system roots",
+    );
 }
 
 #[test]

@@ -527,6 +527,41 @@ fn tls_rejection(e: &redis::RedisError) -> Option<(&'static str, String)> {
         }
         source = s.source();
     }
+    // The cluster client reports its seeds' failures as text only ("Failed to create initial
+    // connections - IoError: invalid peer certificate: UnknownIssuer"): read rustls's wording.
+    let text = e.to_string();
+    if let Some(i) = text.find("invalid peer certificate: ") {
+        let what = &text[i + "invalid peer certificate: ".len()..];
+        return Some((
+            "remote.tls_ca_file",
+            format!(
+                "the server's certificate is not trusted ({})",
+                what.split_whitespace().next().unwrap_or("")
+            ),
+        ));
+    }
+    if let Some(i) = text.find("received fatal alert: ") {
+        let alert = text[i + "received fatal alert: ".len()..]
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .next()
+            .unwrap_or("");
+        const CERTIFICATE_ALERTS: [&str; 8] = [
+            "CertificateRequired",
+            "BadCertificate",
+            "UnknownCA",
+            "CertificateUnknown",
+            "UnsupportedCertificate",
+            "CertificateRevoked",
+            "CertificateExpired",
+            "AccessDenied",
+        ];
+        if CERTIFICATE_ALERTS.contains(&alert) {
+            return Some((
+                "remote.tls_cert_file",
+                format!("the server refused our client certificate (alert {alert})"),
+            ));
+        }
+    }
     None
 }
 
