@@ -798,7 +798,12 @@ fn redis_paths(url: &str, blocks: usize, rounds: usize) -> Result<Vec<PathResult
         .unwrap_or_default();
     let description = format!("kvbm-bench-{}-{nonce}", std::process::id());
     let scope = RemoteScope::new(&description, d.page_size, 1, bpb, HashAlgorithm::Sha256)?;
-    let store = RedisStore::connect(&url, scope, RedisOptions::default())?;
+    // A private CA or a client certificate comes from the configuration, as for the engine.
+    let options = RedisOptions {
+        tls: kvbm_connector::Config::load(None)?.remote.tls_files()?,
+        ..RedisOptions::default()
+    };
+    let store = RedisStore::connect(&url, scope, options)?;
     let deadline = || Instant::now() + Duration::from_secs(120);
     // Fails now, with the reason, if the server cannot be reached.
     store.raw_command(&[b"PING"], deadline())?;
