@@ -460,9 +460,9 @@ impl RemoteConfig {
     /// `redis` URL, and a client certificate and its key come together.
     fn validate_relations(&self) -> Result<()> {
         let first_tls_file = [
-            ("remote.tls_ca_file", &self.tls_ca_file),
-            ("remote.tls_cert_file", &self.tls_cert_file),
-            ("remote.tls_key_file", &self.tls_key_file),
+            ("remote.tls_ca_file (KVBM_REMOTE_TLS_CA_FILE)", &self.tls_ca_file),
+            ("remote.tls_cert_file (KVBM_REMOTE_TLS_CERT_FILE)", &self.tls_cert_file),
+            ("remote.tls_key_file (KVBM_REMOTE_TLS_KEY_FILE)", &self.tls_key_file),
         ]
         .into_iter()
         .find_map(|(k, p)| p.as_ref().map(|p| (k, p)));
@@ -491,12 +491,12 @@ impl RemoteConfig {
     fn client_pair_error(&self) -> Option<Error> {
         match (&self.tls_cert_file, &self.tls_key_file) {
             (Some(c), None) => Some(Error::invalid_config(
-                "remote.tls_cert_file",
+                "remote.tls_cert_file (KVBM_REMOTE_TLS_CERT_FILE)",
                 c.display(),
                 "a client certificate needs its key: set remote.tls_key_file (KVBM_REMOTE_TLS_KEY_FILE) too",
             )),
             (None, Some(k)) => Some(Error::invalid_config(
-                "remote.tls_key_file",
+                "remote.tls_key_file (KVBM_REMOTE_TLS_KEY_FILE)",
                 k.display(),
                 "a client key needs its certificate: set remote.tls_cert_file (KVBM_REMOTE_TLS_CERT_FILE) too",
             )),
