@@ -460,9 +460,18 @@ impl RemoteConfig {
     /// `redis` URL, and a client certificate and its key come together.
     fn validate_relations(&self) -> Result<()> {
         let first_tls_file = [
-            ("remote.tls_ca_file (KVBM_REMOTE_TLS_CA_FILE)", &self.tls_ca_file),
-            ("remote.tls_cert_file (KVBM_REMOTE_TLS_CERT_FILE)", &self.tls_cert_file),
-            ("remote.tls_key_file (KVBM_REMOTE_TLS_KEY_FILE)", &self.tls_key_file),
+            (
+                "remote.tls_ca_file (KVBM_REMOTE_TLS_CA_FILE)",
+                &self.tls_ca_file,
+            ),
+            (
+                "remote.tls_cert_file (KVBM_REMOTE_TLS_CERT_FILE)",
+                &self.tls_cert_file,
+            ),
+            (
+                "remote.tls_key_file (KVBM_REMOTE_TLS_KEY_FILE)",
+                &self.tls_key_file,
+            ),
         ]
         .into_iter()
         .find_map(|(k, p)| p.as_ref().map(|p| (k, p)));
