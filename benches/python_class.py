@@ -612,7 +612,19 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="a short correctness run (40 trace requests, 40 throughput requests)")
     ap.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    ap.add_argument("--allow-debug", action="store_true",
+                    help="time an unoptimised (debug) build anyway; its figures are not the product's")
     args = ap.parse_args(argv)
+    from kvbm_connector import _kvbm
+    if getattr(_kvbm, "DEBUG_BUILD", False):
+        where = os.path.dirname(_kvbm.__file__)
+        msg = (f"the installed kvbm_connector ({where}) is a debug build (scripts/test.sh installs "
+               "one): its timings are 20-30x the release build's. Install a release wheel "
+               "(docs/benchmarks.md) or pass --allow-debug.")
+        if not (args.quick or args.allow_debug):
+            print(f"python_class.py: refusing to time it: {msg}", file=sys.stderr)
+            return 2
+        print(f"WARNING: {msg}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="kvbm-bench-") as tmp:
         for name in list(os.environ):
             if name.startswith(("KVBM_", "DYN_KVBM_")):

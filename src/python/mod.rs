@@ -301,6 +301,8 @@ fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(log::drain_logs, m)?)?;
     m.add("KvbmError", py.get_type::<KvbmError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // An unoptimised build (scripts/test.sh installs one): benches refuse to time it.
+    m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     m.add("ERROR_KINDS", error::kind_names())?;
     m.add_class::<PyConfig>()?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;

@@ -51,3 +51,16 @@ def test_bench_calls_do_the_engines_work(monkeypatch):
     assert r["tput_lookups"] == n
     assert r["empty_py_ns"] > 0 and r["empty_pyo3_ns"] > 0
     assert set(b.report(r, out=open("/dev/null", "w"))) >= {"lookup_us", "request_us"}
+
+
+def test_bench_refuses_to_time_a_debug_build(capsys, monkeypatch):
+    """A timing run on an unoptimised wheel would print figures 20-30x off: refused unless asked
+    for. The flag is the wheel's own; it is forced on here so the check runs on either build."""
+    from kvbm_connector import _kvbm
+
+    assert isinstance(_kvbm.DEBUG_BUILD, bool)
+    monkeypatch.setattr(_kvbm, "DEBUG_BUILD", True)
+    b = _bench()
+    assert b.main([]) == 2
+    err = capsys.readouterr().err
+    assert "debug build" in err and "--allow-debug" in err
