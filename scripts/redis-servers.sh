@@ -83,33 +83,37 @@ kvbm_redis_server() {
 # kvbm_redis_certs DIR: a test CA, a server certificate for 127.0.0.1/localhost, a client
 # certificate, and a second CA with its own client certificate (EC P-256, PKCS#8 keys, 2 days).
 kvbm_redis_certs() {
-  local d=$1
-  (
-    set -e
-    cd "$d"
-    for ca in ca other-ca; do
-      openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$ca.key" 2>/dev/null
-      openssl req -x509 -new -key "$ca.key" -days 2 -subj "/CN=kvbm test $ca" -out "$ca.pem" \
-        -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
-    done
-    # name CA SUBJECT EXTENSIONS
-    leaf() {
-      openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1.key" 2>/dev/null
-      openssl req -new -key "$1.key" -subj "/CN=$3" -out "$1.csr"
-      printf '%s\n' "$4" > "$1.ext"
-      openssl x509 -req -in "$1.csr" -CA "$2.pem" -CAkey "$2.key" -CAcreateserial -days 2 \
-        -extfile "$1.ext" -out "$1.pem" 2>/dev/null
-    }
-    leaf server ca "127.0.0.1" \
-      "subjectAltName=IP:127.0.0.1,DNS:localhost
+  local d=$1 log="$1/openssl.log" ca name
+  # Every step is checked (`set -e` does nothing in a function called left of `||`); openssl's
+  # messages go to openssl.log and are shown on failure.
+  for ca in ca other-ca; do
+    openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$d/$ca.key" >>"$log" 2>&1 &&
+      openssl req -x509 -new -key "$d/$ca.key" -days 2 -subj "/CN=kvbm test $ca" -out "$d/$ca.pem" \
+        -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+        >>"$log" 2>&1 || { cat "$log" >&2; return 1; }
+  done
+  # kvbm_redis_leaf NAME CA SUBJECT EXTENSIONS
+  kvbm_redis_leaf() {
+    openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$d/$1.key" >>"$log" 2>&1 &&
+      openssl req -new -key "$d/$1.key" -subj "/CN=$3" -out "$d/$1.csr" >>"$log" 2>&1 &&
+      printf '%s\n' "$4" >"$d/$1.ext" &&
+      openssl x509 -req -in "$d/$1.csr" -CA "$d/$2.pem" -CAkey "$d/$2.key" -CAcreateserial \
+        -days 2 -extfile "$d/$1.ext" -out "$d/$1.pem" >>"$log" 2>&1 || { cat "$log" >&2; return 1; }
+  }
+  kvbm_redis_leaf server ca "127.0.0.1" "subjectAltName=IP:127.0.0.1,DNS:localhost
 basicConstraints=CA:FALSE
-extendedKeyUsage=serverAuth,clientAuth"
-    leaf client ca "kvbm-client" "basicConstraints=CA:FALSE
-extendedKeyUsage=clientAuth"
-    leaf other-client other-ca "kvbm-other-client" "basicConstraints=CA:FALSE
-extendedKeyUsage=clientAuth"
-    chmod 600 ./*.key
-  )
+extendedKeyUsage=serverAuth,clientAuth" || return 1
+  kvbm_redis_leaf client ca "kvbm-client" "basicConstraints=CA:FALSE
+extendedKeyUsage=clientAuth" || return 1
+  kvbm_redis_leaf other-client other-ca "kvbm-other-client" "basicConstraints=CA:FALSE
+extendedKeyUsage=clientAuth" || return 1
+  for name in ca other-ca server client other-client; do
+    [ -s "$d/$name.pem" ] && [ -s "$d/$name.key" ] || {
+      echo "redis-servers.sh: openssl made no $name.pem / $name.key" >&2
+      return 1
+    }
+  done
+  chmod 600 "$d"/*.key
 }
 
 kvbm_redis_stop() {
@@ -202,8 +206,10 @@ kvbm_redis_start() {
   mkdir -p "$tls"
   kvbm_redis_certs "$tls" || { echo "redis-servers.sh: openssl could not make the test certificates" >&2; return 1; }
   p_tls=$(kvbm_redis_free_port)
+  # Also on 127.0.0.2, a loopback address its certificate does not name (a host-name mismatch).
   kvbm_redis_server tls "$p_tls" "port 0" "tls-port $p_tls" "tls-cert-file $tls/server.pem" \
-    "tls-key-file $tls/server.key" "tls-ca-cert-file $tls/ca.pem" "tls-auth-clients no" || return 1
+    "tls-key-file $tls/server.key" "tls-ca-cert-file $tls/ca.pem" "tls-auth-clients no" \
+    "bind 127.0.0.1 127.0.0.2" || return 1
   p_mtls=$(kvbm_redis_free_port)
   kvbm_redis_server mtls "$p_mtls" "port 0" "tls-port $p_mtls" "tls-cert-file $tls/server.pem" \
     "tls-key-file $tls/server.key" "tls-ca-cert-file $tls/ca.pem" "tls-auth-clients yes" || return 1

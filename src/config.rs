@@ -1151,18 +1151,33 @@ fn parse_gb(var: &str, raw: &str) -> Result<f64> {
 impl Config {
     /// Parses a TOML document (unknown keys are errors).
     pub fn from_toml_str(text: &str) -> Result<Self> {
+        let cfg = Self::parse_toml(text)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses TOML and checks each value on its own (not the settings that constrain each other:
+    /// the environment or a tool's flags may still change them).
+    fn parse_toml(text: &str) -> Result<Self> {
         let cfg: Config = toml::from_str(text).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidConfig,
                 format!("invalid configuration: {}", e.to_string().trim()),
             )
         })?;
-        cfg.validate()?;
+        cfg.validate_values()?;
         Ok(cfg)
     }
 
     /// Reads and parses a TOML file.
     pub fn from_file(path: &Path) -> Result<Self> {
+        let cfg = Self::read_file(path)?;
+        cfg.validate().map_err(|e| e.with("path", path.display()))?;
+        Ok(cfg)
+    }
+
+    /// [`Config::from_file`] with each value checked on its own only.
+    fn read_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidConfig,
@@ -1170,7 +1185,7 @@ impl Config {
             )
             .with("path", path.display())
         })?;
-        Self::from_toml_str(&text).map_err(|e| e.with("path", path.display()))
+        Self::parse_toml(&text).map_err(|e| e.with("path", path.display()))
     }
 
     /// The effective configuration of this process: the file (`path`, else `KVBM_CONFIG`, else
@@ -1181,24 +1196,47 @@ impl Config {
 
     /// As [`Config::load`], reading variables through `env` (for tests and embedding).
     pub fn load_with(path: Option<&Path>, env: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let cfg = Self::load_for_overrides_with(path, env)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// As [`Config::load`], for a caller that overrides settings next (a tool's flags): every
+    /// value is checked, but the settings that constrain each other (a client certificate and its
+    /// key, TLS files and the URL's scheme, heartbeat and its timeout) only once the caller has
+    /// applied its overrides and called [`Config::validate`].
+    pub fn load_for_overrides(path: Option<&Path>) -> Result<Self> {
+        Self::load_for_overrides_with(path, |k| std::env::var(k).ok())
+    }
+
+    fn load_for_overrides_with(
+        path: Option<&Path>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
         let from_var = env(CONFIG_FILE_VAR)
             .filter(|s| !s.trim().is_empty())
             .map(PathBuf::from);
         let mut cfg = match path.map(Path::to_path_buf).or(from_var) {
-            Some(p) => Self::from_file(&p)?,
+            Some(p) => Self::read_file(&p)?,
             None => Self::default(),
         };
-        cfg.apply_env(env)?;
+        cfg.set_env(env)?;
         Ok(cfg)
     }
 
     /// Applies every variable of [`ENV_VARS`] that `env` knows, in order (ours after Dynamo's).
     pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<()> {
+        self.set_env(env)?;
+        self.validate()
+    }
+
+    /// [`Config::apply_env`] with each value checked on its own only.
+    fn set_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<()> {
         for var in ENV_VARS {
             let Some(raw) = env(var.name) else { continue };
             self.set(var.name, var.key, &raw)?;
         }
-        self.validate()
+        Ok(())
     }
 
     /// Sets one key (a TOML key path of [`ENV_VARS`]) from its text form; `source` names the
@@ -1982,6 +2020,38 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("remote.tls_ca_file"), "{e}");
+        // Relations are checked on the merged settings, not on the file alone: a file with the
+        // certificate and the key in the environment, a file with a plain URL corrected by the
+        // environment, and (for a tool) a plain URL corrected after loading.
+        let file = dir.path().join("kvbm.toml");
+        std::fs::write(
+            &file,
+            format!("[remote]\nurl = \"redis://h:1\"\ntls_cert_file = \"{cert_s}\"\n"),
+        )
+        .unwrap();
+        let c = Config::load_with(
+            Some(&file),
+            env(&[
+                ("KVBM_REMOTE_URL", "rediss://h:1"),
+                ("KVBM_REMOTE_TLS_KEY_FILE", &key_s),
+            ]),
+        )
+        .unwrap();
+        assert!(c.remote.tls_files().unwrap().unwrap().client.is_some());
+        let e = Config::load_with(Some(&file), env(&[("KVBM_REMOTE_URL", "rediss://h:1")]))
+            .unwrap_err();
+        assert!(e.to_string().contains("remote.tls_key_file"), "{e}");
+        let mut c = Config::load_for_overrides_with(
+            None,
+            env(&[
+                ("KVBM_REMOTE_URL", "redis://h:1"),
+                ("KVBM_REMOTE_TLS_CA_FILE", &ca_s),
+            ]),
+        )
+        .unwrap();
+        assert!(c.validate().is_err());
+        c.remote.url = Some("rediss://h:1".into());
+        c.validate().unwrap();
         // Nothing set: none.
         assert!(Config::default().remote.tls_files().unwrap().is_none());
         // A plain URL with TLS files, a certificate without its key and a key without its

@@ -731,6 +731,18 @@ fn tls_with_a_private_ca_round_trips_and_an_untrusted_server_is_refused() {
     .expect("TLS with the test CA");
     assert!(store.stats().available);
     tls_round_trip(&store);
+    // The same server reached by a name its certificate does not list (it also listens on
+    // 127.0.0.2; the certificate names 127.0.0.1 and localhost): the URL is what to fix.
+    let other_name = RedisUrl::parse(&format!("rediss://127.0.0.2:{}/0", url.nodes[0].1)).unwrap();
+    assert_tls_refused(
+        RedisStore::connect(
+            &other_name,
+            scope(1, 16),
+            tls_options(&dir, Some("ca.pem"), None).unwrap(),
+        ),
+        "remote.url",
+        "a host name the certificate does not list",
+    );
     // The system's roots do not know the test CA, nor does another CA.
     for (ca, what) in [(None, "system roots"), (Some("other-ca.pem"), "another CA")] {
         let options = match ca {
@@ -813,6 +825,18 @@ fn bad_tls_files_are_typed_errors_naming_the_setting() {
     let junk = scratch.path().join("junk.pem");
     std::fs::write(&junk, "not a certificate\n").unwrap();
     let key_as_ca = dir.join("client.key");
+    // The key flattened onto one line (as pasting into a secret store may do): the PEM parser's
+    // own error would carry the file's bytes.
+    let one_line_key = scratch.path().join("one-line.key");
+    std::fs::write(&one_line_key, key_text.replace('\n', " ")).unwrap();
+    let key_body: String = key_text
+        .lines()
+        .filter(|l| !l.starts_with("-----"))
+        .collect();
+    let key_bytes_listed = format!("{:?}", &key_body.as_bytes()[..6]);
+    let key_bytes_listed = key_bytes_listed
+        .trim_matches(|c| c == '[' || c == ']')
+        .to_string();
     let cases: Vec<TlsCase> = vec![
         // A CA file with no certificate in it.
         (Some(junk.clone()), None, "remote.tls_ca_file"),
@@ -826,6 +850,11 @@ fn bad_tls_files_are_typed_errors_naming_the_setting() {
         (
             None,
             Some((dir.join("client.pem"), junk.clone())),
+            "remote.tls_key_file",
+        ),
+        (
+            None,
+            Some((dir.join("client.pem"), one_line_key.clone())),
             "remote.tls_key_file",
         ),
         // A key that is not the certificate's.
@@ -857,6 +886,10 @@ fn bad_tls_files_are_typed_errors_naming_the_setting() {
                 "{what}: the key's contents are shown: {text}"
             );
         }
+        assert!(
+            !text.contains(&key_body[..16]) && !text.contains(&key_bytes_listed),
+            "{what}: the key's contents are shown: {text}"
+        );
     }
     // TLS files with a plain URL: refused, not ignored.
     let plain = RedisUrl::parse(&format!("redis://127.0.0.1:{}/0", url.nodes[0].1)).unwrap();

@@ -800,7 +800,9 @@ fn redis_paths(url: &str, blocks: usize, rounds: usize) -> Result<Vec<PathResult
     let scope = RemoteScope::new(&description, d.page_size, 1, bpb, HashAlgorithm::Sha256)?;
     // A private CA or a client certificate comes from the configuration, as for the engine.
     let options = RedisOptions {
-        tls: kvbm_connector::Config::load(None)?.remote.tls_files()?,
+        tls: kvbm_connector::Config::load_for_overrides(None)?
+            .remote
+            .tls_files()?,
         ..RedisOptions::default()
     };
     let store = RedisStore::connect(&url, scope, options)?;

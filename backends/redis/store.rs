@@ -444,16 +444,46 @@ fn tls_refused(inner: &Inner, e: &redis::RedisError) -> Error {
         return Error::new(ErrorKind::Io, format!("TLS failed: {e}")).with("remote", &inner.url);
     };
     let tls = inner.options.tls.as_ref();
-    let file = if key == "remote.tls_ca_file" {
-        tls.and_then(|t| t.ca.as_ref())
-    } else {
-        tls.and_then(|t| t.client.as_ref().map(|(c, _)| c))
+    let file = match key {
+        "remote.tls_ca_file" => tls.and_then(|t| t.ca.as_ref()),
+        "remote.tls_cert_file" => tls.and_then(|t| t.client.as_ref().map(|(c, _)| c)),
+        _ => None,
     };
-    let shown = file.map_or_else(|| "(not set)".to_string(), |f| f.path.display().to_string());
+    let shown = match (key, file) {
+        ("remote.url", _) => inner.url.to_string(),
+        (_, Some(f)) => f.path.display().to_string(),
+        (_, None) => "(not set)".to_string(),
+    };
     Error::invalid_config(
         key,
         shown,
         format!("TLS with {} failed: {why} ({e})", inner.url),
+    )
+}
+
+/// What is wrong with a PEM file, in words that never quote the file (the parser's own errors
+/// can carry its bytes: a key's, for a key file).
+fn pem_problem(e: &rustls::pki_types::pem::Error) -> &'static str {
+    use rustls::pki_types::pem::Error as E;
+    match e {
+        E::NoItemsFound => "no -----BEGIN …----- block of the expected kind",
+        E::MissingSectionEnd { .. } => {
+            "a -----BEGIN …----- block has no -----END …----- line (a PEM flattened onto one line?)"
+        }
+        E::IllegalSectionStart { .. } => "a malformed -----BEGIN …----- line",
+        E::Base64Decode(_) => "a block's base64 does not decode",
+        E::SectionTooLarge => "a block is too large",
+        _ => "the file is not valid PEM",
+    }
+}
+
+/// Whether a rustls certificate error is about the name the server was reached by, not its
+/// issuer (`remote.url`'s host is not among the certificate's names).
+fn name_mismatch(c: &rustls::CertificateError) -> bool {
+    matches!(
+        c,
+        rustls::CertificateError::NotValidForName
+            | rustls::CertificateError::NotValidForNameContext { .. }
     )
 }
 
@@ -466,7 +496,12 @@ fn tls_certificates(files: &RemoteTlsFiles) -> Result<redis::TlsCertificates> {
     let certificates = |f: &PemFile| -> Result<Vec<CertificateDer<'static>>> {
         let certs = CertificateDer::pem_slice_iter(&f.bytes)
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| bad(f, format!("not a PEM certificate file ({e})")))?;
+            .map_err(|e| {
+                bad(
+                    f,
+                    format!("not a PEM certificate file: {}", pem_problem(&e)),
+                )
+            })?;
         if certs.is_empty() {
             return Err(bad(
                 f,
@@ -485,9 +520,14 @@ fn tls_certificates(files: &RemoteTlsFiles) -> Result<redis::TlsCertificates> {
     }
     if let Some((cert, key)) = &files.client {
         let chain = certificates(cert)?;
-        // Never show the key's contents: the PEM parser's message names a section, not bytes.
-        let der = PrivateKeyDer::from_pem_slice(&key.bytes)
-            .map_err(|e| bad(key, format!("holds no PEM private key ({e})")))?;
+        // Never show the key's contents: some of the PEM parser's errors carry the file's
+        // bytes, so only a fixed description is shown.
+        let der = PrivateKeyDer::from_pem_slice(&key.bytes).map_err(|e| {
+            bad(
+                key,
+                format!("holds no PEM private key: {}", pem_problem(&e)),
+            )
+        })?;
         let provider = rustls::crypto::ring::default_provider();
         rustls::sign::CertifiedKey::from_der(chain, der, &provider).map_err(|e| {
             let f = if matches!(e, rustls::Error::InconsistentKeys(_)) {
@@ -531,13 +571,23 @@ fn tls_rejection(e: &redis::RedisError) -> Option<(&'static str, String)> {
     // connections - IoError: invalid peer certificate: UnknownIssuer"): read rustls's wording.
     let text = e.to_string();
     if let Some(i) = text.find("invalid peer certificate: ") {
-        let what = &text[i + "invalid peer certificate: ".len()..];
+        let what: String = text[i + "invalid peer certificate: ".len()..]
+            .chars()
+            .take(300)
+            .collect();
+        // rustls words it "certificate not valid for name …" (older: `NotValidForName`).
+        if what.starts_with("certificate not valid for name") || what.starts_with("NotValidForName")
+        {
+            return Some((
+                "remote.url",
+                format!(
+                    "the server's certificate does not name the host it was reached by ({what})"
+                ),
+            ));
+        }
         return Some((
             "remote.tls_ca_file",
-            format!(
-                "the server's certificate is not trusted ({})",
-                what.split_whitespace().next().unwrap_or("")
-            ),
+            format!("the server's certificate is not trusted ({what})"),
         ));
     }
     if let Some(i) = text.find("received fatal alert: ") {
@@ -568,6 +618,10 @@ fn tls_rejection(e: &redis::RedisError) -> Option<(&'static str, String)> {
 fn tls_error_setting(t: &rustls::Error) -> Option<(&'static str, String)> {
     use rustls::AlertDescription as A;
     match t {
+        rustls::Error::InvalidCertificate(c) if name_mismatch(c) => Some((
+            "remote.url",
+            format!("the server's certificate does not name the host it was reached by ({c:?})"),
+        )),
         rustls::Error::InvalidCertificate(c) => Some((
             "remote.tls_ca_file",
             format!("the server's certificate is not trusted ({c:?})"),

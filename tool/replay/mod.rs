@@ -246,7 +246,9 @@ pub const DEFAULT_DISK_BLOCKS: usize = 4096;
 
 /// The effective configuration of a replay: file and environment, then the flags.
 pub fn replay_config(a: &ReplayArgs) -> Result<Config> {
-    let mut config = Config::load(a.config.as_deref())?;
+    // Settings that constrain each other are checked once the flags are in (`validate` below):
+    // `--remote-url rediss://…` may be what makes `KVBM_REMOTE_TLS_*` valid.
+    let mut config = Config::load_for_overrides(a.config.as_deref())?;
     if let Some(n) = a.host_blocks {
         config.host.cache_blocks = Some(n);
     } else if config.host.cache_blocks.is_none() && config.host.cache_gb.is_none() {
