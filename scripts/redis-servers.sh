@@ -23,11 +23,20 @@
 #   scripts/redis-servers.sh CMD ARGS…   # starts them, runs CMD with the URLs, stops them
 # `kvbm_redis_stop` stops them early.
 
-# A free loopback port P whose P+10000 (a cluster node's bus port) is free too; P <= 55535.
+# A free loopback port P whose P+10000 (a cluster node's bus port) is free too; P <= 55535. Ports
+# handed out before (recorded in $KVBM_REDIS_DIR/ports, with their bus ports) are never handed out
+# again, even while their server is still starting.
 kvbm_redis_free_port() {
-  python3 - <<'PY'
-import random, socket
+  KVBM_REDIS_PORTS_FILE="${KVBM_REDIS_DIR:?}/ports" python3 - <<'PY'
+import os, random, socket
+path = os.environ["KVBM_REDIS_PORTS_FILE"]
+try:
+    taken = {int(w) for w in open(path).read().split()}
+except FileNotFoundError:
+    taken = set()
 def free(p):
+    if p in taken:
+        return False
     s = socket.socket()
     try:
         s.bind(("127.0.0.1", p))
@@ -37,8 +46,10 @@ def free(p):
     finally:
         s.close()
 for _ in range(1000):
-    p = random.randint(20000, 55000)
+    p = random.randint(20000, 45000)
     if free(p) and free(p + 10000):
+        with open(path, "a") as f:
+            f.write(f"{p} {p + 10000}\n")
         print(p)
         break
 else:
