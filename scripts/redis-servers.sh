@@ -6,7 +6,8 @@
 #     allowed only the commands and keys the tier uses
 #   * a 3-node Redis Cluster (3 primaries, no replicas)
 #                                                 -> KVBM_TEST_REDIS_CLUSTER_URL (redis+cluster://h:p,h:p,h:p)
-#   * a 3-node cluster on TLS only (clients and cluster bus), the same CA
+#   * a 3-node cluster on TLS only (clients and cluster bus) wanting client certificates, the
+#     same CA
 #                                                 -> KVBM_TEST_REDIS_TLS_CLUSTER_URL (rediss+cluster://…)
 #   * a TLS-only server whose certificate a private test CA signed
 #                                                 -> KVBM_TEST_REDIS_TLS_URL   (rediss://…)
@@ -230,11 +231,11 @@ kvbm_redis_start() {
   kvbm_redis_wait "$p_mtls" --tls --cacert "$tls/ca.pem" --cert "$tls/client.pem" --key "$tls/client.key" || return 1
   local plain_nodes tls_nodes
   plain_nodes=$(kvbm_redis_cluster cluster) || return 1
-  # The TLS cluster's nodes also talk TLS on the cluster bus (tls-cluster yes), with the server
-  # certificate as their client certificate.
-  tls_nodes=$(kvbm_redis_cluster tlscluster --tls --cacert "$tls/ca.pem" -- "tls-cluster yes" \
-    "tls-cert-file $tls/server.pem" "tls-key-file $tls/server.key" "tls-ca-cert-file $tls/ca.pem" \
-    "tls-auth-clients no") || return 1
+  # The TLS cluster wants client certificates (tls-auth-clients yes); its nodes also talk TLS on
+  # the cluster bus (tls-cluster yes), with the server certificate as their client certificate.
+  tls_nodes=$(kvbm_redis_cluster tlscluster --tls --cacert "$tls/ca.pem" --cert "$tls/client.pem" \
+    --key "$tls/client.key" -- "tls-cluster yes" "tls-cert-file $tls/server.pem" \
+    "tls-key-file $tls/server.key" "tls-ca-cert-file $tls/ca.pem" "tls-auth-clients yes") || return 1
   export KVBM_TEST_REDIS_URL="redis://127.0.0.1:$p_plain/0"
   export KVBM_TEST_REDIS_AUTH_URL="redis://:$pass@127.0.0.1:$p_auth/0"
   export KVBM_TEST_REDIS_ACL_URL="redis://kvbm:$upass@127.0.0.1:$p_auth/0"

@@ -758,7 +758,7 @@ fn tls_with_a_private_ca_round_trips_and_an_untrusted_server_is_refused() {
 }
 
 #[test]
-fn tls_cluster_with_a_private_ca_round_trips_and_an_untrusted_one_is_refused() {
+fn mutual_tls_cluster_round_trips_and_refuses_an_untrusted_server_or_a_missing_certificate() {
     let (Some(url), Some(dir)) = (env_url("KVBM_TEST_REDIS_TLS_CLUSTER_URL"), tls_dir()) else {
         return;
     };
@@ -766,14 +766,24 @@ fn tls_cluster_with_a_private_ca_round_trips_and_an_untrusted_one_is_refused() {
     let store = RedisStore::connect(
         &url,
         scope(2, 4099),
-        tls_options(&dir, Some("ca.pem"), None).unwrap(),
+        tls_options(&dir, Some("ca.pem"), Some(("client.pem", "client.key"))).unwrap(),
     )
-    .expect("TLS cluster with the test CA");
+    .expect("mutual TLS cluster with the test CA and client certificate");
     tls_round_trip(&store);
+    // The cluster client reports these as text only; they are still told apart.
     assert_tls_refused(
         RedisStore::connect(&url, scope(1, 16), RedisOptions::default()),
         "remote.tls_ca_file",
         "a TLS cluster with the system roots",
+    );
+    assert_tls_refused(
+        RedisStore::connect(
+            &url,
+            scope(1, 16),
+            tls_options(&dir, Some("ca.pem"), None).unwrap(),
+        ),
+        "remote.tls_cert_file",
+        "a mutual TLS cluster without a client certificate",
     );
 }
 
