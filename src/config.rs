@@ -955,9 +955,7 @@ pub fn leader_addr_from(value: Option<&str>) -> Result<SocketAddr> {
 pub fn rendezvous_dir_from_env() -> Result<PathBuf> {
     let mut tcp = TcpConfig::default();
     if let Ok(raw) = std::env::var(RENDEZVOUS_DIR_ENV) {
-        tcp.rendezvous_dir = Some(raw.trim())
-            .filter(|s| !s.is_empty())
-            .map(PathBuf::from);
+        tcp.rendezvous_dir = trimmed(&raw).map(PathBuf::from);
         tcp.validate().map_err(|e| {
             Error::invalid_config(RENDEZVOUS_DIR_ENV, &raw, e.message().to_string())
         })?;
@@ -1114,6 +1112,11 @@ pub const ENV_VARS: &[EnvVar] = &[
 
 /// Names the configuration file when no path is given explicitly.
 pub const CONFIG_FILE_VAR: &str = "KVBM_CONFIG";
+
+/// `raw` without surrounding whitespace, or `None` when nothing is left (the setting is unset).
+fn trimmed(raw: &str) -> Option<&str> {
+    Some(raw.trim()).filter(|s| !s.is_empty())
+}
 
 fn parse_num<T: std::str::FromStr>(var: &str, raw: &str, what: &str) -> Result<T>
 where
@@ -1296,39 +1299,15 @@ impl Config {
             "transfer.load_timeout_secs" => {
                 self.transfer.load_timeout_secs = parse_num(source, raw, "seconds > 0")?
             }
-            "remote.url" => {
-                self.remote.url = Some(raw.trim())
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_owned)
-            }
-            "remote.secret_file" => {
-                self.remote.secret_file = Some(raw.trim())
-                    .filter(|s| !s.is_empty())
-                    .map(PathBuf::from)
-            }
+            "remote.url" => self.remote.url = trimmed(raw).map(str::to_owned),
+            "remote.secret_file" => self.remote.secret_file = trimmed(raw).map(PathBuf::from),
             "remote.secret" => {
                 self.remote.secret = Some(raw).filter(|t| !t.is_empty()).map(str::to_owned)
             }
-            "remote.tls_ca_file" => {
-                self.remote.tls_ca_file = Some(raw.trim())
-                    .filter(|s| !s.is_empty())
-                    .map(PathBuf::from)
-            }
-            "remote.tls_cert_file" => {
-                self.remote.tls_cert_file = Some(raw.trim())
-                    .filter(|s| !s.is_empty())
-                    .map(PathBuf::from)
-            }
-            "remote.tls_key_file" => {
-                self.remote.tls_key_file = Some(raw.trim())
-                    .filter(|s| !s.is_empty())
-                    .map(PathBuf::from)
-            }
-            "remote.namespace" => {
-                self.remote.namespace = Some(raw.trim())
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_owned)
-            }
+            "remote.tls_ca_file" => self.remote.tls_ca_file = trimmed(raw).map(PathBuf::from),
+            "remote.tls_cert_file" => self.remote.tls_cert_file = trimmed(raw).map(PathBuf::from),
+            "remote.tls_key_file" => self.remote.tls_key_file = trimmed(raw).map(PathBuf::from),
+            "remote.namespace" => self.remote.namespace = trimmed(raw).map(str::to_owned),
             "remote.lookup_timeout_ms" => {
                 self.remote.lookup_timeout_ms = Some(parse_num(source, raw, "milliseconds >= 1")?)
             }
@@ -1341,19 +1320,11 @@ impl Config {
             "remote.ttl_secs" => {
                 self.remote.ttl_secs = Some(parse_num(source, raw, "seconds (0 for none)")?)
             }
-            "tcp.leader_addr" => {
-                self.tcp.leader_addr = Some(raw.trim())
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_owned)
-            }
+            "tcp.leader_addr" => self.tcp.leader_addr = trimmed(raw).map(str::to_owned),
             "tcp.auth_token" => {
                 self.tcp.auth_token = Some(raw).filter(|t| !t.is_empty()).map(str::to_owned)
             }
-            "tcp.rendezvous_dir" => {
-                self.tcp.rendezvous_dir = Some(raw.trim())
-                    .filter(|s| !s.is_empty())
-                    .map(PathBuf::from)
-            }
+            "tcp.rendezvous_dir" => self.tcp.rendezvous_dir = trimmed(raw).map(PathBuf::from),
             "tcp.heartbeat_secs" => {
                 self.tcp.heartbeat_secs = Some(parse_num(source, raw, "seconds > 0")?)
             }

@@ -684,6 +684,17 @@ fn tls_options(
     })
 }
 
+/// Connects to `url` with [`tls_options`] (the system's roots when `ca` is `None`).
+fn connect_tls(
+    url: &RedisUrl,
+    scope: RemoteScope,
+    dir: &std::path::Path,
+    ca: Option<&str>,
+    client: Option<(&str, &str)>,
+) -> kvbm_connector::Result<RedisStore> {
+    RedisStore::connect(url, scope, tls_options(dir, ca, client).unwrap())
+}
+
 /// Writes, reads back and looks up blocks over `store` on two ranks.
 fn tls_round_trip(store: &RedisStore) {
     let keys: Vec<u128> = (0..6u128).map(|i| (i << 64) | 0x7150).collect();
@@ -723,34 +734,22 @@ fn tls_with_a_private_ca_round_trips_and_an_untrusted_server_is_refused() {
         return;
     };
     assert!(url.tls);
-    let store = RedisStore::connect(
-        &url,
-        scope(2, 4099),
-        tls_options(&dir, Some("ca.pem"), None).unwrap(),
-    )
-    .expect("TLS with the test CA");
+    let store = connect_tls(&url, scope(2, 4099), &dir, Some("ca.pem"), None)
+        .expect("TLS with the test CA");
     assert!(store.stats().available);
     tls_round_trip(&store);
     // The same server reached by a name its certificate does not list (it also listens on
     // 127.0.0.2; the certificate names 127.0.0.1 and localhost): the URL is what to fix.
     let other_name = RedisUrl::parse(&format!("rediss://127.0.0.2:{}/0", url.nodes[0].1)).unwrap();
     assert_tls_refused(
-        RedisStore::connect(
-            &other_name,
-            scope(1, 16),
-            tls_options(&dir, Some("ca.pem"), None).unwrap(),
-        ),
+        connect_tls(&other_name, scope(1, 16), &dir, Some("ca.pem"), None),
         "remote.url",
         "a host name the certificate does not list",
     );
     // The system's roots do not know the test CA, nor does another CA.
     for (ca, what) in [(None, "system roots"), (Some("other-ca.pem"), "another CA")] {
-        let options = match ca {
-            None => RedisOptions::default(),
-            Some(_) => tls_options(&dir, ca, None).unwrap(),
-        };
         assert_tls_refused(
-            RedisStore::connect(&url, scope(1, 16), options),
+            connect_tls(&url, scope(1, 16), &dir, ca, None),
             "remote.tls_ca_file",
             what,
         );
@@ -763,10 +762,12 @@ fn mutual_tls_cluster_round_trips_and_refuses_an_untrusted_server_or_a_missing_c
         return;
     };
     assert!(url.tls && url.cluster);
-    let store = RedisStore::connect(
+    let store = connect_tls(
         &url,
         scope(2, 4099),
-        tls_options(&dir, Some("ca.pem"), Some(("client.pem", "client.key"))).unwrap(),
+        &dir,
+        Some("ca.pem"),
+        Some(("client.pem", "client.key")),
     )
     .expect("mutual TLS cluster with the test CA and client certificate");
     tls_round_trip(&store);
@@ -777,11 +778,7 @@ fn mutual_tls_cluster_round_trips_and_refuses_an_untrusted_server_or_a_missing_c
         "a TLS cluster with the system roots",
     );
     assert_tls_refused(
-        RedisStore::connect(
-            &url,
-            scope(1, 16),
-            tls_options(&dir, Some("ca.pem"), None).unwrap(),
-        ),
+        connect_tls(&url, scope(1, 16), &dir, Some("ca.pem"), None),
         "remote.tls_cert_file",
         "a mutual TLS cluster without a client certificate",
     );
@@ -792,10 +789,12 @@ fn mutual_tls_needs_a_client_certificate_from_the_servers_ca() {
     let (Some(url), Some(dir)) = (env_url("KVBM_TEST_REDIS_MTLS_URL"), tls_dir()) else {
         return;
     };
-    let store = RedisStore::connect(
+    let store = connect_tls(
         &url,
         scope(2, 4099),
-        tls_options(&dir, Some("ca.pem"), Some(("client.pem", "client.key"))).unwrap(),
+        &dir,
+        Some("ca.pem"),
+        Some(("client.pem", "client.key")),
     )
     .expect("mutual TLS with the test client certificate");
     tls_round_trip(&store);
@@ -807,11 +806,7 @@ fn mutual_tls_needs_a_client_certificate_from_the_servers_ca() {
         ),
     ] {
         assert_tls_refused(
-            RedisStore::connect(
-                &url,
-                scope(1, 16),
-                tls_options(&dir, Some("ca.pem"), client).unwrap(),
-            ),
+            connect_tls(&url, scope(1, 16), &dir, Some("ca.pem"), client),
             "remote.tls_cert_file",
             what,
         );
@@ -903,12 +898,8 @@ fn bad_tls_files_are_typed_errors_naming_the_setting() {
     }
     // TLS files with a plain URL: refused, not ignored.
     let plain = RedisUrl::parse(&format!("redis://127.0.0.1:{}/0", url.nodes[0].1)).unwrap();
-    let e = RedisStore::connect(
-        &plain,
-        scope(1, 16),
-        tls_options(&dir, Some("ca.pem"), None).unwrap(),
-    )
-    .expect_err("TLS files with redis://");
+    let e = connect_tls(&plain, scope(1, 16), &dir, Some("ca.pem"), None)
+        .expect_err("TLS files with redis://");
     assert_eq!(e.kind(), ErrorKind::InvalidConfig, "{e}");
     assert!(e.to_string().contains("rediss://"), "{e}");
 }

@@ -81,14 +81,17 @@ fn report_path(dir: &Path, name: &str) -> PathBuf {
     dir.join(format!("{name}.json"))
 }
 
-/// Runs `c` to the end (bounded); its output, after checking it succeeded.
-fn run(mut c: Command) -> Output {
-    let child = c
-        .stdout(Stdio::piped())
+/// Starts `c` with its output captured.
+fn spawn(c: &mut Command) -> Child {
+    c.stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("kvbm starts");
-    let out = wait_bounded(child);
+        .expect("kvbm starts")
+}
+
+/// Runs `c` to the end (bounded); its output, after checking it succeeded.
+fn run(mut c: Command) -> Output {
+    let out = wait_bounded(spawn(&mut c));
     assert!(
         out.status.success(),
         "kvbm failed: {}\nstderr:\n{}",
@@ -227,12 +230,7 @@ fn two_instances_share_prefixes_over_mutual_tls() {
         &["--requests", "2"],
     );
     c.env(ca.0, &ca.1);
-    let child = c
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kvbm starts");
-    let out = wait_bounded(child);
+    let out = wait_bounded(spawn(&mut c));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),
@@ -285,11 +283,7 @@ fn redis_killed_mid_run_costs_misses_and_load_errors_never_wrong_bytes() {
         run(replay(dir.path(), "a", &server.url(), &ns, &a_args));
         // B replays more of the same workload; Redis dies once B has started matching.
         let b_args = ["--framework", framework, "--requests", "200"];
-        let child = replay(dir.path(), "b", &server.url(), &ns, &b_args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("kvbm starts");
+        let child = spawn(&mut replay(dir.path(), "b", &server.url(), &ns, &b_args));
         std::thread::sleep(Duration::from_millis(500));
         server.kill();
         let out = wait_bounded(child);

@@ -183,10 +183,10 @@ impl RedisStore {
                     format!("the server refused the connection's setup: {e}"),
                 ))
             }
-            Ok(Err(e)) if tls_rejection(&e).is_some() => {
-                return Err(tls_refused(&inner, &e));
-            }
             Ok(Err(e)) => {
+                if let Some((key, why)) = tls_rejection(&e) {
+                    return Err(tls_refused(&inner, &e, key, &why));
+                }
                 tracing::warn!(url = %inner.url, error = %e, "Redis unreachable; the remote tier reconnects in the background");
             }
             Err(_) => {
@@ -437,12 +437,9 @@ fn connection_info(url: &RedisUrl, host: &str, port: u16) -> ConnectionInfo {
     }
 }
 
-/// The configuration error for a TLS handshake refused over certificates (see
-/// [`tls_rejection`]), naming the setting to fix and its file.
-fn tls_refused(inner: &Inner, e: &redis::RedisError) -> Error {
-    let Some((key, why)) = tls_rejection(e) else {
-        return Error::new(ErrorKind::Io, format!("TLS failed: {e}")).with("remote", &inner.url);
-    };
+/// The configuration error for a TLS handshake refused over certificates: `key` and `why` as
+/// [`tls_rejection`] found them, shown with the setting's file (or the URL).
+fn tls_refused(inner: &Inner, e: &redis::RedisError, key: &'static str, why: &str) -> Error {
     let tls = inner.options.tls.as_ref();
     let file = match key {
         "remote.tls_ca_file" => tls.and_then(|t| t.ca.as_ref()),
@@ -595,28 +592,39 @@ fn tls_rejection(e: &redis::RedisError) -> Option<(&'static str, String)> {
             .split(|c: char| !c.is_ascii_alphanumeric())
             .next()
             .unwrap_or("");
-        const CERTIFICATE_ALERTS: [&str; 8] = [
-            "CertificateRequired",
-            "BadCertificate",
-            "UnknownCA",
-            "CertificateUnknown",
-            "UnsupportedCertificate",
-            "CertificateRevoked",
-            "CertificateExpired",
-            "AccessDenied",
-        ];
-        if CERTIFICATE_ALERTS.contains(&alert) {
-            return Some((
-                "remote.tls_cert_file",
-                format!("the server refused our client certificate (alert {alert})"),
-            ));
+        if let Some(a) = CERTIFICATE_ALERTS
+            .iter()
+            .find(|a| format!("{a:?}") == alert)
+        {
+            return Some(client_certificate_refused(*a));
         }
     }
     None
 }
 
-fn tls_error_setting(t: &rustls::Error) -> Option<(&'static str, String)> {
+/// The alerts by which a server refuses (or asks for) our client certificate.
+const CERTIFICATE_ALERTS: [rustls::AlertDescription; 8] = {
     use rustls::AlertDescription as A;
+    [
+        A::CertificateRequired,
+        A::BadCertificate,
+        A::UnknownCA,
+        A::CertificateUnknown,
+        A::UnsupportedCertificate,
+        A::CertificateRevoked,
+        A::CertificateExpired,
+        A::AccessDenied,
+    ]
+};
+
+fn client_certificate_refused(a: rustls::AlertDescription) -> (&'static str, String) {
+    (
+        "remote.tls_cert_file",
+        format!("the server refused our client certificate (alert {a:?})"),
+    )
+}
+
+fn tls_error_setting(t: &rustls::Error) -> Option<(&'static str, String)> {
     match t {
         rustls::Error::InvalidCertificate(c) if name_mismatch(c) => Some((
             "remote.url",
@@ -626,19 +634,9 @@ fn tls_error_setting(t: &rustls::Error) -> Option<(&'static str, String)> {
             "remote.tls_ca_file",
             format!("the server's certificate is not trusted ({c:?})"),
         )),
-        rustls::Error::AlertReceived(
-            a @ (A::CertificateRequired
-            | A::BadCertificate
-            | A::UnknownCA
-            | A::CertificateUnknown
-            | A::UnsupportedCertificate
-            | A::CertificateRevoked
-            | A::CertificateExpired
-            | A::AccessDenied),
-        ) => Some((
-            "remote.tls_cert_file",
-            format!("the server refused our client certificate (alert {a:?})"),
-        )),
+        rustls::Error::AlertReceived(a) if CERTIFICATE_ALERTS.contains(a) => {
+            Some(client_certificate_refused(*a))
+        }
         _ => None,
     }
 }
