@@ -166,7 +166,9 @@ pub enum EvictionPolicy {
     /// Prefix-aware reuse credit (ours): a block's eviction priority is the time
     /// it was released plus a credit that doubles with each reuse (`num_blocks` blocks of time
     /// for one reuse, up to 8 × `num_blocks` for four or more), the smallest going first. The
-    /// blocks released together (one request's chain) share one time and leave deepest first,
+    /// blocks released together (one request's chain) share one time and leave deepest first
+    /// (a block held after it was stored, e.g. while it is written through to disk, keeps the
+    /// time of the request that stored it),
     /// and a child never has more reuses than its parent, so a parent outlives its children:
     /// a cached block is (almost) never orphaned. The reuse counts of evicted keys are
     /// remembered for 8 × `num_blocks` evictions, so a conversation returning after the cache
@@ -198,7 +200,10 @@ struct Slot {
     hash: SequenceHash,
     /// Live [`ImmutableBlock`]s; non-zero exactly while active.
     refs: usize,
-    /// When the block last became inactive (see [`State::stamp`]); orders the eviction lists.
+    /// While inactive: the time that orders the eviction lists (the clock for LRU and 2Q, the
+    /// epoch for the prefix policy). While mutable or active until its first reuse: the epoch
+    /// it was allocated in (the prefix policy's time for its first release, see
+    /// [`State::release_immutable`]).
     stamp: u64,
     prev: u32,
     next: u32,
@@ -243,6 +248,10 @@ const NUM_LISTS: usize = MAX_USES as usize + 1;
 /// The prefix policy remembers the reuse counts of this many times `num_blocks` evicted keys.
 const PREFIX_GHOST_FACTOR: usize = 8;
 
+/// The prefix policy places a block released late (older than the newest inactive block) at
+/// most this many blocks back from the tail's run of same-stamp blocks.
+const LATE_INSERT_WALK: usize = 64;
+
 /// 2Q's probation list may hold this fraction (1 / n) of the pool before it is evicted from
 /// first.
 const TWO_Q_PROBATION_DIVISOR: usize = 4;
@@ -257,10 +266,15 @@ struct State {
     lists: [List; NUM_LISTS],
     /// Inactive blocks (the sum of the lists' lengths).
     inactive: usize,
-    /// Blocks made inactive so far: the pool's clock (LRU and 2Q stamp each block with it).
+    /// Blocks made inactive so far, plus (prefix policy) one tick for each epoch that
+    /// allocated blocks and saw no release: the pool's clock (LRU and 2Q stamp each block with
+    /// it).
     clock: u64,
+    /// A block was allocated since the epoch began (see [`State::new_epoch`]).
+    allocated_in_epoch: bool,
     /// The clock at the last `allocate` or `match_prefix` call: the prefix policy stamps every
-    /// block released since with it, so one request's blocks share a stamp.
+    /// block reused and released since with it, so one request's blocks share a stamp (a block
+    /// released for the first time since it was stored takes the epoch it was allocated in).
     epoch: u64,
     /// Prefix policy: credit of list `c`, in clock ticks (`num_blocks << (c - 1)`, 0 for c = 0).
     credit: [u64; NUM_LISTS],
@@ -342,6 +356,7 @@ impl State {
             inactive: 0,
             clock: 0,
             epoch: 0,
+            allocated_in_epoch: false,
             credit,
             credit_on,
             probation_target: (n / TWO_Q_PROBATION_DIVISOR).max(1),
@@ -392,13 +407,18 @@ impl State {
     }
 
     /// Puts inactive `id` into eviction list `l` with `stamp`: at the tail, or (`run_first`)
-    /// in front of the tail's run of blocks with the same stamp.
+    /// in front of the tail's run of blocks with the same stamp. A stamp older than the tail's
+    /// (a block released late, see [`State::release_immutable`]) goes in front of the newer
+    /// blocks, looking back at most [`LATE_INSERT_WALK`] blocks past the tail's run.
     fn list_insert(&mut self, l: usize, id: u32, stamp: u64, run_first: bool) {
         let Some(list) = self.lists.get(l).copied() else {
             return;
         };
         let tail_stamp = self.slots.get(list.tail as usize).map(|t| t.stamp);
-        let before = if run_first && tail_stamp == Some(stamp) {
+        let late = tail_stamp.is_some_and(|t| t > stamp);
+        let before = if late {
+            self.late_position(&list, stamp)
+        } else if run_first && tail_stamp == Some(stamp) {
             list.run
         } else {
             NIL
@@ -423,10 +443,32 @@ impl State {
             Some(b) => b.prev = id,
             None => list.tail = id,
         }
-        // The new block starts the tail's run (alone, or in front of same-stamp blocks).
-        list.run = id;
+        if !late {
+            // The new block starts the tail's run (alone, or in front of same-stamp blocks).
+            // A late one sits in front of the tail's run, which it does not join.
+            list.run = id;
+        }
         list.len += 1;
         self.inactive += 1;
+    }
+
+    /// Where a block stamped `stamp`, older than `list`'s tail, goes: in front of the first
+    /// block (walking back from the tail's run) whose predecessor is older than `stamp`, so
+    /// that among equal stamps it leaves first, as a block released later does. At most
+    /// [`LATE_INSERT_WALK`] steps back from the tail's run, so that a release stays O(1); a
+    /// block later than that is placed a little too young.
+    fn late_position(&self, list: &List, stamp: u64) -> u32 {
+        let mut at = if list.run == NIL { list.tail } else { list.run };
+        for _ in 0..LATE_INSERT_WALK {
+            let Some(prev) = self.slots.get(at as usize).map(|s| s.prev) else {
+                break;
+            };
+            match self.slots.get(prev as usize) {
+                Some(p) if p.stamp >= stamp => at = prev,
+                _ => break,
+            }
+        }
+        at
     }
 
     fn list_unlink(&mut self, id: u32) {
@@ -491,6 +533,16 @@ impl State {
     /// A new request's releases start: the prefix policy stamps every block released from now
     /// until the next call with the clock as it is now (and so do the miniatures).
     fn new_epoch(&mut self) {
+        if self.policy == EvictionPolicy::Prefix
+            && self.allocated_in_epoch
+            && self.clock == self.epoch
+        {
+            // Blocks were allocated in the epoch now ending and none was released since it
+            // began: one tick, so that they (released later, see `release_immutable`) are
+            // older than the blocks of the epoch starting now.
+            self.clock += 1;
+        }
+        self.allocated_in_epoch = false;
         self.epoch = self.clock;
         if let Some(d) = self.duel.as_mut() {
             // The miniatures keep the pool's time, scaled by their size: a credit of
@@ -602,9 +654,12 @@ impl State {
                 id
             }
         };
+        let epoch = self.epoch;
+        self.allocated_in_epoch = true;
         let s = self.slots.get_mut(id as usize)?;
         s.state = SlotState::Mutable;
         s.refs = 0;
+        s.stamp = epoch;
         self.mutable += 1;
         Some(id)
     }
@@ -655,6 +710,16 @@ impl State {
         if s.refs != 0 {
             return;
         }
+        // A block released for the first time since it was stored (no reuse meanwhile) was
+        // last used by the request that allocated it: it takes that request's epoch, however
+        // long an internal hold (a write-through to the next tier) kept it active. Stamped with
+        // the epoch at release instead, it would join a later request's blocks and, released
+        // after them, leave after them as if it were the deepest of that later chain.
+        let stamp = if s.touched {
+            self.epoch
+        } else {
+            s.stamp.min(self.epoch)
+        };
         if s.touched {
             s.uses = s.uses.saturating_add(1).min(MAX_USES);
             s.touched = false;
@@ -672,7 +737,7 @@ impl State {
         match self.policy {
             EvictionPolicy::Lru => self.list_insert(0, id, self.clock, false),
             EvictionPolicy::TwoQ => self.list_insert(usize::from(uses > 0), id, self.clock, false),
-            EvictionPolicy::Prefix => self.list_insert(usize::from(uses), id, self.epoch, true),
+            EvictionPolicy::Prefix => self.list_insert(usize::from(uses), id, stamp, true),
         }
     }
 
@@ -1774,6 +1839,54 @@ mod tests {
         let mut none = Ghost::new(0).unwrap();
         none.record(h(1), 1);
         assert_eq!(none.take(h(1)), None);
+    }
+
+    /// A request's blocks held after their store (a write-through to the next tier) are
+    /// released late, after a later request began or even after its blocks were released:
+    /// they keep their own request's epoch and leave before the later request's blocks. (With
+    /// the epoch at release they joined the later request's run, and released after its
+    /// blocks, as in vLLM's test of a disk hit after host eviction, outlived them.)
+    #[test]
+    fn prefix_policy_block_released_late_keeps_its_requests_time() {
+        let keys: Vec<SequenceHash> = (1..=8).map(h).collect();
+        for b_first in [false, true] {
+            let p = BlockPool::with_policy(TierKind::Host, 6, EvictionPolicy::Prefix).unwrap();
+            cache(&p, h(8)); // an older block, inactive: a late one must not go behind it
+                             // Request A: 2 blocks stored and held (written through).
+            let a: Vec<ImmutableBlock> = p
+                .allocate(2)
+                .unwrap()
+                .into_iter()
+                .zip([h(1), h(2)])
+                .map(|(m, k)| p.register(m, k).unwrap())
+                .collect();
+            // Request B: looks up (a new epoch), stores 3 blocks, held too.
+            drop(p.match_prefix(&[h(5)]));
+            let b: Vec<ImmutableBlock> = p
+                .allocate(3)
+                .unwrap()
+                .into_iter()
+                .zip([h(5), h(6), h(7)])
+                .map(|(m, k)| p.register(m, k).unwrap())
+                .collect();
+            if b_first {
+                drop(b);
+                drop(a); // placed in front of B's run, behind h8
+            } else {
+                drop(a);
+                drop(b);
+            }
+            check_sum(&p);
+            // h8 first (oldest), then A deepest first, then B deepest first.
+            let mut held = Vec::new();
+            let order: Vec<SequenceHash> =
+                (0..6).map(|_| evict_one(&p, &keys, &mut held)).collect();
+            assert_eq!(
+                order,
+                [8, 2, 1, 7, 6, 5].map(h).to_vec(),
+                "b_first {b_first}"
+            );
+        }
     }
 
     #[test]
