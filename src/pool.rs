@@ -266,8 +266,8 @@ struct State {
     lists: [List; NUM_LISTS],
     /// Inactive blocks (the sum of the lists' lengths).
     inactive: usize,
-    /// Blocks made inactive so far, plus (prefix policy) one tick for each epoch that
-    /// allocated blocks and saw no release: the pool's clock (LRU and 2Q stamp each block with
+    /// Blocks made inactive so far, plus (prefix policy) one tick for each lookup ending an
+    /// epoch that allocated blocks and saw no release: the pool's clock (LRU and 2Q stamp each block with
     /// it).
     clock: u64,
     /// A block was allocated since the epoch began (see [`State::new_epoch`]).
@@ -531,15 +531,18 @@ impl State {
     // --- the prefix policy's duel ---
 
     /// A new request's releases start: the prefix policy stamps every block released from now
-    /// until the next call with the clock as it is now (and so do the miniatures).
-    fn new_epoch(&mut self) {
-        if self.policy == EvictionPolicy::Prefix
+    /// until the next call with the clock as it is now (and so do the miniatures). `lookup`: a
+    /// lookup starts the epoch (a new request); if blocks were allocated in the epoch ending
+    /// and none was released since it began, the clock takes one tick, so that those blocks
+    /// (released later, see `release_immutable`) are older than the new request's. An
+    /// allocation takes no tick: a caller allocating a request's blocks one call at a time
+    /// keeps one epoch for them.
+    fn new_epoch(&mut self, lookup: bool) {
+        if lookup
+            && self.policy == EvictionPolicy::Prefix
             && self.allocated_in_epoch
             && self.clock == self.epoch
         {
-            // Blocks were allocated in the epoch now ending and none was released since it
-            // began: one tick, so that they (released later, see `release_immutable`) are
-            // older than the blocks of the epoch starting now.
             self.clock += 1;
         }
         self.allocated_in_epoch = false;
@@ -605,7 +608,7 @@ impl State {
     /// Takes `n` blocks (free first, then evictions in the policy's order) and marks them
     /// mutable. All or nothing.
     fn allocate(&mut self, kind: TierKind, n: usize) -> Result<Vec<u32>> {
-        self.new_epoch();
+        self.new_epoch(false);
         let available = self.free_len + self.inactive;
         if n > available {
             return Err(Error::no_space("blocks", self.slots.len(), available, n)
@@ -1238,7 +1241,7 @@ impl BlockPool {
         let mut out = Vec::with_capacity(hashes.len().min(self.inner.num_blocks));
         // Declared after `out`, so the guard is dropped first even on unwind.
         let mut st = self.inner.state.lock();
-        st.new_epoch();
+        st.new_epoch(true);
         for &hash in hashes {
             let Some(&id) = st.map.get(&hash) else {
                 break;
@@ -1860,14 +1863,15 @@ mod tests {
                 .zip([h(1), h(2)])
                 .map(|(m, k)| p.register(m, k).unwrap())
                 .collect();
-            // Request B: looks up (a new epoch), stores 3 blocks, held too.
+            // Request B: looks up (a new epoch), stores 3 blocks allocated one call at a time
+            // (as the disk tier's are: they still share one epoch), held too.
             drop(p.match_prefix(&[h(5)]));
-            let b: Vec<ImmutableBlock> = p
-                .allocate(3)
-                .unwrap()
+            let b: Vec<ImmutableBlock> = [h(5), h(6), h(7)]
                 .into_iter()
-                .zip([h(5), h(6), h(7)])
-                .map(|(m, k)| p.register(m, k).unwrap())
+                .map(|k| {
+                    p.register(p.allocate(1).unwrap().pop().unwrap(), k)
+                        .unwrap()
+                })
                 .collect();
             if b_first {
                 drop(b);
