@@ -601,7 +601,10 @@ fn missing_rank(framework: &str) -> String {
         .args(["--engine-addr", &engine.to_string()]);
     let mut rep = Proc::start(cmd, dir.path(), "replay");
     let mut w0 = worker(dir.path(), 0, framework, leader, engine);
-    w0.env("KVBM_INIT_TIMEOUT_SECS", "2");
+    // Longer than the leader's 2 s: the worker's deadline starts when its process starts, the
+    // leader's barrier only once the replay is set up, so on a loaded machine an equal deadline
+    // let rank 0 give up (and disconnect) first, and the leader then rightly named it missing too.
+    w0.env("KVBM_INIT_TIMEOUT_SECS", "8");
     let mut w0 = Proc::start(w0, dir.path(), "worker0");
     let out = rep.wait(Duration::from_secs(30));
     let what = format!("{framework}: rank 1 never started");
