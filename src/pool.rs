@@ -409,17 +409,15 @@ impl State {
     /// Puts inactive `id` into eviction list `l` with `stamp`: at the tail, or (`run_first`)
     /// in front of the tail's run of blocks with the same stamp. A stamp older than the tail's
     /// (a block released late, see [`State::release_immutable`]) goes in front of the newer
-    /// blocks, looking back at most [`LATE_INSERT_WALK`] blocks past the tail's run.
+    /// blocks (see [`State::run_front`]).
     fn list_insert(&mut self, l: usize, id: u32, stamp: u64, run_first: bool) {
         let Some(list) = self.lists.get(l).copied() else {
             return;
         };
         let tail_stamp = self.slots.get(list.tail as usize).map(|t| t.stamp);
         let late = tail_stamp.is_some_and(|t| t > stamp);
-        let before = if late {
-            self.late_position(&list, stamp)
-        } else if run_first && tail_stamp == Some(stamp) {
-            list.run
+        let before = if late || (run_first && tail_stamp == Some(stamp)) {
+            self.run_front(&list, stamp)
         } else {
             NIL
         };
@@ -452,12 +450,13 @@ impl State {
         self.inactive += 1;
     }
 
-    /// Where a block stamped `stamp`, older than `list`'s tail, goes: in front of the first
-    /// block (walking back from the tail's run) whose predecessor is older than `stamp`, so
-    /// that among equal stamps it leaves first, as a block released later does. At most
-    /// [`LATE_INSERT_WALK`] steps back from the tail's run, so that a release stays O(1); a
-    /// block later than that is placed a little too young.
-    fn late_position(&self, list: &List, stamp: u64) -> u32 {
+    /// The block a block stamped `stamp` (not newer than `list`'s tail) goes in front of: the
+    /// first of the blocks stamped `stamp` or later, so that it leaves before them (among equal
+    /// stamps the one released last leaves first, as a chain's deepest block does). The walk
+    /// starts at the tail's run (known in O(1) while `run` is set) and looks back at most
+    /// [`LATE_INSERT_WALK`] blocks, so that a release stays O(1); a block released later than
+    /// that is placed a little too young.
+    fn run_front(&self, list: &List, stamp: u64) -> u32 {
         let mut at = if list.run == NIL { list.tail } else { list.run };
         for _ in 0..LATE_INSERT_WALK {
             let Some(prev) = self.slots.get(at as usize).map(|s| s.prev) else {

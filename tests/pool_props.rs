@@ -12,7 +12,9 @@
 //! with their list, stamp and release sequence number, the victim found by a scan (LRU: oldest
 //! release; 2Q: oldest probation block while probation holds a quarter of the pool or main is
 //! empty, else oldest main block; prefix: smallest stamp + credit, then lower list, older stamp,
-//! newer release), and a ghost queue of evicted keys. The prefix policy's credit is switched by
+//! newer release; a block's first release after it was stored takes the epoch it was allocated
+//! in, and a match ending an epoch that allocated blocks and saw no release ticks the clock
+//! once), and a ghost queue of evicted keys. The prefix policy's credit is switched by
 //! its duel: the model runs two miniature models of its own (credit on, credit off; a pool this
 //! small samples every key, and they keep the pool's clock) on every key a match asks for (past
 //! the first miss too; a stored key enters a miniature that lacks it without counting) and
@@ -91,10 +93,15 @@ struct Model {
     touched: HashSet<usize>,
     /// Inactive registered blocks, in release order.
     inactive: Vec<Inactive>,
-    /// Releases so far (the pool's clock), the clock at the last allocate/match, release count.
+    /// Releases so far plus the prefix policy's lookup ticks (the pool's clock), the clock at
+    /// the last allocate/match, release count.
     clock: u64,
     epoch: u64,
     seq: u64,
+    /// The epoch each block was allocated in (the prefix policy stamps a block's first release
+    /// after it was stored with it), and whether the current epoch allocated any block.
+    born: HashMap<usize, u64>,
+    allocated_in_epoch: bool,
     /// Evicted keys remembered: (hash, uses, still the newest entry for its hash).
     ghost: VecDeque<(u64, u8, bool)>,
     ghost_cap: usize,
@@ -148,6 +155,8 @@ impl Model {
             clock: 0,
             epoch: 0,
             seq: 0,
+            born: HashMap::new(),
+            allocated_in_epoch: false,
             ghost: VecDeque::new(),
             ghost_cap,
             evictions: 0,
@@ -157,8 +166,18 @@ impl Model {
         }
     }
 
-    /// The clock at an allocate or match call (the miniatures take the pool's clock too).
-    fn new_epoch(&mut self) {
+    /// The clock at an allocate or match call (the miniatures take the pool's clock too). A
+    /// match (`lookup`) ending a prefix epoch that allocated blocks and saw no release first
+    /// ticks the clock once.
+    fn new_epoch(&mut self, lookup: bool) {
+        if lookup
+            && self.policy == EvictionPolicy::Prefix
+            && self.allocated_in_epoch
+            && self.clock == self.epoch
+        {
+            self.clock += 1;
+        }
+        self.allocated_in_epoch = false;
         self.epoch = self.clock;
         if let Some(d) = self.duel.as_mut() {
             d.credited.epoch = self.clock;
@@ -208,9 +227,16 @@ impl Model {
         } else {
             self.evict()
         };
+        self.allocated(id);
         self.register_new(h, id);
         self.release(id);
         false
+    }
+
+    /// Block `id` was allocated (from free or by eviction) in the current epoch.
+    fn allocated(&mut self, id: usize) {
+        self.born.insert(id, self.epoch);
+        self.allocated_in_epoch = true;
     }
 
     /// `h`, not registered, is registered on block `id` with one handle (its reuse count from
@@ -248,16 +274,28 @@ impl Model {
         }
         self.refs.remove(&id);
         let uses = self.uses.entry(id).or_insert(0);
-        if self.touched.remove(&id) {
+        let touched = self.touched.remove(&id);
+        if touched {
             *uses = (*uses + 1).min(MAX_USES);
         }
         let uses = *uses;
+        // Reused in this active period: the epoch now; else (its first release since it was
+        // stored) the epoch it was allocated in.
+        let prefix_stamp = if touched {
+            self.epoch
+        } else {
+            self.born
+                .get(&id)
+                .copied()
+                .unwrap_or(self.epoch)
+                .min(self.epoch)
+        };
         self.clock += 1;
         self.seq += 1;
         let (list, stamp) = match self.policy {
             EvictionPolicy::Lru => (0, self.clock),
             EvictionPolicy::TwoQ => (u8::from(uses > 0), self.clock),
-            EvictionPolicy::Prefix => (uses, self.epoch),
+            EvictionPolicy::Prefix => (uses, prefix_stamp),
         };
         self.inactive.push(Inactive {
             id,
@@ -365,7 +403,7 @@ impl World {
         } = self;
         match op {
             Op::Allocate(n) => {
-                model.new_epoch();
+                model.new_epoch(false);
                 let available = model.free + model.inactive.len();
                 let before = pool.stats();
                 match pool.allocate(n) {
@@ -376,8 +414,12 @@ impl World {
                         model.free -= from_free;
                         let ids: HashSet<usize> = got.iter().map(MutableBlock::block_id).collect();
                         prop_assert_eq!(ids.len(), n, "duplicate ids in one allocation");
+                        for b in &got[..from_free] {
+                            model.allocated(b.block_id());
+                        }
                         for b in &got[from_free..] {
                             let want = model.evict();
+                            model.allocated(want);
                             prop_assert_eq!(
                                 b.block_id(),
                                 want,
@@ -453,7 +495,7 @@ impl World {
             }
             Op::Match(list, hold) => {
                 let hashes: Vec<SequenceHash> = list.iter().copied().map(sh).collect();
-                model.new_epoch();
+                model.new_epoch(true);
                 let want = model.prefix_len(&list);
                 let got = pool.match_prefix(&hashes);
                 prop_assert_eq!(got.len(), want);
