@@ -248,8 +248,9 @@ const NUM_LISTS: usize = MAX_USES as usize + 1;
 /// The prefix policy remembers the reuse counts of this many times `num_blocks` evicted keys.
 const PREFIX_GHOST_FACTOR: usize = 8;
 
-/// The prefix policy places a block released late (older than the newest inactive block) at
-/// most this many blocks back from the tail's run of same-stamp blocks.
+/// The prefix policy looks back at most this many blocks from the tail's run to place a block
+/// released late (older than the newest inactive block), or to find the front of the tail's
+/// run when its pointer is unset (see `State::run_front`).
 const LATE_INSERT_WALK: usize = 64;
 
 /// 2Q's probation list may hold this fraction (1 / n) of the pool before it is evicted from
@@ -267,8 +268,8 @@ struct State {
     /// Inactive blocks (the sum of the lists' lengths).
     inactive: usize,
     /// Blocks made inactive so far, plus (prefix policy) one tick for each lookup ending an
-    /// epoch that allocated blocks and saw no release: the pool's clock (LRU and 2Q stamp each block with
-    /// it).
+    /// epoch that allocated blocks and saw no release: the pool's clock (LRU and 2Q stamp each
+    /// block with it).
     clock: u64,
     /// A block was allocated since the epoch began (see [`State::new_epoch`]).
     allocated_in_epoch: bool,
