@@ -695,16 +695,19 @@ fn connect_tls(
     RedisStore::connect(url, scope, tls_options(dir, ca, client).unwrap())
 }
 
-/// Writes, reads back and looks up blocks over `store` on two ranks.
-fn tls_round_trip(store: &RedisStore) {
+/// Connects to `url` trusting the test CA (presenting `client` if given; `what` names the case),
+/// checks the store is available, then writes, reads back and looks up blocks on two ranks.
+fn tls_round_trip(url: &RedisUrl, dir: &std::path::Path, client: Option<(&str, &str)>, what: &str) {
+    let store = connect_tls(url, scope(2, 4099), dir, Some("ca.pem"), client).expect(what);
+    assert!(store.stats().available, "{what}");
     let keys: Vec<u128> = (0..6u128).map(|i| (i << 64) | 0x7150).collect();
     for rank in 0..2 {
         let blocks: Vec<(u128, Vec<u8>)> = keys
             .iter()
             .map(|&k| (k, random_bytes(4099, k as u64 ^ rank as u64)))
             .collect();
-        assert_eq!(put(store, rank, &blocks).written, keys.len());
-        let (reads, bufs) = get(store, rank, &keys);
+        assert_eq!(put(&store, rank, &blocks).written, keys.len());
+        let (reads, bufs) = get(&store, rank, &keys);
         assert!(reads.iter().all(|r| *r == RemoteRead::Hit), "{reads:?}");
         for ((_, want), got) in blocks.iter().zip(&bufs) {
             assert_eq!(want, got, "rank {rank}: bytes differ over TLS");
@@ -734,10 +737,7 @@ fn tls_with_a_private_ca_round_trips_and_an_untrusted_server_is_refused() {
         return;
     };
     assert!(url.tls);
-    let store = connect_tls(&url, scope(2, 4099), &dir, Some("ca.pem"), None)
-        .expect("TLS with the test CA");
-    assert!(store.stats().available);
-    tls_round_trip(&store);
+    tls_round_trip(&url, &dir, None, "TLS with the test CA");
     // The same server reached by a name its certificate does not list (it also listens on
     // 127.0.0.2; the certificate names 127.0.0.1 and localhost): the URL is what to fix.
     let other_name = RedisUrl::parse(&format!("rediss://127.0.0.2:{}/0", url.nodes[0].1)).unwrap();
@@ -762,15 +762,12 @@ fn mutual_tls_cluster_round_trips_and_refuses_an_untrusted_server_or_a_missing_c
         return;
     };
     assert!(url.tls && url.cluster);
-    let store = connect_tls(
+    tls_round_trip(
         &url,
-        scope(2, 4099),
         &dir,
-        Some("ca.pem"),
         Some(("client.pem", "client.key")),
-    )
-    .expect("mutual TLS cluster with the test CA and client certificate");
-    tls_round_trip(&store);
+        "mutual TLS cluster with the test CA and client certificate",
+    );
     // The cluster client reports these as text only; they are still told apart.
     assert_tls_refused(
         RedisStore::connect(&url, scope(1, 16), RedisOptions::default()),
@@ -789,15 +786,12 @@ fn mutual_tls_needs_a_client_certificate_from_the_servers_ca() {
     let (Some(url), Some(dir)) = (env_url("KVBM_TEST_REDIS_MTLS_URL"), tls_dir()) else {
         return;
     };
-    let store = connect_tls(
+    tls_round_trip(
         &url,
-        scope(2, 4099),
         &dir,
-        Some("ca.pem"),
         Some(("client.pem", "client.key")),
-    )
-    .expect("mutual TLS with the test client certificate");
-    tls_round_trip(&store);
+        "mutual TLS with the test client certificate",
+    );
     for (client, what) in [
         (None, "no client certificate"),
         (
