@@ -719,14 +719,12 @@ impl State {
         // the epoch at release instead, it would join a later request's blocks and, released
         // after them, leave after them as if it were the deepest of that later chain.
         let stamp = if s.touched {
+            s.uses = s.uses.saturating_add(1).min(MAX_USES);
+            s.touched = false;
             self.epoch
         } else {
             s.stamp.min(self.epoch)
         };
-        if s.touched {
-            s.uses = s.uses.saturating_add(1).min(MAX_USES);
-            s.touched = false;
-        }
         let (hash, uses) = (s.hash, s.uses);
         self.active = self.active.saturating_sub(1);
         if self.map.get(&hash) != Some(&id) {
@@ -1854,8 +1852,9 @@ mod tests {
         let keys: Vec<SequenceHash> = (1..=8).map(h).collect();
         for b_first in [false, true] {
             let p = BlockPool::with_policy(TierKind::Host, 6, EvictionPolicy::Prefix).unwrap();
-            cache(&p, h(8)); // an older block, inactive: a late one must not go behind it
-                             // Request A: 2 blocks stored and held (written through).
+            // An older block, inactive: a late one must not go behind it.
+            cache(&p, h(8));
+            // Request A: 2 blocks stored and held (written through).
             let a: Vec<ImmutableBlock> = p
                 .allocate(2)
                 .unwrap()
