@@ -24,6 +24,7 @@
 //! max_concurrency = 4
 //! batch_blocks = 16
 //! load_timeout_secs = 10.0 # a load from disk/remote past this is a load error
+//! copy_method = "auto"     # large memory copies: auto (measured), plain or stream
 //!
 //! [remote]                 # the shared G4 tier (Redis / Valkey); off without url
 //! url = "redis://:pass@10.0.0.5:6379/0"  # or rediss://..., redis+cluster://h1:p1,h2:p2
@@ -213,6 +214,11 @@ pub struct TransferConfig {
     /// while recomputing a prefill takes seconds at most — past 10 s waiting costs more than it
     /// saves, and a frozen or failing disk must not hold a request (and its batch) longer.
     pub load_timeout_secs: f64,
+    /// How transfers of at least 4 MiB between two memory tiers store their bytes
+    /// (`KVBM_COPY_METHOD`): `auto` (the faster of ordinary and streaming stores on this machine,
+    /// measured once per process when the first transfer engine starts; see
+    /// [`crate::transfer::calibrate`]), `plain` or `stream`. Default: `auto`.
+    pub copy_method: crate::transfer::CopyPolicy,
 }
 
 /// [`TransferConfig::load_timeout_secs`] when unset.
@@ -224,6 +230,7 @@ impl Default for TransferConfig {
             max_concurrency: 4,
             batch_blocks: 16,
             load_timeout_secs: DEFAULT_LOAD_TIMEOUT_SECS,
+            copy_method: crate::transfer::CopyPolicy::Auto,
         }
     }
 }
@@ -1088,6 +1095,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_TRANSFER_CONCURRENCY", "transfer.max_concurrency"),
     ours("KVBM_TRANSFER_BATCH_BLOCKS", "transfer.batch_blocks"),
     ours("KVBM_LOAD_TIMEOUT_SECS", "transfer.load_timeout_secs"),
+    ours("KVBM_COPY_METHOD", "transfer.copy_method"),
     ours("KVBM_INIT_TIMEOUT_SECS", "init_timeout_secs"),
     ours(REMOTE_URL_ENV, "remote.url"),
     ours("KVBM_REMOTE_SECRET_FILE", "remote.secret_file"),
@@ -1298,6 +1306,11 @@ impl Config {
             "init_timeout_secs" => self.init_timeout_secs = parse_num(source, raw, "seconds > 0")?,
             "transfer.load_timeout_secs" => {
                 self.transfer.load_timeout_secs = parse_num(source, raw, "seconds > 0")?
+            }
+            "transfer.copy_method" => {
+                self.transfer.copy_method = raw.trim().parse().map_err(|_| {
+                    Error::invalid_config(source, raw, "expected one of auto, plain, stream")
+                })?
             }
             "remote.url" => self.remote.url = trimmed(raw).map(str::to_owned),
             "remote.secret_file" => self.remote.secret_file = trimmed(raw).map(PathBuf::from),
@@ -1599,6 +1612,23 @@ mod tests {
             .apply_env(env(&[("KVBM_DISK_MIN_FREQUENCY", "0")]))
             .unwrap_err();
         assert!(e.to_string().contains("KVBM_DISK_MIN_FREQUENCY"), "{e}");
+    }
+
+    #[test]
+    fn copy_method_from_env_and_file() {
+        use crate::transfer::CopyPolicy;
+        assert_eq!(Config::default().transfer.copy_method, CopyPolicy::Auto);
+        let c = Config::load_with(None, env(&[("KVBM_COPY_METHOD", " Stream ")])).unwrap();
+        assert_eq!(c.transfer.copy_method, CopyPolicy::Stream);
+        let e = Config::load_with(None, env(&[("KVBM_COPY_METHOD", "avx")])).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert_eq!(e.context_value("setting"), Some("KVBM_COPY_METHOD"));
+        for part in ["\"avx\"", "auto", "plain", "stream"] {
+            assert!(e.to_string().contains(part), "{e}");
+        }
+        let c = Config::from_toml_str("[transfer]\ncopy_method = \"plain\"\n").unwrap();
+        assert_eq!(c.transfer.copy_method, CopyPolicy::Plain);
+        assert!(Config::from_toml_str("[transfer]\ncopy_method = \"fast\"\n").is_err());
     }
 
     #[test]

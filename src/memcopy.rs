@@ -1,34 +1,257 @@
-//! Host memory copies for the transfer engine: ordinary stores for small transfers, streaming
-//! (non-temporal) stores for large ones.
+//! Host memory copies for the transfer engine: ordinary stores for small transfers; for large
+//! ones, whichever of ordinary and streaming (non-temporal) stores is faster on this machine, by
+//! measurement.
 //!
-//! Why: a copy with ordinary stores first reads every destination cache line into the cache (to
-//! own it), then writes it back: three memory transfers per byte copied. Streaming stores write
-//! whole lines straight to memory: two. A plain `memcpy` makes that choice from the size of the
-//! one call (glibc switches to streaming stores above a fraction of the last-level cache); the
-//! transfer engine copies block by block (2 MiB or less per call, far below that size), so a
-//! 1 GiB transfer ran entirely on ordinary stores while one `memcpy` of the same gigabyte
-//! streamed: 0.49–0.62 of memcpy. The engine therefore decides from the size of the whole
-//! transfer ([`STREAM_MIN_BYTES`]) and copies each run itself.
+//! Why two methods: a copy with ordinary stores first reads every destination cache line into
+//! the cache (to own it), then writes it back: three memory transfers per byte copied. Streaming
+//! stores write whole lines straight to memory: two. A plain `memcpy` makes that choice from the
+//! size of the one call; the transfer engine copies block by block (2 MiB or less per call), so
+//! on an Intel Xeon a 1 GiB transfer ran entirely on ordinary stores while one `memcpy` of the
+//! same gigabyte streamed: 0.49–0.62 of memcpy, and streaming stores brought it to ~1.0. On an
+//! AMD EPYC without AVX-512 the same streaming loop ran at 0.22–0.42 of memcpy (its `rep movsb`
+//! is 3–4× faster there), while on another AMD EPYC streaming was again the faster. No vendor
+//! or feature flag predicts it, so the choice is measured ([`calibrate`]): the first transfer
+//! engine of a process starts a short calibration on a thread of its own (about 16 MiB copied
+//! ten times, caches flushed before each copy; tens of milliseconds), and until it ends large
+//! transfers use ordinary stores. `transfer.copy_method` (`KVBM_COPY_METHOD`) forces one method.
 //!
-//! Streaming stores are used on x86-64 only (SSE2 is part of that architecture, so no run-time
-//! detection is needed); elsewhere every copy is an ordinary one. A streaming copy ends with a
-//! store fence, so the bytes are ordered before whatever publishes them (the block's lock).
+//! The engine decides from the size of the whole transfer ([`STREAM_MIN_BYTES`]), not the block,
+//! and copies each run itself. Streaming stores exist on x86-64 only (SSE2 is part of that
+//! architecture, so no run-time detection is needed); elsewhere every copy is an ordinary one
+//! and nothing is calibrated. A streaming copy ends with a store fence, so the bytes are ordered
+//! before whatever publishes them (the block's lock).
 
 use std::io::{IoSlice, IoSliceMut};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-/// Transfers of at least this many bytes are copied with streaming stores; smaller ones with
-/// ordinary stores, so a small transfer's destination (which fits in a core's private cache on
-/// current server parts, 1–2 MiB) stays cached for whoever reads it next.
-pub(crate) const STREAM_MIN_BYTES: usize = 4 << 20;
+/// Transfers of at least this many bytes are copied with the calibrated method ([`calibrate`]);
+/// smaller ones always with ordinary stores, so a small transfer's destination (which fits in a
+/// core's private cache on current server parts, 1–2 MiB) stays cached for whoever reads it next.
+pub const STREAM_MIN_BYTES: usize = 4 << 20;
 
 /// Runs shorter than this are copied with ordinary stores even in a streaming copy: a few cache
 /// lines gain nothing from bypassing the cache.
 const STREAM_MIN_RUN: usize = 256;
 
+/// How a copy stores its bytes.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    strum::Display,
+    strum::EnumString,
+)]
+#[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase", ascii_case_insensitive)]
+pub enum CopyMethod {
+    /// Ordinary stores: `memcpy` of each run (glibc picks its own loop, `rep movsb` included).
+    Plain,
+    /// Streaming (non-temporal) stores, line by line, then a store fence (x86-64; elsewhere the
+    /// same as [`CopyMethod::Plain`]).
+    Stream,
+}
+
+/// Which method large transfers use (`transfer.copy_method`, `KVBM_COPY_METHOD`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    strum::Display,
+    strum::EnumString,
+)]
+#[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase", ascii_case_insensitive)]
+pub enum CopyPolicy {
+    /// The faster method on this machine, as measured by [`calibrate`] (ordinary stores until
+    /// the calibration has ended). The default.
+    #[default]
+    Auto,
+    /// Always ordinary stores.
+    Plain,
+    /// Always streaming stores for transfers of at least [`STREAM_MIN_BYTES`].
+    Stream,
+}
+
+/// What the calibration measured and chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CopyCalibration {
+    /// The method large transfers use under [`CopyPolicy::Auto`].
+    pub method: CopyMethod,
+    /// Median bandwidth of ordinary stores, bytes per second (0 where nothing was measured).
+    pub plain_bytes_per_sec: f64,
+    /// Median bandwidth of streaming stores, bytes per second (0 where nothing was measured).
+    pub stream_bytes_per_sec: f64,
+    /// Bytes of one timed copy.
+    pub bytes: usize,
+    /// How long the calibration took (allocation and cache flushes included).
+    pub elapsed: Duration,
+}
+
+/// Bytes of one calibration copy: large enough that run overheads vanish, small enough to take
+/// about a millisecond; both buffers are flushed from the caches before each timed copy, so it
+/// measures memory, not cache, whatever the last-level cache's size.
+const CAL_BYTES: usize = 16 << 20;
+/// Runs per calibration copy: a 2 MiB block, the transfer engine's common run.
+const CAL_RUN: usize = 2 << 20;
+/// Timed copies per method (alternating, so a noisy neighbour hits both alike).
+const CAL_ROUNDS: usize = 5;
+/// Streaming stores are chosen only when at least this much faster (median against median):
+/// on a tie, ordinary stores keep the destination cached for its next reader.
+const CAL_STREAM_MARGIN: f64 = 1.03;
+
+static CALIBRATION: OnceLock<CopyCalibration> = OnceLock::new();
+static CALIBRATION_STARTED: AtomicBool = AtomicBool::new(false);
+
+/// The calibration's result, measuring it on the calling thread if no other thread has yet
+/// (a thread that comes while one measures waits for it). Runs once per process.
+pub fn calibrate() -> &'static CopyCalibration {
+    CALIBRATION.get_or_init(measure)
+}
+
+/// The calibration's result once it has ended; `None` before (see [`start_calibration`]).
+pub fn calibration() -> Option<&'static CopyCalibration> {
+    CALIBRATION.get()
+}
+
+/// Starts the calibration on a thread of its own, once per process; returns at once. Where no
+/// thread can be started, large transfers keep ordinary stores.
+pub(crate) fn start_calibration() {
+    if CALIBRATION.get().is_some() || CALIBRATION_STARTED.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("kvbm-copy-calibration".into())
+        .spawn(|| {
+            let c = calibrate();
+            tracing::info!(
+                method = %c.method,
+                plain_gbps = c.plain_bytes_per_sec / 1e9,
+                stream_gbps = c.stream_bytes_per_sec / 1e9,
+                elapsed_ms = c.elapsed.as_secs_f64() * 1e3,
+                "kvbm copy method calibrated for transfers of at least 4 MiB"
+            );
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the copy calibration; large transfers use ordinary stores");
+    }
+}
+
+/// The method a transfer of `bytes` bytes uses under `policy`.
+pub fn method_for(bytes: usize, policy: CopyPolicy) -> CopyMethod {
+    if bytes < STREAM_MIN_BYTES {
+        return CopyMethod::Plain;
+    }
+    match policy {
+        CopyPolicy::Plain => CopyMethod::Plain,
+        CopyPolicy::Stream => CopyMethod::Stream,
+        CopyPolicy::Auto => match calibration() {
+            Some(c) => c.method,
+            None => {
+                start_calibration();
+                CopyMethod::Plain
+            }
+        },
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn measure() -> CopyCalibration {
+    let start = Instant::now();
+    let src: Vec<u8> = (0..CAL_BYTES).map(|i| (i as u8) ^ 0x5a).collect();
+    let mut dst = vec![1u8; CAL_BYTES];
+    let run = |dst: &mut [u8], method: CopyMethod| {
+        let began = Instant::now();
+        for (d, s) in dst.chunks_mut(CAL_RUN).zip(src.chunks(CAL_RUN)) {
+            copy_segments(&[IoSlice::new(s)], &mut [IoSliceMut::new(d)], method);
+        }
+        began.elapsed()
+    };
+    let (mut plain, mut stream) = (Vec::new(), Vec::new());
+    run(&mut dst, CopyMethod::Plain);
+    run(&mut dst, CopyMethod::Stream);
+    for round in 0..CAL_ROUNDS {
+        // Alternate which method goes first, so neither always follows the other.
+        let order = if round % 2 == 0 {
+            [CopyMethod::Plain, CopyMethod::Stream]
+        } else {
+            [CopyMethod::Stream, CopyMethod::Plain]
+        };
+        for method in order {
+            flush(&src);
+            flush(&dst);
+            let t = run(&mut dst, method);
+            match method {
+                CopyMethod::Plain => plain.push(t),
+                CopyMethod::Stream => stream.push(t),
+            }
+        }
+    }
+    std::hint::black_box(&dst);
+    let rate = |mut v: Vec<Duration>| {
+        v.sort();
+        let mid = v.get(v.len() / 2).copied().unwrap_or_default();
+        CAL_BYTES as f64 / mid.as_secs_f64().max(1e-9)
+    };
+    let (p, s) = (rate(plain), rate(stream));
+    CopyCalibration {
+        method: choose(p, s),
+        plain_bytes_per_sec: p,
+        stream_bytes_per_sec: s,
+        bytes: CAL_BYTES,
+        elapsed: start.elapsed(),
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn measure() -> CopyCalibration {
+    CopyCalibration {
+        method: CopyMethod::Plain,
+        plain_bytes_per_sec: 0.0,
+        stream_bytes_per_sec: 0.0,
+        bytes: 0,
+        elapsed: Duration::ZERO,
+    }
+}
+
+/// The method to use given the two measured bandwidths (bytes per second).
+fn choose(plain: f64, stream: f64) -> CopyMethod {
+    if stream > plain * CAL_STREAM_MARGIN {
+        CopyMethod::Stream
+    } else {
+        CopyMethod::Plain
+    }
+}
+
+/// Writes `buf` back from every cache level and evicts it, so the next copy starts from memory.
+#[cfg(target_arch = "x86_64")]
+fn flush(buf: &[u8]) {
+    for line in buf.chunks(64) {
+        // SAFETY: `clflush` of an address inside a live slice has no effect on its contents;
+        // SSE2 (which includes clflush) is part of x86-64.
+        unsafe { std::arch::x86_64::_mm_clflush(line.as_ptr()) };
+    }
+    // SAFETY: as above.
+    unsafe { std::arch::x86_64::_mm_mfence() };
+}
+
 /// Copies between two segment lists that describe the same canonical image (same total length),
-/// cutting at whichever boundary comes first; with streaming stores when `stream` (see the
+/// cutting at whichever boundary comes first, with `method`'s stores (see the
 /// [module docs](self)).
-pub(crate) fn copy_segments(src: &[IoSlice<'_>], dst: &mut [IoSliceMut<'_>], stream: bool) {
+pub(crate) fn copy_segments(src: &[IoSlice<'_>], dst: &mut [IoSliceMut<'_>], method: CopyMethod) {
+    let stream = method == CopyMethod::Stream;
     let (mut si, mut so, mut di, mut doff) = (0usize, 0usize, 0usize, 0usize);
     let mut streamed = false;
     while si < src.len() && di < dst.len() {
@@ -209,7 +432,7 @@ mod tests {
         let c = pattern(33_000, 5);
         let src = [IoSlice::new(&a), IoSlice::new(&b), IoSlice::new(&c)];
         let want: Vec<u8> = a.iter().chain(&b).chain(&c).copied().collect();
-        for stream in [false, true] {
+        for method in [CopyMethod::Plain, CopyMethod::Stream] {
             let mut x = vec![0u8; 17];
             let mut y = vec![0u8; 50_000];
             let mut z = vec![0u8; want.len() - 50_017];
@@ -219,10 +442,59 @@ mod tests {
                     IoSliceMut::new(&mut y),
                     IoSliceMut::new(&mut z),
                 ];
-                copy_segments(&src, &mut dst, stream);
+                copy_segments(&src, &mut dst, method);
             }
             let got: Vec<u8> = x.iter().chain(&y).chain(&z).copied().collect();
-            assert_eq!(got, want, "stream {stream}");
+            assert_eq!(got, want, "{method}");
         }
+    }
+
+    /// The choice follows the measured figures, with ties (within the margin) to ordinary
+    /// stores; small transfers never stream, whatever the policy; forced policies are obeyed.
+    #[test]
+    fn the_faster_method_is_chosen_and_small_transfers_stay_plain() {
+        assert_eq!(choose(10e9, 20e9), CopyMethod::Stream);
+        assert_eq!(choose(20e9, 10e9), CopyMethod::Plain);
+        assert_eq!(
+            choose(10e9, 10.2e9),
+            CopyMethod::Plain,
+            "a tie keeps ordinary stores"
+        );
+        for policy in [CopyPolicy::Auto, CopyPolicy::Plain, CopyPolicy::Stream] {
+            assert_eq!(method_for(STREAM_MIN_BYTES - 1, policy), CopyMethod::Plain);
+        }
+        assert_eq!(
+            method_for(STREAM_MIN_BYTES, CopyPolicy::Plain),
+            CopyMethod::Plain
+        );
+        assert_eq!(
+            method_for(STREAM_MIN_BYTES, CopyPolicy::Stream),
+            CopyMethod::Stream
+        );
+        assert_eq!("Stream".parse::<CopyPolicy>(), Ok(CopyPolicy::Stream));
+        assert!("fast".parse::<CopyPolicy>().is_err());
+    }
+
+    /// The calibration measures both methods (on x86-64), picks the one its own figures favour,
+    /// and auto then uses that method for large transfers.
+    #[test]
+    fn calibration_measures_both_methods_and_auto_follows_it() {
+        let c = calibrate();
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert!(
+                c.plain_bytes_per_sec > 0.0 && c.stream_bytes_per_sec > 0.0,
+                "{c:?}"
+            );
+            assert_eq!(
+                c.method,
+                choose(c.plain_bytes_per_sec, c.stream_bytes_per_sec)
+            );
+            assert_eq!(c.bytes, CAL_BYTES);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        assert_eq!(c.method, CopyMethod::Plain);
+        assert_eq!(calibration(), Some(c));
+        assert_eq!(method_for(1 << 30, CopyPolicy::Auto), c.method);
     }
 }

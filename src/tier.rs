@@ -221,7 +221,7 @@ pub(crate) fn check_io(
 /// Copies between two segment lists that describe the same canonical image (same total length),
 /// cutting at whichever boundary comes first.
 pub(crate) fn copy_segments(src: &[IoSlice<'_>], dst: &mut [IoSliceMut<'_>]) {
-    crate::memcopy::copy_segments(src, dst, false)
+    crate::memcopy::copy_segments(src, dst, crate::memcopy::CopyMethod::Plain)
 }
 
 /// Sum of segment lengths.

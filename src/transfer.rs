@@ -10,9 +10,9 @@
 //! source's; the first that takes it answers one result per pair. Otherwise, path per pair,
 //! cheapest first:
 //! * both host addressable: the engine copies the source's runs into the destination's (a
-//!   gather/scatter memcpy), with streaming stores when the whole transfer moves at least
-//!   4 MiB (see `memcopy`: one block is far below the size at which a plain `memcpy` of the
-//!   whole transfer would stream, so the engine decides from the transfer, not the block);
+//!   gather/scatter memcpy); a transfer of at least [`STREAM_MIN_BYTES`] uses the store method
+//!   that is faster on this machine ([`CopyPolicy`], measured by [`calibrate`]: streaming stores
+//!   or ordinary ones), decided from the whole transfer, not the block;
 //! * destination host addressable: the source reads straight into the destination's runs
 //!   (disk → memory is one vectored read);
 //! * source host addressable: the destination writes straight from the source's runs;
@@ -36,6 +36,10 @@ use crate::config::TransferConfig;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvLayout;
 use crate::tier::{total_len, StorageTier, TierKind};
+
+pub use crate::memcopy::{
+    calibrate, calibration, method_for, CopyCalibration, CopyMethod, CopyPolicy, STREAM_MIN_BYTES,
+};
 
 /// One block that failed to copy.
 #[derive(Debug, Clone)]
@@ -115,6 +119,7 @@ pub struct TransferEngine {
     permits: Arc<Semaphore>,
     max_concurrency: usize,
     batch_blocks: usize,
+    copy: CopyPolicy,
 }
 
 impl TransferEngine {
@@ -125,10 +130,15 @@ impl TransferEngine {
                 "transfer max_concurrency and batch_blocks must be at least 1",
             ));
         }
+        if config.copy_method == CopyPolicy::Auto {
+            // Measured once per process, off this thread: until it ends, ordinary stores.
+            crate::memcopy::start_calibration();
+        }
         Ok(Self {
             permits: Arc::new(Semaphore::new(config.max_concurrency)),
             max_concurrency: config.max_concurrency,
             batch_blocks: config.batch_blocks,
+            copy: config.copy_method,
         })
     }
 
@@ -259,7 +269,7 @@ impl TransferEngine {
             failed: Vec::new(),
             elapsed: Duration::ZERO,
         };
-        let stream = streams(src.as_ref(), pairs.len());
+        let method = copy_method(src.as_ref(), pairs.len(), self.copy);
         let mut tasks = JoinSet::new();
         for batch in pairs.chunks(self.batch_blocks) {
             // Both semaphores live as long as the engine and this call; acquire fails only if
@@ -274,7 +284,7 @@ impl TransferEngine {
             let (s, d) = (src.clone(), dst.clone());
             tasks.spawn_blocking(move || {
                 let _permits = (l, g);
-                copy_batch(s.as_ref(), d.as_ref(), &batch, stream)
+                copy_batch(s.as_ref(), d.as_ref(), &batch, method)
             });
             // Collect finished batches as we go so memory stays bounded for huge transfers.
             while let Some(done) = tasks.try_join_next() {
@@ -294,16 +304,27 @@ impl TransferEngine {
         outcome
     }
 
-    /// Copies `pairs` on the calling thread, without a runtime (validates first).
+    /// Copies `pairs` on the calling thread, without a runtime (validates first), with the
+    /// default copy policy ([`CopyPolicy::Auto`]).
     pub fn copy_blocking(
         src: &dyn StorageTier,
         dst: &dyn StorageTier,
         pairs: &[(usize, usize)],
     ) -> Result<TransferOutcome> {
+        Self::copy_blocking_with(src, dst, pairs, CopyPolicy::Auto)
+    }
+
+    /// [`TransferEngine::copy_blocking`] with memory copies by `policy`.
+    pub fn copy_blocking_with(
+        src: &dyn StorageTier,
+        dst: &dyn StorageTier,
+        pairs: &[(usize, usize)],
+        policy: CopyPolicy,
+    ) -> Result<TransferOutcome> {
         let start = Instant::now();
         let same = std::ptr::addr_eq(src as *const dyn StorageTier, dst as *const dyn StorageTier);
         Self::validate(src, dst, same, pairs)?;
-        let batch = copy_batch(src, dst, pairs, streams(src, pairs.len()));
+        let batch = copy_batch(src, dst, pairs, copy_method(src, pairs.len(), policy));
         let blocks = pairs.len() - batch.failed.len();
         Ok(TransferOutcome {
             src: src.kind(),
@@ -342,16 +363,16 @@ fn merge(
     }
 }
 
-/// Whether a transfer of `blocks` blocks of `src`'s size copies memory with streaming stores.
-fn streams(src: &dyn StorageTier, blocks: usize) -> bool {
-    blocks.saturating_mul(src.bytes_per_block()) >= crate::memcopy::STREAM_MIN_BYTES
+/// How a transfer of `blocks` blocks of `src`'s size copies memory under `policy`.
+fn copy_method(src: &dyn StorageTier, blocks: usize, policy: CopyPolicy) -> CopyMethod {
+    method_for(blocks.saturating_mul(src.bytes_per_block()), policy)
 }
 
 fn copy_batch(
     src: &dyn StorageTier,
     dst: &dyn StorageTier,
     pairs: &[(usize, usize)],
-    stream: bool,
+    method: CopyMethod,
 ) -> BatchResult {
     let mut result = BatchResult {
         copied: 0,
@@ -386,7 +407,7 @@ fn copy_batch(
     }
     let mut bounce: Option<Vec<u8>> = None;
     for &(s, d) in pairs {
-        let r = copy_block(src, dst, s, d, stream, &mut bounce);
+        let r = copy_block(src, dst, s, d, method, &mut bounce);
         record(s, d, r);
     }
     result
@@ -409,7 +430,7 @@ fn copy_block(
     dst: &dyn StorageTier,
     s: usize,
     d: usize,
-    stream: bool,
+    method: CopyMethod,
     bounce: &mut Option<Vec<u8>>,
 ) -> Result<()> {
     let (sc, dc) = (src.capability(), dst.capability());
@@ -427,7 +448,7 @@ fn copy_block(
                     .with("src_tier", src.kind())
                     .with("dst_tier", dst.kind()));
                 }
-                crate::memcopy::copy_segments(from, to, stream);
+                crate::memcopy::copy_segments(from, to, method);
                 Ok(())
             })
         });

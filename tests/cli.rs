@@ -1173,6 +1173,86 @@ fn bench_json_has_every_path_with_finite_ratios() {
     assert!(left.is_empty(), "bench left files behind: {left:?}");
 }
 
+/// `kvbm bench --curve`: each row names its store method; transfers under 4 MiB (1 block) stay
+/// on ordinary stores whatever the method; a forced method is obeyed from 4 MiB (2 blocks) on;
+/// under auto the calibration's choice is reported and used; an unknown method is refused.
+#[test]
+fn bench_curve_names_the_copy_method_of_each_size() {
+    let dir = tmp();
+    let curve = |method: &str| -> Value {
+        let out = kvbm(dir.path())
+            .args([
+                "bench", "--curve", "--blocks", "4", "--rounds", "1", "--json",
+            ])
+            .args(["--copy-method", method])
+            .output()
+            .expect("run kvbm bench --curve");
+        assert_ok(&out, "kvbm bench --curve");
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("bench JSON: {e}\n{}", text(&out.stdout)))
+    };
+    let methods = |v: &Value| -> Vec<(String, String)> {
+        v["paths"]
+            .as_array()
+            .expect("paths")
+            .iter()
+            .map(|p| {
+                let path = p["path"].as_str().unwrap_or_default().to_string();
+                let method = path
+                    .rsplit_once('[')
+                    .map(|(_, m)| m.trim_end_matches(']').to_string())
+                    .unwrap_or_default();
+                (path, method)
+            })
+            .collect()
+    };
+    for forced in ["plain", "stream"] {
+        let v = curve(forced);
+        assert!(
+            v["copy_calibration"].is_null(),
+            "a forced method needs no calibration: {v}"
+        );
+        let rows = methods(&v);
+        assert_eq!(
+            rows.len(),
+            6,
+            "1, 2 and 4 blocks, contiguous and gather: {rows:?}"
+        );
+        for (path, method) in rows {
+            let want = if path.contains(", 1 blocks") {
+                "plain"
+            } else {
+                forced
+            };
+            assert_eq!(method, want, "{path}");
+        }
+    }
+    let v = curve("auto");
+    let chosen = v["copy_calibration"]["method"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no calibration under auto: {v}"))
+        .to_string();
+    assert!(chosen == "plain" || chosen == "stream", "{v}");
+    for k in ["plain_bytes_per_sec", "stream_bytes_per_sec"] {
+        let x = v["copy_calibration"][k].as_f64().unwrap_or(f64::NAN);
+        assert!(x.is_finite() && x >= 0.0, "{k} = {x}");
+    }
+    for (path, method) in methods(&v) {
+        let want = if path.contains(", 1 blocks") {
+            "plain"
+        } else {
+            chosen.as_str()
+        };
+        assert_eq!(method, want, "{path}");
+    }
+    let out = kvbm(dir.path())
+        .args(["bench", "--curve", "--blocks", "1", "--copy-method", "avx"])
+        .output()
+        .expect("run kvbm bench");
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("avx"), "{}", text(&out.stderr));
+}
+
 #[test]
 fn bench_redis_rows_against_raw_set_get() {
     let dir = tmp();

@@ -4,7 +4,9 @@
 //! * memory → memory (contiguous, and layer-separate gather) vs `memcpy` of the same bytes between
 //!   the same buffers (one call per source allocation), one thread on each side, every page
 //!   touched before timing and both buffers evicted from the caches before every timed call
-//!   (`--curve`: at 1, 2, 4, … blocks up to `--blocks`, memory paths only);
+//!   (`--curve`: at 1, 2, 4, … blocks up to `--blocks`, memory paths only). Each row names the
+//!   store method its transfer used (`[plain]` or `[stream]`); under `--copy-method auto` (the
+//!   configured default) the calibration's own figures are printed first;
 //! * memory → disk and disk → memory through the transfer engine vs raw O_DIRECT `pwrite`/`pread`
 //!   of the same bytes between the same memory and the same file offsets, with the same number of
 //!   requests in flight (on a virtual disk, other buffers or files were seen to differ by 2×, so
@@ -53,7 +55,7 @@ use kvbm_connector::frameworks::vllm::Vllm;
 use kvbm_connector::identity::HashAlgorithm;
 use kvbm_connector::layout::{BlockOrder, KvLayout, Layout, LayoutDims};
 use kvbm_connector::tier::{StorageTier, TierKind};
-use kvbm_connector::transfer::TransferEngine;
+use kvbm_connector::transfer::{self, CopyPolicy, TransferEngine};
 
 /// `kvbm bench` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -75,6 +77,10 @@ pub struct BenchArgs {
     /// the largest transfer, 4 GiB at 1024 blocks).
     #[arg(long)]
     pub curve: bool,
+    /// How the memory paths' transfers of at least 4 MiB store their bytes: auto (the method
+    /// this machine's calibration chose), plain or stream. Default: `transfer.copy_method`.
+    #[arg(long, value_name = "METHOD")]
+    pub copy_method: Option<CopyPolicy>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -267,9 +273,15 @@ pub fn memory_paths_peak_bytes(blocks: usize) -> usize {
 /// allocations (one call per source allocation). One thread on both sides; every page touched
 /// before timing; both buffers evicted from the caches before every timed call of either side;
 /// rounds interleaved. One source exists at a time: peak [`memory_paths_peak_bytes`].
-fn memory_paths(blocks: usize, rounds: usize, label: bool) -> Result<Vec<PathResult>> {
+fn memory_paths(
+    blocks: usize,
+    rounds: usize,
+    label: bool,
+    policy: CopyPolicy,
+) -> Result<Vec<PathResult>> {
     let d = dims();
     let bytes = blocks * d.bytes_per_block();
+    let method = transfer::method_for(bytes, policy);
     let host = MemoryTier::host(Layout::fully_contiguous(d, blocks)?)?;
     fill(&host)?;
     let dst = *allocations(&host)?
@@ -311,12 +323,14 @@ fn memory_paths(blocks: usize, rounds: usize, label: bool) -> Result<Vec<PathRes
         // Small transfers take microseconds: more rounds there (about 64 blocks' worth).
         let r = rounds * (64 / blocks).clamp(1, 16);
         let (l, o) = interleaved_cold(r, cold, limit, || {
-            check_outcome(TransferEngine::copy_blocking(&src, &host, &pairs)?)
+            check_outcome(TransferEngine::copy_blocking_with(
+                &src, &host, &pairs, policy,
+            )?)
         })?;
         let path = if label {
-            format!("{name}, {blocks} blocks")
+            format!("{name}, {blocks} blocks [{method}]")
         } else {
-            name.to_string()
+            format!("{name} [{method}]")
         };
         out.push(bandwidth(
             &path,
@@ -334,6 +348,7 @@ fn memory_paths(blocks: usize, rounds: usize, label: bool) -> Result<Vec<PathRes
 fn memory_curve(
     max: usize,
     rounds: usize,
+    policy: CopyPolicy,
     mut each: impl FnMut(&[PathResult]),
 ) -> Result<Vec<PathResult>> {
     let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |n| n.checked_mul(2))
@@ -344,7 +359,7 @@ fn memory_curve(
     }
     let mut out = Vec::new();
     for n in sizes {
-        let rows = memory_paths(n, rounds, true)?;
+        let rows = memory_paths(n, rounds, true, policy)?;
         each(&rows);
         out.extend(rows);
     }
@@ -658,6 +673,31 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
             .is_none_or(|o| o.split(',').any(|x| x.trim() == g))
     };
     let mut results = Vec::new();
+    let policy = a.copy_method.unwrap_or(config.transfer.copy_method);
+    // Under auto, the calibration runs before anything is timed (a transfer engine would start
+    // it in the background; here the figures should not depend on when it ends).
+    let calibration =
+        (policy == CopyPolicy::Auto && (a.curve || want("memory"))).then(transfer::calibrate);
+    if let (Some(c), false) = (calibration, a.json) {
+        println!(
+            "copy calibration: ordinary stores {:.2} GB/s, streaming stores {:.2} GB/s ({} MiB, caches flushed, median of 5, {:.0} ms in all) -> {} for transfers of at least {} MiB",
+            c.plain_bytes_per_sec / 1e9,
+            c.stream_bytes_per_sec / 1e9,
+            c.bytes >> 20,
+            c.elapsed.as_secs_f64() * 1e3,
+            c.method,
+            transfer::STREAM_MIN_BYTES >> 20,
+        );
+    }
+    let calibration_json = calibration.map(|c| {
+        serde_json::json!({
+            "method": c.method,
+            "plain_bytes_per_sec": c.plain_bytes_per_sec,
+            "stream_bytes_per_sec": c.stream_bytes_per_sec,
+            "bytes": c.bytes,
+            "elapsed_secs": c.elapsed.as_secs_f64(),
+        })
+    });
     if a.curve {
         let peak = memory_paths_peak_bytes(a.blocks);
         if !a.json {
@@ -671,13 +711,18 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         if !a.json {
             print_header();
         }
-        let results = memory_curve(a.blocks, a.rounds, |rows| {
+        let results = memory_curve(a.blocks, a.rounds, policy, |rows| {
             if !a.json {
                 rows.iter().for_each(print_row);
             }
         })?;
         if a.json {
-            let v = serde_json::json!({ "paths": results, "peak_bytes": peak });
+            let v = serde_json::json!({
+                "paths": results,
+                "peak_bytes": peak,
+                "copy_policy": policy,
+                "copy_calibration": calibration_json,
+            });
             println!(
                 "{}",
                 serde_json::to_string_pretty(&v).map_err(|e| Error::internal(e.to_string()))?
@@ -689,7 +734,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         if progress {
             eprintln!("bench: memory paths…");
         }
-        results.extend(memory_paths(a.blocks, a.rounds, false)?);
+        results.extend(memory_paths(a.blocks, a.rounds, false, policy)?);
     }
     let mut note = None;
     if want("disk") {
@@ -740,7 +785,12 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     }
     if a.json {
         #[cfg_attr(not(feature = "nixl"), expect(unused_mut))]
-        let mut v = serde_json::json!({ "paths": results, "disk_note": note });
+        let mut v = serde_json::json!({
+            "paths": results,
+            "disk_note": note,
+            "copy_policy": policy,
+            "copy_calibration": calibration_json,
+        });
         #[cfg(feature = "nixl")]
         if let Some(obj) = v.as_object_mut() {
             obj.insert("nixl_note".into(), serde_json::json!(nixl_note));
@@ -764,14 +814,14 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
 
 fn print_header() {
     println!(
-        "{:<52} {:>12} {:>12} {:>8}  limit",
+        "{:<60} {:>12} {:>12} {:>8}  limit",
         "path", "ours", "limit", "ratio"
     );
 }
 
 fn print_row(r: &PathResult) {
     println!(
-        "{:<52} {:>12.2} {:>12.2} {:>8.3}  {} ({})",
+        "{:<60} {:>12.2} {:>12.2} {:>8.3}  {} ({})",
         r.path, r.ours, r.limit, r.ratio, r.unit, r.limit_source
     );
 }
