@@ -32,6 +32,9 @@
 //! namespace = "llama-3-8b-instruct@rev2"  # model identity in the keys' scope
 //! lookup_timeout_ms = 5    # a synchronous lookup past this is a miss (TensorRT-LLM)
 //! io_timeout_ms = 2000     # one read/write batch, or a background lookup
+//! lookup_wait_ms = 50      # vLLM: how long a request waits for its lookup (then a miss)
+//! slow_ms = 50             # median store latency above which the store counts as slow
+//! backoff_secs = 5         # a slow or unavailable store is left out this long (doubling to 60 s)
 //! min_frequency = 1        # write blocks to the store once seen this many times in host
 //! ttl_secs = 86400         # values expire after a day (default: none; maxmemory evicts)
 //! tls_ca_file = "/etc/kvbm/redis-ca.pem"      # rediss:// signed by a private CA (default: system roots)
@@ -284,6 +287,20 @@ pub struct RemoteConfig {
     /// Deadline of one read or write batch (and of a background lookup), in milliseconds.
     /// Default 2000.
     pub io_timeout_ms: Option<u64>,
+    /// How long a request of an engine that asks again later (vLLM) waits for its lookup, in
+    /// milliseconds (`KVBM_REMOTE_LOOKUP_WAIT_MS`): past it the request goes on with what the
+    /// local tiers matched, and the late answer only informs the store's health. Default 50.
+    pub lookup_wait_ms: Option<u64>,
+    /// The store is *slow* when the median latency of its recent calls (a window of 32
+    /// lookups and loads) is above this, in milliseconds (`KVBM_REMOTE_SLOW_MS`); *unavailable*
+    /// when half of them failed. Either takes it out of the lookup and write path for
+    /// `backoff_secs`. Default 50: a local store answers in well under a millisecond, and a
+    /// busy host delays that by milliseconds, not tens.
+    pub slow_ms: Option<u64>,
+    /// How long a slow or unavailable store is left out before it is probed again, in seconds
+    /// (`KVBM_REMOTE_BACKOFF_SECS`); doubles at each verdict in a row, up to 60 s (or this, if
+    /// larger). Default 5.
+    pub backoff_secs: Option<f64>,
     /// Host → remote admission: a block is written to the store once it was seen this many
     /// times in the host tier (1 writes every block). Default 1.
     pub min_frequency: Option<u32>,
@@ -344,6 +361,9 @@ impl std::fmt::Debug for RemoteConfig {
             .field("namespace", &self.namespace)
             .field("lookup_timeout_ms", &self.lookup_timeout_ms)
             .field("io_timeout_ms", &self.io_timeout_ms)
+            .field("lookup_wait_ms", &self.lookup_wait_ms)
+            .field("slow_ms", &self.slow_ms)
+            .field("backoff_secs", &self.backoff_secs)
             .field("min_frequency", &self.min_frequency)
             .field("ttl_secs", &self.ttl_secs)
             .field("tls_ca_file", &self.tls_ca_file)
@@ -366,6 +386,12 @@ impl RemoteConfig {
     pub const DEFAULT_LOOKUP_TIMEOUT_MS: u64 = 5;
     /// [`RemoteConfig::io_timeout_ms`] when unset.
     pub const DEFAULT_IO_TIMEOUT_MS: u64 = 2000;
+    /// [`RemoteConfig::lookup_wait_ms`] when unset.
+    pub const DEFAULT_LOOKUP_WAIT_MS: u64 = 50;
+    /// [`RemoteConfig::slow_ms`] when unset.
+    pub const DEFAULT_SLOW_MS: u64 = 50;
+    /// [`RemoteConfig::backoff_secs`] when unset.
+    pub const DEFAULT_BACKOFF_SECS: f64 = 5.0;
 
     /// Whether the remote tier is on (`url` set).
     pub fn enabled(&self) -> bool {
@@ -388,6 +414,21 @@ impl RemoteConfig {
     /// The deadline of one read/write batch and of a background lookup.
     pub fn io_timeout(&self) -> Duration {
         Duration::from_millis(self.io_timeout_ms.unwrap_or(Self::DEFAULT_IO_TIMEOUT_MS))
+    }
+
+    /// How long a deferred lookup is waited for ([`RemoteConfig::lookup_wait_ms`]).
+    pub fn lookup_wait(&self) -> Duration {
+        Duration::from_millis(self.lookup_wait_ms.unwrap_or(Self::DEFAULT_LOOKUP_WAIT_MS))
+    }
+
+    /// The median latency above which the store is slow ([`RemoteConfig::slow_ms`]).
+    pub fn slow(&self) -> Duration {
+        Duration::from_millis(self.slow_ms.unwrap_or(Self::DEFAULT_SLOW_MS))
+    }
+
+    /// The first back-off of a slow or unavailable store ([`RemoteConfig::backoff_secs`]).
+    pub fn backoff(&self) -> Duration {
+        Duration::from_secs_f64(self.backoff_secs.unwrap_or(Self::DEFAULT_BACKOFF_SECS))
     }
 
     /// Host → remote admission count.
@@ -538,6 +579,8 @@ impl RemoteConfig {
         for (key, v, max) in [
             ("remote.lookup_timeout_ms", self.lookup_timeout_ms, 60_000),
             ("remote.io_timeout_ms", self.io_timeout_ms, 600_000),
+            ("remote.lookup_wait_ms", self.lookup_wait_ms, 60_000),
+            ("remote.slow_ms", self.slow_ms, 600_000),
         ] {
             if let Some(v) = v {
                 if v == 0 || v > max {
@@ -547,6 +590,15 @@ impl RemoteConfig {
                         format!("must be a number of milliseconds from 1 to {max}"),
                     ));
                 }
+            }
+        }
+        if let Some(b) = self.backoff_secs {
+            if !(b.is_finite() && (0.001..=3600.0).contains(&b)) {
+                return Err(Error::invalid_config(
+                    "remote.backoff_secs",
+                    b,
+                    "must be a number of seconds from 0.001 to 3600",
+                ));
             }
         }
         if self.ttl_secs.is_some_and(|t| t > 10 * 365 * 24 * 3600) {
@@ -1103,6 +1155,9 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_REMOTE_NAMESPACE", "remote.namespace"),
     ours("KVBM_REMOTE_LOOKUP_TIMEOUT_MS", "remote.lookup_timeout_ms"),
     ours("KVBM_REMOTE_IO_TIMEOUT_MS", "remote.io_timeout_ms"),
+    ours("KVBM_REMOTE_LOOKUP_WAIT_MS", "remote.lookup_wait_ms"),
+    ours("KVBM_REMOTE_SLOW_MS", "remote.slow_ms"),
+    ours("KVBM_REMOTE_BACKOFF_SECS", "remote.backoff_secs"),
     ours("KVBM_REMOTE_MIN_FREQUENCY", "remote.min_frequency"),
     ours("KVBM_REMOTE_TTL_SECS", "remote.ttl_secs"),
     ours("KVBM_REMOTE_TLS_CA_FILE", "remote.tls_ca_file"),
@@ -1323,6 +1378,15 @@ impl Config {
             "remote.namespace" => self.remote.namespace = trimmed(raw).map(str::to_owned),
             "remote.lookup_timeout_ms" => {
                 self.remote.lookup_timeout_ms = Some(parse_num(source, raw, "milliseconds >= 1")?)
+            }
+            "remote.lookup_wait_ms" => {
+                self.remote.lookup_wait_ms = Some(parse_num(source, raw, "milliseconds >= 1")?)
+            }
+            "remote.slow_ms" => {
+                self.remote.slow_ms = Some(parse_num(source, raw, "milliseconds >= 1")?)
+            }
+            "remote.backoff_secs" => {
+                self.remote.backoff_secs = Some(parse_num(source, raw, "seconds > 0")?)
             }
             "remote.io_timeout_ms" => {
                 self.remote.io_timeout_ms = Some(parse_num(source, raw, "milliseconds >= 1")?)

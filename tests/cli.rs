@@ -1127,6 +1127,7 @@ fn report_json_schema() {
     settings.bind(|| {
         insta::assert_json_snapshot!("cli__report_schema", r, {
             ".summary.wall_s" => "[wall_s]",
+            ".summary.serve_s" => "[serve_s]",
             ".summary.leader_latency[].p50_us" => "[p50_us]",
             ".summary.leader_latency[].p99_us" => "[p99_us]",
             ".summary.offloaded[].gb_per_s" => "[gb_per_s]",

@@ -202,7 +202,8 @@ fn a_second_instance_onboards_the_first_ones_prefix_through_the_store() {
 fn an_engine_that_can_be_asked_again_never_waits_for_a_lookup() {
     let data = MemoryRemoteData::default();
     let _a = publish(&data);
-    let (mut b, faults) = instance::<Deferred>(&data, |_| {});
+    // A long lookup wait: the request waits (pending) for the store's answer.
+    let (mut b, faults) = instance::<Deferred>(&data, |c| c.remote.lookup_wait_ms = Some(10_000));
     // The store takes 100 ms to answer; every match returns at once meanwhile.
     faults.delay_ms.store(100, Ordering::Relaxed);
     let tokens = prompt();
@@ -234,57 +235,98 @@ fn an_engine_that_can_be_asked_again_never_waits_for_a_lookup() {
     }
 }
 
+/// `remote.lookup_wait_ms`: a request of an engine that asks again waits for its lookup at most
+/// that long (from its first ask); then it goes on with the local tiers' match, and keeps that
+/// answer (it is not asked of the store again while its prefix stays where it was).
 #[test]
-fn a_synchronous_lookup_is_bounded_and_a_slow_store_is_a_miss() {
+fn a_deferred_lookup_past_its_wait_is_a_miss_and_stays_one() {
     let data = MemoryRemoteData::default();
     let _a = publish(&data);
-    let (mut b, faults) = instance::<Sync_>(&data, |c| c.remote.lookup_timeout_ms = Some(10));
-    faults.delay_ms.store(2_000, Ordering::Relaxed);
+    let (mut b, faults) = instance::<Deferred>(&data, |c| c.remote.lookup_wait_ms = Some(20));
+    faults.delay_ms.store(300, Ordering::Relaxed);
     let tokens = prompt();
-    let t = Instant::now();
+    let who = id("b");
+    let started = Instant::now();
+    let mut pending = 0;
+    let m = loop {
+        let m = b
+            .leader
+            .get_num_new_matched_tokens(info(&who, &tokens), 0)
+            .unwrap();
+        if !m.pending {
+            break m;
+        }
+        pending += 1;
+        assert!(started.elapsed() < Duration::from_secs(5), "never answered");
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    assert!(pending > 0, "pending while it waited");
+    assert_eq!(m.external_tokens, 0, "past the wait: a miss");
+    assert_eq!(b.leader.metrics().snapshot().remote_lookup_timeouts, 1);
+    // Asked again (e.g. it could not be allocated): the same miss, at once, after the store
+    // answered too.
+    std::thread::sleep(Duration::from_millis(350));
     let m = b
         .leader
-        .get_num_new_matched_tokens(info(&id("b"), &tokens), 0)
+        .get_num_new_matched_tokens(info(&who, &tokens), 0)
         .unwrap();
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "{:?}",
-        t.elapsed()
-    );
-    assert_eq!(m.external_tokens, 0);
-    assert!(!m.pending);
-    b.leader
-        .update_state_after_alloc(&id("b"), &[5, 6, 7, 8], 0)
-        .unwrap();
-    let snap = b.leader.metrics().snapshot();
-    assert_eq!(snap.remote_lookup_timeouts, 1);
-    // Two more late answers in a row: then the store is not asked at all (a miss at once).
-    for who in ["c1", "c2"] {
-        let m = b
-            .leader
-            .get_num_new_matched_tokens(info(&id(who), &tokens), 0)
-            .unwrap();
-        assert_eq!(m.external_tokens, 0);
-    }
-    assert_eq!(b.leader.metrics().snapshot().remote_lookup_timeouts, 3);
-    let deadline = Instant::now() + Duration::from_secs(2);
-    let mut skipped = 0;
+    assert_eq!((m.pending, m.external_tokens), (false, 0));
+    let _ = faults;
+}
+
+/// A store whose calls keep missing their deadline is taken out of the path only once a window
+/// of calls says so (`StoreHealth::MIN_SAMPLES`), not after a few late answers; then it is not
+/// asked at all.
+#[test]
+fn a_slow_store_leaves_the_lookup_path_after_a_window_of_calls() {
+    let data = MemoryRemoteData::default();
+    let _a = publish(&data);
+    let (mut b, faults) = instance::<Sync_>(&data, |c| {
+        c.remote.lookup_timeout_ms = Some(10);
+        c.remote.io_timeout_ms = Some(30);
+    });
+    faults.delay_ms.store(2_000, Ordering::Relaxed);
+    let tokens = prompt();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut asked, mut skipped) = (0u64, 0);
     while skipped == 0 && Instant::now() < deadline {
-        let timeouts = b.leader.metrics().snapshot().remote_lookup_timeouts;
+        let before = b.leader.metrics().snapshot();
         let m = b
             .leader
-            .get_num_new_matched_tokens(info(&id("c"), &tokens), 0)
+            .get_num_new_matched_tokens(info(&id(&format!("c{asked}")), &tokens), 0)
             .unwrap();
         assert_eq!(m.external_tokens, 0);
         let snap = b.leader.metrics().snapshot();
         skipped = snap.remote_lookup_skipped;
         if skipped > 0 {
-            // A skipped lookup never reached the (2 s slow) store: had it asked, the 10 ms
-            // deadline would have counted one more timeout. (Structural, not timed.)
-            assert_eq!(snap.remote_lookup_timeouts, timeouts);
+            // A skipped lookup never reached the store: had it asked, its 10 ms wait would
+            // have counted one more timeout. (Structural, not timed.)
+            assert_eq!(snap.remote_lookup_timeouts, before.remote_lookup_timeouts);
+        } else {
+            asked += 1;
         }
+        // Let the lookup thread's call reach its own (30 ms) deadline: one sample each.
+        std::thread::sleep(Duration::from_millis(40));
     }
-    assert_eq!(skipped, 1);
+    assert_eq!(skipped, 1, "the store was never taken out");
+    assert!(
+        asked >= kvbm_connector::connector::remote::StoreHealth::MIN_SAMPLES as u64,
+        "taken out after only {asked} late lookups"
+    );
+    let snap = b.leader.metrics().snapshot();
+    assert_eq!(
+        snap.remote_state,
+        Some(kvbm_connector::connector::remote::StoreState::Unavailable)
+    );
+    let text = b.leader.metrics().render_prometheus();
+    assert!(
+        text.contains("kvbm_remote_state{state=\"unavailable\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kvbm_remote_state{state=\"healthy\"} 0"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -383,10 +425,22 @@ fn writes_are_admitted_by_frequency_and_skipped_while_the_store_fails() {
     }
     assert_eq!(values(&data), 3);
 
-    // While lookups fail, writes are skipped (nothing is sent to a store that is down).
+    // Once a window of lookups failed, writes are skipped (nothing is sent to a store that is
+    // down).
     let data2 = MemoryRemoteData::default();
     let (mut c, f2) = instance_with::<Sync_>(&data2, |_| {});
     f2.faults.down.store(true, Ordering::Relaxed);
+    for k in 0..kvbm_connector::connector::remote::StoreHealth::MIN_SAMPLES {
+        let m = c
+            .leader
+            .get_num_new_matched_tokens(info(&id(&format!("l{k}")), &tokens), 0)
+            .unwrap();
+        assert_eq!(m.external_tokens, 0);
+    }
+    assert_eq!(
+        c.leader.metrics().snapshot().remote_state,
+        Some(kvbm_connector::connector::remote::StoreState::Unavailable)
+    );
     c.offload(&id("x"), &tokens, &[0, 1, 2, 3]);
     assert_eq!(values(&data2), 0);
     assert_eq!(f2.calls().2, 0, "no write sent while the store is failing");

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
+use crate::connector::remote::StoreState;
 use crate::tier::TierKind;
 
 /// Every tier, in [`TierKind`]'s order (the order of the transfer table and its output).
@@ -97,6 +98,10 @@ pub struct Metrics {
     remote_lookup_skipped: AtomicU64,
     /// 1 while the remote store answers, 0 while it is failing; 0 without a remote tier.
     remote_available: AtomicU64,
+    /// The remote store's verdict: 0 none (no remote tier), 1 healthy, 2 slow, 3 unavailable.
+    remote_state: AtomicU64,
+    /// Changes of that verdict.
+    remote_state_changes: AtomicU64,
     operations_submitted: AtomicU64,
     operations_completed: AtomicU64,
     operations_failed: AtomicU64,
@@ -187,6 +192,19 @@ impl Metrics {
             .store(u64::from(available), Ordering::Relaxed);
     }
 
+    /// The remote store's verdict ([`StoreState`]).
+    pub fn set_remote_state(&self, state: StoreState) {
+        let v = match state {
+            StoreState::Healthy => 1,
+            StoreState::Slow => 2,
+            StoreState::Unavailable => 3,
+        };
+        let old = self.remote_state.swap(v, Ordering::Relaxed);
+        if old != 0 && old != v {
+            add(&self.remote_state_changes, 1);
+        }
+    }
+
     /// One operation (load or store) was submitted.
     pub fn record_operation_submitted(&self) {
         add(&self.operations_submitted, 1);
@@ -235,6 +253,13 @@ impl Metrics {
             remote_lookup_errors: get(&self.remote_lookup_errors),
             remote_lookup_skipped: get(&self.remote_lookup_skipped),
             remote_available: get(&self.remote_available) != 0,
+            remote_state_changes: get(&self.remote_state_changes),
+            remote_state: match get(&self.remote_state) {
+                1 => Some(StoreState::Healthy),
+                2 => Some(StoreState::Slow),
+                3 => Some(StoreState::Unavailable),
+                _ => None,
+            },
             operations_submitted: get(&self.operations_submitted),
             operations_completed: get(&self.operations_completed),
             operations_failed: get(&self.operations_failed),
@@ -292,6 +317,10 @@ pub struct MetricsSnapshot {
     pub remote_lookup_skipped: u64,
     /// Whether the remote store answered its last call (false without a remote tier).
     pub remote_available: bool,
+    /// The remote store's verdict from its recent calls (`None` without a remote tier).
+    pub remote_state: Option<StoreState>,
+    /// How many times that verdict changed.
+    pub remote_state_changes: u64,
     /// Operations submitted.
     pub operations_submitted: u64,
     /// Operations finished successfully.
@@ -488,6 +517,27 @@ impl MetricsSnapshot {
             "1 while the remote store answers, 0 while it fails or without a remote tier.",
             if self.remote_available { 1.0 } else { 0.0 },
         );
+        if let Some(state) = self.remote_state {
+            let name = "kvbm_remote_state";
+            header(
+                &mut out,
+                name,
+                "The remote store's verdict from a window of its recent calls: 1 for the current state (healthy; slow: median latency above remote.slow_ms; unavailable: half of its calls failed), 0 for the others.",
+                "gauge",
+            );
+            for s in [
+                StoreState::Healthy,
+                StoreState::Slow,
+                StoreState::Unavailable,
+            ] {
+                line(
+                    &mut out,
+                    name,
+                    &format!("state=\"{s}\""),
+                    u64::from(s == state),
+                );
+            }
+        }
         out
     }
 

@@ -506,6 +506,178 @@ impl BatchCopy for RemoteSink {
     }
 }
 
+/// What the leader makes of the store from its recent calls ([`StoreHealth`]).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, strum::Display,
+)]
+#[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
+pub enum StoreState {
+    /// Answers in time: looked up, read and written.
+    Healthy,
+    /// Answers, but the median latency of the window is above `remote.slow_ms`: out of the
+    /// lookup and write path until its back-off ends, then probed.
+    Slow,
+    /// Half of the window's calls failed or timed out: out of the path like a slow store.
+    Unavailable,
+}
+
+/// One call's outcome, as the health window sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// Answered (a miss is an answer).
+    Answered,
+    /// Past its deadline, or failed (unreachable, refused, undecodable, a read that served none
+    /// of its blocks).
+    Failed,
+}
+
+/// The store's state, decided from a window of its recent calls (lookups and loads) rather than
+/// from a few late answers: a busy host that delays one answer does not take a healthy store
+/// out, a store that is slow or failing for [`StoreHealth::MIN_SAMPLES`] calls out of
+/// [`StoreHealth::WINDOW`] does. A store out of the path is left alone for its back-off
+/// (`remote.backoff_secs`, doubling with each verdict in a row up to
+/// [`StoreHealth::MAX_BACKOFF`]), then probed: the calls after the back-off decide again.
+#[derive(Debug)]
+pub struct StoreHealth {
+    inner: Mutex<HealthInner>,
+    slow: Duration,
+    backoff: Duration,
+}
+
+#[derive(Debug)]
+struct HealthInner {
+    window: std::collections::VecDeque<(Duration, CallOutcome)>,
+    state: StoreState,
+    out_until: Option<Instant>,
+    next_backoff: Duration,
+    changes: u64,
+}
+
+impl StoreHealth {
+    /// Calls the verdict looks at (the most recent ones).
+    pub const WINDOW: usize = 32;
+    /// Calls needed before a verdict is made (a fresh or probed store is healthy until then).
+    pub const MIN_SAMPLES: usize = 8;
+    /// The longest back-off (unless `remote.backoff_secs` is longer).
+    pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+    /// Healthy, with `slow` as the latency threshold and `backoff` as the first back-off.
+    pub fn new(slow: Duration, backoff: Duration) -> Self {
+        Self {
+            inner: Mutex::new(HealthInner {
+                window: std::collections::VecDeque::with_capacity(Self::WINDOW),
+                state: StoreState::Healthy,
+                out_until: None,
+                next_backoff: backoff,
+                changes: 0,
+            }),
+            slow,
+            backoff,
+        }
+    }
+
+    /// The current verdict.
+    pub fn state(&self) -> StoreState {
+        self.inner.lock().state
+    }
+
+    /// The latency above which the store counts as slow.
+    pub fn slow(&self) -> Duration {
+        self.slow
+    }
+
+    /// How many times the verdict changed.
+    pub fn changes(&self) -> u64 {
+        self.inner.lock().changes
+    }
+
+    /// Whether the store is asked now: false while a slow or unavailable store's back-off runs.
+    pub fn in_path(&self) -> bool {
+        self.inner
+            .lock()
+            .out_until
+            .is_none_or(|t| Instant::now() >= t)
+    }
+
+    /// Records one call that took `latency`; returns `(from, to)` when the verdict changed
+    /// (the caller logs it).
+    pub fn record(
+        &self,
+        latency: Duration,
+        outcome: CallOutcome,
+    ) -> Option<(StoreState, StoreState)> {
+        self.record_at(Instant::now(), latency, outcome)
+    }
+
+    fn record_at(
+        &self,
+        now: Instant,
+        latency: Duration,
+        outcome: CallOutcome,
+    ) -> Option<(StoreState, StoreState)> {
+        let mut h = self.inner.lock();
+        if h.out_until.is_some_and(|t| now < t) {
+            // A late answer of a call made before the store was taken out: the verdict stands
+            // until the back-off ends.
+            return None;
+        }
+        if h.window.len() == Self::WINDOW {
+            h.window.pop_front();
+        }
+        h.window.push_back((latency, outcome));
+        if h.window.len() < Self::MIN_SAMPLES {
+            return None;
+        }
+        let failed = h
+            .window
+            .iter()
+            .filter(|(_, o)| *o == CallOutcome::Failed)
+            .count();
+        let mut latencies: Vec<Duration> = h.window.iter().map(|(l, _)| *l).collect();
+        latencies.sort_unstable();
+        let median = latencies[latencies.len() / 2];
+        let verdict = if failed * 2 >= h.window.len() {
+            StoreState::Unavailable
+        } else if median > self.slow {
+            StoreState::Slow
+        } else {
+            StoreState::Healthy
+        };
+        let from = h.state;
+        if verdict == StoreState::Healthy {
+            h.out_until = None;
+            h.next_backoff = self.backoff;
+        } else {
+            // Out of the path; the window starts afresh for the probe after the back-off.
+            h.out_until = Some(now + h.next_backoff);
+            h.next_backoff = (h.next_backoff * 2).min(Self::MAX_BACKOFF.max(self.backoff));
+            h.window.clear();
+        }
+        h.state = verdict;
+        if from != verdict {
+            h.changes += 1;
+            Some((from, verdict))
+        } else {
+            None
+        }
+    }
+}
+
+/// Logs a change of the store's verdict (one line per change).
+pub fn log_state_change(store: &str, from: StoreState, to: StoreState, slow: Duration) {
+    match to {
+        StoreState::Healthy => tracing::info!(
+            store, %from, to = %to,
+            "kvbm: remote store healthy again: back in the lookup and write path"
+        ),
+        _ => tracing::warn!(
+            store, %from, to = %to, slow_ms = slow.as_millis() as u64,
+            "kvbm: remote store taken out of the lookup and write path for its back-off (slow: median latency above remote.slow_ms; unavailable: half of its recent calls failed); serving from local tiers"
+        ),
+    }
+}
+
 /// A lookup the leader asked [`LookupThread`] for.
 #[derive(Debug)]
 struct LookupJob {
@@ -525,8 +697,8 @@ pub enum LookupOutcome {
     Timeout,
     /// The store failed (a miss); the error says why.
     Failed(String),
-    /// Not asked: the store failed (or kept timing out) less than [`LookupThread::BACKOFF`] ago
-    /// (a miss).
+    /// Not asked: the store is out of the lookup path (slow or unavailable, see
+    /// [`StoreHealth`]; a miss).
     Skipped,
 }
 
@@ -535,12 +707,14 @@ pub enum LookupOutcome {
 /// scheduler's thread queues a job and later takes its answer ([`LookupThread::take`]: never
 /// waits), or waits for it up to a deadline of its own ([`LookupThread::wait`]: an engine that
 /// must answer at once); a store that misbehaves past its deadline delays only this thread.
-/// After a failure, or [`LookupThread::TIMEOUTS_TO_BACK_OFF`] timeouts in a row, the store is
-/// not asked for [`LookupThread::BACKOFF`] (jobs are answered [`LookupOutcome::Skipped`]), so a
-/// store that is down or slow costs the scheduler nothing. Jobs queue at most [`LookupThread::MAX_QUEUED`] deep (beyond: refused, a miss).
+/// Every call's latency and outcome go to the store's [`StoreHealth`]; while that takes the
+/// store out of the path, jobs are answered [`LookupOutcome::Skipped`] without asking it, so a
+/// store that is down or slow costs the scheduler nothing. Jobs queue at most
+/// [`LookupThread::MAX_QUEUED`] deep (beyond: refused, a miss).
 #[derive(Debug)]
 pub struct LookupThread {
     shared: Arc<LookupShared>,
+    health: Arc<StoreHealth>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -551,9 +725,6 @@ struct LookupQueue {
     /// Jobs whose waiter gave up while they ran: their answers are dropped.
     abandoned: std::collections::HashSet<(String, usize)>,
     stop: bool,
-    down_until: Option<Instant>,
-    /// Lookups past their deadline in a row.
-    timeouts_in_a_row: u32,
 }
 
 #[derive(Debug, Default)]
@@ -568,16 +739,13 @@ impl LookupThread {
     pub const MAX_QUEUED: usize = 1024;
     /// Most answers kept untaken (all are dropped beyond it).
     const MAX_DONE: usize = 4096;
-    /// How long the store is not asked after a failure, or after
-    /// [`LookupThread::TIMEOUTS_TO_BACK_OFF`] timeouts in a row.
-    pub const BACKOFF: Duration = Duration::from_secs(1);
-    /// Timeouts in a row that make the thread back off (a single late answer is a miss only).
-    pub const TIMEOUTS_TO_BACK_OFF: u32 = 3;
 
-    /// Starts the thread.
-    pub fn start(store: Arc<dyn RemoteStore>) -> Result<Self> {
+    /// Starts the thread; its calls inform `health`, which also decides whether they are made.
+    pub fn start(store: Arc<dyn RemoteStore>, health: Arc<StoreHealth>) -> Result<Self> {
         let shared = Arc::new(LookupShared::default());
         let s = shared.clone();
+        let h = health.clone();
+        let name = store.describe();
         let thread = std::thread::Builder::new()
             .name("kvbm-remote-lookup".into())
             .spawn(move || loop {
@@ -588,8 +756,7 @@ impl LookupThread {
                             return;
                         }
                         if let Some(j) = q.jobs.pop_front() {
-                            let down = q.down_until.is_some_and(|t| Instant::now() < t);
-                            break (j, down);
+                            break (j, !h.in_path());
                         }
                         s.wake.wait(&mut q);
                     }
@@ -597,29 +764,23 @@ impl LookupThread {
                 let outcome = if down {
                     LookupOutcome::Skipped
                 } else {
-                    match store.lookup_prefix(&job.keys, Instant::now() + job.within) {
+                    let began = Instant::now();
+                    let outcome = match store.lookup_prefix(&job.keys, Instant::now() + job.within)
+                    {
                         Ok(n) => LookupOutcome::Found(n.min(job.keys.len())),
                         Err(e) if e.kind() == ErrorKind::Timeout => LookupOutcome::Timeout,
                         Err(e) => LookupOutcome::Failed(e.to_string()),
+                    };
+                    let call = match outcome {
+                        LookupOutcome::Found(_) => CallOutcome::Answered,
+                        _ => CallOutcome::Failed,
+                    };
+                    if let Some((from, to)) = h.record(began.elapsed(), call) {
+                        log_state_change(&name, from, to, h.slow());
                     }
+                    outcome
                 };
                 let mut q = s.queue.lock();
-                match outcome {
-                    LookupOutcome::Failed(_) => {
-                        q.down_until = Some(Instant::now() + Self::BACKOFF);
-                    }
-                    LookupOutcome::Timeout => {
-                        q.timeouts_in_a_row += 1;
-                        if q.timeouts_in_a_row >= Self::TIMEOUTS_TO_BACK_OFF {
-                            q.down_until = Some(Instant::now() + Self::BACKOFF);
-                        }
-                    }
-                    LookupOutcome::Found(_) => {
-                        q.down_until = None;
-                        q.timeouts_in_a_row = 0;
-                    }
-                    LookupOutcome::Skipped => {}
-                }
                 if q.done.len() >= Self::MAX_DONE {
                     q.done.clear();
                 }
@@ -631,6 +792,7 @@ impl LookupThread {
             .map_err(|e| Error::io("start the remote lookup thread", e))?;
         Ok(Self {
             shared,
+            health,
             thread: Some(thread),
         })
     }
@@ -691,14 +853,27 @@ impl LookupThread {
         }
     }
 
-    /// True while the store is not being asked (a failure or timeout less than
-    /// [`LookupThread::BACKOFF`] ago).
-    pub fn backing_off(&self) -> bool {
-        self.shared
-            .queue
-            .lock()
-            .down_until
-            .is_some_and(|t| Instant::now() < t)
+    /// Withdraws the job of `(request, first)` if it has not started; drops its answer when it
+    /// comes if it has (the waiter went on without it).
+    pub fn abandon(&self, request: &str, first: usize) {
+        let tag = (request.to_owned(), first);
+        let mut q = self.shared.queue.lock();
+        if q.done.remove(&tag).is_some() {
+            return;
+        }
+        let queued = q.jobs.len();
+        q.jobs.retain(|j| j.tag != tag);
+        if q.jobs.len() == queued {
+            if q.abandoned.len() >= Self::MAX_DONE {
+                q.abandoned.clear();
+            }
+            q.abandoned.insert(tag);
+        }
+    }
+
+    /// The store's health, which these lookups inform.
+    pub fn health(&self) -> &Arc<StoreHealth> {
+        &self.health
     }
 
     /// Forgets `request`'s answers and queued jobs (it finished).
@@ -992,7 +1167,11 @@ mod tests {
         let s = Arc::new(store());
         s.plant(0, 1, vec![0; 1]);
         s.plant(0, 2, vec![0; 1]);
-        let t = LookupThread::start(s.clone()).unwrap();
+        let health = Arc::new(StoreHealth::new(
+            Duration::from_millis(20),
+            Duration::from_millis(50),
+        ));
+        let t = LookupThread::start(s.clone(), health).unwrap();
         // Asked, then answered later (taken once).
         assert!(t.submit("r", 0, vec![1, 2, 3], IO));
         let deadline = Instant::now() + IO;
@@ -1009,47 +1188,44 @@ mod tests {
             t.wait("r", 5, Instant::now() + IO),
             Some(LookupOutcome::Found(0))
         );
-        // A slow store: the wait ends at its own deadline; the lookup times out in the thread
-        // and the store is then not asked for a moment.
-        s.faults.delay_ms.store(300, Ordering::Relaxed);
-        assert!(t.submit("q", 0, vec![1], Duration::from_millis(20)));
+        // A slow store: the wait ends at its own deadline; its answer, when it comes, is dropped.
+        s.faults.delay_ms.store(30, Ordering::Relaxed);
+        assert!(t.submit("q", 0, vec![1], IO));
         let start = Instant::now();
         assert_eq!(t.wait("q", 0, start + Duration::from_millis(5)), None);
-        assert!(start.elapsed() < Duration::from_millis(200));
-        // One late answer is a miss, not a reason to stop asking; three in a row are.
+        assert!(start.elapsed() < Duration::from_millis(25));
         assert_eq!(
-            t.wait("q", 0, Instant::now() + Duration::from_millis(300)),
+            t.wait("q", 0, Instant::now() + Duration::from_millis(100)),
             None,
             "an abandoned answer is dropped"
         );
-        assert!(!t.backing_off());
-        for k in 1..3 {
-            assert!(t.submit("q", 10 + k, vec![1], Duration::from_millis(20)));
+        // Slow for a window's worth of calls (30 ms against the health's 20 ms): out of the
+        // path, answered without asking the store.
+        let mut k = 0;
+        while t.health.in_path() && k < 64 {
+            k += 1;
+            assert!(t.submit("q", 10 + k, vec![1], IO));
             assert_eq!(
                 t.wait("q", 10 + k, Instant::now() + IO),
-                Some(LookupOutcome::Timeout)
+                Some(LookupOutcome::Found(1))
             );
         }
-        let deadline = Instant::now() + IO;
-        while !t.backing_off() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert!(t.backing_off());
+        assert_eq!(t.health.state(), StoreState::Slow);
+        // The three calls above were the window's first samples: the verdict comes with the
+        // window's MIN_SAMPLES-th call, not before.
+        assert_eq!(k, StoreHealth::MIN_SAMPLES - 3, "{k} calls took it out");
         let (lookups, _, _) = s.calls();
         assert!(t.submit("q", 1, vec![1], IO));
         assert_eq!(
             t.wait("q", 1, Instant::now() + IO),
             Some(LookupOutcome::Skipped)
         );
-        assert_eq!(
-            s.calls().0,
-            lookups,
-            "a backing-off thread does not ask the store"
-        );
-        // Down: failed at once.
+        assert_eq!(s.calls().0, lookups, "a store out of the path is not asked");
+        // Down (after the back-off): failed at once.
         s.faults.delay_ms.store(0, Ordering::Relaxed);
         s.faults.down.store(true, Ordering::Relaxed);
-        t.shared.queue.lock().down_until = None;
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(t.health.in_path());
         assert!(t.submit("d", 0, vec![1], IO));
         assert!(matches!(
             t.wait("d", 0, Instant::now() + IO),
@@ -1059,5 +1235,71 @@ mod tests {
         t.forget("d");
         t.forget("r");
         assert!(t.shared.queue.lock().done.is_empty());
+    }
+
+    /// The verdict comes from a window, not a few answers: late answers among timely ones keep
+    /// the store healthy; a window's median above the threshold makes it slow; half failed
+    /// makes it unavailable; out of the path for the back-off (doubling), late answers then
+    /// ignored; after the back-off a probe of timely calls makes it healthy again.
+    #[test]
+    fn store_health_is_a_verdict_of_a_window_with_a_doubling_back_off() {
+        let ms = Duration::from_millis;
+        let h = StoreHealth::new(ms(50), ms(1000));
+        let t0 = Instant::now();
+        let at = |n: u64| t0 + ms(n);
+        // Healthy with a few very late answers among timely ones.
+        for i in 0..StoreHealth::WINDOW {
+            let late = i % 4 == 0;
+            let lat = if late { ms(500) } else { ms(1) };
+            assert_eq!(h.record_at(at(0), lat, CallOutcome::Answered), None);
+        }
+        assert_eq!(h.state(), StoreState::Healthy);
+        // Slow once the median is past the threshold.
+        let mut change = None;
+        for _ in 0..StoreHealth::WINDOW {
+            change = change.or(h.record_at(at(1), ms(200), CallOutcome::Answered));
+        }
+        assert_eq!(change, Some((StoreState::Healthy, StoreState::Slow)));
+        assert_eq!(h.state(), StoreState::Slow);
+        let out = h.inner.lock().out_until;
+        assert_eq!(out, Some(at(1) + ms(1000)), "out for the first back-off");
+        // Late answers during the back-off change nothing.
+        for _ in 0..StoreHealth::WINDOW {
+            assert_eq!(h.record_at(at(500), ms(1), CallOutcome::Answered), None);
+        }
+        assert_eq!(h.state(), StoreState::Slow);
+        // After it: the probe fails half its calls: unavailable, for twice as long.
+        let mut change = None;
+        for i in 0..StoreHealth::MIN_SAMPLES {
+            let o = if i % 2 == 0 {
+                CallOutcome::Failed
+            } else {
+                CallOutcome::Answered
+            };
+            change = change.or(h.record_at(at(1001), ms(1), o));
+        }
+        assert_eq!(change, Some((StoreState::Slow, StoreState::Unavailable)));
+        assert_eq!(h.inner.lock().out_until, Some(at(1001) + ms(2000)));
+        // After that back-off, MIN_SAMPLES timely calls make it healthy; the back-off resets.
+        let mut change = None;
+        for _ in 0..StoreHealth::MIN_SAMPLES {
+            change = change.or(h.record_at(at(3002), ms(1), CallOutcome::Answered));
+        }
+        assert_eq!(change, Some((StoreState::Unavailable, StoreState::Healthy)));
+        assert_eq!(h.inner.lock().out_until, None);
+        assert_eq!(h.inner.lock().next_backoff, ms(1000));
+        assert_eq!(h.changes(), 3);
+        // The back-off doubles up to MAX_BACKOFF.
+        let mut now = 4000;
+        let mut last = Duration::ZERO;
+        for _ in 0..10 {
+            for _ in 0..StoreHealth::MIN_SAMPLES {
+                h.record_at(at(now), ms(1), CallOutcome::Failed);
+            }
+            let until = h.inner.lock().out_until.unwrap_or(at(now));
+            last = until.duration_since(at(now));
+            now += last.as_millis() as u64 + 1;
+        }
+        assert_eq!(last, StoreHealth::MAX_BACKOFF);
     }
 }

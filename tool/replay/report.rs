@@ -115,8 +115,11 @@ pub struct Summary {
     pub simulated_ms: f64,
     /// Mean simulated time to first token, ms.
     pub mean_ttft_ms: f64,
-    /// Wall time of the replay, seconds.
+    /// Wall time of the replay, seconds (draining background stores at the end included).
     pub wall_s: f64,
+    /// Wall time until the last request finished, seconds: `wall_s` less the drain of
+    /// background stores (host → disk, host → remote) that no request waits for.
+    pub serve_s: f64,
     /// The remote (G4) store, when the remote tier is on (`null` otherwise).
     pub remote: Option<RemoteReport>,
 }
@@ -128,6 +131,11 @@ pub struct RemoteReport {
     pub store: String,
     /// Whether it answered its last call.
     pub available: bool,
+    /// Its verdict from a window of its recent calls: healthy, slow or unavailable
+    /// (`remote.slow_ms`), and how many times that changed during the replay.
+    pub state: String,
+    /// Changes of `state` during the replay.
+    pub state_changes: u64,
     /// Lookups it answered.
     pub lookups: u64,
     /// Lookups past their deadline (misses).
@@ -276,9 +284,11 @@ pub fn render_table(r: &Report) -> String {
     if let Some(r) = &s.remote {
         let _ = writeln!(
             out,
-            "  remote {} ({}): {} lookups, {} timeouts, {} errors, {} skipped; {} blocks sent, {} write errors",
+            "  remote {} ({}, {}, {} state changes): {} lookups, {} timeouts, {} errors, {} skipped; {} blocks sent, {} write errors",
             r.store,
             if r.available { "available" } else { "unavailable" },
+            r.state,
+            r.state_changes,
             r.lookups,
             r.lookup_timeouts,
             r.lookup_errors,
@@ -289,6 +299,10 @@ pub fn render_table(r: &Report) -> String {
     }
     let _ = writeln!(out, "  preemptions           {:>10}", s.preemptions);
     let _ = writeln!(out, "  mean TTFT (simulated) {:>10.2} ms", s.mean_ttft_ms);
-    let _ = writeln!(out, "  wall time             {:>10.2} s", s.wall_s);
+    let _ = writeln!(
+        out,
+        "  wall time             {:>10.2} s  (requests served in {:.2} s; then background stores drained)",
+        s.wall_s, s.serve_s
+    );
     out
 }

@@ -66,6 +66,8 @@ pub(super) struct OpTrack {
     acked: Vec<bool>,
     failed: HashSet<usize>,
     holds: Holds,
+    /// When it was submitted (a remote load's latency informs the store's health).
+    since: std::time::Instant,
 }
 
 impl<A: SchedulerAdapter> Leader<A> {
@@ -76,6 +78,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             acked: vec![false; world],
             failed: HashSet::new(),
             holds,
+            since: std::time::Instant::now(),
         };
         // A dead rank will never do it: count it as done there, every block failed.
         for (r, dead) in self.dead.iter().enumerate() {
@@ -225,6 +228,8 @@ impl<A: SchedulerAdapter> Leader<A> {
                             r.remember(*k);
                         }
                     }
+                    r.record_load(keys.len(), failed as usize, track.since.elapsed());
+                    r.publish_state(&self.metrics);
                 }
                 self.metrics.record_hit(TierKind::Remote, ok * bs);
                 self.metrics
@@ -255,6 +260,10 @@ impl<A: SchedulerAdapter> Leader<A> {
                     written,
                     written * bpb_rank,
                 );
+                if let Some(r) = self.remote.as_ref() {
+                    r.record_write(keys.len(), failed as usize, track.since.elapsed());
+                    r.publish_state(&self.metrics);
+                }
                 if failed > 0 {
                     self.metrics.record_store_error(TierKind::Remote, failed);
                     if let Some(r) = self.remote.as_mut() {

@@ -406,7 +406,9 @@ impl<A: SchedulerAdapter> Leader<A> {
             });
         match built {
             Ok(Some(store)) => {
-                self.metrics.set_remote_available(store.store.stats().available);
+                store.publish_state(&self.metrics);
+                self.metrics
+                    .set_remote_available(store.store.stats().available);
                 self.remote = Some(store);
             }
             Ok(None) => tracing::warn!(

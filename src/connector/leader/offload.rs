@@ -146,8 +146,9 @@ impl<A: SchedulerAdapter> Leader<A> {
         if let Some(r) = &self.remote {
             // Cheap (counters): the gauge follows the store between lookups.
             let st = r.store.stats();
-            if !r.backing_off() {
-                self.metrics.set_remote_available(st.available);
+            r.publish_state(&self.metrics);
+            if !r.backing_off() && !st.available {
+                self.metrics.set_remote_available(false);
             }
         }
         let mut meta = ConnectorMetadata::empty(self.iteration);

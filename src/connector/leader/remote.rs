@@ -3,11 +3,15 @@
 //!
 //! Lookups run on a [`LookupThread`]. An engine that accepts "ask again later"
 //! ([`Engine::DEFERRED_MATCH`](crate::connector::adapter::Engine::DEFERRED_MATCH), vLLM) gets a
-//! pending answer while the lookup runs and the result when it asks again: the scheduler never
-//! waits for the store. Other engines (TensorRT-LLM) wait at most `remote.lookup_timeout_ms`;
-//! what misses it is a miss. A failure or timeout is counted and warned about (rate-limited); after
-//! a failure, or a few timeouts in a row, the store is not asked for a moment
-//! ([`LookupThread::BACKOFF`]): local tiers only, never a hang, never an error to the engine.
+//! pending answer while the lookup runs and the result when it asks again, for at most
+//! `remote.lookup_wait_ms` from its first ask: past it the request goes on with what the local
+//! tiers matched (the scheduler never waits for the store, and a slow store costs a request at
+//! most that wait). Other engines (TensorRT-LLM) wait at most `remote.lookup_timeout_ms`; what
+//! misses it is a miss, while the store call itself runs to `remote.io_timeout_ms`, so the
+//! store's health sees its real latency, not the engine's patience. A failure or timeout is
+//! counted and warned about (rate-limited). The store's [`StoreHealth`] (a window of its recent
+//! lookups and loads) takes a slow or failing store out of the lookup and write path for a
+//! back-off, then probes it again: local tiers only, never a hang, never an error to the engine.
 //!
 //! Writes: every host block seen often enough (`remote.min_frequency`, like the disk admission)
 //! and not known to be in the store is written by the workers (each its shard) after it landed
@@ -19,7 +23,10 @@ use std::time::Instant;
 
 use crate::config::Config;
 use crate::connector::metrics::{Metrics, WarnLimiter};
-use crate::connector::remote::{LookupOutcome, LookupThread, RemoteStore};
+use crate::connector::remote::{
+    log_state_change, CallOutcome, LookupOutcome, LookupThread, RemoteStore, StoreHealth,
+    StoreState,
+};
 use crate::connector::RequestId;
 use crate::error::Result;
 use crate::identity::SequenceHash;
@@ -49,8 +56,10 @@ pub(super) struct LeaderStore {
     deferred: bool,
     lookup_timeout: std::time::Duration,
     io_timeout: std::time::Duration,
-    /// Per request: the first key index asked and how many times it was answered pending.
-    asked: HashMap<RequestId, (usize, u32)>,
+    /// How long a deferred lookup is waited for.
+    lookup_wait: std::time::Duration,
+    /// Per request: the lookup it waits for.
+    asked: HashMap<RequestId, Asked>,
     /// Keys this instance wrote to or read from the store (not offered again).
     known: HashSet<SequenceHash>,
     /// Host → remote admission.
@@ -58,6 +67,19 @@ pub(super) struct LeaderStore {
     /// Host blocks waiting to be written.
     pub queue: Vec<(ImmutableBlock, SequenceHash)>,
     warn: WarnLimiter,
+}
+
+/// A request's deferred lookup.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    /// The index of the first key asked.
+    first: usize,
+    /// Times answered pending.
+    times: u32,
+    /// When it was submitted.
+    since: Instant,
+    /// Waited past `remote.lookup_wait_ms`: answered without the store from then on.
+    expired: bool,
 }
 
 impl std::fmt::Debug for LeaderStore {
@@ -72,12 +94,17 @@ impl std::fmt::Debug for LeaderStore {
 
 impl LeaderStore {
     pub fn new(store: Arc<dyn RemoteStore>, config: &Config, deferred: bool) -> Result<Self> {
+        let health = Arc::new(StoreHealth::new(
+            config.remote.slow(),
+            config.remote.backoff(),
+        ));
         Ok(Self {
-            lookups: LookupThread::start(store.clone())?,
+            lookups: LookupThread::start(store.clone(), health)?,
             store,
             deferred,
             lookup_timeout: config.remote.lookup_timeout(),
             io_timeout: config.remote.io_timeout(),
+            lookup_wait: config.remote.lookup_wait(),
             asked: HashMap::new(),
             known: HashSet::new(),
             filter: FrequencyFilter::new(config.remote.min_frequency(), 1 << 16)?,
@@ -102,43 +129,74 @@ impl LeaderStore {
         // re-ask that is still pending).
         let raw = || keys.iter().map(|k| k.0).collect::<Vec<u128>>();
         if self.deferred {
+            let asked = self.asked.get(id).copied().filter(|a| a.first == first);
+            if asked.is_some_and(|a| a.expired) {
+                return RemoteAnswer::Found(0);
+            }
             if let Some(outcome) = self.lookups.take(id.as_str(), first) {
                 self.asked.remove(id);
                 return RemoteAnswer::Found(self.settle(outcome, keys.len(), metrics));
             }
-            let (asked_first, times) = self.asked.get(id).copied().unwrap_or((usize::MAX, 0));
-            if times >= MAX_PENDING {
-                // Answered pending too often (its prefix keeps moving): no store this time.
-                self.asked.remove(id);
-                self.lookups.forget(id.as_str());
+            if let Some(a) = asked {
+                if a.times >= MAX_PENDING || a.since.elapsed() >= self.lookup_wait {
+                    // Waited long enough (or asked too often): on without the store; the late
+                    // answer is dropped (the store's health still sees the call).
+                    self.lookups.abandon(id.as_str(), first);
+                    self.asked.insert(id.clone(), Asked { expired: true, ..a });
+                    metrics.record_remote_lookup_timeout();
+                    self.warn_late();
+                    // A lookup not answered in the wait is evidence of a slow store at once
+                    // (its own answer, when it comes, is another sample).
+                    self.record_call(a.since.elapsed(), CallOutcome::Answered);
+                    self.publish_state(metrics);
+                    return RemoteAnswer::Found(0);
+                }
+                self.asked.insert(
+                    id.clone(),
+                    Asked {
+                        times: a.times + 1,
+                        ..a
+                    },
+                );
+                return RemoteAnswer::Pending;
+            }
+            if self.backing_off() {
+                metrics.record_remote_lookup_skipped();
+                self.publish_state(metrics);
                 return RemoteAnswer::Found(0);
             }
-            if asked_first != first {
-                if self.lookups.backing_off() {
-                    metrics.record_remote_lookup_skipped();
-                    metrics.set_remote_available(false);
-                    return RemoteAnswer::Found(0);
-                }
-                if !self
-                    .lookups
-                    .submit(id.as_str(), first, raw(), self.io_timeout)
-                {
-                    metrics.record_remote_lookup_skipped();
-                    return RemoteAnswer::Found(0);
-                }
+            if let Some(old) = self.asked.get(id) {
+                // The request's prefix moved: its earlier lookup is no longer wanted.
+                let old_first = old.first;
+                self.lookups.abandon(id.as_str(), old_first);
             }
-            self.asked.insert(id.clone(), (first, times + 1));
+            if !self
+                .lookups
+                .submit(id.as_str(), first, raw(), self.io_timeout)
+            {
+                metrics.record_remote_lookup_skipped();
+                return RemoteAnswer::Found(0);
+            }
+            self.asked.insert(
+                id.clone(),
+                Asked {
+                    first,
+                    times: 1,
+                    since: Instant::now(),
+                    expired: false,
+                },
+            );
             return RemoteAnswer::Pending;
         }
-        if self.lookups.backing_off() {
+        if self.backing_off() {
             metrics.record_remote_lookup_skipped();
-            metrics.set_remote_available(false);
+            self.publish_state(metrics);
             return RemoteAnswer::Found(0);
         }
         let deadline = Instant::now() + self.lookup_timeout;
         if !self
             .lookups
-            .submit(id.as_str(), first, raw(), self.lookup_timeout)
+            .submit(id.as_str(), first, raw(), self.io_timeout)
         {
             metrics.record_remote_lookup_skipped();
             return RemoteAnswer::Found(0);
@@ -150,27 +208,71 @@ impl LeaderStore {
         RemoteAnswer::Found(self.settle(outcome, keys.len(), metrics))
     }
 
+    fn warn_late(&mut self) {
+        if let Some(n) = self.warn.event(1) {
+            tracing::warn!(
+                store = %self.store.describe(), lookups = n,
+                "kvbm: remote store lookups missed their deadline; serving from local tiers (see kvbm_remote_lookups_total)"
+            );
+        }
+    }
+
+    /// The store's verdict, for the report and the metrics.
+    pub fn state(&self) -> StoreState {
+        self.lookups.health().state()
+    }
+
+    /// Publishes the store's verdict to `metrics` (state gauge and availability).
+    pub fn publish_state(&self, metrics: &Metrics) {
+        let state = self.state();
+        metrics.set_remote_state(state);
+        metrics.set_remote_available(state != StoreState::Unavailable);
+    }
+
+    /// Tells the store's health how a load from it went: `blocks` asked, `failed` not served,
+    /// over `elapsed` (from the operation's submission to its last completion).
+    pub fn record_load(&self, blocks: usize, failed: usize, elapsed: std::time::Duration) {
+        if blocks == 0 {
+            return;
+        }
+        // A load that served none of its blocks failed as a call (a half-broken path: replies
+        // that never come, values that never verify); one that served some answered.
+        let outcome = if failed >= blocks {
+            CallOutcome::Failed
+        } else {
+            CallOutcome::Answered
+        };
+        self.record_call(elapsed, outcome);
+    }
+
+    /// Tells the store's health how a write to it went (as [`LeaderStore::record_load`]).
+    pub fn record_write(&self, blocks: usize, failed: usize, elapsed: std::time::Duration) {
+        self.record_load(blocks, failed, elapsed);
+    }
+
+    fn record_call(&self, elapsed: std::time::Duration, outcome: CallOutcome) {
+        let health = self.lookups.health();
+        if let Some((from, to)) = health.record(elapsed, outcome) {
+            log_state_change(&self.store.describe(), from, to, health.slow());
+        }
+    }
+
     /// Counts a lookup's outcome; the number of keys found (0 for any failure).
     fn settle(&mut self, outcome: LookupOutcome, asked: usize, metrics: &Metrics) -> usize {
         match outcome {
             LookupOutcome::Found(n) => {
                 metrics.record_remote_lookup();
-                metrics.set_remote_available(true);
+                self.publish_state(metrics);
                 n.min(asked)
             }
             LookupOutcome::Timeout => {
                 metrics.record_remote_lookup_timeout();
-                if let Some(n) = self.warn.event(1) {
-                    tracing::warn!(
-                        store = %self.store.describe(), lookups = n,
-                        "kvbm: remote store lookups missed their deadline; serving from local tiers (see kvbm_remote_lookups_total)"
-                    );
-                }
+                self.warn_late();
                 0
             }
             LookupOutcome::Failed(why) => {
                 metrics.record_remote_lookup_error();
-                metrics.set_remote_available(false);
+                self.publish_state(metrics);
                 if let Some(n) = self.warn.event(1) {
                     tracing::warn!(
                         store = %self.store.describe(), lookups = n, error = %why,
@@ -181,7 +283,7 @@ impl LeaderStore {
             }
             LookupOutcome::Skipped => {
                 metrics.record_remote_lookup_skipped();
-                metrics.set_remote_available(false);
+                self.publish_state(metrics);
                 0
             }
         }
@@ -221,9 +323,10 @@ impl LeaderStore {
         }
     }
 
-    /// Whether writes should be skipped now (the store is failing).
+    /// Whether the store is out of the lookup and write path now (slow or unavailable, in its
+    /// back-off).
     pub fn backing_off(&self) -> bool {
-        self.lookups.backing_off()
+        !self.lookups.health().in_path()
     }
 
     /// Counts `n` blocks whose write failed; warns (rate-limited).

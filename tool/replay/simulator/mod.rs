@@ -392,8 +392,9 @@ impl Simulator {
         if self.opts.progress {
             eprintln!("\rreplay: {total} requests finished, step {}   ", self.step);
         }
+        let served = wall.elapsed();
         self.drain()?;
-        Ok(self.report(wall.elapsed()))
+        Ok(self.report(wall.elapsed(), served))
     }
 
     /// Lets background stores (host → disk) finish so the report counts them.
@@ -480,7 +481,7 @@ impl Simulator {
         sums
     }
 
-    fn report(&mut self, wall: Duration) -> Report {
+    fn report(&mut self, wall: Duration, served: Duration) -> Report {
         let paths = self.collect_paths();
         for c in &mut self.children {
             let _ = c.wait();
@@ -522,6 +523,10 @@ impl Simulator {
             .map(|(store, st)| RemoteReport {
                 store,
                 available: metrics.remote_available,
+                state: metrics
+                    .remote_state
+                    .map_or_else(|| "unknown".to_string(), |s| s.to_string()),
+                state_changes: metrics.remote_state_changes,
                 lookups: metrics.remote_lookups,
                 lookup_timeouts: metrics.remote_lookup_timeouts,
                 lookup_errors: metrics.remote_lookup_errors,
@@ -569,6 +574,7 @@ impl Simulator {
                     ttft.iter().sum::<f64>() / ttft.len() as f64
                 },
                 wall_s: wall.as_secs_f64(),
+                serve_s: served.as_secs_f64(),
                 remote,
             },
             requests,
