@@ -461,6 +461,12 @@ class KvbmConnector(_Base):
         """Scheduler: the leader's counters."""
         return json.loads(self._sched("metrics").metrics_json())
 
+    def pool_stats(self) -> Optional[dict]:
+        """Scheduler: the host and disk pools' block counts, ``{"host": {...}, "disk": {...}}``
+        (``free``, ``mutable``: being written, ``active``: held, ``inactive``, ``registered``,
+        ``evictions``; a tier that is off is ``None``), or ``None`` before the tiers exist."""
+        return json.loads(self._sched("pool_stats").pool_stats_json())
+
     # vLLM's connector-stats hooks: the scheduler asks every step; what grew since the last
     # answer goes to vLLM's stats logger and, through ``build_prom_metrics``, to its Prometheus
     # registry (``LLM.get_metrics()``, the server's /metrics).

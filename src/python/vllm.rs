@@ -723,6 +723,20 @@ impl PyVllmScheduler {
             Ok(s.leader().metrics().render_prometheus())
         })
     }
+
+    /// The host and disk pools' block counts (`free`, `mutable`: being written, `active`: held,
+    /// `inactive`, `registered`, `evictions`) as JSON text: `{"host": {...} | null, "disk": ...}`;
+    /// `null` before the tiers exist.
+    fn pool_stats_json(&self, py: Python<'_>) -> PyResult<String> {
+        self.inner.call(py, "pool_stats_json", |s| {
+            let v = s
+                .leader()
+                .pool_stats()
+                .map(|(host, disk)| serde_json::json!({ "host": host, "disk": disk }));
+            serde_json::to_string(&v)
+                .map_err(|e| Error::internal(format!("cannot encode the pool counts: {e}")))
+        })
+    }
 }
 
 /// The worker role of `KVConnectorBase_V1`. Its barrier runs in the background after

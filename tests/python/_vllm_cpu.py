@@ -117,3 +117,126 @@ def full_blocks(n_tokens: int) -> int:
     """Tokens vLLM can take from a cache for an n-token prompt: every full block, less the one
     holding the last token when the prompt is block aligned (one token is always computed)."""
     return (n_tokens - 1) // BLOCK * BLOCK
+
+
+# -------------------------------------------------------------------------------------------------
+# Concurrent requests (scripts/bench_vllm_serve.py, tests/python/test_vllm_serving.py)
+# -------------------------------------------------------------------------------------------------
+
+
+def vllm_counters(llm) -> dict:
+    """vLLM's own metrics (``LLM.get_metrics()``; the engine needs ``disable_log_stats=False``):
+    each counter and gauge by name, summed over its labels; histograms as ``name:count`` and
+    ``name:sum``. Works with either executor (the stats reach the front end).
+    A labelled metric also appears per label value, as ``name{label=value,...}`` (the model and
+    engine labels left out), e.g. ``vllm:prompt_tokens_cached_by_source{source=host}``."""
+    out: dict = {}
+
+    def add(key, v):
+        out[key] = out.get(key, 0) + v
+
+    for m in llm.get_metrics():
+        labels = {k: v for k, v in (getattr(m, "labels", None) or {}).items()
+                  if k not in ("model_name", "engine")}
+        keys = [m.name]
+        if labels:
+            keys.append(m.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+                        + "}")
+        for key in keys:
+            if hasattr(m, "value"):
+                add(key, m.value)
+            elif hasattr(m, "count") and hasattr(m, "sum"):
+                add(key + ":count", m.count)
+                add(key + ":sum", m.sum)
+    return out
+
+
+def engine_scheduler(llm):
+    """The in-process engine's scheduler (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` only)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def first_token_latency(output):
+    """Seconds from the request's arrival to its first token, from the engine's per-request stats
+    (``RequestOutput.metrics``, a ``RequestStateStats``; set only with ``disable_log_stats=False``),
+    or None where the stats are absent."""
+    m = getattr(output, "metrics", None)
+    if m is None:
+        return None
+    v = getattr(m, "first_token_latency", None)
+    if v:
+        return float(v)
+    return None
+
+
+def run_batch(llm, prompts, max_tokens: int, *, abort=(), tag: str = "r"):
+    """Greedy requests for ``prompts`` (token-id lists), all submitted at once, run until the
+    engine has finished them. Returns one dict per prompt: ``tokens`` (the output token ids; None
+    if aborted), ``cached`` (``num_cached_tokens``), ``ttft`` (``first_token_latency``),
+    ``aborted``, ``aborted_loading`` (aborted while vLLM held it in ``WAITING_FOR_REMOTE_KVS``,
+    waiting for its load) and ``aborted_unreported`` (of those, the ones whose load the worker had
+    not yet reported finished: still being copied, or done since the last ``get_finished``).
+
+    With no ``abort``: one ``LLM.generate`` call. With ``abort`` (indices into ``prompts``; the
+    in-process engine only): the requests are added with ``llm_engine.add_request`` and the engine
+    is stepped; after each step a target in ``WAITING_FOR_REMOTE_KVS`` (its blocks allocated, its
+    load started, the scheduler not yet told it finished) is aborted (``llm_engine.abort_request``);
+    a target vLLM has started computing (RUNNING, ``num_computed_tokens > 0``) without a load is
+    aborted then, so that an engine with and one without the connector abort the same requests."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    res = [dict(tokens=None, cached=None, ttft=None, aborted=False, aborted_loading=False,
+                aborted_unreported=False) for _ in prompts]
+    if not abort:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
+                            use_tqdm=False)
+        assert len(outs) == len(prompts), (len(outs), len(prompts))
+        for r, o in zip(res, outs):
+            r["tokens"] = list(o.outputs[0].token_ids)
+            r["cached"] = o.num_cached_tokens
+            r["ttft"] = first_token_latency(o)
+        return res
+
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    sched = engine_scheduler(llm)
+    index = {}  # the engine's (internal) request id -> index into prompts
+    for i, p in enumerate(prompts):
+        rid = engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=list(p)), sp)
+        index[rid] = i
+    by_external = {f"{tag}-{i}": rid for rid, i in index.items()}
+    pending = {rid for rid, i in index.items() if i in set(abort)}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 100_000, "the engine does not drain"
+        for o in engine.step():
+            rid = by_external.get(o.request_id, o.request_id)
+            i = index.get(rid)
+            if i is None or not o.finished:
+                continue
+            r = res[i]
+            if not r["aborted"]:
+                r["tokens"] = list(o.outputs[0].token_ids)
+            r["cached"] = o.num_cached_tokens
+            r["ttft"] = first_token_latency(o)
+        for rid in sorted(pending):
+            req = sched.requests.get(rid)
+            if req is None:  # finished before the rule fired: not aborted
+                pending.discard(rid)
+                continue
+            loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            started = req.status == RequestStatus.RUNNING and req.num_computed_tokens > 0
+            if loading or started:
+                unreported = loading and rid not in getattr(
+                    sched, "finished_recving_kv_req_ids", ()
+                )
+                engine.abort_request([rid], internal=True)
+                pending.discard(rid)
+                r = res[index[rid]]
+                r["aborted"], r["tokens"] = True, None
+                r["aborted_loading"], r["aborted_unreported"] = loading, unreported
+    return res
