@@ -388,7 +388,17 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the untimed no-connector run of the workload before round 0")
+    ap.add_argument("--allow-debug", action="store_true",
+                    help="time an unoptimised (debug) build of kvbm anyway; not the product's figures")
     args = ap.parse_args()
+    from kvbm_connector import _kvbm
+    if getattr(_kvbm, "DEBUG_BUILD", False) and not args.allow_debug:
+        sys.exit(
+            f"bench_vllm_serve.py: the installed kvbm_connector ({os.path.dirname(_kvbm.__file__)}) "
+            "is a debug build (scripts/test.sh installs one): install a release wheel "
+            "(`maturin build --release`, then pip install --force-reinstall --no-deps) or pass "
+            "--allow-debug"
+        )
     assert args.rounds >= 1, "--rounds must be at least 1"
     assert not (args.aborts and args.executor != "uni"), (
         "--aborts steps the in-process engine and reads its scheduler: use --executor uni"

@@ -319,6 +319,9 @@ class KvbmConnector(_Base):
 
     def _sched(self, op: str) -> Any:
         if self._scheduler is None:
+            if getattr(self, "_shut_down", False):
+                raise error("invalid_state", f"{op} after shutdown(): this connector is closed",
+                            op=op)
             raise error("invalid_state", f"{op} is a scheduler call; this connector is a worker",
                         op=op)
         return self._scheduler
@@ -381,9 +384,30 @@ class KvbmConnector(_Base):
 
     def _work(self, op: str) -> Any:
         if self._worker is None:
+            if getattr(self, "_shut_down", False):
+                raise error("invalid_state", f"{op} after shutdown(): this connector is closed",
+                            op=op)
             raise error("invalid_state", f"{op} is a worker call; this connector is the scheduler",
                         op=op)
         return self._worker
+
+    def shutdown(self) -> None:
+        """vLLM's engine shutdown (both roles): the worker waits for its operations in flight
+        (at most ``transfer.load_timeout_secs``; what is still running then is dropped), then the
+        leader or worker is closed at once: its threads and connections end, and its rendezvous
+        file is removed, instead of lingering until the object is garbage collected. Later calls
+        raise ``KvbmError`` (``invalid_state``). Idempotent."""
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
+        worker, self._worker = self._worker, None
+        scheduler, self._scheduler = self._scheduler, None
+        if worker is not None:
+            try:
+                worker.wait_idle(float(self._config.load_timeout_secs))
+            except Exception as e:  # noqa: BLE001 - shutting down: say why, close anyway
+                _log.warning("kvbm connector: operations still running at shutdown are dropped: %s", e)
+        del worker, scheduler
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         layout = self._layout

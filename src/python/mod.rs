@@ -217,6 +217,12 @@ impl PyConfig {
         self.inner.init_timeout_secs
     }
 
+    /// The deadline of one load from an I/O tier, in seconds (`transfer.load_timeout_secs`).
+    #[getter]
+    fn load_timeout_secs(&self) -> f64 {
+        self.inner.transfer.load_timeout_secs
+    }
+
     /// The private directory of rendezvous files (`tcp.rendezvous_dir`, else the default:
     /// `$XDG_RUNTIME_DIR/kvbm-<uid>`, else `<temp dir>/kvbm-<uid>`).
     #[getter]
