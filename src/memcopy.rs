@@ -121,7 +121,8 @@ pub fn calibrate() -> &'static CopyCalibration {
     CALIBRATION.get_or_init(measure)
 }
 
-/// The calibration's result once it has ended; `None` before (see [`start_calibration`]).
+/// The calibration's result once it has ended; `None` before (a transfer engine starts it in
+/// the background; [`calibrate`] runs it on the calling thread).
 pub fn calibration() -> Option<&'static CopyCalibration> {
     CALIBRATION.get()
 }
