@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod metrics_server;
 mod outbox;
 pub mod remote;
+pub mod store_health;
 pub mod tcp;
 pub mod transport;
 pub mod worker;

@@ -14,6 +14,8 @@
 //!   its block only);
 //! * [`LookupThread`] — the leader's background lookups (the engine never waits for the store
 //!   when it can be asked again later);
+//! * [`StoreHealth`] (`store_health.rs`) — the store's verdict (healthy, slow, unavailable) from
+//!   its recent calls, which takes a slow or failing store out of the path;
 //! * [`MemoryRemoteStore`] — an in-process store with injectable faults (down, slow, invalid
 //!   values): the test double of the trait.
 //!
@@ -34,6 +36,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::identity::HashAlgorithm;
 use crate::layout::{KvLayout, Layout, LayoutDims};
 use crate::tier::{BatchCopy, Capability, StorageTier, TierKind};
+
+pub use super::store_health::{log_state_change, CallOutcome, StoreHealth, StoreState};
 
 /// Width of the block keys the scope covers, in bits.
 pub const KEY_BITS: u32 = 128;
@@ -503,178 +507,6 @@ impl BatchCopy for RemoteSink {
             }
         }
         Some(results)
-    }
-}
-
-/// What the leader makes of the store from its recent calls ([`StoreHealth`]).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, strum::Display,
-)]
-#[serde(rename_all = "lowercase")]
-#[strum(serialize_all = "lowercase")]
-pub enum StoreState {
-    /// Answers in time: looked up, read and written.
-    Healthy,
-    /// Answers, but the median latency of the window is above `remote.slow_ms`: out of the
-    /// lookup and write path until its back-off ends, then probed.
-    Slow,
-    /// Half of the window's calls failed or timed out: out of the path like a slow store.
-    Unavailable,
-}
-
-/// One call's outcome, as the health window sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CallOutcome {
-    /// Answered (a miss is an answer).
-    Answered,
-    /// Past its deadline, or failed (unreachable, refused, undecodable, a read that served none
-    /// of its blocks).
-    Failed,
-}
-
-/// The store's state, decided from a window of its recent calls (lookups and loads) rather than
-/// from a few late answers: a busy host that delays one answer does not take a healthy store
-/// out, a store that is slow or failing for [`StoreHealth::MIN_SAMPLES`] calls out of
-/// [`StoreHealth::WINDOW`] does. A store out of the path is left alone for its back-off
-/// (`remote.backoff_secs`, doubling with each verdict in a row up to
-/// [`StoreHealth::MAX_BACKOFF`]), then probed: the calls after the back-off decide again.
-#[derive(Debug)]
-pub struct StoreHealth {
-    inner: Mutex<HealthInner>,
-    slow: Duration,
-    backoff: Duration,
-}
-
-#[derive(Debug)]
-struct HealthInner {
-    window: std::collections::VecDeque<(Duration, CallOutcome)>,
-    state: StoreState,
-    out_until: Option<Instant>,
-    next_backoff: Duration,
-    changes: u64,
-}
-
-impl StoreHealth {
-    /// Calls the verdict looks at (the most recent ones).
-    pub const WINDOW: usize = 32;
-    /// Calls needed before a verdict is made (a fresh or probed store is healthy until then).
-    pub const MIN_SAMPLES: usize = 8;
-    /// The longest back-off (unless `remote.backoff_secs` is longer).
-    pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
-
-    /// Healthy, with `slow` as the latency threshold and `backoff` as the first back-off.
-    pub fn new(slow: Duration, backoff: Duration) -> Self {
-        Self {
-            inner: Mutex::new(HealthInner {
-                window: std::collections::VecDeque::with_capacity(Self::WINDOW),
-                state: StoreState::Healthy,
-                out_until: None,
-                next_backoff: backoff,
-                changes: 0,
-            }),
-            slow,
-            backoff,
-        }
-    }
-
-    /// The current verdict.
-    pub fn state(&self) -> StoreState {
-        self.inner.lock().state
-    }
-
-    /// The latency above which the store counts as slow.
-    pub fn slow(&self) -> Duration {
-        self.slow
-    }
-
-    /// How many times the verdict changed.
-    pub fn changes(&self) -> u64 {
-        self.inner.lock().changes
-    }
-
-    /// Whether the store is asked now: false while a slow or unavailable store's back-off runs.
-    pub fn in_path(&self) -> bool {
-        self.inner
-            .lock()
-            .out_until
-            .is_none_or(|t| Instant::now() >= t)
-    }
-
-    /// Records one call that took `latency`; returns `(from, to)` when the verdict changed
-    /// (the caller logs it).
-    pub fn record(
-        &self,
-        latency: Duration,
-        outcome: CallOutcome,
-    ) -> Option<(StoreState, StoreState)> {
-        self.record_at(Instant::now(), latency, outcome)
-    }
-
-    fn record_at(
-        &self,
-        now: Instant,
-        latency: Duration,
-        outcome: CallOutcome,
-    ) -> Option<(StoreState, StoreState)> {
-        let mut h = self.inner.lock();
-        if h.out_until.is_some_and(|t| now < t) {
-            // A late answer of a call made before the store was taken out: the verdict stands
-            // until the back-off ends.
-            return None;
-        }
-        if h.window.len() == Self::WINDOW {
-            h.window.pop_front();
-        }
-        h.window.push_back((latency, outcome));
-        if h.window.len() < Self::MIN_SAMPLES {
-            return None;
-        }
-        let failed = h
-            .window
-            .iter()
-            .filter(|(_, o)| *o == CallOutcome::Failed)
-            .count();
-        let mut latencies: Vec<Duration> = h.window.iter().map(|(l, _)| *l).collect();
-        latencies.sort_unstable();
-        let median = latencies[latencies.len() / 2];
-        let verdict = if failed * 2 >= h.window.len() {
-            StoreState::Unavailable
-        } else if median > self.slow {
-            StoreState::Slow
-        } else {
-            StoreState::Healthy
-        };
-        let from = h.state;
-        if verdict == StoreState::Healthy {
-            h.out_until = None;
-            h.next_backoff = self.backoff;
-        } else {
-            // Out of the path; the window starts afresh for the probe after the back-off.
-            h.out_until = Some(now + h.next_backoff);
-            h.next_backoff = (h.next_backoff * 2).min(Self::MAX_BACKOFF.max(self.backoff));
-            h.window.clear();
-        }
-        h.state = verdict;
-        if from != verdict {
-            h.changes += 1;
-            Some((from, verdict))
-        } else {
-            None
-        }
-    }
-}
-
-/// Logs a change of the store's verdict (one line per change).
-pub fn log_state_change(store: &str, from: StoreState, to: StoreState, slow: Duration) {
-    match to {
-        StoreState::Healthy => tracing::info!(
-            store, %from, to = %to,
-            "kvbm: remote store healthy again: back in the lookup and write path"
-        ),
-        _ => tracing::warn!(
-            store, %from, to = %to, slow_ms = slow.as_millis() as u64,
-            "kvbm: remote store taken out of the lookup and write path for its back-off (slow: median latency above remote.slow_ms; unavailable: half of its recent calls failed); serving from local tiers"
-        ),
     }
 }
 
@@ -1235,71 +1067,5 @@ mod tests {
         t.forget("d");
         t.forget("r");
         assert!(t.shared.queue.lock().done.is_empty());
-    }
-
-    /// The verdict comes from a window, not a few answers: late answers among timely ones keep
-    /// the store healthy; a window's median above the threshold makes it slow; half failed
-    /// makes it unavailable; out of the path for the back-off (doubling), late answers then
-    /// ignored; after the back-off a probe of timely calls makes it healthy again.
-    #[test]
-    fn store_health_is_a_verdict_of_a_window_with_a_doubling_back_off() {
-        let ms = Duration::from_millis;
-        let h = StoreHealth::new(ms(50), ms(1000));
-        let t0 = Instant::now();
-        let at = |n: u64| t0 + ms(n);
-        // Healthy with a few very late answers among timely ones.
-        for i in 0..StoreHealth::WINDOW {
-            let late = i % 4 == 0;
-            let lat = if late { ms(500) } else { ms(1) };
-            assert_eq!(h.record_at(at(0), lat, CallOutcome::Answered), None);
-        }
-        assert_eq!(h.state(), StoreState::Healthy);
-        // Slow once the median is past the threshold.
-        let mut change = None;
-        for _ in 0..StoreHealth::WINDOW {
-            change = change.or(h.record_at(at(1), ms(200), CallOutcome::Answered));
-        }
-        assert_eq!(change, Some((StoreState::Healthy, StoreState::Slow)));
-        assert_eq!(h.state(), StoreState::Slow);
-        let out = h.inner.lock().out_until;
-        assert_eq!(out, Some(at(1) + ms(1000)), "out for the first back-off");
-        // Late answers during the back-off change nothing.
-        for _ in 0..StoreHealth::WINDOW {
-            assert_eq!(h.record_at(at(500), ms(1), CallOutcome::Answered), None);
-        }
-        assert_eq!(h.state(), StoreState::Slow);
-        // After it: the probe fails half its calls: unavailable, for twice as long.
-        let mut change = None;
-        for i in 0..StoreHealth::MIN_SAMPLES {
-            let o = if i % 2 == 0 {
-                CallOutcome::Failed
-            } else {
-                CallOutcome::Answered
-            };
-            change = change.or(h.record_at(at(1001), ms(1), o));
-        }
-        assert_eq!(change, Some((StoreState::Slow, StoreState::Unavailable)));
-        assert_eq!(h.inner.lock().out_until, Some(at(1001) + ms(2000)));
-        // After that back-off, MIN_SAMPLES timely calls make it healthy; the back-off resets.
-        let mut change = None;
-        for _ in 0..StoreHealth::MIN_SAMPLES {
-            change = change.or(h.record_at(at(3002), ms(1), CallOutcome::Answered));
-        }
-        assert_eq!(change, Some((StoreState::Unavailable, StoreState::Healthy)));
-        assert_eq!(h.inner.lock().out_until, None);
-        assert_eq!(h.inner.lock().next_backoff, ms(1000));
-        assert_eq!(h.changes(), 3);
-        // The back-off doubles up to MAX_BACKOFF.
-        let mut now = 4000;
-        let mut last = Duration::ZERO;
-        for _ in 0..10 {
-            for _ in 0..StoreHealth::MIN_SAMPLES {
-                h.record_at(at(now), ms(1), CallOutcome::Failed);
-            }
-            let until = h.inner.lock().out_until.unwrap_or(at(now));
-            last = until.duration_since(at(now));
-            now += last.as_millis() as u64 + 1;
-        }
-        assert_eq!(last, StoreHealth::MAX_BACKOFF);
     }
 }
