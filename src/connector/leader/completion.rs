@@ -228,7 +228,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                             r.remember(*k);
                         }
                     }
-                    r.record_load(keys.len(), failed as usize, track.since.elapsed());
+                    r.record_transfer(keys.len(), failed as usize, track.since.elapsed());
                     r.publish_state(&self.metrics);
                 }
                 self.metrics.record_hit(TierKind::Remote, ok * bs);
@@ -261,7 +261,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                     written * bpb_rank,
                 );
                 if let Some(r) = self.remote.as_ref() {
-                    r.record_write(keys.len(), failed as usize, track.since.elapsed());
+                    r.record_transfer(keys.len(), failed as usize, track.since.elapsed());
                     r.publish_state(&self.metrics);
                 }
                 if failed > 0 {

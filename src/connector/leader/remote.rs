@@ -229,25 +229,21 @@ impl LeaderStore {
         metrics.set_remote_available(state != StoreState::Unavailable);
     }
 
-    /// Tells the store's health how a load from it went: `blocks` asked, `failed` not served,
-    /// over `elapsed` (from the operation's submission to its last completion).
-    pub fn record_load(&self, blocks: usize, failed: usize, elapsed: std::time::Duration) {
+    /// Tells the store's health how a load from it or a write to it went: `blocks` asked,
+    /// `failed` not served or not written, over `elapsed` (from the operation's submission to
+    /// its last completion).
+    pub fn record_transfer(&self, blocks: usize, failed: usize, elapsed: std::time::Duration) {
         if blocks == 0 {
             return;
         }
-        // A load that served none of its blocks failed as a call (a half-broken path: replies
-        // that never come, values that never verify); one that served some answered.
+        // One that moved none of its blocks failed as a call (a half-broken path: replies that
+        // never come, values that never verify); one that moved some answered.
         let outcome = if failed >= blocks {
             CallOutcome::Failed
         } else {
             CallOutcome::Answered
         };
         self.record_call(elapsed, outcome);
-    }
-
-    /// Tells the store's health how a write to it went (as [`LeaderStore::record_load`]).
-    pub fn record_write(&self, blocks: usize, failed: usize, elapsed: std::time::Duration) {
-        self.record_load(blocks, failed, elapsed);
     }
 
     fn record_call(&self, elapsed: std::time::Duration, outcome: CallOutcome) {
