@@ -124,6 +124,9 @@ impl Engine for Vllm {
     type WorkerInit = NonBlocking;
     // vLLM keeps a request waiting when the count is `None` and asks again next step.
     const DEFERRED_MATCH: bool = true;
+    // vLLM's block pool hands out block 0 to no request: it is the null block, which stands in
+    // the block table for blocks a sliding-window layer no longer needs.
+    const PLACEHOLDER_BLOCK: Option<usize> = Some(0);
 }
 
 /// The scheduler role of `KVConnectorBase_V1`.

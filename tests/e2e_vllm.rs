@@ -39,6 +39,8 @@ const DTYPE: usize = 2;
 /// Bytes of one token's K (or V) in one layer.
 const TOKEN_BYTES: usize = HEADS * HEAD_DIM * DTYPE;
 const WAIT: Duration = Duration::from_secs(10);
+/// vLLM's null block.
+const NULL_BLOCK: usize = 0;
 
 fn dims() -> LayoutDims {
     LayoutDims {
@@ -260,6 +262,10 @@ struct Opts {
     budget: usize,
     backend: Backend,
     runner: ModelRunner,
+    /// A sliding window of this many tokens on every layer (vLLM's `SlidingWindowManager`):
+    /// device block 0 is the null block, which the block table holds for the blocks before
+    /// the window.
+    window: Option<usize>,
 }
 
 impl Default for Opts {
@@ -271,6 +277,7 @@ impl Default for Opts {
             budget: 32,
             backend: Backend::FlashAttention,
             runner: ModelRunner::V1,
+            window: None,
         }
     }
 }
@@ -394,7 +401,9 @@ impl Engine {
         config.host.cache_blocks = Some(opts.host_blocks);
         config.disk.cache_blocks = Some(opts.disk_blocks);
         config.disk.dir = dir.path().to_path_buf();
-        let n = opts.device_blocks;
+        // vLLM's block pool keeps block 0 as its null block (never in a request's list but as
+        // a stand-in for blocks a sliding window dropped): `device_blocks` usable blocks + it.
+        let n = opts.device_blocks + 1;
         let (shape, layout) = match opts.backend {
             Backend::FlashAttention => (
                 vec![2, n, BS, HEADS, HEAD_DIM],
@@ -452,7 +461,7 @@ impl Engine {
             device,
             gate,
             dir,
-            free: (0..n).collect(),
+            free: (1..n).collect(),
             opts,
             reqs: BTreeMap::new(),
             waiting: VecDeque::new(),
@@ -509,12 +518,59 @@ impl Engine {
 
     fn free_blocks(&mut self, blocks: &[usize]) {
         for &b in blocks {
+            if self.is_null(b) {
+                continue;
+            }
             self.device.write_block_from_slice(b, &junk(b)).unwrap();
             assert!(self.free.insert(b), "device block {b} freed twice");
         }
     }
 
+    /// Block 0 is vLLM's null block.
+    fn is_null(&self, b: usize) -> bool {
+        b == NULL_BLOCK
+    }
+
+    /// Request blocks before the window of `computed` tokens (vLLM's `get_num_skipped_tokens`:
+    /// `computed - window + 1` tokens, whole blocks of them), 0 without a window.
+    fn skipped_blocks(&self, computed: usize) -> usize {
+        self.opts
+            .window
+            .map_or(0, |w| (computed + 1).saturating_sub(w) / BS)
+    }
+
+    /// vLLM's `remove_skipped_blocks`: a running request's blocks before its window are freed and
+    /// replaced by the null block.
+    fn skip_out_of_window(&mut self, id: &str) {
+        let r = &self.reqs[id];
+        let skip = self.skipped_blocks(r.num_computed).min(r.blocks.len());
+        let gone: Vec<usize> = r.blocks[..skip]
+            .iter()
+            .copied()
+            .filter(|&b| !self.is_null(b))
+            .collect();
+        self.free_blocks(&gone);
+        let r = self.reqs.get_mut(id).unwrap();
+        for b in &mut r.blocks[..skip] {
+            *b = NULL_BLOCK;
+        }
+    }
+
+    /// `n` block-table entries from request block index `first` on for a request with
+    /// `computed` tokens: the null block before the window, fresh blocks after it.
+    fn alloc_from(&mut self, first: usize, n: usize, computed: usize) -> Vec<usize> {
+        let skip = self.skipped_blocks(computed);
+        let nulls = skip.saturating_sub(first).min(n);
+        let mut v = vec![NULL_BLOCK; nulls];
+        v.extend(self.alloc(n - nulls));
+        v
+    }
+
     fn owner_of(&self, device_block: usize) -> (String, usize) {
+        assert!(
+            !self.is_null(device_block),
+            "the connector read the null block"
+        );
         self.reqs
             .iter()
             .find_map(|(id, r)| {
@@ -542,6 +598,7 @@ impl Engine {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i].clone();
+            self.skip_out_of_window(&id);
             let r = &self.reqs[&id];
             let start = r.num_computed;
             let n = (r.tokens.len() - start).min(budget);
@@ -629,17 +686,26 @@ impl Engine {
             } else {
                 (r.tokens.len() - computed).min(*budget)
             };
-            let need = blocks_for(computed + n).saturating_sub(r.blocks.len());
+            let have = r.blocks.len();
+            let entries = blocks_for(computed + n).saturating_sub(have);
+            let need = entries
+                - self
+                    .skipped_blocks(computed)
+                    .saturating_sub(have)
+                    .min(entries);
             if self.free.len() < need {
                 // vLLM stops admitting (no preemption on behalf of waiting requests).
                 self.waiting.push_front(id);
                 break;
             }
-            let new_blocks = self.alloc(need);
+            let new_blocks = self.alloc_from(have, entries, computed);
             let r = self.reqs.get_mut(&id).unwrap();
             r.blocks.extend(&new_blocks);
             if r.num_computed == 0 {
                 for b in 0..r.local_hit / BS {
+                    if r.blocks[b] == NULL_BLOCK {
+                        continue;
+                    }
                     let img = expected_block(&r.tokens, b);
                     self.device
                         .write_block_from_slice(r.blocks[b], &img)
@@ -791,6 +857,10 @@ impl Engine {
     /// vLLM's `update_from_output`: load errors, sampled tokens and finishes, then KV transfers.
     fn update_from_output(&mut self, work: &[(String, usize, usize)], report: &mut StepReport) {
         if !report.load_errors.is_empty() {
+            assert!(
+                !report.load_errors.contains(&NULL_BLOCK),
+                "the null block reported as a load error"
+            );
             for r in self.reqs.values_mut() {
                 if r.status != Status::WaitingForRemoteKvs {
                     continue;
@@ -824,7 +894,7 @@ impl Engine {
             }
             for b in r.loading.clone() {
                 let dev = r.blocks[b];
-                if !report.load_errors.contains(&dev) {
+                if !report.load_errors.contains(&dev) && !self.is_null(dev) {
                     assert_block(
                         &self.device.read_block_to_vec(dev).unwrap(),
                         &expected_block(&r.tokens, b),
@@ -890,6 +960,11 @@ impl Engine {
         for op in &meta.operations {
             let t = op.transfer();
             if op.direction() != Direction::Store {
+                if t.dst == TierKind::Device {
+                    for &(_, d) in &t.pairs {
+                        assert!(!self.is_null(d), "a load into the null block: {t:?}");
+                    }
+                }
                 continue;
             }
             for &(s, d) in &t.pairs {
@@ -1556,4 +1631,97 @@ fn token_deltas_match_as_whole_token_lists() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     assert_eq!(s.known_tokens("x"), 17);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Sliding-window attention (one KV-cache group; vLLM's null block stands for the blocks before
+// the window)
+// ------------------------------------------------------------------------------------------------
+
+fn windowed(window: usize) -> Opts {
+    Opts {
+        window: Some(window),
+        ..Opts::default()
+    }
+}
+
+/// The device blocks each load of `e`'s metadata writes.
+fn load_destinations(e: &Engine) -> Vec<Vec<usize>> {
+    e.metas
+        .iter()
+        .flat_map(|m| m.operations.iter())
+        .filter(|op| op.direction() == Direction::Load)
+        .map(|op| op.transfer().pairs.iter().map(|p| p.1).collect())
+        .collect()
+}
+
+/// A hit of 16 tokens with an 8-token window: vLLM's block table holds the null block for
+/// request blocks 0-1 (before the window of the 16 matched tokens) and real blocks for 2-3.
+/// Only those two are loaded (before the fix the load named the null block twice and failed
+/// with "destination block 0 appears twice"), their bytes are checked when the load finished,
+/// and the request then computes the rest without a load error.
+#[test]
+fn sliding_window_hit_loads_only_the_blocks_inside_the_window() {
+    let mut e = Engine::new(windowed(8));
+    let a = tokens(200, 17);
+    warm(&mut e, "a", &a);
+    let mut b = a[..16].to_vec();
+    b.extend(tokens(900, 5));
+    e.add("b", b, 2);
+    let r = e.step();
+    assert_eq!(e.last_match("b"), (0, 16, true));
+    assert_eq!(r.finished_recving, BTreeSet::from(["b".to_string()]));
+    assert!(r.load_errors.is_empty());
+    assert_eq!(&e.req("b").blocks[..2], &[NULL_BLOCK, NULL_BLOCK]);
+    let loads = load_destinations(&e);
+    assert_eq!(loads.len(), 1, "one load: {loads:?}");
+    assert_eq!(loads[0], e.req("b").blocks[2..4].to_vec());
+    let r = e.step();
+    assert!(r.load_errors.is_empty());
+    assert_eq!(e.req("b").num_computed, 21);
+    let m = e.metrics();
+    assert_eq!((m.load_error_blocks, m.host_hit_tokens), (0, 8));
+    e.drain_and_check();
+}
+
+/// The engine's own prefix cache hits 12 tokens of a request the connector has never seen
+/// (block table: the null block for block 0, before that hit's window, then real blocks). The
+/// connector stores only what the device holds: never the null block under a real block's key
+/// (the stand-in's `owner_of` refuses a read of it, and every stored block's bytes are checked).
+#[test]
+fn sliding_window_never_stores_the_null_block() {
+    let mut e = Engine::new(windowed(8));
+    e.add_with_local_hit("a", tokens(300, 22), 2, 12);
+    e.run_until_idle();
+    let stored: Vec<usize> = e.stores_of("a").into_iter().map(|(_, i)| i).collect();
+    // Block 0 was null when the request's blocks were considered; 1-2 (the engine's own hit)
+    // and 3-4 (computed) are stored, each once.
+    assert_eq!(stored, vec![1, 2, 3, 4]);
+    e.drain_and_check();
+}
+
+/// A long decode moves the window past the prompt's blocks: vLLM frees them mid-request and
+/// hands them to a second request. What was stored while they were live is still served by a
+/// later hit (whose window blocks are loaded), and no freed block is read after its reuse.
+#[test]
+fn sliding_window_blocks_freed_mid_request_are_stored_while_live() {
+    let mut e = Engine::new(Opts {
+        window: Some(8),
+        budget: 8,
+        ..Opts::default()
+    });
+    let a = tokens(400, 16);
+    e.add("a", a.clone(), 12);
+    e.add("x", tokens(700, 9), 3);
+    e.run_until_idle();
+    assert_eq!(
+        e.stores_of("a").iter().map(|s| s.1).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3, 4, 5]
+    );
+    let mut b = a.clone();
+    b.extend(tokens(950, 3));
+    let (_, external, _) = repeat(&mut e, "b", &b);
+    assert_eq!(external, 16);
+    assert_eq!(e.metrics().load_error_blocks, 0);
+    e.drain_and_check();
 }

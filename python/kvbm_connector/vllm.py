@@ -36,9 +36,16 @@ What is read from vLLM's objects (vLLM v1):
 ``$KVBM_CONFIG``), ``transport`` (``rendezvous``, ``in_process`` or ``tcp``), ``leader_addr``
 (else ``$KVBM_LEADER_ADDR``), ``instance`` (the rendezvous or in-process pairing name, else the
 engine id),
-``rank`` (a worker's rank, else vLLM's tensor-parallel rank), ``num_blocks`` and ``layout``
+``rank`` (a worker's rank, else vLLM's tensor-parallel rank), ``num_blocks``, ``layout``
 (how to read the cache shapes when they are ambiguous: ``layer_separate_outer_major``,
-``layer_separate_block_major`` or ``layer_separate_head_major``).
+``layer_separate_block_major`` or ``layer_separate_head_major``) and ``load_failure_policy``.
+
+``load_failure_policy`` (``recompute``, the default, or ``fail``) is what vLLM does when a load
+from our tiers fails (a block withdrawn for a bad checksum, a disk error, a lost worker): the
+connector sets vLLM's ``kv_transfer_config.kv_load_failure_policy`` to it. vLLM's own default,
+``fail``, ends the request with an error (its output empty), which suits a disaggregated
+prefill peer but not a cache: a block our tiers cannot supply is one vLLM can compute, so with
+``recompute`` a failed load costs time, never the output.
 
 vLLM's CPU attention backend (``CPU_ATTN``) registers per layer
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` whose ``(block, head)`` slabs hold all
@@ -276,6 +283,7 @@ class KvbmConnector(_Base):
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self._layout = extra.get("layout")
         self._kvbm_vllm_config = vllm_config
+        _set_load_failure_policy(ktc, extra.get("load_failure_policy", "recompute"))
         self._scheduler = None
         self._worker = None
         self._worker_ready = False
@@ -541,6 +549,32 @@ def _backend_layout(vllm_config: Any, layer_names: List[str]) -> Optional[str]:
     if names and names <= _HEAD_MAJOR_BACKENDS:
         return "layer_separate_head_major"
     return None
+
+
+_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+def _set_load_failure_policy(ktc: Any, policy: Any) -> None:
+    """Sets vLLM's ``kv_load_failure_policy`` (read by its scheduler after it built the
+    connector) to ``policy``; versions without the setting always recompute."""
+    if policy not in _LOAD_FAILURE_POLICIES:
+        raise error(
+            "invalid_argument",
+            f"kv_connector_extra_config load_failure_policy={policy!r}: expected one of "
+            f"{', '.join(_LOAD_FAILURE_POLICIES)}",
+            argument="load_failure_policy",
+        )
+    if ktc is None or not hasattr(ktc, "kv_load_failure_policy"):
+        return
+    if ktc.kv_load_failure_policy != policy:
+        _log.info(
+            "kvbm connector: vLLM's kv_load_failure_policy %r -> %r (a failed load from kvbm's "
+            "tiers is recomputed; set kv_connector_extra_config load_failure_policy to 'fail' "
+            "to keep failing the request)",
+            ktc.kv_load_failure_policy,
+            policy,
+        )
+        ktc.kv_load_failure_policy = policy
 
 
 def _tp_rank() -> int:

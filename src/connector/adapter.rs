@@ -135,6 +135,12 @@ pub trait Engine: 'static {
     /// lookup ([`MatchResult::pending`](crate::connector::leader::MatchResult::pending)).
     /// Default: false (a remote lookup is bounded by `remote.lookup_timeout_ms`).
     const DEFERRED_MATCH: bool = false;
+    /// The block id the engine puts in a request's block list where it keeps no block (vLLM's
+    /// null block, id 0: the blocks a sliding-window layer no longer needs, and the positions
+    /// before a sliding-window hit). The leader never loads into it, never stores from it, and
+    /// never reports it failed; its tokens count as matched (the engine needs no data there).
+    /// Default: none (every listed block is real).
+    const PLACEHOLDER_BLOCK: Option<usize> = None;
 }
 
 /// vLLM: offload by scheduled tokens (`num_computed_tokens + num_scheduled_tokens`).

@@ -760,7 +760,11 @@ impl PyVllmWorker {
     ) -> PyResult<Self> {
         let (config, transport) = (config.inner.clone(), transport.inner.clone());
         let w = detached(py, "VllmWorker", move || {
-            VllmWorker::new(config, block_size, world_size, transport)
+            #[allow(unused_mut)]
+            let mut w = VllmWorker::new(config, block_size, world_size, transport)?;
+            #[cfg(feature = "python-test-hooks")]
+            test_faults(&mut w)?;
+            Ok(w)
         })?;
         Ok(Self {
             inner: Guarded::new("VllmWorker", w),
@@ -889,4 +893,25 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyVllmScheduler>()?;
     m.add_class::<PyVllmWorker>()?;
     Ok(())
+}
+
+/// Test wheels only (feature `python-test-hooks`): with `KVBM_TEST_FAULTS` set to a fault plan
+/// (`backends::faults::FaultPlan::parse`, e.g. `host.read:fail`), the worker's host and disk tiers
+/// fail, stall or corrupt on that schedule, so tests in a real engine can make loads fail on
+/// purpose. A bad plan is an error naming the variable.
+#[cfg(feature = "python-test-hooks")]
+fn test_faults(w: &mut VllmWorker) -> crate::error::Result<()> {
+    use crate::backends::faults::{FaultPlan, FaultyTiers};
+    match std::env::var("KVBM_TEST_FAULTS") {
+        Ok(spec) if !spec.trim().is_empty() => {
+            let plan =
+                FaultPlan::parse(&spec).map_err(|e| e.with("variable", "KVBM_TEST_FAULTS"))?;
+            w.worker_mut()
+                .set_tier_factory(std::sync::Arc::new(FaultyTiers::new(
+                    crate::backends::StandardTiers::shared(),
+                    plan,
+                )))
+        }
+        _ => Ok(()),
+    }
 }

@@ -239,6 +239,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             return Ok(());
         }
         let bs = self.page_size;
+        let placeholder = self.placeholder;
         let num_device = self
             .tiers
             .as_ref()
@@ -282,32 +283,44 @@ impl<A: SchedulerAdapter> Leader<A> {
             ))
             .with("request", id));
         }
+        // A destination that is the engine's placeholder (a block a sliding-window layer does
+        // not keep) is not loaded: its source is released here, and its tokens stay matched.
+        let real = |d: usize| Some(d) != placeholder;
+        if !block_ids[staged.start..needed].iter().any(|&d| real(d)) {
+            // The block holding the last matched token is inside any window, so an engine always
+            // lists a real one there: placeholders only are refused before anything is loaded.
+            return Err(Error::invalid_argument(format!(
+                "request {id}: every device block allocated for the {num_external_tokens} matched tokens is the placeholder block"
+            ))
+            .with("request", id));
+        }
         slot.life.start_onboard()?;
         let Some(staged) = slot.staged.take() else {
             return Err(Error::internal("staging vanished"));
         };
-        let host_pairs: Vec<(usize, usize)> = staged
-            .host
-            .iter()
-            .enumerate()
-            .map(|(k, b)| (b.block_id(), block_ids[staged.start + k]))
-            .collect();
-        let disk_start = staged.start + staged.host.len();
-        let disk_pairs: Vec<(usize, usize)> = staged
-            .disk
-            .iter()
-            .enumerate()
-            .map(|(k, b)| (b.block_id(), block_ids[disk_start + k]))
-            .collect();
-        let remote_start = disk_start + staged.disk.len();
-        let remote_pairs: Vec<(usize, usize)> = (0..staged.remote.len())
-            .map(|k| (k, block_ids[remote_start + k]))
-            .collect();
-        let remote_keys = staged.remote.clone();
+        let Staged {
+            start,
+            host,
+            disk,
+            remote,
+        } = staged;
+        let disk_start = start + host.len();
+        let remote_start = disk_start + disk.len();
+        let (host_pairs, host_src) = keep_real(host, &block_ids[start..], &real);
+        let (disk_pairs, disk_src) = keep_real(disk, &block_ids[disk_start..], &real);
+        let mut remote_pairs: Vec<(usize, usize)> = Vec::with_capacity(remote.len());
+        let mut remote_keys = Vec::with_capacity(remote.len());
+        for (k, key) in remote.into_iter().enumerate() {
+            let d = block_ids[remote_start + k];
+            if real(d) {
+                remote_pairs.push((remote_keys.len(), d));
+                remote_keys.push(key);
+            }
+        }
         let mut loads = Vec::new();
         for (tier, pairs, src) in [
-            (TierKind::Host, host_pairs, staged.host),
-            (TierKind::Disk, disk_pairs, staged.disk),
+            (TierKind::Host, host_pairs, host_src),
+            (TierKind::Disk, disk_pairs, disk_src),
         ] {
             if !pairs.is_empty() {
                 loads.push((tier, pairs, src));
@@ -356,4 +369,22 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         Ok(())
     }
+}
+
+/// The `(source, destination)` pairs of `src` onto `dst` (in order) whose destination is `real`,
+/// and those sources; the others are dropped (released).
+fn keep_real(
+    src: Vec<ImmutableBlock>,
+    dst: &[usize],
+    real: &impl Fn(usize) -> bool,
+) -> (Vec<(usize, usize)>, Vec<ImmutableBlock>) {
+    let mut pairs = Vec::with_capacity(src.len());
+    let mut kept = Vec::with_capacity(src.len());
+    for (b, &d) in src.into_iter().zip(dst) {
+        if real(d) {
+            pairs.push((b.block_id(), d));
+            kept.push(b);
+        }
+    }
+    (pairs, kept)
 }

@@ -185,6 +185,8 @@ pub struct Leader<A: SchedulerAdapter> {
     remote_tried: bool,
     /// The engine accepts "ask again later" from a match (see [`MatchResult::pending`]).
     deferred_match: bool,
+    /// [`Engine::PLACEHOLDER_BLOCK`]: never a transfer source or destination.
+    placeholder: Option<usize>,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -244,6 +246,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             factory: None,
             remote_tried: false,
             deferred_match: E::DEFERRED_MATCH,
+            placeholder: E::PLACEHOLDER_BLOCK,
         };
         if let Some(addr) = leader.config.tcp.metrics_addr {
             leader.metrics_server = Some(crate::connector::metrics_server::MetricsServer::start(

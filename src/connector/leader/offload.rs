@@ -308,6 +308,7 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// and they are counted (`offload_dropped_blocks`) and logged.
     fn offload(&mut self, id: &RequestId, computed: usize) {
         let bs = self.page_size;
+        let placeholder = self.placeholder;
         let Some(tiers) = self.tiers.as_mut() else {
             return;
         };
@@ -339,6 +340,10 @@ impl<A: SchedulerAdapter> Leader<A> {
                 break;
             };
             upto = i + 1;
+            if Some(device) == placeholder {
+                // The engine keeps no block here (out of a sliding window): nothing to store.
+                continue;
+            }
             let Some(&hash) = slot.seq.hashes().get(i) else {
                 break;
             };
