@@ -301,7 +301,8 @@ class Engine:
     def __init__(self, sched, worker, num_blocks: int, budget: int = 2048) -> None:
         self.sched = sched
         self.worker = worker
-        self.free = list(range(num_blocks - 1, -1, -1))
+        # vLLM keeps block 0 as its null block: no request gets it.
+        self.free = list(range(num_blocks - 1, 0, -1))
         self.budget = budget
         self.reqs: Dict[str, Request] = {}
         self.waiting: List[Request] = []

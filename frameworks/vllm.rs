@@ -468,6 +468,18 @@ impl VllmWorker {
         self.worker.take_load_errors().into_iter().collect()
     }
 
+    /// Requests whose load failed since the last call (`KVConnectorTransferResults
+    /// .failed_recving`, which makes vLLM recompute the whole request): for a model with a
+    /// sliding window, where recomputing from the first failed block would attend over the null
+    /// block's bytes in the window before it.
+    pub fn take_failed_loads(&mut self) -> Vec<String> {
+        self.worker
+            .take_failed_loads()
+            .into_iter()
+            .map(|id| id.as_str().to_string())
+            .collect()
+    }
+
     fn layer_index(&self, name: &str) -> Result<usize> {
         self.layers.get(name).copied().ok_or_else(|| {
             Error::invalid_argument(format!("unknown layer {name:?}")).with("layer", name)

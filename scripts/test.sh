@@ -58,10 +58,11 @@ rm -rf target/wheels
   --no-deps target/wheels/kvbm_connector-*.whl
 "$PYVENV/bin/python" -c 'import kvbm_connector, sys; print("testing", kvbm_connector.__file__); sys.exit("/site-packages/" not in kvbm_connector.__file__)'
 pytest_rc=0
-# test_vllm_forward.py and test_vllm_serving.py need vLLM's CPU build: they run in the vLLM step below (under CI=true it
+# test_vllm_forward.py, test_vllm_serving.py and test_vllm_hybrid.py need vLLM's CPU build: they run in the vLLM step below (under CI=true it
 # fails rather than skips where vLLM is missing, as here).
 "$PYVENV/bin/python" -m pytest tests/python -q -p no:cacheprovider \
-  --ignore=tests/python/test_vllm_forward.py --ignore=tests/python/test_vllm_serving.py || pytest_rc=$?
+  --ignore=tests/python/test_vllm_forward.py --ignore=tests/python/test_vllm_serving.py \
+  --ignore=tests/python/test_vllm_hybrid.py || pytest_rc=$?
 if [ "$pytest_rc" -eq 5 ]; then
   echo "pytest collected no tests: the Python tests did not run" >&2
   exit 1
@@ -99,7 +100,8 @@ VLLM_TARGET_DEVICE=cpu "$VLLM_VENV/bin/python" -c \
 pytest_rc=0
 # CI=true: a test module that cannot import vLLM's CPU build fails instead of skipping.
 CI="${CI:-true}" "$VLLM_VENV/bin/python" -m pytest tests/python/test_vllm_real.py \
-  tests/python/test_vllm.py tests/python/test_vllm_forward.py tests/python/test_vllm_serving.py -q -p no:cacheprovider \
+  tests/python/test_vllm.py tests/python/test_vllm_forward.py tests/python/test_vllm_serving.py \
+  tests/python/test_vllm_hybrid.py -q -p no:cacheprovider \
   || pytest_rc=$?
 if [ "$pytest_rc" -eq 5 ]; then
   echo "pytest collected no tests: the vLLM tests did not run" >&2

@@ -1392,8 +1392,12 @@ fn finish_with_stores_in_flight_keeps_blocks_until_finished_sending() {
     let a_blocks = e.req("a").blocks.clone();
     assert_eq!(e.req("a").status, Status::FinishedHeld);
     assert!(a_blocks.iter().all(|b| !e.free.contains(b)));
-    // The next bind waits for the stores' device reads, so they must be let through first.
+    // The next bind waits for the stores' device reads, so they must be let through first;
+    // the leader then learns they finished before it builds the next metadata (else whether
+    // their host → disk copy is queued in the next step or the one after would depend on
+    // which thread runs first: a busy host flipped it).
     e.gate.hold(Direction::Store, false);
+    e.settle();
     let r = e.step();
     assert_eq!(e.metas.last().unwrap().hold, vec!["a".into()]);
     assert_eq!(r.finished_sending, BTreeSet::from(["a".to_string()]));

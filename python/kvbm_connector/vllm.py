@@ -223,6 +223,28 @@ except Exception:
     _HIT_HOST, _HIT_DISK, _HIT_UNSPECIFIED = "host", "disk", "external_unspecified"
 
 
+try:  # pragma: no cover - vLLM 0.32+: get_transfer_results with failed_recving
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults as _TransferResults,
+    )
+except Exception:
+    _TransferResults = None
+
+
+def _has_windowed_group(kv_cache_config: Any) -> bool:
+    """Whether a KV-cache group of ``kv_cache_config`` is not full attention (a sliding window,
+    chunked local attention: the block table holds the null block before the window)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    for g in groups:
+        spec = getattr(g, "kv_cache_spec", None)
+        if spec is None:
+            continue
+        names = {c.__name__ for c in type(spec).__mro__}
+        if "FullAttentionSpec" not in names:
+            return True
+    return False
+
+
 def _base_init_takes_kv_cache_config() -> bool:
     try:
         return "kv_cache_config" in inspect.signature(_Base.__init__).parameters
@@ -283,6 +305,9 @@ class KvbmConnector(_Base):
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self._layout = extra.get("layout")
         self._kvbm_vllm_config = vllm_config
+        self._whole_request_failures = _has_windowed_group(kv_cache_config) and (
+            _TransferResults is not None
+        )
         _set_load_failure_policy(ktc, extra.get("load_failure_policy", "recompute"))
         self._scheduler = None
         self._worker = None
@@ -469,8 +494,30 @@ class KvbmConnector(_Base):
     ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         return self._work("get_finished").get_finished({str(i) for i in finished_req_ids})
 
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
+        """vLLM's newer form of ``get_finished`` (0.32+): also ``failed_recving``, the requests
+        whose load failed, which vLLM then recomputes whole. Used where the model has a
+        KV-cache group that is not full attention (a sliding window): vLLM's block-level
+        recovery (``get_block_ids_with_load_errors``) recomputes from the first failed block,
+        and the window before that block is the null block there, not the request's KV."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed: Set[str] = set()
+        if self._whole_request_failures:
+            failed = set(self._work("get_transfer_results").take_failed_loads())
+        return _TransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed,
+        )
+
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        return set(self._work("get_block_ids_with_load_errors").get_block_ids_with_load_errors())
+        worker = self._work("get_block_ids_with_load_errors")
+        blocks = set(worker.get_block_ids_with_load_errors())
+        if self._whole_request_failures:
+            # Their requests went to failed_recving (get_transfer_results): vLLM recomputes them
+            # from token 0; no block-level truncation.
+            return set()
+        return blocks
 
     # -- beyond vLLM's interface -----------------------------------------------------------------
 

@@ -141,6 +141,9 @@ struct WorkerSlot {
 struct State {
     slots: HashMap<RequestId, WorkerSlot>,
     load_errors: BTreeSet<usize>,
+    /// Requests with a load that failed (some of its blocks), since the last
+    /// [`Worker::take_failed_loads`].
+    failed_loads: BTreeSet<RequestId>,
     recently_finished: VecDeque<RequestId>,
     recently_finished_set: HashSet<RequestId>,
 }
@@ -946,6 +949,15 @@ impl Worker {
             .collect()
     }
 
+    /// Requests with a load that failed since the last call, in id order (an engine that must
+    /// recompute such a request whole, not from its first failed block, asks this: with a
+    /// sliding window the tokens before that block are not on the device).
+    pub fn take_failed_loads(&mut self) -> Vec<RequestId> {
+        std::mem::take(&mut self.shared.state.lock().failed_loads)
+            .into_iter()
+            .collect()
+    }
+
     /// Bytes moved per tier pair so far, ordered by (source, destination).
     pub fn transfer_stats(&self) -> Vec<PathStats> {
         let mut v = self.shared.paths.lock().clone();
@@ -1120,6 +1132,11 @@ fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result
         // Only device blocks are the engine's to recompute.
         if done.writes_device {
             st.load_errors.extend(failed.iter().copied());
+            if !failed.is_empty() {
+                if let Some(id) = &done.request {
+                    st.failed_loads.insert(id.clone());
+                }
+            }
         }
         if let Some(id) = &done.request {
             if let Some(s) = st.slots.get_mut(id) {

@@ -866,6 +866,12 @@ impl PyVllmWorker {
         })
     }
 
+    /// Request ids whose load failed since the last call (`failed_recving`).
+    fn take_failed_loads(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.inner
+            .call(py, "take_failed_loads", |w| Ok(w.take_failed_loads()))
+    }
+
     /// True once the barrier completed; raises its error if it failed.
     fn is_ready(&self, py: Python<'_>) -> PyResult<bool> {
         self.inner

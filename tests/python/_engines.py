@@ -663,7 +663,9 @@ class VllmEngine:
         self.runners = list(runners)
         self.num_blocks = num_blocks
         self.budget = budget
-        self.free = set(range(num_blocks))
+        # vLLM's block pool keeps block 0 as its null block: no request gets it (the connector
+        # never reads or writes it).
+        self.free = set(range(1, num_blocks))
         self.reqs: Dict[str, Request] = {}
         self.waiting: List[str] = []
         self.running: List[str] = []

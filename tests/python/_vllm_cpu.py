@@ -66,6 +66,37 @@ def build_model(path: str, kv_heads: int, layers: int = 2, hidden: int = 256, he
     return path
 
 
+def build_windowed_model(path: str, family: str, window: int, layers: int = 2,
+                         hidden: int = 256, heads: int = 4, kv_heads: int = 2, std: float = 0.08):
+    """A random-weight model with sliding-window attention saved at ``path`` (fixed seed; head dim
+    64, vocab 1024): ``family`` ``"mistral"`` (every layer slides over ``window`` tokens: one
+    KV-cache group in vLLM) or ``"gemma2"`` (layers alternate sliding and full: two groups with
+    vLLM's hybrid manager, one full-attention group without it). Gemma 2 scales its embeddings
+    by sqrt(hidden) and ties them to the output, so its weights take a smaller ``std`` for a
+    greedy output that is not one repeated token."""
+    import torch
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, MistralConfig,
+                              MistralForCausalLM)
+
+    torch.manual_seed(4321 + window)
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=HEAD_DIM, sliding_window=window,
+                  max_position_embeddings=16384)
+    if family == "mistral":
+        model = MistralForCausalLM(MistralConfig(tie_word_embeddings=False, **common))
+    elif family == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(**common))
+    else:
+        raise ValueError(f"unknown model family {family!r}")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std)
+    model.save_pretrained(path)
+    return path
+
+
 def make_llm(model: str, dtype: str = "float32", connector: bool = True, *, config=None,
              module: str = "kvbm_connector.vllm", cls: str = "KvbmConnector", extra=None,
              in_process: bool = True, max_model_len: int = 8192, **engine_args):

@@ -23,10 +23,11 @@ pub struct DevicePool {
 }
 
 impl DevicePool {
-    /// `n` free blocks; `enabled`: the prefix cache is on.
-    pub fn new(n: usize, enabled: bool) -> Self {
+    /// `n` blocks, of which the first `reserved` are never handed out (vLLM keeps block 0 as
+    /// its null block); `enabled`: the prefix cache is on.
+    pub fn new(n: usize, enabled: bool, reserved: usize) -> Self {
         Self {
-            free: (0..n).rev().collect(),
+            free: (reserved.min(n)..n).rev().collect(),
             refs: vec![0; n],
             cached: HashMap::new(),
             key_of: vec![None; n],

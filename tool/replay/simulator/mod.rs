@@ -33,6 +33,7 @@ use kvbm_connector::identity::{BlockHasher, Salt};
 use kvbm_connector::tier::TierKind;
 
 use super::engines::{engine_of, CallOrder, SchedulerSide};
+use super::framework::Framework;
 use super::messages::RankDriver;
 use super::model::Shard;
 use super::options::SimOptions;
@@ -165,7 +166,12 @@ impl Simulator {
         opts.check_workload(&[])?;
         let n = opts.device_blocks;
         let mut engine = Self {
-            pool: DevicePool::new(n, opts.device_prefix_cache),
+            // vLLM's block 0 is its null block, which the connector never reads or writes.
+            pool: DevicePool::new(
+                n,
+                opts.device_prefix_cache,
+                usize::from(opts.framework == Framework::Vllm),
+            ),
             hasher: BlockHasher::new(opts.config.hash, Salt::NONE),
             sched,
             ranks: ranks.into_iter().map(Some).collect(),
