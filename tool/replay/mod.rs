@@ -72,6 +72,11 @@ pub struct ReplayArgs {
     /// as capacity studies replay a trace.
     #[arg(long)]
     pub sequential: bool,
+    /// A sliding window of this many tokens on every layer of the simulated model (vLLM only,
+    /// as its `SlidingWindowManager`: blocks before a request's window are freed while it runs
+    /// and held as the null block, block 0; a hit's table is null before its window).
+    #[arg(long, value_name = "TOKENS")]
+    pub sliding_window: Option<usize>,
     /// Seed of the built-in workload.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -236,6 +241,7 @@ pub fn sim_options(a: &ReplayArgs, config: Config) -> SimOptions {
         kill: a.kill_rank,
         device: a.device,
         sequential: a.sequential,
+        sliding_window: a.sliding_window,
     }
 }
 

@@ -54,6 +54,8 @@ pub struct SimOptions {
     pub device: DeviceKind,
     /// One request at a time: each arrives once the previous one is done (arrivals ignored).
     pub sequential: bool,
+    /// Every layer attends over this many tokens (vLLM only; see `kvbm replay --sliding-window`).
+    pub sliding_window: Option<usize>,
 }
 
 fn sim_err(msg: impl Into<String>) -> Error {
@@ -72,6 +74,22 @@ impl SimOptions {
             return Err(sim_err(
                 "block size, device blocks, max batch, chunk tokens and tp must be at least 1",
             ));
+        }
+        match (self.sliding_window, self.framework) {
+            (Some(0), _) => {
+                return Err(sim_err("--sliding-window must be at least 1 token")
+                    .with("flag", "--sliding-window"))
+            }
+            (Some(w), Framework::Trtllm) => {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "--sliding-window {w}: only the vLLM engine model has a sliding window"
+                    ),
+                )
+                .with("flag", "--sliding-window"))
+            }
+            _ => {}
         }
         if !(self.prefill_us_per_token.is_finite() && self.prefill_us_per_token >= 0.0) {
             return Err(sim_err("prefill_us_per_token must be a number >= 0"));
@@ -128,6 +146,14 @@ impl SimOptions {
             self.check_request(r)?;
         }
         Ok(())
+    }
+
+    /// Request blocks before the window of `computed` tokens (vLLM's `get_num_skipped_tokens`:
+    /// `computed - window + 1` tokens, whole blocks of them); 0 without a window.
+    pub fn skipped_blocks(&self, computed: usize) -> usize {
+        self.sliding_window.map_or(0, |w| {
+            (computed + 1).saturating_sub(w) / self.block_size.max(1)
+        })
     }
 
     /// Checks one request against the limits and the device: arriving by [`MAX_ARRIVAL`],

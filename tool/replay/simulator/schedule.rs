@@ -16,6 +16,9 @@ use std::collections::VecDeque;
 use kvbm_connector::error::{Error, Result};
 
 use super::Simulator;
+
+/// vLLM's null block (the block table's entry where a sliding window keeps no block).
+pub(super) const NULL_BLOCK: usize = 0;
 use crate::replay::request::Phase;
 use crate::replay::workload::{sample_token, PREFIX_HASH_SEED};
 
@@ -66,8 +69,23 @@ impl Simulator {
                 still.push_back(i);
                 continue;
             };
+            // With a sliding window the table holds the null block before the window of what
+            // is computed once the load is in (vLLM's `SlidingWindowManager`): local blocks
+            // there go back to the pool (still cached), and none is allocated there.
+            let skip = self.opts.skipped_blocks(local + m.0);
             let mut blocks = local_blocks;
-            for _ in 0..fresh {
+            let early = skip.min(blocks.len());
+            if early > 0 {
+                let keys = self.keys(i, early);
+                let gone: Vec<usize> = blocks[..early].to_vec();
+                self.pool.release(&gone, &keys);
+                blocks[..early].fill(NULL_BLOCK);
+            }
+            for k in blocks.len()..blocks.len() + fresh {
+                if k < skip {
+                    blocks.push(NULL_BLOCK);
+                    continue;
+                }
                 match self.pool.alloc() {
                     Some(b) => blocks.push(b),
                     None => return Err(Error::internal("device pool ran out after checking")),
@@ -135,6 +153,7 @@ impl Simulator {
         let mut k = 0;
         while k < self.running.len() {
             let i = self.running[k];
+            self.skip_out_of_window(i);
             let r = &self.reqs[i];
             let remaining = r.tokens.len().saturating_sub(r.computed);
             if remaining == 0 {
@@ -191,12 +210,45 @@ impl Simulator {
         Ok(out)
     }
 
+    /// vLLM's `remove_skipped_blocks`: a running request's blocks before its window go back to
+    /// the pool (cached under their keys) and the null block takes their place.
+    fn skip_out_of_window(&mut self, i: usize) {
+        let skip = self
+            .opts
+            .skipped_blocks(self.reqs[i].computed)
+            .min(self.reqs[i].blocks.len());
+        if skip == 0 {
+            return;
+        }
+        let keys = self.keys(i, skip);
+        let blocks: Vec<usize> = self.reqs[i].blocks[..skip].to_vec();
+        self.reqs[i].blocks[..skip].fill(NULL_BLOCK);
+        self.release_blocks(&blocks, &keys);
+    }
+
+    /// Returns `blocks` to the pool, each cached under the key at its position in `keys` (if
+    /// any), leaving out the null block, and queues the freed ones to be clobbered.
+    fn release_blocks(&mut self, blocks: &[usize], keys: &[u128]) {
+        if self.opts.sliding_window.is_none() {
+            self.pool.release(blocks, keys);
+            self.to_clobber.extend_from_slice(blocks);
+            return;
+        }
+        for (k, &b) in blocks.iter().enumerate() {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            self.pool
+                .release(&[b], keys.get(k).map(std::slice::from_ref).unwrap_or(&[]));
+            self.to_clobber.push(b);
+        }
+    }
+
     fn preempt(&mut self, i: usize) -> Result<()> {
         self.running.retain(|&j| j != i);
         let keys = self.keys(i, self.reqs[i].computed / self.opts.block_size);
         let blocks = std::mem::take(&mut self.reqs[i].blocks);
-        self.pool.release(&blocks, &keys);
-        self.to_clobber.extend_from_slice(&blocks);
+        self.release_blocks(&blocks, &keys);
         let r = &mut self.reqs[i];
         let was_announced = r.announced;
         r.computed = 0;
@@ -259,8 +311,7 @@ impl Simulator {
         let full = self.reqs[i].computed / bs;
         let keys = self.keys(i, full);
         let blocks = std::mem::take(&mut self.reqs[i].blocks);
-        self.pool.release(&blocks, &keys);
-        self.to_clobber.extend_from_slice(&blocks);
+        self.release_blocks(&blocks, &keys);
         Ok(())
     }
 }
