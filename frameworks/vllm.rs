@@ -16,8 +16,14 @@
 //! * `get_finished(finished_req_ids) -> (finished_sending, finished_recving)` and
 //!   `get_block_ids_with_load_errors()`.
 //!
-//! Only one KV-cache group is supported (block ids are one list per request); hybrid models with
-//! several groups are refused with an error.
+//! KV-cache groups (vLLM's hybrid manager, `SupportsHMA`: e.g. sliding-window and full layers
+//! alternating): each group of a request has its own block list. The leader and the workers see
+//! group `g >= 1` of request `R` as a request of its own, `R` + [`GROUP_SEP`] + `g`, whose keys
+//! are salted with the group (no two groups share a block; group 0 keeps the request's own id
+//! and keys, so a one-group model is unchanged). A hit is what every group can serve (the
+//! smallest group match; the others are trimmed to it), and a request is done loading or
+//! storing once every group is. Set the count with [`VllmScheduler::set_kv_cache_groups`] and
+//! [`VllmWorker::set_kv_cache_groups`] (default 1).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -25,7 +31,7 @@ use std::sync::Arc;
 use crate::backends::StandardTiers;
 use crate::config::Config;
 use crate::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
-use crate::connector::leader::{Leader, RequestInfo};
+use crate::connector::leader::{Leader, MatchResult, RequestInfo};
 use crate::connector::transport::{LeaderTransport, WorkerTransport};
 use crate::connector::worker::Worker;
 use crate::connector::RequestId;
@@ -99,16 +105,61 @@ pub struct SchedulerOutput {
     pub preempted_req_ids: HashSet<String>,
 }
 
-fn one_group(id: &str, groups: &[Vec<usize>]) -> Result<Vec<usize>> {
-    match groups {
-        [] => Ok(Vec::new()),
-        [one] => Ok(one.clone()),
-        _ => Err(Error::unsupported(format!(
-            "request {id} has {} KV-cache groups; one is supported",
+/// Separates a request id from its KV-cache group in the ids the leader and workers use.
+pub const GROUP_SEP: char = '\u{1f}';
+
+/// Most KV-cache groups a model may have here.
+pub const MAX_KV_CACHE_GROUPS: usize = 64;
+
+/// The id the leader and workers use for group `g` of request `real`.
+fn group_id(real: &str, g: usize) -> RequestId {
+    if g == 0 {
+        RequestId::from(real)
+    } else {
+        RequestId::from(format!("{real}{GROUP_SEP}{g}").as_str())
+    }
+}
+
+/// The request id of a leader or worker id, and its group.
+fn real_of(id: &str) -> (&str, usize) {
+    match id.rsplit_once(GROUP_SEP) {
+        Some((real, g)) => match g.parse() {
+            Ok(g) => (real, g),
+            Err(_) => (id, 0),
+        },
+        None => (id, 0),
+    }
+}
+
+/// Group `g`'s cache salt: the request's own for group 0, the group added for the others.
+fn group_salt(salt: Option<&str>, g: usize) -> Option<String> {
+    (g > 0).then(|| format!("{}{GROUP_SEP}kv-cache-group-{g}", salt.unwrap_or("")))
+}
+
+fn check_groups(n: usize) -> Result<()> {
+    if n == 0 || n > MAX_KV_CACHE_GROUPS {
+        return Err(Error::invalid_argument(format!(
+            "{n} KV-cache groups: between 1 and {MAX_KV_CACHE_GROUPS} are supported"
+        ))
+        .with("kv_cache_groups", n));
+    }
+    Ok(())
+}
+
+/// A request's per-group block lists, checked against the model's group count (an empty list of
+/// lists: no blocks in any group).
+fn per_group<'a>(id: &str, groups: &'a [Vec<usize>], n: usize) -> Result<Vec<&'a [usize]>> {
+    if groups.is_empty() {
+        return Ok(vec![&[][..]; n]);
+    }
+    if groups.len() != n {
+        return Err(Error::invalid_argument(format!(
+            "request {id} has {} KV-cache group block lists; the model has {n} groups",
             groups.len()
         ))
-        .with("request", id)),
+        .with("request", id));
     }
+    Ok(groups.iter().map(Vec::as_slice).collect())
 }
 
 /// The vLLM engine as the connector sees it: its adapter and its start-up order.
@@ -133,6 +184,7 @@ impl Engine for Vllm {
 #[derive(Debug)]
 pub struct VllmScheduler {
     leader: Leader<ScheduledTokens>,
+    groups: usize,
 }
 
 impl VllmScheduler {
@@ -145,7 +197,26 @@ impl VllmScheduler {
     ) -> Result<Self> {
         let mut leader = Leader::new::<Vllm>(ScheduledTokens, config, block_size, transport)?;
         leader.set_tier_factory(StandardTiers::shared());
-        Ok(Self { leader })
+        Ok(Self { leader, groups: 1 })
+    }
+
+    /// The model's KV-cache groups (`len(kv_cache_config.kv_cache_groups)` with vLLM's hybrid
+    /// manager on; 1, the default, otherwise). Set before the first request.
+    pub fn set_kv_cache_groups(&mut self, n: usize) -> Result<()> {
+        check_groups(n)?;
+        if n != self.groups && self.leader.num_slots() > 0 {
+            return Err(Error::new(
+                crate::error::ErrorKind::InvalidState,
+                "the KV-cache group count is set before the first request",
+            ));
+        }
+        self.groups = n;
+        Ok(())
+    }
+
+    /// The model's KV-cache groups.
+    pub fn kv_cache_groups(&self) -> usize {
+        self.groups
     }
 
     /// The core leader (metrics, status).
@@ -172,7 +243,17 @@ impl VllmScheduler {
     /// How many of the request's tokens the leader holds (0 for a request it does not track):
     /// the calls ending in `_from` take only the tokens after these.
     pub fn known_tokens(&self, request_id: &str) -> usize {
-        self.leader.known_tokens(request_id).unwrap_or(0)
+        if self.groups == 1 {
+            return self.leader.known_tokens(request_id).unwrap_or(0);
+        }
+        (0..self.groups)
+            .map(|g| {
+                self.leader
+                    .known_tokens(group_id(request_id, g).as_str())
+                    .unwrap_or(0)
+            })
+            .min()
+            .unwrap_or(0)
     }
 
     /// [`VllmScheduler::get_num_new_matched_tokens`] where `request.all_token_ids` holds the
@@ -183,6 +264,9 @@ impl VllmScheduler {
         first_token: usize,
         num_computed_tokens: usize,
     ) -> Result<(Option<usize>, bool)> {
+        if self.groups > 1 {
+            return self.match_groups(request, first_token, num_computed_tokens);
+        }
         let id = RequestId::from(request.request_id);
         let m = self.leader.get_num_new_matched_tokens_from(
             RequestInfo {
@@ -200,6 +284,56 @@ impl VllmScheduler {
         Ok((Some(m.external_tokens), m.load_async))
     }
 
+    /// A match across the KV-cache groups: every group is looked up (its own keys), the hit is
+    /// the smallest, and each group's staging is trimmed to it. Counted once in the metrics.
+    fn match_groups(
+        &mut self,
+        request: &Request<'_>,
+        first_token: usize,
+        num_computed_tokens: usize,
+    ) -> Result<(Option<usize>, bool)> {
+        if request.request_id.contains(GROUP_SEP) {
+            return Err(Error::invalid_argument(format!(
+                "request id {:?} contains U+001F, which names KV-cache groups here",
+                request.request_id
+            ))
+            .with("request", request.request_id));
+        }
+        let mut hit = usize::MAX;
+        let mut pending = false;
+        for g in 0..self.groups {
+            let id = group_id(request.request_id, g);
+            let salt = group_salt(request.cache_salt, g);
+            let m = self.leader.get_num_new_matched_tokens_uncounted(
+                RequestInfo {
+                    id: &id,
+                    tokens: request.all_token_ids,
+                    cache_salt: salt.as_deref().or(request.cache_salt),
+                    lora_name: request.lora_name,
+                },
+                first_token,
+                num_computed_tokens,
+            )?;
+            pending |= m.pending;
+            hit = hit.min(m.external_tokens);
+        }
+        if pending {
+            hit = 0;
+        }
+        let mut split = MatchResult::NONE;
+        for g in (0..self.groups).rev() {
+            split = self.leader.trim_staged(&group_id(request.request_id, g), hit)?;
+        }
+        let total = request.all_token_ids.len() + first_token;
+        self.leader
+            .metrics()
+            .record_lookup(total as u64, split.external_tokens as u64);
+        if pending {
+            return Ok((None, false));
+        }
+        Ok((Some(split.external_tokens), split.load_async))
+    }
+
     /// `update_state_after_alloc(request, blocks, num_external_tokens)`; `block_ids` is
     /// `blocks.get_block_ids()`: one list per KV-cache group.
     pub fn update_state_after_alloc(
@@ -208,10 +342,15 @@ impl VllmScheduler {
         block_ids: &[Vec<usize>],
         num_external_tokens: usize,
     ) -> Result<()> {
-        let blocks = one_group(request.request_id, block_ids)?;
-        let id = RequestId::from(request.request_id);
-        self.leader
-            .update_state_after_alloc(&id, &blocks, num_external_tokens)
+        let lists = per_group(request.request_id, block_ids, self.groups)?;
+        for (g, blocks) in lists.into_iter().enumerate() {
+            self.leader.update_state_after_alloc(
+                &group_id(request.request_id, g),
+                blocks,
+                num_external_tokens,
+            )?;
+        }
+        Ok(())
     }
 
     /// `build_connector_meta(scheduler_output) -> KVConnectorMetadata` (as bytes).
@@ -225,17 +364,22 @@ impl VllmScheduler {
                 .with("request", id)
             })
         };
+        let n_groups = self.groups;
         for r in &output.scheduled_new_reqs {
-            step.requests.push(ScheduledRequest {
-                request_id: RequestId::from(r.req_id.as_str()),
-                new_tokens: r.prompt_token_ids.clone(),
-                first_token_index: Some(r.first_token_index),
-                new_block_ids: one_group(&r.req_id, &r.block_ids)?,
-                replace_block_ids: true,
-                num_computed_tokens: r.num_computed_tokens,
-                num_scheduled_tokens: Some(scheduled(&r.req_id)?),
-                computed_position: None,
-            });
+            let lists = per_group(&r.req_id, &r.block_ids, n_groups)?;
+            let n = scheduled(&r.req_id)?;
+            for (g, blocks) in lists.into_iter().enumerate() {
+                step.requests.push(ScheduledRequest {
+                    request_id: group_id(&r.req_id, g),
+                    new_tokens: r.prompt_token_ids.clone(),
+                    first_token_index: Some(r.first_token_index),
+                    new_block_ids: blocks.to_vec(),
+                    replace_block_ids: true,
+                    num_computed_tokens: r.num_computed_tokens,
+                    num_scheduled_tokens: Some(n),
+                    computed_position: None,
+                });
+            }
         }
         let c = &output.scheduled_cached_reqs;
         let n = c.req_ids.len();
@@ -254,26 +398,27 @@ impl VllmScheduler {
         }
         for i in 0..n {
             let id = &c.req_ids[i];
-            let blocks = match &c.new_block_ids[i] {
-                Some(groups) => one_group(id, groups)?,
-                None => Vec::new(),
-            };
-            step.requests.push(ScheduledRequest {
-                request_id: RequestId::from(id.as_str()),
-                new_tokens: c.new_token_ids[i].clone(),
-                first_token_index: Some(c.num_computed_tokens[i]),
-                new_block_ids: blocks,
-                replace_block_ids: c.resumed_from_preemption[i],
-                num_computed_tokens: c.num_computed_tokens[i],
-                num_scheduled_tokens: Some(scheduled(id)?),
-                computed_position: None,
-            });
+            let none = Vec::new();
+            let lists = per_group(id, c.new_block_ids[i].as_ref().unwrap_or(&none), n_groups)?;
+            let count = scheduled(id)?;
+            for (g, blocks) in lists.into_iter().enumerate() {
+                step.requests.push(ScheduledRequest {
+                    request_id: group_id(id, g),
+                    new_tokens: c.new_token_ids[i].clone(),
+                    first_token_index: Some(c.num_computed_tokens[i]),
+                    new_block_ids: blocks.to_vec(),
+                    replace_block_ids: c.resumed_from_preemption[i],
+                    num_computed_tokens: c.num_computed_tokens[i],
+                    num_scheduled_tokens: Some(count),
+                    computed_position: None,
+                });
+            }
         }
         let mut preempted: Vec<&String> = output.preempted_req_ids.iter().collect();
         preempted.sort();
         step.preempted = preempted
             .into_iter()
-            .map(|s| RequestId::from(s.as_str()))
+            .flat_map(|s| (0..n_groups).map(move |g| group_id(s, g)))
             .collect();
         self.leader.build_connector_meta(&step)
     }
@@ -298,20 +443,20 @@ impl VllmScheduler {
         block_ids: &[usize],
     ) -> Result<(bool, Option<()>)> {
         let _ = block_ids;
-        let id = RequestId::from(request.request_id);
-        let tokens = if first_token == 0 {
-            Some(request.all_token_ids)
-        } else {
-            self.leader.append_request_tokens(
-                request.request_id,
-                first_token,
-                request.all_token_ids,
-            );
-            None
-        };
-        let held = self
-            .leader
-            .request_finished(&id, tokens, Some(request.num_computed_tokens))?;
+        let mut held = false;
+        for g in 0..self.groups {
+            let id = group_id(request.request_id, g);
+            let tokens = if first_token == 0 {
+                Some(request.all_token_ids)
+            } else {
+                self.leader
+                    .append_request_tokens(id.as_str(), first_token, request.all_token_ids);
+                None
+            };
+            held |= self
+                .leader
+                .request_finished(&id, tokens, Some(request.num_computed_tokens))?;
+        }
         Ok((held, None))
     }
 
@@ -329,6 +474,7 @@ pub struct VllmWorker {
     block_size: usize,
     layers: HashMap<String, usize>,
     saved_this_iteration: bool,
+    groups: usize,
 }
 
 impl VllmWorker {
@@ -348,7 +494,31 @@ impl VllmWorker {
             block_size,
             layers: HashMap::new(),
             saved_this_iteration: false,
+            groups: 1,
         })
+    }
+
+    /// The model's KV-cache groups (as [`VllmScheduler::set_kv_cache_groups`]).
+    pub fn set_kv_cache_groups(&mut self, n: usize) -> Result<()> {
+        check_groups(n)?;
+        self.groups = n;
+        Ok(())
+    }
+
+    /// Names every layer in model order, when some of them share another's cache tensor (vLLM's
+    /// hybrid manager: layer `l` of each KV-cache group is a view of the same memory) and only
+    /// one of each was registered. The last name is the layer whose save starts the stores.
+    pub fn set_layer_names(&mut self, names: &[String]) -> Result<()> {
+        let mut map = HashMap::with_capacity(names.len());
+        for (i, name) in names.iter().enumerate() {
+            if map.insert(name.clone(), i).is_some() {
+                return Err(Error::invalid_argument(format!(
+                    "layer name {name:?} registered twice"
+                )));
+            }
+        }
+        self.layers = map;
+        Ok(())
     }
 
     /// The core worker.
@@ -445,11 +615,20 @@ impl VllmWorker {
     ) -> (Option<HashSet<String>>, Option<HashSet<String>>) {
         let mut ids: Vec<&String> = finished_req_ids.iter().collect();
         ids.sort();
+        let groups = self.groups;
         let finished: Vec<RequestId> = ids
             .into_iter()
-            .map(|s| RequestId::from(s.as_str()))
+            .flat_map(|s| (0..groups).map(move |g| group_id(s, g)))
             .collect();
-        let (sending, mut recving) = self.worker.get_finished(&finished, None);
+        let (sending, recving) = self.worker.get_finished(&finished, None);
+        let (sending, mut recving) = if groups == 1 {
+            (sending, recving)
+        } else {
+            (
+                self.whole_requests(sending, Worker::tracks),
+                self.whole_requests(recving, Worker::load_pending),
+            )
+        };
         // A request aborted while loading is done on both counts at once; vLLM frees it on the
         // first report and must not see it again, so it is reported as sending only.
         recving.retain(|id| !sending.contains(id));
@@ -463,6 +642,25 @@ impl VllmWorker {
         (set(sending), set(recving))
     }
 
+    /// The requests of `done` (group ids) whose every group is done: no other group of theirs
+    /// is still `busy` here.
+    fn whole_requests(
+        &self,
+        done: Vec<RequestId>,
+        busy: fn(&Worker, &RequestId) -> bool,
+    ) -> Vec<RequestId> {
+        let mut out: Vec<RequestId> = Vec::new();
+        for id in done {
+            let (real, _) = real_of(id.as_str());
+            let whole = (0..self.groups).all(|g| !busy(&self.worker, &group_id(real, g)));
+            if whole && !out.iter().any(|r| r.as_str() == real) {
+                out.push(RequestId::from(real));
+            }
+        }
+        out.sort();
+        out
+    }
+
     /// `get_block_ids_with_load_errors() -> set[int]`: device blocks to recompute.
     pub fn get_block_ids_with_load_errors(&mut self) -> HashSet<usize> {
         self.worker.take_load_errors().into_iter().collect()
@@ -473,11 +671,15 @@ impl VllmWorker {
     /// sliding window, where recomputing from the first failed block would attend over the null
     /// block's bytes in the window before it.
     pub fn take_failed_loads(&mut self) -> Vec<String> {
-        self.worker
+        let mut out: Vec<String> = self
+            .worker
             .take_failed_loads()
             .into_iter()
-            .map(|id| id.as_str().to_string())
-            .collect()
+            .map(|id| real_of(id.as_str()).0.to_string())
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     fn layer_index(&self, name: &str) -> Result<usize> {

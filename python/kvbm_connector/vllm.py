@@ -18,7 +18,13 @@ What is read from vLLM's objects (vLLM v1):
 * ``Request``: ``request_id``, ``all_token_ids`` (only the tokens appended since the connector
   last saw the request), ``num_computed_tokens``, ``cache_salt`` and ``lora_request.lora_name``
   when present;
-* ``KVCacheBlocks``: ``get_block_ids()`` (one list per KV-cache group; one group is supported);
+* ``KVCacheBlocks``: ``get_block_ids()`` (one list per KV-cache group);
+* ``kv_cache_config.kv_cache_groups`` (each group's ``kv_cache_spec`` and ``block_size``): the
+  class implements vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV-cache manager on and a
+  model whose layers alternate sliding-window and full attention has one group of each, each
+  with its own blocks (a sliding-window group keeps only its window's). Full-attention and
+  sliding-window groups are served; any other kind (Mamba state, chunked local attention) is
+  refused at start-up, naming the group;
 * ``SchedulerOutput``: ``scheduled_new_reqs`` (``NewRequestData``: ``req_id``,
   ``prompt_token_ids``, ``block_ids``, ``num_computed_tokens``), ``scheduled_cached_reqs``
   (``CachedRequestData``: ``req_ids``, ``resumed_from_preemption`` or, in newer versions,
@@ -275,8 +281,52 @@ def _role_name(role: Any) -> str:
     return name
 
 
-class KvbmConnector(_Base):
-    """vLLM's ``KVConnectorBase_V1`` over the kvbm block manager, for either role."""
+try:  # pragma: no cover - vLLM's hybrid-manager mixin
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as _SupportsHMA
+
+    _BASES: tuple = (_Base, _SupportsHMA)
+except Exception:
+    _BASES = (_Base,)
+
+
+# KV-cache spec classes (and their subclasses) the connector serves.
+_SERVED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
+
+
+def _kv_cache_groups(kv_cache_config: Any, block_size: int) -> int:
+    """The KV-cache group count of ``kv_cache_config`` (1 without one), after checking that
+    each group is a kind the connector serves and uses the engine's block size."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    for i, g in enumerate(groups):
+        spec = getattr(g, "kv_cache_spec", None)
+        if spec is None:
+            continue
+        names = {c.__name__ for c in type(spec).__mro__}
+        kind = type(spec).__name__
+        layers = list(getattr(g, "layer_names", None) or ())
+        if not names.intersection(_SERVED_SPECS):
+            raise error(
+                "unsupported",
+                f"KV-cache group {i} is {kind} (layers {layers[:3]}{'...' if len(layers) > 3 else ''}):"
+                " the kvbm connector serves full-attention and sliding-window groups only",
+                group=i,
+                kind=kind,
+            )
+        bs = getattr(spec, "block_size", block_size)
+        if int(bs) != int(block_size):
+            raise error(
+                "unsupported",
+                f"KV-cache group {i} ({kind}) has block size {bs}; the engine's is {block_size}:"
+                " the kvbm connector needs one block size for every group",
+                group=i,
+                block_size=bs,
+            )
+    return max(1, len(groups))
+
+
+class KvbmConnector(*_BASES):
+    """vLLM's ``KVConnectorBase_V1`` over the kvbm block manager, for either role (and vLLM's
+    ``SupportsHMA``: KV-cache groups)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         if _BASE_TAKES_KV_CACHE_CONFIG:
@@ -305,9 +355,12 @@ class KvbmConnector(_Base):
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self._layout = extra.get("layout")
         self._kvbm_vllm_config = vllm_config
-        self._whole_request_failures = _has_windowed_group(kv_cache_config) and (
-            _TransferResults is not None
-        )
+        self._groups = _kv_cache_groups(kv_cache_config, self.block_size)
+        # With several groups vLLM refuses block-level load errors; with a sliding window they
+        # would recompute over the null block: such requests are reported whole.
+        self._whole_request_failures = (
+            self._groups > 1 or _has_windowed_group(kv_cache_config)
+        ) and (_TransferResults is not None)
         _set_load_failure_policy(ktc, extra.get("load_failure_policy", "recompute"))
         self._scheduler = None
         self._worker = None
@@ -330,6 +383,7 @@ class KvbmConnector(_Base):
                     config=self._config,
                 ),
             )
+            self._scheduler.set_kv_cache_groups(self._groups)
         else:
             self.rank = int(extra["rank"]) if "rank" in extra else _tp_rank()
             self._worker = _kvbm.VllmWorker(
@@ -347,6 +401,7 @@ class KvbmConnector(_Base):
                     config=self._config,
                 ),
             )
+            self._worker.set_kv_cache_groups(self._groups)
 
     # -- scheduler side --------------------------------------------------------------------------
 
@@ -407,6 +462,15 @@ class KvbmConnector(_Base):
             s = self._sched("request_finished")
         return s.finish_request(request), None
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: Tuple[List[int], ...]
+    ) -> Tuple[bool, Optional[dict]]:
+        """``SupportsHMA``: ``request_finished`` for every KV-cache group at once."""
+        s = self._scheduler
+        if s is None:
+            s = self._sched("request_finished_all_groups")
+        return s.finish_request(request), None
+
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched("update_connector_output").update_connector_output()
 
@@ -443,14 +507,21 @@ class KvbmConnector(_Base):
         del worker, scheduler
 
     def register_kv_caches(self, kv_caches: Any) -> None:
+        worker = self._work("register_kv_caches")
+        caches = dict(kv_caches)
+        # vLLM's hybrid manager gives layer l of every KV-cache group a view of the same memory
+        # (a block id belongs to one group at a time): each cache is registered once.
+        unique = _unique_caches(caches)
         layout = self._layout
         if layout is None:
-            layout = _backend_layout(self._kvbm_vllm_config, list(dict(kv_caches)))
-        gpu = self._work("register_kv_caches").register_kv_caches(
-            kv_caches,
+            layout = _backend_layout(self._kvbm_vllm_config, list(unique))
+        gpu = worker.register_kv_caches(
+            unique,
             None if self._num_blocks is None else int(self._num_blocks),
             layout,
         )
+        if len(unique) < len(caches):
+            worker.set_layer_names([str(n) for n in caches])
         self._streams = StreamOrder(gpu)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
@@ -596,6 +667,28 @@ def _backend_layout(vllm_config: Any, layer_names: List[str]) -> Optional[str]:
     if names and names <= _HEAD_MAJOR_BACKENDS:
         return "layer_separate_head_major"
     return None
+
+
+def _unique_caches(caches: dict) -> dict:
+    """``caches`` without the layers whose tensor is a view of an earlier layer's memory (same
+    address, shape, strides and dtype), in order."""
+    seen = set()
+    out = {}
+    for name, t in caches.items():
+        ptr = getattr(t, "data_ptr", None)
+        if ptr is None:
+            out[name] = t
+            continue
+        try:
+            key = (int(ptr()), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+        except Exception:
+            out[name] = t
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
 
 
 _LOAD_FAILURE_POLICIES = ("recompute", "fail")

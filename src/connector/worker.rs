@@ -942,6 +942,22 @@ impl Worker {
         (released, loaded)
     }
 
+    /// Whether request `id` is still tracked here: operations in flight, or its end not yet
+    /// reported by [`Worker::get_finished`].
+    pub fn tracks(&self, id: &RequestId) -> bool {
+        self.shared.state.lock().slots.contains_key(id)
+    }
+
+    /// Whether request `id` has loads whose end [`Worker::get_finished`] has not reported yet.
+    pub fn load_pending(&self, id: &RequestId) -> bool {
+        self.shared
+            .state
+            .lock()
+            .slots
+            .get(id)
+            .is_some_and(|s| s.had_load && !s.load_reported)
+    }
+
     /// Device blocks whose load failed since the last call (the engine must recompute them).
     pub fn take_load_errors(&mut self) -> Vec<usize> {
         std::mem::take(&mut self.shared.state.lock().load_errors)

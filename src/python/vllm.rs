@@ -474,6 +474,12 @@ impl PyVllmScheduler {
         Ok(out)
     }
 
+    /// The model's KV-cache groups (vLLM's hybrid manager); set before the first request.
+    fn set_kv_cache_groups(&self, py: Python<'_>, n: usize) -> PyResult<()> {
+        self.inner
+            .call(py, "set_kv_cache_groups", move |s| s.set_kv_cache_groups(n))
+    }
+
     /// `(host_tokens, disk_tokens)` of the request's last hit, forgotten once taken; `(0, 0)`
     /// when none is kept.
     fn take_hit_sources(&self, request_id: &str) -> (usize, usize) {
@@ -864,6 +870,19 @@ impl PyVllmWorker {
         self.inner.call(py, "get_block_ids_with_load_errors", |w| {
             Ok(w.get_block_ids_with_load_errors())
         })
+    }
+
+    /// The model's KV-cache groups (as the scheduler's).
+    fn set_kv_cache_groups(&self, py: Python<'_>, n: usize) -> PyResult<()> {
+        self.inner
+            .call(py, "set_kv_cache_groups", move |w| w.set_kv_cache_groups(n))
+    }
+
+    /// Every layer's name in model order, when aliased layers (one cache shared by several
+    /// layers) were registered once each.
+    fn set_layer_names(&self, py: Python<'_>, names: Vec<String>) -> PyResult<()> {
+        self.inner
+            .call(py, "set_layer_names", move |w| w.set_layer_names(&names))
     }
 
     /// Request ids whose load failed since the last call (`failed_recving`).

@@ -5,9 +5,9 @@ Run by ``scripts/test.sh`` in the vLLM CPU venv, like test_vllm_forward.py (same
 rules). Random-weight models built with ``transformers`` at test time (``_vllm_cpu``): a
 Mistral with a 64-token window on every layer (one KV-cache group, vLLM's ``SlidingWindowManager``:
 the block table holds vLLM's null block, id 0, for every block before the window), and a Gemma 2
-whose layers alternate a 64-token window and full attention (vLLM turns its hybrid manager off
-for a connector without ``SupportsHMA``: one full-attention group, every block kept). Prompts are
-token ids, several times the window.
+whose layers alternate a 64-token window and full attention (the connector implements
+``SupportsHMA``, so vLLM keeps its hybrid manager on: a sliding-window group and a full one, each
+with its own blocks). Prompts are token ids, several times the window.
 
 What each test proves, and how it would fail:
 
@@ -27,7 +27,12 @@ What each test proves, and how it would fail:
 * ``test_sliding_window_concurrent_with_preemption``: 8 concurrent requests through a 16-block
   device cache (vLLM preempts), twice: outputs equal the engine without the connector, the
   second round is served by the connector, no load error.
-* ``test_alternating_sliding_and_full_is_served``: Gemma 2, the repeat served and equal to cold.
+* ``test_alternating_sliding_and_full_keeps_the_hybrid_manager``: Gemma 2 with the connector
+  keeps vLLM's hybrid manager on (two KV-cache groups; before ``SupportsHMA`` vLLM turned it off
+  and kept every block of every layer); the repeat is served whole from both groups, equal to
+  cold; the sliding group loads only its window.
+* ``test_alternating_failed_load_is_recomputed``: with two groups a failed load is reported per
+  request (vLLM raises on block-level errors there) and recomputed: output equal to cold.
 """
 
 from __future__ import annotations
@@ -231,16 +236,53 @@ def test_sliding_window_concurrent_with_preemption(mistral, workdir):
         shutdown(llm)
 
 
-def test_alternating_sliding_and_full_is_served(gemma2, workdir):
+def kv_cache_groups(llm) -> list:
+    """The engine's KV-cache groups, by spec class name."""
+    cfg = engine_scheduler(llm).kv_cache_config
+    return [type(g.kv_cache_spec).__name__ for g in cfg.kv_cache_groups]
+
+
+def test_alternating_sliding_and_full_keeps_the_hybrid_manager(gemma2, workdir):
+    """Gemma 2 with the connector: vLLM keeps its hybrid manager on (two KV-cache groups: the
+    sliding-window layers and the full ones); the repeat is served whole (every full block of
+    both groups), equal to the cold engine's tokens and fp32 logprobs; the full group loads every
+    block, the sliding one only its window (so fewer than twice the tokens cross). Then every
+    host read fails: with several groups vLLM refuses block-level load errors (RuntimeError), so
+    the failed request goes to failed_recving and is recomputed, output unchanged."""
     (want_tokens, want_lps, _), = cold_outputs(gemma2, [A])
     llm = make_llm(gemma2, config=kvbm_toml(workdir, 64, 0), max_model_len=MAX_LEN)
     try:
+        groups = kv_cache_groups(llm)
+        assert sorted(groups) == ["FullAttentionSpec", "SlidingWindowSpec"], groups
         generate(llm, A)
         reset(llm)
+        before = metrics(llm)
         tokens, lps, cached = generate(llm, A)
-        assert cached == 288
+        after = metrics(llm)
+        assert cached == 288, (cached, after)
         assert tokens == want_tokens
         assert max_diff(lps, want_lps) <= 1e-4, (lps, want_lps)
-        assert metrics(llm)["load_error_blocks"] == 0
+        host = after["host_hit_tokens"] - before["host_hit_tokens"]
+        assert 288 < host < 2 * 288, (before, after)
+        # Counted once per request, not once per group.
+        assert after["matched_tokens"] - before["matched_tokens"] == 288, (before, after)
+        assert after["load_error_blocks"] == 0, after
+    finally:
+        shutdown(llm)
+
+
+def test_alternating_failed_load_is_recomputed(gemma2, workdir, monkeypatch):
+    (want_tokens, want_lps, _), = cold_outputs(gemma2, [A])
+    monkeypatch.setenv(FAULTS_ENV, "host.read:fail")
+    llm = make_llm(gemma2, config=kvbm_toml(workdir, 64, 0), max_model_len=MAX_LEN)
+    try:
+        assert len(kv_cache_groups(llm)) == 2
+        generate(llm, A)
+        reset(llm)
+        tokens, lps, _ = generate(llm, A)
+        m = metrics(llm)
+        assert m["load_error_blocks"] > 0, ("the fault plan made no load fail", m)
+        assert tokens == want_tokens
+        assert max_diff(lps, want_lps) <= 1e-4
     finally:
         shutdown(llm)

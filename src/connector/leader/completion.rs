@@ -70,6 +70,10 @@ pub(super) struct OpTrack {
     since: std::time::Instant,
 }
 
+/// How long a match waits for the completions of a request's loads that the engine was already
+/// told ended (see `Leader::await_loads`).
+pub(super) const LOAD_REPORT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl<A: SchedulerAdapter> Leader<A> {
     pub(super) fn track(&mut self, op: OperationId, request: Option<RequestId>, holds: Holds) {
         let world = self.transport.world_size();
@@ -135,6 +139,34 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// Drains worker messages and completes operations every rank has reported. Before the
     /// barrier completed the barrier owns the transport: nothing is drained here.
     pub(super) fn poll_completions(&mut self) {
+        self.poll_completions_from(None);
+    }
+
+    /// The engine asks about request `id` as if its loads were over (vLLM matches a request
+    /// again after its load failed) while the leader still counts some in flight: the worker
+    /// sent their completions before it told the engine (its outbox flushes first), so they
+    /// are in transit (the rendezvous and TCP transports). Waits for them, at most
+    /// [`LOAD_REPORT_WAIT`]; a lost rank ends the wait too (its operations count as failed).
+    pub(super) fn await_loads(&mut self, id: &RequestId) {
+        let deadline = std::time::Instant::now() + LOAD_REPORT_WAIT;
+        while self.slots.get(id).is_some_and(|s| s.loads_in_flight > 0) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            match self.transport.recv_timeout(left) {
+                Ok(Some(first)) => self.poll_completions_from(Some(first)),
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "kvbm leader transport failed while waiting for a load's completion");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// [`Leader::poll_completions`], starting with a message already received.
+    fn poll_completions_from(&mut self, mut first: Option<(usize, WorkerMessage)>) {
         if !self.ensure_ready() {
             return;
         }
@@ -143,7 +175,11 @@ impl<A: SchedulerAdapter> Leader<A> {
         // happened to finish first, and a replay is reproducible.
         let mut batch: Vec<(usize, Completion)> = Vec::new();
         loop {
-            match self.transport.try_recv() {
+            let next = match first.take() {
+                Some(m) => Ok(Some(m)),
+                None => self.transport.try_recv(),
+            };
+            match next {
                 Ok(Some((rank, WorkerMessage::Completed(list)))) => {
                     batch.extend(list.into_iter().map(|c| (rank, c)));
                 }

@@ -111,6 +111,13 @@ impl<A: SchedulerAdapter> Leader<A> {
             }
         };
         if slot.life.state() == RequestState::Onboarding && slot.loads_in_flight > 0 {
+            self.await_loads(request.id);
+            slot = match self.slots.get_mut(request.id) {
+                Some(s) => s,
+                None => return Ok(MatchResult::NONE),
+            };
+        }
+        if slot.life.state() == RequestState::Onboarding && slot.loads_in_flight > 0 {
             return Err(Error::new(
                 ErrorKind::InvalidState,
                 format!(
@@ -201,8 +208,10 @@ impl<A: SchedulerAdapter> Leader<A> {
             }
         }
         let matched_blocks = staged.as_ref().map_or(0, Staged::blocks);
-        self.metrics
-            .record_lookup(n as u64, (matched_blocks * bs) as u64);
+        if self.count_lookups {
+            self.metrics
+                .record_lookup(n as u64, (matched_blocks * bs) as u64);
+        }
         if matched_blocks == 0 {
             slot.life.unstage()?;
             return Ok(MatchResult::NONE);
@@ -218,6 +227,64 @@ impl<A: SchedulerAdapter> Leader<A> {
             host_tokens: host_blocks * bs,
             disk_tokens: disk_blocks * bs,
             remote_tokens: remote_blocks * bs,
+            pending: false,
+        };
+        self.last_match = m;
+        Ok(m)
+    }
+
+    /// [`Leader::get_num_new_matched_tokens_from`] without counting the lookup in the metrics
+    /// (`lookup_tokens`, `matched_tokens`): an engine adapter that looks a request up once per
+    /// KV-cache group counts it once itself ([`Metrics::record_lookup`]).
+    ///
+    /// [`Metrics::record_lookup`]: crate::connector::metrics::Metrics::record_lookup
+    pub fn get_num_new_matched_tokens_uncounted(
+        &mut self,
+        request: RequestInfo<'_>,
+        first_token: usize,
+        num_computed_tokens: usize,
+    ) -> Result<MatchResult> {
+        self.count_lookups = false;
+        let m = self.get_num_new_matched_tokens_from(request, first_token, num_computed_tokens);
+        self.count_lookups = true;
+        m
+    }
+
+    /// Keeps at most `tokens` (rounded down to whole blocks) of request `id`'s staged match and
+    /// releases the blocks after them: the engine will load fewer (another KV-cache group of
+    /// the same request matched less). Returns the match as it stands now (also
+    /// [`Leader::last_match`]); nothing staged is [`MatchResult::NONE`].
+    pub fn trim_staged(&mut self, id: &RequestId, tokens: usize) -> Result<MatchResult> {
+        let bs = self.page_size;
+        let Some(slot) = self.slots.get_mut(id) else {
+            return Err(unknown_request("trim_staged", id));
+        };
+        let keep = tokens / bs;
+        let Some(staged) = slot.staged.as_mut() else {
+            self.last_match = MatchResult::NONE;
+            return Ok(MatchResult::NONE);
+        };
+        let mut left = keep;
+        let host = staged.host.len().min(left);
+        staged.host.truncate(host);
+        left -= host;
+        let disk = staged.disk.len().min(left);
+        staged.disk.truncate(disk);
+        left -= disk;
+        let remote = staged.remote.len().min(left);
+        staged.remote.truncate(remote);
+        if staged.blocks() == 0 {
+            slot.staged = None;
+            slot.life.unstage()?;
+            self.last_match = MatchResult::NONE;
+            return Ok(MatchResult::NONE);
+        }
+        let m = MatchResult {
+            external_tokens: (host + disk + remote) * bs,
+            load_async: true,
+            host_tokens: host * bs,
+            disk_tokens: disk * bs,
+            remote_tokens: remote * bs,
             pending: false,
         };
         self.last_match = m;

@@ -187,6 +187,8 @@ pub struct Leader<A: SchedulerAdapter> {
     deferred_match: bool,
     /// [`Engine::PLACEHOLDER_BLOCK`]: never a transfer source or destination.
     placeholder: Option<usize>,
+    /// Whether a match counts in the lookup metrics (see `get_num_new_matched_tokens_uncounted`).
+    count_lookups: bool,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -247,6 +249,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             remote_tried: false,
             deferred_match: E::DEFERRED_MATCH,
             placeholder: E::PLACEHOLDER_BLOCK,
+            count_lookups: true,
         };
         if let Some(addr) = leader.config.tcp.metrics_addr {
             leader.metrics_server = Some(crate::connector::metrics_server::MetricsServer::start(
