@@ -322,7 +322,9 @@ impl VllmScheduler {
         }
         let mut split = MatchResult::NONE;
         for g in (0..self.groups).rev() {
-            split = self.leader.trim_staged(&group_id(request.request_id, g), hit)?;
+            split = self
+                .leader
+                .trim_staged(&group_id(request.request_id, g), hit)?;
         }
         let total = request.all_token_ids.len() + first_token;
         self.leader

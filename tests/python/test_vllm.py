@@ -151,9 +151,9 @@ def test_bad_engine_input_raises_kvbm_errors(vllm_engine):
         scheduled_new_reqs=[E.NewRequestData("a", r.prompt_token_ids, ([0, 1], [2, 3]), 0)],
         num_scheduled_tokens={"a": 8},
     )
-    with pytest.raises(KvbmError) as ei:
+    with pytest.raises(KvbmError) as ei:  # a one-group model (kv_cache_config has one group)
         e.sched.build_connector_meta(two_groups)
-    assert ei.value.kind == "unsupported" and "groups" in ei.value.message
+    assert ei.value.kind == "invalid_argument" and "groups" in ei.value.message, ei.value
 
     missing_count = E.SchedulerOutput(
         scheduled_new_reqs=[E.NewRequestData("a", r.prompt_token_ids, ([0, 1],), 0)],

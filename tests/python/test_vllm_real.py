@@ -90,7 +90,10 @@ def test_the_factory_builds_both_roles_from_a_kv_transfer_config():
     vc = VllmConfig(
         kv_transfer_config=kv_transfer_config(), cache_config=CacheConfig(block_size=BLOCK)
     )
-    assert vc.scheduler_config.disable_hybrid_kv_cache_manager  # vLLM turned HMA off for us
+    # The connector implements SupportsHMA: vLLM keeps its hybrid KV-cache manager on (before,
+    # it turned it off for us, and a sliding-window model kept every block of every layer).
+    assert base.supports_hma(kv.KvbmConnector)
+    assert not vc.scheduler_config.disable_hybrid_kv_cache_manager
     worker = KVConnectorFactory.create_connector(vc, base.KVConnectorRole.WORKER, None)
     assert isinstance(worker, kv.KvbmConnector) and worker.role is base.KVConnectorRole.WORKER
     worker.register_kv_caches(cache_tensors(8))  # real torch CPU tensors
