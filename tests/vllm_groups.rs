@@ -1,0 +1,238 @@
+//! KV-cache groups through the vLLM adapter (vLLM's hybrid manager, `SupportsHMA`), without an
+//! engine: a scheduler-side [`VllmScheduler`] and a worker-side [`VllmWorker`] in one process over
+//! the in-process transport, with two groups (one sliding-window, one full, as Gemma 2 has).
+//!
+//! Each group's device blocks hold that group's bytes (distinct per group and block position),
+//! so a load that mixed the groups up, or served one group's block for the other, is caught by
+//! comparing the loaded device blocks with what was stored. How each check would fail:
+//! * keys not salted per group: both groups' blocks map to one key, so one group's store is
+//!   skipped as already held and its load gets the other group's bytes;
+//! * the lookup counted per group: `matched_tokens` grows by twice the hit;
+//! * the hit not the smallest group match: a request one group cannot serve gets a hit.
+
+#![cfg(feature = "vllm")]
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::connector::transport::in_process;
+use kvbm_connector::frameworks::vllm::{
+    NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
+};
+use kvbm_connector::layout::BlockOrder;
+use kvbm_connector::{Config, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind};
+
+const BS: usize = 4;
+const DEVICE_BLOCKS: usize = 32;
+const WAIT: Duration = Duration::from_secs(10);
+
+fn dims() -> LayoutDims {
+    LayoutDims {
+        num_layers: 1,
+        outer_dim: 2,
+        page_size: BS,
+        inner_dim: 4,
+        dtype_bytes: 2,
+    }
+}
+
+/// The bytes group `g` holds at block position `i` of the prompt.
+fn image(g: usize, i: usize) -> Vec<u8> {
+    vec![(0x10 * (g + 1) + i) as u8; dims().bytes_per_block()]
+}
+
+struct Rig {
+    sched: VllmScheduler,
+    worker: VllmWorker,
+    device: Arc<MemoryTier>,
+}
+
+fn rig(groups: usize) -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::default();
+    config.host.cache_blocks = Some(64);
+    config.disk.cache_blocks = Some(0);
+    config.disk.dir = dir.path().to_path_buf();
+    let layout = Layout::layer_separate(dims(), DEVICE_BLOCKS, BlockOrder::OuterMajor).unwrap();
+    let device = Arc::new(MemoryTier::new(TierKind::Device, layout).unwrap());
+    let (lt, wts) = in_process(1);
+    let mut worker = VllmWorker::new(config.clone(), BS, 1, wts[0].clone()).unwrap();
+    worker.set_kv_cache_groups(groups).unwrap();
+    let layers = vec![("l0".to_string(), vec![2, DEVICE_BLOCKS, BS, 2, 2])];
+    worker
+        .register_kv_caches(&layers, 2, Some(DEVICE_BLOCKS), None, device.clone())
+        .unwrap();
+    let mut sched = VllmScheduler::new(config, BS, lt).unwrap();
+    sched.set_kv_cache_groups(groups).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while !worker.worker().is_ready() {
+        assert!(Instant::now() < deadline, "worker never became ready");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::mem::forget(dir);
+    Rig {
+        sched,
+        worker,
+        device,
+    }
+}
+
+fn req<'a>(id: &'a str, tokens: &'a [u32], computed: usize) -> Request<'a> {
+    Request {
+        request_id: id,
+        all_token_ids: tokens,
+        cache_salt: None,
+        lora_name: None,
+        num_computed_tokens: computed,
+    }
+}
+
+impl Rig {
+    /// One engine step: metadata, the worker's calls, and its report.
+    fn step(&mut self, out: &SchedulerOutput) -> (HashSet<String>, HashSet<String>) {
+        let bytes = self.sched.build_connector_meta(out).unwrap();
+        self.worker.bind_connector_metadata(&bytes).unwrap();
+        self.worker.start_load_kv().unwrap();
+        self.worker.save_kv_layer("l0").unwrap();
+        self.worker.wait_for_save().unwrap();
+        self.worker.worker().wait_idle(WAIT).unwrap();
+        let (s, r) = self.worker.get_finished(&out.finished_req_ids);
+        self.worker.clear_connector_metadata().unwrap();
+        self.sched.update_connector_output();
+        (s.unwrap_or_default(), r.unwrap_or_default())
+    }
+}
+
+/// Request `a` (12 tokens, 3 blocks per group) is computed and stored in both groups; request
+/// `b` with the same first 8 tokens then matches 8 in both, and its loads put each group's own
+/// bytes in that group's device blocks; it is reported loaded once, after both groups.
+#[test]
+fn two_groups_store_and_load_each_groups_own_blocks() {
+    let mut r = rig(2);
+    let a: Vec<u32> = (100..112).collect();
+    let (blocks_a, null) = (vec![vec![1, 2, 3], vec![4, 5, 6]], 0usize);
+    assert_eq!(
+        r.sched
+            .get_num_new_matched_tokens(&req("a", &a, 0), 0)
+            .unwrap(),
+        (Some(0), false)
+    );
+    r.sched
+        .update_state_after_alloc(&req("a", &a, 0), &blocks_a, 0)
+        .unwrap();
+    for (g, list) in blocks_a.iter().enumerate() {
+        for (i, &b) in list.iter().enumerate() {
+            r.device.write_block_from_slice(b, &image(g, i)).unwrap();
+        }
+    }
+    let mut out = SchedulerOutput::default();
+    out.scheduled_new_reqs.push(NewRequestData {
+        req_id: "a".into(),
+        prompt_token_ids: a.clone(),
+        first_token_index: 0,
+        block_ids: blocks_a.clone(),
+        num_computed_tokens: 0,
+    });
+    out.num_scheduled_tokens.insert("a".into(), a.len());
+    r.step(&out);
+    let (held, _) = r.sched.request_finished(&req("a", &a, 12), &[]).unwrap();
+    let mut out = SchedulerOutput::default();
+    out.finished_req_ids.insert("a".into());
+    let (sending, _) = r.step(&out);
+    assert_eq!(
+        held,
+        sending.contains("a"),
+        "a is released once, as a whole"
+    );
+    let m = r.sched.leader().metrics().snapshot();
+    assert_eq!(
+        m.transfer(TierKind::Device, TierKind::Host).unwrap().blocks,
+        6,
+        "3 blocks of each group stored"
+    );
+
+    let mut b: Vec<u32> = a[..8].to_vec();
+    b.extend(900..903);
+    let before = r.sched.leader().metrics().snapshot();
+    let (ext, load_async) = r
+        .sched
+        .get_num_new_matched_tokens(&req("b", &b, 0), 0)
+        .unwrap();
+    assert_eq!((ext, load_async), (Some(8), true));
+    let after = r.sched.leader().metrics().snapshot();
+    assert_eq!(
+        after.matched_tokens - before.matched_tokens,
+        8,
+        "one lookup counted, not one per group"
+    );
+    // Group 0 (sliding window) keeps block 0 of b as vLLM's null block; group 1 (full) all.
+    let blocks_b = vec![vec![null, 11, 12], vec![13, 14, 15]];
+    r.sched
+        .update_state_after_alloc(&req("b", &b, 8), &blocks_b, 8)
+        .unwrap();
+    let (_, recving) = r.step(&SchedulerOutput::default());
+    assert_eq!(recving, HashSet::from(["b".to_string()]));
+    assert_eq!(
+        r.device.read_block_to_vec(11).unwrap(),
+        image(0, 1),
+        "group 0 block 1"
+    );
+    assert_eq!(
+        r.device.read_block_to_vec(13).unwrap(),
+        image(1, 0),
+        "group 1 block 0"
+    );
+    assert_eq!(
+        r.device.read_block_to_vec(14).unwrap(),
+        image(1, 1),
+        "group 1 block 1"
+    );
+    assert!(r.worker.get_block_ids_with_load_errors().is_empty());
+}
+
+/// Group 1 of request `a` had its first block as the null block when it was computed (nothing
+/// stored there), so a later request sharing `a`'s first 8 tokens finds 2 blocks in group 0
+/// and none in group 1: the hit is what every group can serve, 0, and nothing stays staged
+/// (without the trim, group 0's 2 blocks would be held and loaded for a request group 1 cannot
+/// serve).
+#[test]
+fn the_hit_is_the_smallest_group_match() {
+    let mut r = rig(2);
+    let a: Vec<u32> = (100..112).collect();
+    let blocks_a = vec![vec![1, 2, 3], vec![0, 5, 6]];
+    r.sched
+        .get_num_new_matched_tokens(&req("a", &a, 0), 0)
+        .unwrap();
+    r.sched
+        .update_state_after_alloc(&req("a", &a, 0), &blocks_a, 0)
+        .unwrap();
+    let mut out = SchedulerOutput::default();
+    out.scheduled_new_reqs.push(NewRequestData {
+        req_id: "a".into(),
+        prompt_token_ids: a.clone(),
+        first_token_index: 0,
+        block_ids: blocks_a,
+        num_computed_tokens: 0,
+    });
+    out.num_scheduled_tokens.insert("a".into(), a.len());
+    r.step(&out);
+    let m = r.sched.leader().metrics().snapshot();
+    assert_eq!(
+        m.transfer(TierKind::Device, TierKind::Host).unwrap().blocks,
+        5,
+        "3 blocks of group 0, 2 of group 1 (its null block is not stored)"
+    );
+    let mut b: Vec<u32> = a[..8].to_vec();
+    b.extend(900..903);
+    let got = r
+        .sched
+        .get_num_new_matched_tokens(&req("b", &b, 0), 0)
+        .unwrap();
+    assert_eq!(got, (Some(0), false));
+    let (host, _) = r.sched.leader().pool_stats().unwrap();
+    assert_eq!(host.unwrap().active, 0, "nothing staged for b");
+    // The group count is fixed once requests exist.
+    assert!(r.sched.set_kv_cache_groups(3).is_err());
+}
