@@ -22,7 +22,7 @@ use kvbm_connector::frameworks::vllm::{
     NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
 };
 use kvbm_connector::layout::BlockOrder;
-use kvbm_connector::{Config, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind};
+use kvbm_connector::{Config, Layout, LayoutDims, StorageTierExt, TierKind};
 
 const BS: usize = 4;
 const DEVICE_BLOCKS: usize = 32;
