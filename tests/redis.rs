@@ -271,6 +271,9 @@ fn planted_values_are_never_served(url: &RedisUrl) {
                 "MAC does not match",
             ));
         }
+        // Empty: `SET key ""` makes EXISTS (the lookup) match while GETRANGE reads it as a
+        // missing key; before, it was never withdrawn and the same load error came back.
+        cases.push((plant(13, Vec::new()), "empty"));
         // Not a string (WRONGTYPE).
         store
             .raw_command(&[b"RPUSH", name(12).as_bytes(), b"x"], soon())

@@ -302,6 +302,41 @@ impl RedisStore {
         });
     }
 
+    /// Which of `keys[i]` for `i` in `which` exist (rank `rank`'s names): one EXISTS each, in one
+    /// round trip within `deadline`. An error or a late answer says none (they stay misses).
+    fn existing(
+        &self,
+        rank: usize,
+        keys: &[u128],
+        which: &[usize],
+        deadline: Instant,
+    ) -> Vec<usize> {
+        if which.is_empty() {
+            return Vec::new();
+        }
+        let commands = which
+            .iter()
+            .filter_map(|&i| keys.get(i))
+            .map(|&k| {
+                let mut c = redis::cmd("EXISTS");
+                c.arg(self.codec.key(k, rank));
+                c
+            })
+            .collect();
+        match self.run(commands, deadline) {
+            Ok(values) => which
+                .iter()
+                .zip(values)
+                .filter(|(_, v)| matches!(v, Value::Int(1)))
+                .map(|(&i, _)| i)
+                .collect(),
+            Err(e) => {
+                tracing::debug!(error = %e, "could not tell empty Redis values from missing keys");
+                Vec::new()
+            }
+        }
+    }
+
     fn check_rank(&self, rank: usize) -> Result<()> {
         if rank >= self.scope.world_size {
             return Err(Error::out_of_range("rank", rank, self.scope.world_size));
@@ -848,14 +883,30 @@ impl RemoteStore for RedisStore {
         }
         let mut out = Vec::with_capacity(keys.len());
         let mut withdraw = Vec::new();
-        for ((&k, v), d) in keys.iter().zip(values).zip(dst.iter_mut()) {
+        // An empty answer is a missing key or an empty value; which one, EXISTS says (only
+        // asked for those, rarely any). An empty value is invalid: withdrawn like any other
+        // (safe: writes use NX, so no valid value can replace it before it is deleted).
+        let empty: Vec<usize> = values
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| matches!(v, Value::BulkString(b) if b.is_empty()))
+            .map(|(i, _)| i)
+            .collect();
+        let planted_empty = self.existing(rank, keys, &empty, deadline);
+        for (i, ((&k, v), d)) in keys.iter().zip(values).zip(dst.iter_mut()).enumerate() {
             let read = match v {
                 v if as_server_error(&v).is_some() => RemoteRead::Invalid(format!(
                     "the server answered {}",
                     as_server_error(&v).unwrap_or_default()
                 )),
                 Value::Nil => RemoteRead::Missing,
-                Value::BulkString(b) if b.is_empty() => RemoteRead::Missing,
+                Value::BulkString(b) if b.is_empty() => {
+                    if planted_empty.contains(&i) {
+                        RemoteRead::Invalid("an empty value".to_string())
+                    } else {
+                        RemoteRead::Missing
+                    }
+                }
                 Value::BulkString(b) => self.codec.decode_into(k, rank, &b, d),
                 other => RemoteRead::Invalid(format!("unexpected answer {other:?}")),
             };
