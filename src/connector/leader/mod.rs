@@ -412,6 +412,13 @@ impl<A: SchedulerAdapter> Leader<A> {
             });
         match built {
             Ok(Some(store)) => {
+                if matches!(self.config.remote.secret(), Ok(None)) {
+                    // Said once per leader, at start-up (the workers' stores say nothing).
+                    tracing::warn!(
+                        remote = %store.store.describe(),
+                        "kvbm: the remote tier has no deployment secret (KVBM_REMOTE_SECRET or remote.secret_file): anyone who can write to the store can plant a block that will be served; its checksum only catches damage, not a forged value (docs/deployment.md)"
+                    );
+                }
                 store.publish_state(&self.metrics);
                 self.metrics
                     .set_remote_available(store.store.stats().available);
