@@ -1648,3 +1648,56 @@ fn replay_with_a_sliding_window_loads_only_the_window() {
         "{err}"
     );
 }
+
+// ------------------------------------------------------------------------------------------------
+// Flags answered at once and by name (issue 26 item 6)
+// ------------------------------------------------------------------------------------------------
+
+/// A negative count is named as an invalid value of its flag (before, clap read `-5` as an
+/// unknown flag: "unexpected argument '-5'"); `kvbm bench --rounds` is bounded (before, a typo
+/// ran for ever); `kvbm sweep --plot` into a missing directory fails before the sweep runs
+/// (before, after it); `kvbm sweep`'s default policy is the configuration's, `prefix`.
+#[test]
+fn bad_flags_are_refused_at_once_and_by_name() {
+    let dir = tmp();
+    let out = kvbm(dir.path())
+        .args(["replay", "--host-blocks", "-5"])
+        .output()
+        .expect("run kvbm");
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("invalid value '-5'") && err.contains("--host-blocks"),
+        "{err}"
+    );
+
+    let out = kvbm(dir.path())
+        .args(["bench", "--rounds", "1000000000"])
+        .output()
+        .expect("run kvbm");
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("--rounds") && err.contains("at most"), "{err}");
+
+    let missing = dir.path().join("no-such-dir").join("x.svg");
+    let t = Instant::now();
+    let out = kvbm(dir.path())
+        .args(["sweep", "--capacities", "1M", "--plot"])
+        .arg(&missing)
+        .output()
+        .expect("run kvbm");
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("--plot") && err.contains("not a directory"),
+        "{err}"
+    );
+    println!("refused in {:.3} s", t.elapsed().as_secs_f64());
+
+    let out = kvbm(dir.path())
+        .args(["sweep", "--help"])
+        .output()
+        .expect("run kvbm");
+    let help = text(&out.stdout);
+    assert!(help.contains("[default: prefix]"), "{help}");
+}

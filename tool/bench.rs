@@ -62,16 +62,16 @@ use kvbm_connector::transfer::{self, CopyPolicy, TransferEngine};
 pub struct BenchArgs {
     /// Blocks per transfer (each 2 MiB: 32 layers × K/V × 16 tokens × 8 heads × 128 × bf16);
     /// with --curve, the largest size.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 32)]
     pub blocks: usize,
     /// Rounds per path (median reported).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 5)]
     pub rounds: usize,
     /// Directory for the disk paths (default: the configured disk directory).
     #[arg(long)]
     pub dir: Option<PathBuf>,
     /// Requests in flight for the disk paths.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 4)]
     pub in_flight: usize,
     /// Measure only the memory paths, at 1, 2, 4, … blocks up to --blocks (peak memory: twice
     /// the largest transfer, 4 GiB at 1024 blocks).
@@ -89,7 +89,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "URL")]
     pub redis: Option<String>,
     /// Blocks per batch for the Redis paths (each 2 MiB, one rank's share).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16)]
     pub redis_blocks: usize,
     /// Only these groups of paths, comma-separated: memory, disk, nixl, cuda, leader, redis.
     #[arg(long, value_name = "GROUPS")]
@@ -101,11 +101,11 @@ pub struct BenchArgs {
     pub cuda: bool,
     /// Blocks per transfer for the CUDA paths.
     #[cfg(feature = "cuda")]
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 256)]
     pub cuda_blocks: usize,
     /// GPU ordinal for the CUDA paths.
     #[cfg(feature = "cuda")]
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub cuda_device: usize,
 }
 
@@ -649,11 +649,22 @@ fn leader_paths(rounds: usize) -> Result<Vec<PathResult>> {
 }
 
 /// Runs `kvbm bench`.
+/// Most rounds per path `kvbm bench` runs.
+pub const MAX_ROUNDS: usize = 1000;
+
 pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     if a.blocks == 0 || a.rounds == 0 || a.in_flight == 0 {
         return Err(Error::invalid_argument(
             "--blocks, --rounds and --in-flight must be at least 1",
         ));
+    }
+    if a.rounds > MAX_ROUNDS {
+        // Each round of each path takes up to seconds: a typo must not run for days.
+        return Err(Error::invalid_argument(format!(
+            "--rounds {}: at most {MAX_ROUNDS}",
+            a.rounds
+        ))
+        .with("flag", "--rounds"));
     }
     let config = Config::load(None)?;
     let dir = a.dir.clone().unwrap_or(config.disk.dir);

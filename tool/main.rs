@@ -73,19 +73,19 @@ pub enum OnOff {
 #[derive(Debug, Clone, clap::Args)]
 pub struct ModelArgs {
     /// Tokens per block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16)]
     pub block_size: usize,
     /// Layers of the simulated model.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
     pub layers: usize,
     /// KV heads of the simulated model.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 2)]
     pub kv_heads: usize,
     /// Head dimension of the simulated model.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub head_dim: usize,
     /// Bytes per element (2 = bf16).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 2)]
     pub dtype_bytes: usize,
 }
 

@@ -41,11 +41,12 @@ pub struct SweepArgs {
     #[arg(long, value_delimiter = ',', required = true, value_parser = parse_tokens)]
     pub capacities: Vec<u64>,
     /// Also replay each host capacity with a disk tier of this many tokens (`30M`).
-    #[arg(long, value_parser = parse_tokens)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_tokens)]
     pub disk_tokens: Option<u64>,
     /// Eviction policies to compare, comma-separated (`lru`, `2q`, `prefix`): one line per
-    /// policy. The configuration's `eviction` (`KVBM_EVICTION`) is overridden per run.
-    #[arg(long, value_delimiter = ',', default_value = "lru")]
+    /// policy. The configuration's `eviction` (`KVBM_EVICTION`) is overridden per run. Default:
+    /// `prefix`, the configuration's default.
+    #[arg(long, value_delimiter = ',', default_value = "prefix")]
     pub eviction: Vec<String>,
     /// Write the plot here (SVG).
     #[arg(long)]
@@ -54,7 +55,7 @@ pub struct SweepArgs {
     #[arg(long)]
     pub title: Option<String>,
     /// Replays run at once (each holds its own tiers: mind the memory).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub jobs: usize,
 }
 
@@ -480,6 +481,21 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
     }
     if a.jobs == 0 || a.jobs > 64 {
         return flag("--jobs", "--jobs is between 1 and 64");
+    }
+    if let Some(path) = &a.plot {
+        // Checked before the sweep runs (minutes), not after it.
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        if !parent.is_dir() {
+            return Err(Error::invalid_argument(format!(
+                "--plot {}: {} is not a directory",
+                path.display(),
+                parent.display()
+            ))
+            .with("flag", "--plot"));
+        }
     }
     let mut policies: Vec<EvictionPolicy> = Vec::new();
     for p in &a.eviction {

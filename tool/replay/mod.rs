@@ -66,7 +66,7 @@ pub struct ReplayArgs {
     #[arg(long, value_enum, default_value_t = TraceFormat::Jsonl)]
     pub trace_format: TraceFormat,
     /// Cap on each request's output tokens (Mooncake traces: `output_length` capped here).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub max_output_tokens: Option<usize>,
     /// One request at a time, each arriving once the previous one finished (arrivals ignored),
     /// as capacity studies replay a trace.
@@ -75,32 +75,32 @@ pub struct ReplayArgs {
     /// A sliding window of this many tokens on every layer of the simulated model (vLLM only,
     /// as its `SlidingWindowManager`: blocks before a request's window are freed while it runs
     /// and held as the null block, block 0; a hit's table is null before its window).
-    #[arg(long, value_name = "TOKENS")]
+    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
     pub sliding_window: Option<usize>,
     /// Seed of the built-in workload.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub seed: u64,
     /// Requests in the built-in workload.
-    #[arg(long, default_value_t = 400)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 400)]
     pub requests: usize,
     /// Engine steps between arrivals in the built-in workload.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 4)]
     pub arrival_gap: u64,
     /// Model shape.
     #[command(flatten)]
     pub model: ModelArgs,
     /// Device (G1) blocks of the simulated engine.
-    #[arg(long, default_value_t = 320)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 320)]
     pub device_blocks: usize,
     /// What backs the device cache: host memory laid out like the engine's (default), or real
     /// GPU memory (`cuda`, needs the `cuda` feature and a GPU; the host tier is then pinned).
     #[arg(long, value_enum, default_value_t = rank::DeviceKind::Memory)]
     pub device: rank::DeviceKind,
     /// Host (G2) blocks (overrides the configuration).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub host_blocks: Option<usize>,
     /// Disk (G3) blocks (overrides the configuration).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub disk_blocks: Option<usize>,
     /// Directory of the disk tier's file (overrides the configuration).
     #[arg(long)]
@@ -117,17 +117,17 @@ pub struct ReplayArgs {
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub device_prefix_cache: OnOff,
     /// Requests running at once.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
     pub max_batch: usize,
     /// Prompt tokens computed per step (chunked-prefill budget).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 256)]
     pub chunk_tokens: usize,
     /// Simulated compute cost per prompt token, microseconds (decode tokens cost a tenth).
     #[arg(long, default_value_t = 50.0)]
     pub prefill_us_per_token: f64,
     /// Tensor-parallel ranks: with more than 1, each rank is a `kvbm worker` child process and the
     /// leader talks to them over TCP on loopback (`KVBM_LEADER_ADDR`, `KVBM_AUTH_TOKEN`).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub tp: usize,
     /// The leader's transport address with `--tp` above 1 (default: `KVBM_LEADER_ADDR`, else a
     /// free loopback port).
