@@ -667,10 +667,25 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// The longest host name in `remote.url` (a DNS name's limit).
+pub const MAX_HOST_LEN: usize = 253;
+/// The longest `remote.url` (a cluster of many nodes fits well within it).
+pub const MAX_URL_LEN: usize = 16 * 1024;
+
 /// Checks `remote.url`'s scheme and that it names at least one `host:port` (one for
 /// `redis://` / `rediss://`, one or more comma-separated for the cluster forms). Errors name
 /// `remote.url` and show it redacted.
 pub fn validate_url(url: &str) -> Result<()> {
+    if url.len() > MAX_URL_LEN {
+        return Err(Error::invalid_config(
+            "remote.url",
+            redact_url(url),
+            format!(
+                "at most {MAX_URL_LEN} characters; this one has {}",
+                url.len()
+            ),
+        ));
+    }
     let bad = |why: &str| Error::invalid_config("remote.url", redact_url(url), why.to_string());
     let Some(scheme) = REMOTE_URL_SCHEMES.iter().find(|s| url.starts_with(*s)) else {
         return Err(bad(
@@ -694,6 +709,13 @@ pub fn validate_url(url: &str) -> Result<()> {
         };
         if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
             return Err(bad("expected host:port for every node"));
+        }
+        // A DNS name has at most 253 characters (an IPv6 literal in brackets fewer).
+        if host.len() > MAX_HOST_LEN {
+            return Err(bad(&format!(
+                "a host name has at most {MAX_HOST_LEN} characters; this one has {}",
+                host.len()
+            )));
         }
         if let Some(p) = port {
             if p.parse::<u16>().map_or(true, |p| p == 0) {

@@ -59,6 +59,20 @@ pub struct Error {
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The longest value an error quotes (a context value, a configuration value); a longer one
+/// (a 100,000-character host, say) is cut to this many characters and says how long it was.
+pub const MAX_QUOTED_CHARS: usize = 200;
+
+/// `value`, or its first [`MAX_QUOTED_CHARS`] characters and its length.
+fn shorten(value: String) -> String {
+    let n = value.chars().count();
+    if n <= MAX_QUOTED_CHARS {
+        return value;
+    }
+    let head: String = value.chars().take(MAX_QUOTED_CHARS).collect();
+    format!("{head}… ({n} characters)")
+}
+
 impl Error {
     /// A new error of `kind` with a one-line message.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
@@ -73,7 +87,7 @@ impl Error {
     /// Adds one `key=value` pair of context (operation, tier, request, block, ...).
     #[must_use]
     pub fn with(mut self, key: &'static str, value: impl fmt::Display) -> Self {
-        self.context.push((key, value.to_string()));
+        self.context.push((key, shorten(value.to_string())));
         self
     }
 
@@ -125,7 +139,7 @@ impl Error {
             ErrorKind::InvalidConfig,
             format!(
                 "invalid value {value:?} for {setting}: {why}",
-                value = value.to_string()
+                value = shorten(value.to_string())
             ),
         )
         .with("setting", setting)

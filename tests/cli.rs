@@ -1656,7 +1656,8 @@ fn replay_with_a_sliding_window_loads_only_the_window() {
 /// A negative count is named as an invalid value of its flag (before, clap read `-5` as an
 /// unknown flag: "unexpected argument '-5'"); `kvbm bench --rounds` is bounded (before, a typo
 /// ran for ever); `kvbm sweep --plot` into a missing directory fails before the sweep runs
-/// (before, after it); `kvbm sweep`'s default policy is the configuration's, `prefix`.
+/// (before, after it); a remote URL with a host longer than a DNS name is refused and quoted cut;
+/// `kvbm sweep`'s default policy is the configuration's, `prefix`.
 #[test]
 fn bad_flags_are_refused_at_once_and_by_name() {
     let dir = tmp();
@@ -1693,6 +1694,22 @@ fn bad_flags_are_refused_at_once_and_by_name() {
         "{err}"
     );
     println!("refused in {:.3} s", t.elapsed().as_secs_f64());
+
+    // A 100,000-character host is refused, and quoted cut (before: 400 KB of stderr).
+    for host in ["a".repeat(100_000), "b".repeat(300)] {
+        let out = kvbm(dir.path())
+            .args(["replay", "--quiet", "--remote-url"])
+            .arg(format!("redis://{host}:6379/0"))
+            .output()
+            .expect("run kvbm");
+        assert!(!out.status.success());
+        let err = text(&out.stderr);
+        assert!(err.len() < 2_000, "{} bytes of stderr", err.len());
+        assert!(
+            err.contains("remote.url") && err.contains("characters"),
+            "{err}"
+        );
+    }
 
     let out = kvbm(dir.path())
         .args(["sweep", "--help"])
