@@ -649,6 +649,62 @@ fn leader_paths(rounds: usize) -> Result<Vec<PathResult>> {
 }
 
 /// Runs `kvbm bench`.
+/// Slow clients holding half-sent requests while the metrics scrapes are timed.
+const SLOW_SCRAPE_CLIENTS: usize = 100;
+
+/// `GET /metrics` answered while [`SLOW_SCRAPE_CLIENTS`] clients hold half-sent requests (issue
+/// 26 item 4), `rounds` scrapes, median: as scrapes per second against the goal of one within
+/// a second.
+fn metrics_scrape(rounds: usize) -> Result<PathResult> {
+    use kvbm_connector::connector::metrics::Metrics;
+    use kvbm_connector::connector::metrics_server::MetricsServer;
+    use std::io::{Read, Write};
+    use std::net::{Ipv4Addr, TcpStream};
+
+    let io = |e: std::io::Error| Error::new(ErrorKind::Io, format!("metrics bench: {e}"));
+    let server = MetricsServer::start(
+        (Ipv4Addr::LOCALHOST, 0).into(),
+        &kvbm_connector::config::TcpConfig::default(),
+        Arc::new(Metrics::new()),
+    )?;
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds.max(1) {
+        // Fresh slow clients each round: the server's deadline (2 s) would close old ones.
+        let mut slow = Vec::with_capacity(SLOW_SCRAPE_CLIENTS);
+        for _ in 0..SLOW_SCRAPE_CLIENTS {
+            let mut c = TcpStream::connect(server.addr()).map_err(io)?;
+            c.write_all(b"GET /metr").map_err(io)?;
+            slow.push(c);
+        }
+        let t = Instant::now();
+        let mut s = TcpStream::connect(server.addr()).map_err(io)?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .map_err(io)?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\n\r\n")
+            .map_err(io)?;
+        let mut page = Vec::new();
+        s.read_to_end(&mut page).map_err(io)?;
+        times.push(t.elapsed().as_secs_f64());
+        if !page.starts_with(b"HTTP/1.1 200 OK") {
+            return Err(Error::new(
+                ErrorKind::Io,
+                "metrics bench: the scrape was not answered 200",
+            ));
+        }
+        drop(slow);
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2].max(1e-9);
+    Ok(PathResult {
+        path: format!("metrics scrape, {SLOW_SCRAPE_CLIENTS} clients holding half-sent requests"),
+        ours: 1.0 / median,
+        limit: 1.0,
+        ratio: 1.0 / median,
+        unit: "scrapes/s".into(),
+        limit_source: "goal: answered within 1 s (issue 26)".into(),
+    })
+}
+
 /// Most rounds per path `kvbm bench` runs.
 pub const MAX_ROUNDS: usize = 1000;
 
@@ -669,7 +725,9 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let config = Config::load(None)?;
     let dir = a.dir.clone().unwrap_or(config.disk.dir);
     let progress = !a.json && std::io::stderr().is_terminal();
-    let groups = ["memory", "disk", "nixl", "cuda", "leader", "redis"];
+    let groups = [
+        "memory", "disk", "nixl", "cuda", "leader", "metrics", "redis",
+    ];
     if let Some(only) = &a.only {
         if let Some(bad) = only.split(',').find(|g| !groups.contains(&g.trim())) {
             return Err(Error::invalid_argument(format!(
@@ -787,6 +845,12 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
             eprintln!("bench: leader hot path…");
         }
         results.extend(leader_paths(a.rounds)?);
+    }
+    if want("metrics") {
+        if progress {
+            eprintln!("bench: metrics endpoint under slow clients…");
+        }
+        results.push(metrics_scrape(a.rounds)?);
     }
     if let Some(url) = a.redis.as_deref().filter(|_| want("redis")) {
         if progress {
