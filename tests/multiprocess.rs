@@ -489,7 +489,9 @@ fn idle_engine_channel_clients_do_not_stall_start_up() {
         "start-up took past its {DEADLINE_SECS}s deadline: {}",
         out.describe()
     );
-    check_clean_tp2_report(dir.path(), "idle clients");
+    // The replay's own log says why, should a rank be lost (seen once in a full CI run, under
+    // the suite's parallel load; not reproduced in 13 runs alone or beside two busy processes).
+    check_clean_tp2_report(dir.path(), &format!("idle clients\n{}", out.describe()));
     drop(idle);
 }
 
