@@ -237,20 +237,6 @@ except Exception:
     _TransferResults = None
 
 
-def _has_windowed_group(kv_cache_config: Any) -> bool:
-    """Whether a KV-cache group of ``kv_cache_config`` is not full attention (a sliding window,
-    chunked local attention: the block table holds the null block before the window)."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    for g in groups:
-        spec = getattr(g, "kv_cache_spec", None)
-        if spec is None:
-            continue
-        names = {c.__name__ for c in type(spec).__mro__}
-        if "FullAttentionSpec" not in names:
-            return True
-    return False
-
-
 def _base_init_takes_kv_cache_config() -> bool:
     try:
         return "kv_cache_config" in inspect.signature(_Base.__init__).parameters
@@ -293,15 +279,19 @@ except Exception:
 _SERVED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
 
 
-def _kv_cache_groups(kv_cache_config: Any, block_size: int) -> int:
-    """The KV-cache group count of ``kv_cache_config`` (1 without one), after checking that
-    each group is a kind the connector serves and uses the engine's block size."""
+def _kv_cache_groups(kv_cache_config: Any, block_size: int) -> Tuple[int, bool]:
+    """The KV-cache group count of ``kv_cache_config`` (1 without one) and whether a group is
+    not full attention (a sliding window: the block table holds the null block before the
+    window), after checking that each group is a kind the connector serves and uses the
+    engine's block size."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    windowed = False
     for i, g in enumerate(groups):
         spec = getattr(g, "kv_cache_spec", None)
         if spec is None:
             continue
         names = {c.__name__ for c in type(spec).__mro__}
+        windowed |= "FullAttentionSpec" not in names
         kind = type(spec).__name__
         layers = list(getattr(g, "layer_names", None) or ())
         if not names.intersection(_SERVED_SPECS):
@@ -321,7 +311,7 @@ def _kv_cache_groups(kv_cache_config: Any, block_size: int) -> int:
                 group=i,
                 block_size=bs,
             )
-    return max(1, len(groups))
+    return max(1, len(groups)), windowed
 
 
 class KvbmConnector(*_BASES):
@@ -355,12 +345,12 @@ class KvbmConnector(*_BASES):
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self._layout = extra.get("layout")
         self._kvbm_vllm_config = vllm_config
-        self._groups = _kv_cache_groups(kv_cache_config, self.block_size)
+        self._groups, windowed = _kv_cache_groups(kv_cache_config, self.block_size)
         # With several groups vLLM refuses block-level load errors; with a sliding window they
         # would recompute over the null block: such requests are reported whole.
-        self._whole_request_failures = (
-            self._groups > 1 or _has_windowed_group(kv_cache_config)
-        ) and (_TransferResults is not None)
+        self._whole_request_failures = (self._groups > 1 or windowed) and (
+            _TransferResults is not None
+        )
         _set_load_failure_policy(ktc, extra.get("load_failure_policy", "recompute"))
         self._scheduler = None
         self._worker = None

@@ -97,6 +97,22 @@ def build_windowed_model(path: str, family: str, window: int, layers: int = 2,
     return path
 
 
+def kvbm_toml(directory, host_blocks: int, disk_blocks: int = 0) -> str:
+    """A kvbm TOML file in ``directory`` (a new name each call, with its own disk directory):
+    the host and disk tiers' block counts and a 60 s start-up deadline."""
+    import uuid
+
+    tag = uuid.uuid4().hex[:8]
+    path = os.path.join(str(directory), f"kvbm-{tag}.toml")
+    disk = os.path.join(str(directory), f"disk-{tag}")
+    with open(path, "w") as f:
+        f.write(
+            f"init_timeout_secs = 60.0\n[host]\ncache_blocks = {host_blocks}\n"
+            f'[disk]\ncache_blocks = {disk_blocks}\ndir = "{disk}"\n'
+        )
+    return path
+
+
 def make_llm(model: str, dtype: str = "float32", connector: bool = True, *, config=None,
              module: str = "kvbm_connector.vllm", cls: str = "KvbmConnector", extra=None,
              in_process: bool = True, max_model_len: int = 8192, **engine_args):

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 
 import pytest
 
@@ -48,6 +47,7 @@ from _vllm_cpu import require_vllm_cpu  # noqa: E402
 torch = require_vllm_cpu()
 
 from _vllm_cpu import (  # noqa: E402
+    kvbm_toml,
     BLOCK,
     HEAD_DIM,
     build_model,
@@ -65,17 +65,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # -------------------------------------------------------------------------------------------------
 # Models, engines, helpers (shared with scripts/bench_vllm_ttft.py: _vllm_cpu.py)
 # -------------------------------------------------------------------------------------------------
-
-
-def kvbm_toml(directory: str, host_blocks: int, disk_blocks: int) -> str:
-    path = os.path.join(directory, f"kvbm-{uuid.uuid4().hex[:8]}.toml")
-    disk = os.path.join(directory, "disk")
-    with open(path, "w") as f:
-        f.write(
-            f"init_timeout_secs = 60.0\n[host]\ncache_blocks = {host_blocks}\n"
-            f'[disk]\ncache_blocks = {disk_blocks}\ndir = "{disk}"\n'
-        )
-    return path
 
 
 class Engines:

