@@ -130,10 +130,6 @@ impl TransferEngine {
                 "transfer max_concurrency and batch_blocks must be at least 1",
             ));
         }
-        if config.copy_method == CopyPolicy::Auto {
-            // Measured once per process, off this thread: until it ends, ordinary stores.
-            crate::memcopy::start_calibration();
-        }
         Ok(Self {
             permits: Arc::new(Semaphore::new(config.max_concurrency)),
             max_concurrency: config.max_concurrency,
