@@ -9,7 +9,12 @@ errors. Needs redis-server and a release kvbm:
 
     cargo build --release --bin kvbm
     python3 scripts/bench_slow_store.py [--delays 0,50,200,500] [--rounds 5] [--half-broken]
-        [--framework vllm|trtllm] [--load spin:2]
+        [--framework vllm|trtllm] [--load spin:2] [--pace] [--replay-args "..."]
+
+``--pace`` runs every replay with ``kvbm replay --pace``: each step takes its simulated compute
+time in real time, as a GPU's forward pass would, so the store's round trips overlap the model's
+time as they do in an engine; without it the stand-in's steps take microseconds and every round
+trip the engine would hide shows in the wall.
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ def main() -> None:
     ap.add_argument("--framework", default="vllm")
     ap.add_argument("--load", default="", help="spin:K (K busy processes while measuring)")
     ap.add_argument("--replay-args", default="--workload shared-prefix --seed 3 --host-blocks 512 --disk-blocks 0")
+    ap.add_argument("--pace", action="store_true", help="kvbm replay --pace (steps take their simulated time)")
     a = ap.parse_args()
+    if a.pace:
+        a.replay_args += " --pace"
     work = tempfile.mkdtemp(prefix="kvbm-slow-store-")
     port = free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",

@@ -31,7 +31,8 @@
 //! secret_file = "/etc/kvbm/remote.secret" # MAC key for values (or KVBM_REMOTE_SECRET)
 //! namespace = "llama-3-8b-instruct@rev2"  # model identity in the keys' scope
 //! lookup_timeout_ms = 5    # a synchronous lookup past this is a miss (TensorRT-LLM)
-//! io_timeout_ms = 2000     # one read/write batch, or a background lookup
+//! io_timeout_ms = 2000     # one write batch, or a background lookup
+//! load_timeout_ms = 500    # one read batch of a load: past it a load error, recomputed
 //! lookup_wait_ms = 50      # vLLM: how long a request waits for its lookup (then a miss)
 //! slow_ms = 50             # median store latency above which the store counts as slow
 //! backoff_secs = 5         # a slow or unavailable store is left out this long (doubling to 60 s)
@@ -284,9 +285,15 @@ pub struct RemoteConfig {
     /// Deadline of a lookup the engine waits for (TensorRT-LLM asks synchronously), in
     /// milliseconds; what misses it counts as a miss. Default 5.
     pub lookup_timeout_ms: Option<u64>,
-    /// Deadline of one read or write batch (and of a background lookup), in milliseconds.
+    /// Deadline of one write batch (and of a background lookup), in milliseconds.
     /// Default 2000.
     pub io_timeout_ms: Option<u64>,
+    /// Deadline of one read batch of a load (`KVBM_REMOTE_LOAD_TIMEOUT_MS`), in milliseconds:
+    /// a request waits for its load, so past this its blocks fail and the engine recomputes
+    /// them (a store whose values never arrive costs a request this, not `io_timeout_ms`).
+    /// Default 500: a local store reads a batch in about a millisecond, and recomputing a
+    /// prefix that takes longer to read than this is rarely slower.
+    pub load_timeout_ms: Option<u64>,
     /// How long a request of an engine that asks again later (vLLM) waits for its lookup, in
     /// milliseconds (`KVBM_REMOTE_LOOKUP_WAIT_MS`): past it the request goes on with what the
     /// local tiers matched, and the late answer only informs the store's health. Default 50.
@@ -362,6 +369,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("lookup_timeout_ms", &self.lookup_timeout_ms)
             .field("io_timeout_ms", &self.io_timeout_ms)
             .field("lookup_wait_ms", &self.lookup_wait_ms)
+            .field("load_timeout_ms", &self.load_timeout_ms)
             .field("slow_ms", &self.slow_ms)
             .field("backoff_secs", &self.backoff_secs)
             .field("min_frequency", &self.min_frequency)
@@ -388,6 +396,8 @@ impl RemoteConfig {
     pub const DEFAULT_IO_TIMEOUT_MS: u64 = 2000;
     /// [`RemoteConfig::lookup_wait_ms`] when unset.
     pub const DEFAULT_LOOKUP_WAIT_MS: u64 = 50;
+    /// [`RemoteConfig::load_timeout_ms`] when unset.
+    pub const DEFAULT_LOAD_TIMEOUT_MS: u64 = 500;
     /// [`RemoteConfig::slow_ms`] when unset.
     pub const DEFAULT_SLOW_MS: u64 = 50;
     /// [`RemoteConfig::backoff_secs`] when unset.
@@ -411,9 +421,17 @@ impl RemoteConfig {
         )
     }
 
-    /// The deadline of one read/write batch and of a background lookup.
+    /// The deadline of one write batch and of a background lookup.
     pub fn io_timeout(&self) -> Duration {
         Duration::from_millis(self.io_timeout_ms.unwrap_or(Self::DEFAULT_IO_TIMEOUT_MS))
+    }
+
+    /// The deadline of one read batch of a load ([`RemoteConfig::load_timeout_ms`]).
+    pub fn load_timeout(&self) -> Duration {
+        Duration::from_millis(
+            self.load_timeout_ms
+                .unwrap_or(Self::DEFAULT_LOAD_TIMEOUT_MS),
+        )
     }
 
     /// How long a deferred lookup is waited for ([`RemoteConfig::lookup_wait_ms`]).
@@ -580,6 +598,7 @@ impl RemoteConfig {
             ("remote.lookup_timeout_ms", self.lookup_timeout_ms, 60_000),
             ("remote.io_timeout_ms", self.io_timeout_ms, 600_000),
             ("remote.lookup_wait_ms", self.lookup_wait_ms, 60_000),
+            ("remote.load_timeout_ms", self.load_timeout_ms, 600_000),
             ("remote.slow_ms", self.slow_ms, 600_000),
         ] {
             if let Some(v) = v {
@@ -1178,6 +1197,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_REMOTE_LOOKUP_TIMEOUT_MS", "remote.lookup_timeout_ms"),
     ours("KVBM_REMOTE_IO_TIMEOUT_MS", "remote.io_timeout_ms"),
     ours("KVBM_REMOTE_LOOKUP_WAIT_MS", "remote.lookup_wait_ms"),
+    ours("KVBM_REMOTE_LOAD_TIMEOUT_MS", "remote.load_timeout_ms"),
     ours("KVBM_REMOTE_SLOW_MS", "remote.slow_ms"),
     ours("KVBM_REMOTE_BACKOFF_SECS", "remote.backoff_secs"),
     ours("KVBM_REMOTE_MIN_FREQUENCY", "remote.min_frequency"),
@@ -1412,6 +1432,9 @@ impl Config {
             }
             "remote.io_timeout_ms" => {
                 self.remote.io_timeout_ms = Some(parse_num(source, raw, "milliseconds >= 1")?)
+            }
+            "remote.load_timeout_ms" => {
+                self.remote.load_timeout_ms = Some(parse_num(source, raw, "milliseconds >= 1")?)
             }
             "remote.min_frequency" => {
                 self.remote.min_frequency = Some(parse_num(source, raw, "a count >= 1")?)

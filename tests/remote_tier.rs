@@ -653,3 +653,99 @@ mod tiers {
         );
     }
 }
+
+/// Write-behind is never waited for: `Worker::wait_idle_or_stuck` (what `kvbm replay` waits on
+/// every iteration) returns while host → store writes are still running, however long the store
+/// takes; `wait_idle` still waits for them. How it would fail: waiting for the writes runs into
+/// the 3 s deadline below (the store holds each write 6 s) and returns an error.
+#[test]
+fn write_behind_to_a_slow_store_is_not_waited_for_each_iteration() {
+    let data = MemoryRemoteData::default();
+    let (mut a, faults) = instance::<Sync_>(&data, |c| c.remote.io_timeout_ms = Some(6_000));
+    let who = id("a");
+    let tokens = prompt();
+    let m = a
+        .leader
+        .get_num_new_matched_tokens(info(&who, &tokens), 0)
+        .unwrap();
+    assert_eq!(m.external_tokens, 0);
+    let blocks = [0, 1, 2, 3];
+    a.leader.update_state_after_alloc(&who, &blocks, 0).unwrap();
+    let writes: Vec<(&[u32], usize, usize)> = (0..3).map(|b| (&tokens[..], b, blocks[b])).collect();
+    let step = SchedulerStep {
+        requests: vec![prefill(&who, 0, tokens.len())],
+        ..Default::default()
+    };
+    a.step(step, &writes, &[]);
+    a.leader.request_finished(&who, None, None).unwrap();
+    // From here on every write to the store takes 6 s (its whole deadline).
+    faults.delay_ms.store(6_000, Ordering::Relaxed);
+    let mut sent = false;
+    for _ in 0..4 {
+        let bytes = a
+            .leader
+            .build_connector_meta(&SchedulerStep::default())
+            .unwrap();
+        a.worker.bind_metadata(&bytes).unwrap();
+        a.worker.start_load().unwrap();
+        a.worker.save().unwrap();
+        a.worker
+            .wait_idle_or_stuck(Duration::from_secs(3), Duration::from_secs(60))
+            .expect("an iteration waited for write-behind");
+        a.leader.process_completions();
+        a.worker.get_finished(std::slice::from_ref(&who), None);
+        sent |= a.leader.num_operations_in_flight() > 0;
+    }
+    assert!(sent, "no write to the store was in flight");
+    assert_eq!(values(&data), 0, "the slow store holds nothing yet");
+    // The writes end at their deadline; wait_idle does wait for them.
+    a.worker.wait_idle(Duration::from_secs(30)).unwrap();
+    a.leader.process_completions();
+    assert_eq!(a.leader.num_operations_in_flight(), 0);
+}
+
+/// `remote.load_timeout_ms` bounds a load's read, not `remote.io_timeout_ms`: a store that
+/// answers the lookup and then holds the values fails the load at the load's own deadline, and
+/// its blocks are load errors (recomputed). How it would fail: a load bounded by the 20 s I/O
+/// deadline is still running at the 5 s wait below, which returns an error.
+#[test]
+fn a_load_from_the_store_ends_at_its_own_deadline() {
+    let data = MemoryRemoteData::default();
+    let _a = publish(&data);
+    let (mut b, faults) = instance::<Sync_>(&data, |c| {
+        c.remote.io_timeout_ms = Some(20_000);
+        c.remote.load_timeout_ms = Some(100);
+    });
+    let who = id("b");
+    let tokens = prompt();
+    let m = b
+        .leader
+        .get_num_new_matched_tokens(info(&who, &tokens), 0)
+        .unwrap();
+    assert_eq!(m.remote_tokens, 12, "found in the store");
+    // Every read from here on is held 20 s.
+    faults.delay_ms.store(20_000, Ordering::Relaxed);
+    let blocks = [5, 6, 7, 8];
+    b.leader
+        .update_state_after_alloc(&who, &blocks, 12)
+        .unwrap();
+    let bytes = b
+        .leader
+        .build_connector_meta(&SchedulerStep::default())
+        .unwrap();
+    b.worker.bind_metadata(&bytes).unwrap();
+    b.worker.start_load().unwrap();
+    b.worker.save().unwrap();
+    b.worker
+        .wait_idle(Duration::from_secs(5))
+        .expect("the load ran past its own deadline");
+    b.leader.process_completions();
+    let mut errors = b.worker.take_load_errors();
+    errors.sort_unstable();
+    assert_eq!(
+        errors,
+        vec![5, 6, 7],
+        "every block of the held read is a load error"
+    );
+    faults.delay_ms.store(0, Ordering::Relaxed);
+}

@@ -37,7 +37,7 @@ use crate::identity::HashAlgorithm;
 use crate::layout::{KvLayout, Layout, LayoutDims};
 use crate::tier::{BatchCopy, Capability, StorageTier, TierKind};
 
-pub use super::store_health::{log_state_change, CallOutcome, StoreHealth, StoreState};
+pub use super::store_health::{log_state_change, CallKind, CallOutcome, StoreHealth, StoreState};
 
 /// Width of the block keys the scope covers, in bits.
 pub const KEY_BITS: u32 = 128;
@@ -607,7 +607,7 @@ impl LookupThread {
                         LookupOutcome::Found(_) => CallOutcome::Answered,
                         _ => CallOutcome::Failed,
                     };
-                    if let Some((from, to)) = h.record(began.elapsed(), call) {
+                    if let Some((from, to)) = h.record(CallKind::Lookup, began.elapsed(), call) {
                         log_state_change(&name, from, to, h.slow());
                     }
                     outcome

@@ -33,10 +33,25 @@ pub enum CallOutcome {
     Failed,
 }
 
+/// Which kind of call an outcome belongs to: a path can fail one kind and answer the others
+/// (small replies pass, a block's value never arrives), so each kind also gets its own verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    /// Which keys the store holds (small replies).
+    Lookup,
+    /// A read of blocks' values (a load).
+    Load,
+    /// A write of blocks' values.
+    Write,
+}
+
 /// The store's state, decided from a window of its recent calls (lookups and loads) rather than
 /// from a few late answers: a busy host that delays one answer does not take a healthy store
 /// out, a store that is slow or failing for [`StoreHealth::MIN_SAMPLES`] calls out of
-/// [`StoreHealth::WINDOW`] does. A store out of the path is left alone for its back-off
+/// [`StoreHealth::WINDOW`] does. Failures are also judged per [`CallKind`]: half of the window's
+/// loads (or writes) failed, at least [`StoreHealth::MIN_KIND_FAILURES`] of them, makes it
+/// unavailable however many lookups answer (a half-broken path whose small replies pass would
+/// otherwise stay healthy while every load waits out its deadline). A store out of the path is left alone for its back-off
 /// (`remote.backoff_secs`, doubling with each verdict in a row up to
 /// [`StoreHealth::MAX_BACKOFF`]), then probed: the calls after the back-off decide again.
 #[derive(Debug)]
@@ -48,7 +63,7 @@ pub struct StoreHealth {
 
 #[derive(Debug)]
 struct HealthInner {
-    window: std::collections::VecDeque<(Duration, CallOutcome)>,
+    window: std::collections::VecDeque<(Duration, CallOutcome, CallKind)>,
     state: StoreState,
     out_until: Option<Instant>,
     next_backoff: Duration,
@@ -60,6 +75,10 @@ impl StoreHealth {
     pub const WINDOW: usize = 32;
     /// Calls needed before a verdict is made (a fresh or probed store is healthy until then).
     pub const MIN_SAMPLES: usize = 8;
+    /// Failed loads (or writes) in the window that make the store unavailable when they are
+    /// half of that kind's calls there, whatever the other kinds did. Not one or two: a store
+    /// that evicted a value between its lookup and its load fails a load too.
+    pub const MIN_KIND_FAILURES: usize = 3;
     /// The longest back-off (unless `remote.backoff_secs` is longer).
     pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
@@ -105,15 +124,17 @@ impl StoreHealth {
     /// (the caller logs it).
     pub fn record(
         &self,
+        kind: CallKind,
         latency: Duration,
         outcome: CallOutcome,
     ) -> Option<(StoreState, StoreState)> {
-        self.record_at(Instant::now(), latency, outcome)
+        self.record_at(Instant::now(), kind, latency, outcome)
     }
 
     fn record_at(
         &self,
         now: Instant,
+        kind: CallKind,
         latency: Duration,
         outcome: CallOutcome,
     ) -> Option<(StoreState, StoreState)> {
@@ -126,19 +147,31 @@ impl StoreHealth {
         if h.window.len() == Self::WINDOW {
             h.window.pop_front();
         }
-        h.window.push_back((latency, outcome));
-        if h.window.len() < Self::MIN_SAMPLES {
+        h.window.push_back((latency, outcome, kind));
+        // One kind failing half its calls (loads, writes: a value that never arrives).
+        let kind_failed = |k: CallKind| {
+            let (n, failed) = h
+                .window
+                .iter()
+                .filter(|c| c.2 == k)
+                .fold((0, 0), |(n, f), c| {
+                    (n + 1, f + usize::from(c.1 == CallOutcome::Failed))
+                });
+            failed >= Self::MIN_KIND_FAILURES && failed * 2 >= n
+        };
+        let kind_broken = kind_failed(CallKind::Load) || kind_failed(CallKind::Write);
+        if h.window.len() < Self::MIN_SAMPLES && !kind_broken {
             return None;
         }
         let failed = h
             .window
             .iter()
-            .filter(|(_, o)| *o == CallOutcome::Failed)
+            .filter(|c| c.1 == CallOutcome::Failed)
             .count();
-        let mut latencies: Vec<Duration> = h.window.iter().map(|(l, _)| *l).collect();
+        let mut latencies: Vec<Duration> = h.window.iter().map(|c| c.0).collect();
         latencies.sort_unstable();
         let median = latencies[latencies.len() / 2];
-        let verdict = if failed * 2 >= h.window.len() {
+        let verdict = if failed * 2 >= h.window.len() || kind_broken {
             StoreState::Unavailable
         } else if median > self.slow {
             StoreState::Slow
@@ -174,7 +207,7 @@ pub fn log_state_change(store: &str, from: StoreState, to: StoreState, slow: Dur
         ),
         _ => tracing::warn!(
             store, %from, to = %to, slow_ms = slow.as_millis() as u64,
-            "kvbm: remote store taken out of the lookup and write path for its back-off (slow: median latency above remote.slow_ms; unavailable: half of its recent calls failed); serving from local tiers"
+            "kvbm: remote store taken out of the lookup and write path for its back-off (slow: median latency above remote.slow_ms; unavailable: half of its recent calls, or of its recent loads or writes, failed); serving from local tiers"
         ),
     }
 }
@@ -197,13 +230,17 @@ mod tests {
         for i in 0..StoreHealth::WINDOW {
             let late = i % 4 == 0;
             let lat = if late { ms(500) } else { ms(1) };
-            assert_eq!(h.record_at(at(0), lat, CallOutcome::Answered), None);
+            assert_eq!(
+                h.record_at(at(0), CallKind::Lookup, lat, CallOutcome::Answered),
+                None
+            );
         }
         assert_eq!(h.state(), StoreState::Healthy);
         // Slow once the median is past the threshold.
         let mut change = None;
         for _ in 0..StoreHealth::WINDOW {
-            change = change.or(h.record_at(at(1), ms(200), CallOutcome::Answered));
+            change =
+                change.or(h.record_at(at(1), CallKind::Lookup, ms(200), CallOutcome::Answered));
         }
         assert_eq!(change, Some((StoreState::Healthy, StoreState::Slow)));
         assert_eq!(h.state(), StoreState::Slow);
@@ -211,7 +248,10 @@ mod tests {
         assert_eq!(out, Some(at(1) + ms(1000)), "out for the first back-off");
         // Late answers during the back-off change nothing.
         for _ in 0..StoreHealth::WINDOW {
-            assert_eq!(h.record_at(at(500), ms(1), CallOutcome::Answered), None);
+            assert_eq!(
+                h.record_at(at(500), CallKind::Lookup, ms(1), CallOutcome::Answered),
+                None
+            );
         }
         assert_eq!(h.state(), StoreState::Slow);
         // After it: the probe fails half its calls: unavailable, for twice as long.
@@ -222,14 +262,15 @@ mod tests {
             } else {
                 CallOutcome::Answered
             };
-            change = change.or(h.record_at(at(1001), ms(1), o));
+            change = change.or(h.record_at(at(1001), CallKind::Lookup, ms(1), o));
         }
         assert_eq!(change, Some((StoreState::Slow, StoreState::Unavailable)));
         assert_eq!(h.inner.lock().out_until, Some(at(1001) + ms(2000)));
         // After that back-off, MIN_SAMPLES timely calls make it healthy; the back-off resets.
         let mut change = None;
         for _ in 0..StoreHealth::MIN_SAMPLES {
-            change = change.or(h.record_at(at(3002), ms(1), CallOutcome::Answered));
+            change =
+                change.or(h.record_at(at(3002), CallKind::Lookup, ms(1), CallOutcome::Answered));
         }
         assert_eq!(change, Some((StoreState::Unavailable, StoreState::Healthy)));
         assert_eq!(h.inner.lock().out_until, None);
@@ -240,12 +281,69 @@ mod tests {
         let mut last = Duration::ZERO;
         for _ in 0..10 {
             for _ in 0..StoreHealth::MIN_SAMPLES {
-                h.record_at(at(now), ms(1), CallOutcome::Failed);
+                h.record_at(at(now), CallKind::Lookup, ms(1), CallOutcome::Failed);
             }
             let until = h.inner.lock().out_until.unwrap_or(at(now));
             last = until.duration_since(at(now));
             now += last.as_millis() as u64 + 1;
         }
         assert_eq!(last, StoreHealth::MAX_BACKOFF);
+    }
+
+    /// A half-broken path: lookups answer, loads never deliver. The loads' own verdict takes it
+    /// out once [`StoreHealth::MIN_KIND_FAILURES`] of them failed and they are half of the
+    /// window's loads, however many lookups answered; fewer failed loads among answered ones
+    /// (values evicted between lookup and load) leave it healthy.
+    #[test]
+    fn loads_that_never_deliver_make_the_store_unavailable_whatever_the_lookups_do() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        // Two failed loads among answered ones and many answered lookups: healthy.
+        let h = StoreHealth::new(ms(50), ms(1000));
+        for i in 0..StoreHealth::WINDOW {
+            let (kind, o) = match i % 4 {
+                0 if i < 8 => (CallKind::Load, CallOutcome::Failed),
+                0 => (CallKind::Load, CallOutcome::Answered),
+                _ => (CallKind::Lookup, CallOutcome::Answered),
+            };
+            assert_eq!(h.record_at(t0, kind, ms(1), o), None, "call {i}");
+        }
+        assert_eq!(h.state(), StoreState::Healthy);
+        // Lookups answer, every load fails: unavailable at the third failed load.
+        let h = StoreHealth::new(ms(50), ms(1000));
+        let mut change = None;
+        let mut loads = 0;
+        for i in 0..StoreHealth::WINDOW {
+            let kind = if i % 4 == 3 {
+                loads += 1;
+                CallKind::Load
+            } else {
+                CallKind::Lookup
+            };
+            let o = if kind == CallKind::Load {
+                CallOutcome::Failed
+            } else {
+                CallOutcome::Answered
+            };
+            change = h.record_at(t0, kind, ms(1), o);
+            if change.is_some() {
+                break;
+            }
+        }
+        assert_eq!(change, Some((StoreState::Healthy, StoreState::Unavailable)));
+        assert_eq!(loads, StoreHealth::MIN_KIND_FAILURES);
+        assert!(!h.in_path(), "out of the path for its back-off");
+        // Writes likewise.
+        let h = StoreHealth::new(ms(50), ms(1000));
+        for _ in 0..StoreHealth::MIN_KIND_FAILURES - 1 {
+            assert_eq!(
+                h.record_at(t0, CallKind::Write, ms(1), CallOutcome::Failed),
+                None
+            );
+        }
+        assert_eq!(
+            h.record_at(t0, CallKind::Write, ms(1), CallOutcome::Failed),
+            Some((StoreState::Healthy, StoreState::Unavailable))
+        );
     }
 }

@@ -198,8 +198,11 @@ struct Active {
     /// All of them.
     all: usize,
     /// Those touching no device block (host → disk copies: nothing the engine waits for), with
-    /// when each was submitted.
+    /// when each was submitted; writes to the remote store not among them.
     off_device: HashMap<OperationId, Instant>,
+    /// Writes of host blocks to the remote store (write-behind): never waited for by
+    /// [`Worker::wait_idle_or_stuck`].
+    behind: usize,
 }
 
 impl Default for Shared {
@@ -667,11 +670,14 @@ impl Worker {
         let t = op.transfer().clone();
         let direction = op.direction();
         let touches_device = t.reads_device() || t.writes_device();
+        let behind = !touches_device && t.dst == TierKind::Remote;
         // Counted until `complete` (every path below ends there).
         {
             let mut active = self.shared.active.lock();
             active.all += 1;
-            if !touches_device {
+            if behind {
+                active.behind += 1;
+            } else if !touches_device {
                 active.off_device.insert(t.id, Instant::now());
             }
         }
@@ -683,7 +689,8 @@ impl Worker {
             request: t.request_id.clone(),
             direction,
             touches_device,
-            off_device: !touches_device,
+            off_device: !touches_device && !behind,
+            behind,
             reads_device: t.reads_device(),
             writes_device: t.writes_device(),
             dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
@@ -707,9 +714,12 @@ impl Worker {
             complete(&shared, &outbox, done, Err(e));
             return None;
         }
-        let io_timeout = self.config.remote.io_timeout();
+        let deadlines = (
+            self.config.remote.load_timeout(),
+            self.config.remote.io_timeout(),
+        );
         let rank = self.rank();
-        let (src, dst) = match remote_sides(tiers, op.as_ref(), rank, io_timeout) {
+        let (src, dst) = match remote_sides(tiers, op.as_ref(), rank, deadlines) {
             Ok(sides) => sides,
             Err(e) => {
                 complete(&shared, &outbox, done, Err(e.with("op", t.id)));
@@ -823,11 +833,13 @@ impl Worker {
         }
     }
 
-    /// As [`Worker::wait_idle`], except for copies touching no device block (host → disk): once
-    /// everything else is done, they are not waited for while any of them has been running for
+    /// As [`Worker::wait_idle`], except for copies touching no device block: writes of host
+    /// blocks to the remote store (write-behind) are never waited for, and host → disk copies,
+    /// once everything else is done, are not waited for while any of them has been running for
     /// `grace` or more (the disk is stuck: they finish in the background). For callers that wait
     /// every iteration, like `kvbm replay`: a frozen disk then delays one iteration by `grace`,
-    /// not every iteration by the freeze, while healthy runs stay reproducible.
+    /// not every iteration by the freeze, and a shared store's round trips none (an engine never
+    /// waits for write-behind), while runs without a remote store stay reproducible.
     pub fn wait_idle_or_stuck(&self, timeout: Duration, grace: Duration) -> Result<()> {
         let done = self.wait_idle_or_stuck_inner(timeout, grace);
         self.outbox.flush();
@@ -845,7 +857,7 @@ impl Worker {
             let (all, off_device, stuck) = {
                 let a = self.shared.active.lock();
                 let stuck = a.off_device.values().any(|t| t.elapsed() >= grace);
-                (a.all, a.off_device.len(), stuck)
+                (a.all.saturating_sub(a.behind), a.off_device.len(), stuck)
             };
             let waited = start.elapsed();
             if !device_busy && (all == 0 || (all == off_device && stuck)) {
@@ -1063,6 +1075,8 @@ struct OpDone {
     touches_device: bool,
     /// Counted as off-device in [`Active`] at submission (kept as submitted).
     off_device: bool,
+    /// Counted as a write-behind to the remote store in [`Active`].
+    behind: bool,
     reads_device: bool,
     writes_device: bool,
     dst_blocks: Vec<usize>,
@@ -1176,6 +1190,9 @@ fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result
         if done.off_device {
             active.off_device.remove(&done.op);
         }
+        if done.behind {
+            active.behind = active.behind.saturating_sub(1);
+        }
         active.all == 0
     };
     if settled {
@@ -1226,12 +1243,14 @@ type Sides = (Option<Arc<dyn StorageTier>>, Option<Arc<dyn StorageTier>>);
 
 /// The source and destination tiers of `op` on this worker: its own tiers, or, for a side that
 /// is the remote store, that operation's view of it ([`RemoteSource`] for a load, keyed by the
-/// pairs' source index; [`RemoteSink`] for a write, keyed by their destination index).
+/// pairs' source index, each read batch bounded by `deadlines.0` (`remote.load_timeout_ms`);
+/// [`RemoteSink`] for a write, keyed by their destination index, each batch bounded by
+/// `deadlines.1` (`remote.io_timeout_ms`)).
 fn remote_sides(
     tiers: &WorkerTiers,
     op: &dyn Operation,
     rank: usize,
-    io_timeout: Duration,
+    deadlines: (Duration, Duration),
 ) -> Result<Sides> {
     let t = op.transfer();
     if t.src != TierKind::Remote && t.dst != TierKind::Remote {
@@ -1250,7 +1269,7 @@ fn remote_sides(
     if t.src == TierKind::Remote {
         let dims = *tiers.device.layout().dims();
         let src: Arc<dyn StorageTier> =
-            Arc::new(RemoteSource::new(store, rank, keys, dims, io_timeout)?);
+            Arc::new(RemoteSource::new(store, rank, keys, dims, deadlines.0)?);
         Ok((Some(src), tiers.get(t.dst).cloned()))
     } else {
         let Some(host) = tiers.get(t.src).cloned() else {
@@ -1258,7 +1277,7 @@ fn remote_sides(
         };
         let dims = *host.layout().dims();
         let dst: Arc<dyn StorageTier> =
-            Arc::new(RemoteSink::new(store, rank, keys, dims, io_timeout)?);
+            Arc::new(RemoteSink::new(store, rank, keys, dims, deadlines.1)?);
         Ok((Some(host), Some(dst)))
     }
 }

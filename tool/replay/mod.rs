@@ -72,6 +72,14 @@ pub struct ReplayArgs {
     /// as capacity studies replay a trace.
     #[arg(long)]
     pub sequential: bool,
+    /// Each step takes its simulated time (`--prefill-us-per-token`) in real time: the replay
+    /// sleeps until the wall clock reaches the simulated one, as an engine whose model really
+    /// computes for that long. The connector's threads and a remote store's round trips then
+    /// overlap the model's time as they would on a GPU, and the wall measures what they cost
+    /// the engine rather than how fast the host runs the stand-in (`serve_s` is then at least
+    /// `simulated_ms`).
+    #[arg(long)]
+    pub pace: bool,
     /// A sliding window of this many tokens on every layer of the simulated model (vLLM only,
     /// as its `SlidingWindowManager`: blocks before a request's window are freed while it runs
     /// and held as the null block, block 0; a hit's table is null before its window).
@@ -241,6 +249,7 @@ pub fn sim_options(a: &ReplayArgs, config: Config) -> SimOptions {
         kill: a.kill_rank,
         device: a.device,
         sequential: a.sequential,
+        pace: a.pace,
         sliding_window: a.sliding_window,
     }
 }

@@ -54,6 +54,8 @@ pub struct SimOptions {
     pub device: DeviceKind,
     /// One request at a time: each arrives once the previous one is done (arrivals ignored).
     pub sequential: bool,
+    /// Steps take their simulated time in real time (see `kvbm replay --pace`).
+    pub pace: bool,
     /// Every layer attends over this many tokens (vLLM only; see `kvbm replay --sliding-window`).
     pub sliding_window: Option<usize>,
 }

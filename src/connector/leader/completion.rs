@@ -13,6 +13,7 @@ use std::collections::HashSet;
 
 use crate::connector::adapter::SchedulerAdapter;
 use crate::connector::metadata::OperationId;
+use crate::connector::remote::CallKind;
 use crate::connector::transport::{Completion, WorkerMessage};
 use crate::connector::RequestId;
 use crate::identity::SequenceHash;
@@ -264,7 +265,12 @@ impl<A: SchedulerAdapter> Leader<A> {
                             r.remember(*k);
                         }
                     }
-                    r.record_transfer(keys.len(), failed as usize, track.since.elapsed());
+                    r.record_transfer(
+                        CallKind::Load,
+                        keys.len(),
+                        failed as usize,
+                        track.since.elapsed(),
+                    );
                     r.publish_state(&self.metrics);
                 }
                 self.metrics.record_hit(TierKind::Remote, ok * bs);
@@ -297,7 +303,12 @@ impl<A: SchedulerAdapter> Leader<A> {
                     written * bpb_rank,
                 );
                 if let Some(r) = self.remote.as_ref() {
-                    r.record_transfer(keys.len(), failed as usize, track.since.elapsed());
+                    r.record_transfer(
+                        CallKind::Write,
+                        keys.len(),
+                        failed as usize,
+                        track.since.elapsed(),
+                    );
                     r.publish_state(&self.metrics);
                 }
                 if failed > 0 {

@@ -24,7 +24,7 @@ use std::time::Instant;
 use crate::config::Config;
 use crate::connector::metrics::{Metrics, WarnLimiter};
 use crate::connector::remote::{
-    log_state_change, CallOutcome, LookupOutcome, LookupThread, RemoteStore, StoreHealth,
+    log_state_change, CallKind, CallOutcome, LookupOutcome, LookupThread, RemoteStore, StoreHealth,
     StoreState,
 };
 use crate::connector::RequestId;
@@ -147,7 +147,7 @@ impl LeaderStore {
                     self.warn_late();
                     // A lookup not answered in the wait is evidence of a slow store at once
                     // (its own answer, when it comes, is another sample).
-                    self.record_call(a.since.elapsed(), CallOutcome::Answered);
+                    self.record_call(CallKind::Lookup, a.since.elapsed(), CallOutcome::Answered);
                     self.publish_state(metrics);
                     return RemoteAnswer::Found(0);
                 }
@@ -232,7 +232,13 @@ impl LeaderStore {
     /// Tells the store's health how a load from it or a write to it went: `blocks` asked,
     /// `failed` not served or not written, over `elapsed` (from the operation's submission to
     /// its last completion).
-    pub fn record_transfer(&self, blocks: usize, failed: usize, elapsed: std::time::Duration) {
+    pub fn record_transfer(
+        &self,
+        kind: CallKind,
+        blocks: usize,
+        failed: usize,
+        elapsed: std::time::Duration,
+    ) {
         if blocks == 0 {
             return;
         }
@@ -243,12 +249,12 @@ impl LeaderStore {
         } else {
             CallOutcome::Answered
         };
-        self.record_call(elapsed, outcome);
+        self.record_call(kind, elapsed, outcome);
     }
 
-    fn record_call(&self, elapsed: std::time::Duration, outcome: CallOutcome) {
+    fn record_call(&self, kind: CallKind, elapsed: std::time::Duration, outcome: CallOutcome) {
         let health = self.lookups.health();
-        if let Some((from, to)) = health.record(elapsed, outcome) {
+        if let Some((from, to)) = health.record(kind, elapsed, outcome) {
             log_state_change(&self.store.describe(), from, to, health.slow());
         }
     }

@@ -57,6 +57,9 @@ pub fn source_of(workload: &[TraceRequest]) -> Source {
     Box::new(v.into_iter().map(Ok))
 }
 
+/// `--pace` sleeps only when the simulated clock is at least this far ahead of the wall clock.
+const PACE_SLACK: Duration = Duration::from_micros(200);
+
 /// The simulated engine.
 pub struct Simulator {
     opts: SimOptions,
@@ -96,6 +99,8 @@ pub struct Simulator {
     hasher: BlockHasher,
     step: u64,
     clock_us: f64,
+    /// With `--pace`: the wall-clock instant of simulated time 0.
+    paced_from: Option<Instant>,
     integrity_errors: usize,
     blocks_verified: usize,
     load_errors: usize,
@@ -193,6 +198,7 @@ impl Simulator {
             timings: Timings::default(),
             step: 0,
             clock_us: 0.0,
+            paced_from: None,
             integrity_errors: 0,
             blocks_verified: 0,
             load_errors: 0,
@@ -317,6 +323,9 @@ impl Simulator {
     /// Runs the whole workload.
     pub fn run(mut self) -> Result<Report> {
         let wall = Instant::now();
+        if self.opts.pace {
+            self.paced_from = Some(wall);
+        }
         let mut last_progress = Instant::now();
         let sequential = self.opts.sequential;
         loop {
@@ -452,12 +461,26 @@ impl Simulator {
         self.clock_us += 20.0
             + self.opts.prefill_us_per_token * prefill_tokens as f64
             + self.opts.prefill_us_per_token / 10.0 * decode_tokens as f64;
+        self.pace();
         self.advance(&scheduled)?;
         if order == CallOrder::Manager {
             // After the scheduler finished this iteration's requests, every rank's get_finished.
             self.report_iteration()?;
         }
         Ok(())
+    }
+
+    /// With `--pace`, sleeps until the wall clock has caught up with the simulated one (only
+    /// when it is at least [`PACE_SLACK`] ahead: shorter sleeps cost more than they model).
+    fn pace(&self) {
+        let Some(from) = self.paced_from else {
+            return;
+        };
+        let due = from + Duration::from_secs_f64(self.clock_us.max(0.0) / 1e6);
+        let now = Instant::now();
+        if due > now + PACE_SLACK {
+            std::thread::sleep(due - now);
+        }
     }
 
     /// Lets every live rank finish its background transfers; sums their per-path statistics.
