@@ -145,9 +145,6 @@ impl RedisStore {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("kvbm-redis")
-            .on_thread_start(|| {
-                let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
-            })
             .enable_all()
             .build()
             .map_err(|e| Error::io("start the Redis client's runtime", e))?;
