@@ -228,7 +228,8 @@ fn remote_capability() -> Capability {
 
 /// One load's view of the store: block `k` of this tier is `keys[k]` of rank `rank`. Reads go
 /// through the store's pipelined [`RemoteStore::get`], one batch per transfer batch (its
-/// [`BatchCopy::copy_to`]), each bounded by `io_timeout`; a block that is missing or fails
+/// [`BatchCopy::copy_to`]), each bounded by `io_timeout` (the worker passes
+/// `remote.load_timeout_ms`); a block that is missing or fails
 /// verification fails alone (never written to the destination). Writes are refused.
 #[derive(Debug)]
 pub struct RemoteSource {
