@@ -15,7 +15,9 @@ use kvbm_connector::connector::transport::{in_process, TierCounts};
 use kvbm_connector::connector::worker::{TierFactory, WorkerTiers};
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::connector::{Blocking, NonBlocking};
-use kvbm_connector::{Config, ErrorKind, Layout, LayoutDims, StorageTier, TierKind};
+use kvbm_connector::{
+    Config, ErrorKind, Layout, LayoutDims, StorageTier, StorageTierExt, TierKind,
+};
 
 #[test]
 fn leader_deadline_names_the_missing_rank() {
@@ -235,4 +237,64 @@ fn the_worker_builds_its_tiers_with_the_factory_it_was_given() {
     let tiers = w.tiers().unwrap();
     assert_eq!(tiers.host.as_ref().map(|t| t.num_blocks()), Some(8));
     assert_eq!(tiers.disk.as_ref().map(|t| t.num_blocks()), Some(4));
+}
+
+/// A request the engine admits while the leader's barrier is still running (TensorRT-LLM admits
+/// requests once its workers registered, which can be before the leader saw them) is followed
+/// all the same: once the leader is ready, what it computed meanwhile is stored, and a later
+/// request with its prefix matches it from host. Deterministic: the worker registers only after
+/// the request was admitted and prefilled. How it would fail: an untracked request is never
+/// offloaded, and the second request matches 0 tokens.
+#[test]
+fn a_request_admitted_before_the_leader_is_ready_is_offloaded_once_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8, 0);
+    let (lt, wts) = in_process(1);
+    let mut leader = new_leader(cfg.clone(), BS, lt, NonBlocking).unwrap();
+    assert!(!leader.is_ready());
+    let early: RequestId = "early".into();
+    let tokens: Vec<u32> = (100..116).collect();
+    let m = leader
+        .get_num_new_matched_tokens(info(&early, &tokens), 0)
+        .unwrap();
+    assert_eq!(m.external_tokens, 0);
+    let blocks = [4, 5, 6, 7];
+    leader.update_state_after_alloc(&early, &blocks, 0).unwrap();
+    // Its prefill runs while the leader is not ready: no metadata to carry anything yet.
+    let step = SchedulerStep {
+        requests: vec![prefill(&early, 0, tokens.len())],
+        ..Default::default()
+    };
+    let meta = ConnectorMetadata::decode(&leader.build_connector_meta(&step).unwrap()).unwrap();
+    assert!(meta.operations.is_empty());
+    // Now the worker registers (TensorRT-LLM's order) and the leader becomes ready.
+    let dev = device();
+    for (b, &d) in blocks.iter().enumerate() {
+        dev.write_block_from_slice(d, &image(&tokens, b)).unwrap();
+    }
+    let mut worker = new_worker(cfg, 1, wts[0].clone(), Blocking).unwrap();
+    worker.register(dev.clone()).unwrap();
+    wait_until("leader ready", || leader.is_ready());
+    // The request finishes: its computed blocks are stored (nothing was lost while not ready).
+    leader.request_finished(&early, None, None).unwrap();
+    for _ in 0..3 {
+        let bytes = leader
+            .build_connector_meta(&SchedulerStep::default())
+            .unwrap();
+        worker.bind_metadata(&bytes).unwrap();
+        worker.start_load().unwrap();
+        worker.save().unwrap();
+        worker.wait_idle(Duration::from_secs(10)).unwrap();
+        leader.process_completions();
+        let _ = worker.get_finished(std::slice::from_ref(&early), None);
+    }
+    let later: RequestId = "later".into();
+    let m = leader
+        .get_num_new_matched_tokens(info(&later, &tokens), 0)
+        .unwrap();
+    assert_eq!(
+        (m.external_tokens, m.host_tokens),
+        (12, 12),
+        "the early request's blocks were stored"
+    );
 }

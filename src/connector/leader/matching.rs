@@ -85,9 +85,10 @@ impl<A: SchedulerAdapter> Leader<A> {
         if !fresh {
             self.poll_completions();
         }
-        if !self.ensure_ready() {
-            return Ok(MatchResult::NONE);
-        }
+        // Not ready yet (start-up barrier running): the request is still tracked (its tokens
+        // here, its blocks and progress from the next calls) and matches nothing, so once ready
+        // its computed blocks are stored like any other's. Below, no tiers: no match.
+        self.ensure_ready();
         let bs = self.page_size;
         let algorithm = self.config.hash;
         let mut slot = match self.slots.get_mut(request.id) {
@@ -303,6 +304,14 @@ impl<A: SchedulerAdapter> Leader<A> {
     ) -> Result<()> {
         let _span = tracing::debug_span!("kvbm.leader.alloc", request = %id).entered();
         if !self.ensure_ready() {
+            // Not ready: nothing was matched, nothing loads; the blocks are followed (checked
+            // against the device once ready, by the workers, like every transfer).
+            if let Some(slot) = self.slots.get_mut(id) {
+                if !slot.life.is_finishing() {
+                    slot.device_blocks.clear();
+                    slot.device_blocks.extend_from_slice(block_ids);
+                }
+            }
             return Ok(());
         }
         let bs = self.page_size;

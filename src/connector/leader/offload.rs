@@ -69,6 +69,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             .entered();
         self.poll_completions();
         if !self.ensure_ready() {
+            self.follow_unready(step)?;
             self.iteration += 1;
             let mut meta = ConnectorMetadata::empty(self.iteration);
             self.adapter.extend_metadata(&mut meta)?;
@@ -163,6 +164,37 @@ impl<A: SchedulerAdapter> Leader<A> {
             return Err(e);
         }
         Ok(meta)
+    }
+
+    /// Before the leader is ready no operation can run, but the requests the engine schedules
+    /// are followed (tokens, device blocks, computed tokens), so that the first metadata built
+    /// once ready stores what they computed meanwhile. (TensorRT-LLM admits requests as soon as
+    /// its workers registered, which can be before the leader's barrier has seen them: those
+    /// requests were never offloaded.)
+    fn follow_unready(&mut self, step: &SchedulerStep) -> Result<()> {
+        for p in &step.preempted {
+            if let Some(slot) = self.slots.get_mut(p) {
+                slot.device_blocks.clear();
+            }
+        }
+        for r in &step.requests {
+            let after = self.adapter.computed_after(r)?;
+            let Some(slot) = self.slots.get_mut(&r.request_id) else {
+                continue;
+            };
+            append_tokens(
+                slot,
+                r.request_id.as_str(),
+                &r.new_tokens,
+                r.first_token_index,
+            );
+            if r.replace_block_ids {
+                slot.device_blocks.clear();
+            }
+            slot.device_blocks.extend_from_slice(&r.new_block_ids);
+            slot.computed = slot.computed.max(after.min(slot.seq.total_tokens()));
+        }
+        Ok(())
     }
 
     /// How many of the request's tokens the leader holds (`None`: it does not track the request).
