@@ -337,3 +337,25 @@ fn a_wrong_value_planted_under_every_key_is_a_load_error_never_served() {
     );
     assert!(n(&b, &["load_errors"]) > 0, "{b}");
 }
+
+/// A `rediss://` URL pointed at a plain server's port: the replay still runs (the tier is
+/// unavailable, local tiers serve) and the warning says it is the TLS handshake that got no
+/// answer, not only "did not answer in time". How it would fail: no "TLS" in the log.
+#[test]
+fn a_tls_url_against_a_plain_server_names_tls() {
+    let Some(server) = OwnServer::start(&[]) else {
+        return;
+    };
+    let tls = server.url().replacen("redis://", "rediss://", 1);
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = replay(dir.path(), "a", &tls, &namespace(), &["--requests", "5"]);
+    c.env("KVBM_LOG", "warn");
+    let out = run(c);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("TLS handshake") && err.contains("tls-port"),
+        "{err}"
+    );
+    let a = summary(dir.path(), "a");
+    assert_eq!(n(&a, &["integrity_errors"]), 0);
+}

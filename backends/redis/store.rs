@@ -189,6 +189,11 @@ impl RedisStore {
                 }
                 tracing::warn!(url = %inner.url, error = %e, "Redis unreachable; the remote tier reconnects in the background");
             }
+            Err(_) if inner.url.tls => {
+                // A TLS handshake with a server that does not speak TLS gets no answer at all
+                // (a plain redis-server waits for the rest of a command): say so.
+                tracing::warn!(url = %inner.url, "Redis did not answer the TLS handshake in time: is the server listening for TLS on this port (a rediss:// URL needs the server's tls-port, not its plain port)? The remote tier reconnects in the background");
+            }
             Err(_) => {
                 tracing::warn!(url = %inner.url, "Redis did not answer in time; the remote tier reconnects in the background");
             }
