@@ -11,7 +11,7 @@
 
 use std::collections::HashSet;
 
-use crate::connector::adapter::{SchedulerAdapter, SchedulerStep};
+use crate::connector::adapter::{ScheduledRequest, SchedulerAdapter, SchedulerStep};
 use crate::connector::lifecycle::RequestState;
 use crate::connector::metadata::{BlockTransfer, ConnectorMetadata, RemoteWrite, Store};
 use crate::connector::transport::{FinishWork, LeaderMessage};
@@ -126,17 +126,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             let Some(slot) = self.slots.get_mut(&r.request_id) else {
                 continue;
             };
-            append_tokens(
-                slot,
-                r.request_id.as_str(),
-                &r.new_tokens,
-                r.first_token_index,
-            );
-            if r.replace_block_ids {
-                slot.device_blocks.clear();
-            }
-            slot.device_blocks.extend_from_slice(&r.new_block_ids);
-            let computed = after.min(slot.seq.total_tokens());
+            let computed = follow(slot, r, after);
             slot.life.schedule(computed >= slot.prompt_len)?;
             slot.computed = slot.computed.max(computed);
             let id = r.request_id.clone();
@@ -182,17 +172,8 @@ impl<A: SchedulerAdapter> Leader<A> {
             let Some(slot) = self.slots.get_mut(&r.request_id) else {
                 continue;
             };
-            append_tokens(
-                slot,
-                r.request_id.as_str(),
-                &r.new_tokens,
-                r.first_token_index,
-            );
-            if r.replace_block_ids {
-                slot.device_blocks.clear();
-            }
-            slot.device_blocks.extend_from_slice(&r.new_block_ids);
-            slot.computed = slot.computed.max(after.min(slot.seq.total_tokens()));
+            let computed = follow(slot, r, after);
+            slot.computed = slot.computed.max(computed);
         }
         Ok(())
     }
@@ -617,6 +598,22 @@ impl Staging {
 }
 
 /// Appends the part of `tokens` (starting at request index `first`) the slot does not know yet.
+/// Applies one scheduled request's news to its slot (its new tokens and device blocks); returns
+/// the tokens computed after this iteration (`after`, at most the tokens known).
+fn follow(slot: &mut Slot, r: &ScheduledRequest, after: usize) -> usize {
+    append_tokens(
+        slot,
+        r.request_id.as_str(),
+        &r.new_tokens,
+        r.first_token_index,
+    );
+    if r.replace_block_ids {
+        slot.device_blocks.clear();
+    }
+    slot.device_blocks.extend_from_slice(&r.new_block_ids);
+    after.min(slot.seq.total_tokens())
+}
+
 fn append_tokens(slot: &mut Slot, id: &str, tokens: &[Token], first: Option<usize>) {
     if tokens.is_empty() {
         return;
