@@ -169,9 +169,11 @@ impl PyTrtllmScheduler {
         })
     }
 
-    /// The counters as JSON text.
+    /// The counters as JSON text, after applying the completions workers already reported
+    /// (an idle engine makes no other leader call that would).
     fn metrics_json(&self, py: Python<'_>) -> PyResult<String> {
         self.inner.call(py, "metrics_json", |s| {
+            s.leader_mut().process_completions();
             common::metrics_json(s.leader().metrics())
         })
     }
@@ -179,6 +181,7 @@ impl PyTrtllmScheduler {
     /// The counters in Prometheus text format.
     fn metrics_prometheus(&self, py: Python<'_>) -> PyResult<String> {
         self.inner.call(py, "metrics_prometheus", |s| {
+            s.leader_mut().process_completions();
             Ok(s.leader().metrics().render_prometheus())
         })
     }
