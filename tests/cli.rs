@@ -241,6 +241,88 @@ fn default_replay_passes_integrity_and_hits_host_and_disk() {
     assert!(left.is_empty(), "left behind: {left:?}");
 }
 
+/// The lines of the README's sample `kvbm replay` output (the code block that starts with
+/// `kvbm replay —`), each without its `<- …` note and trailing spaces; `...` lines dropped.
+fn readme_sample() -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    let readme = std::fs::read_to_string(&path).expect("read README.md");
+    let start = readme
+        .find("```\nkvbm replay —")
+        .expect("the README shows a sample `kvbm replay` output in a ``` block");
+    let block = &readme[start + 4..];
+    let end = block.find("```").expect("the sample block ends");
+    block[..end]
+        .lines()
+        .map(|l| l.split("<-").next().unwrap_or(l).trim_end().to_string())
+        .filter(|l| !l.trim().is_empty() && l.trim() != "...")
+        .collect()
+}
+
+/// A table line's label: the text before the first run of two spaces.
+fn label_of(line: &str) -> &str {
+    let t = line.trim_start();
+    t.split("  ").next().unwrap_or(t)
+}
+
+/// Every line of the README's sample output appears in a real default run's table, in the same
+/// order, and each figure a run fixes — the header's request and step counts, the prompt,
+/// matched, device-hit and computed token counts, the integrity line (errors and blocks
+/// verified), the simulated TTFT — is that run's, character for character. The split of the
+/// matched tokens between host and disk, the block counts per path and every timing depend on
+/// when the background copies finish, so for those lines only the label is checked.
+#[test]
+fn readme_sample_output_matches_a_real_run() {
+    const EXACT: [&str; 6] = [
+        "prompt tokens",
+        "matched by kvbm",
+        "device cache hits",
+        "tokens computed",
+        "integrity errors",
+        "mean TTFT (simulated)",
+    ];
+    let sample = readme_sample();
+    assert!(sample.len() > 10, "sample too short: {sample:?}");
+    let dir = tmp();
+    let out = kvbm(dir.path()).arg("replay").output().expect("run kvbm");
+    assert_ok(&out, "kvbm replay");
+    let table = text(&out.stdout);
+    let run: Vec<&str> = table.lines().map(str::trim_end).collect();
+    assert_eq!(
+        run.first().copied(),
+        Some(sample[0].as_str()),
+        "header:\n{table}"
+    );
+    let mut at = 0;
+    let mut exact = 0;
+    for want in &sample[1..] {
+        let label = label_of(want);
+        let found = run[at + 1..]
+            .iter()
+            .position(|l| label_of(l) == label)
+            .map(|k| at + 1 + k)
+            .unwrap_or_else(|| {
+                panic!(
+                    "README line {want:?}: no {label:?} line after line {at} in the run:\n{table}"
+                )
+            });
+        if EXACT.contains(&label) {
+            let norm = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+            assert_eq!(
+                norm(want),
+                norm(run[found]),
+                "README line vs the run:\n{table}"
+            );
+            exact += 1;
+        }
+        at = found;
+    }
+    assert_eq!(
+        exact,
+        EXACT.len(),
+        "the README shows every fixed figure: {sample:?}"
+    );
+}
+
 // ------------------------------------------------------------------------------------------------
 // 2. Both engines on every built-in workload
 // ------------------------------------------------------------------------------------------------
