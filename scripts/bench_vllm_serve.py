@@ -115,6 +115,10 @@ COUNTERS = {
     "kvbm_load_error_blocks": "vllm:kvbm_load_error_blocks",
     "kvbm_offload_dropped_blocks": "vllm:kvbm_offload_dropped_blocks",
     "kvbm_host_store_error_blocks": "vllm:kvbm_host_store_error_blocks",
+    "kvbm_finish_holds": "vllm:kvbm_finish_holds",
+    "kvbm_finish_hold_us": "vllm:kvbm_finish_hold_us",
+    "steps": "vllm:iteration_tokens_total:count",
+    "queue_s": "vllm:request_queue_time_seconds:sum",
 }
 
 
@@ -359,6 +363,10 @@ def summarise(runs, reference) -> dict:
         kvbm_host_hit_tokens_median=c("kvbm_host_hit_tokens"),
         kvbm_disk_hit_tokens_median=c("kvbm_disk_hit_tokens"),
         preemptions=[r["counters"]["preemptions"] for r in runs],
+        steps_median=c("steps"),
+        queue_s_median=c("queue_s"),
+        finish_holds_median=c("kvbm_finish_holds"),
+        finish_hold_s_median=c("kvbm_finish_hold_us") / 1e6,
         aborted=[r["aborted"] for r in runs],
         aborted_loading=[r["aborted_loading"] for r in runs],
         aborted_unreported=[r["aborted_unreported"] for r in runs],
@@ -464,6 +472,10 @@ def main() -> None:
                     f"{r['engine_start_s']:.1f} s), computed {r['computed_tokens']}, "
                     f"kvbm host hits {r['counters']['kvbm_host_hit_tokens']:.0f}, "
                     f"preemptions {r['counters']['preemptions']:.0f}, "
+                    f"steps {r['counters']['steps']:.0f}, "
+                    f"queued {r['counters']['queue_s']:.1f} s, "
+                    f"held {r['counters']['kvbm_finish_holds']:.0f} requests "
+                    f"{r['counters']['kvbm_finish_hold_us'] / 1e6:.2f} s, "
                     f"aborted {r['aborted']} ({r['aborted_loading']} loading)"
                     + (f", load errors {lerr:.0f}" if lerr is not None else "")
                     + f"; load {r['load_before']} -> {r['load_after']}",

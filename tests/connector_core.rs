@@ -22,6 +22,60 @@ fn store_then_hit_from_host_then_from_disk() {
     assert_eq!(snap.load_error_blocks, 0);
 }
 
+/// A request that finishes while its stores are in flight is held (the engine keeps its device
+/// blocks) and the hold is counted once its stores end; one whose stores ended before its finish
+/// is not held and not counted.
+#[test]
+fn a_finish_held_for_stores_is_counted_once_they_end() {
+    use kvbm_connector::connector::adapter::SchedulerStep;
+    let mut r = rig(16, 0);
+    let a: RequestId = "a".into();
+    r.offload(
+        &a,
+        &(100..124).collect::<Vec<u32>>(),
+        &(0..6).collect::<Vec<_>>(),
+    );
+    assert_eq!(
+        r.leader.metrics().snapshot().finish_holds,
+        0,
+        "stored before its finish"
+    );
+
+    let b: RequestId = "b".into();
+    let tokens: Vec<u32> = (200..224).collect();
+    r.leader
+        .get_num_new_matched_tokens(info(&b, &tokens), 0)
+        .unwrap();
+    r.leader
+        .update_state_after_alloc(&b, &[6, 7, 8, 9, 10, 11], 0)
+        .unwrap();
+    // Built but not yet executed: the stores are in flight when the request finishes.
+    let meta = r
+        .leader
+        .build_connector_meta(&SchedulerStep {
+            requests: vec![prefill(&b, 0, 24)],
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(r.leader.request_finished(&b, None, None).unwrap(), "held");
+    assert_eq!(r.leader.metrics().snapshot().finish_holds, 0, "still held");
+    r.worker.bind_metadata(&meta).unwrap();
+    r.worker.start_load().unwrap();
+    r.worker.save().unwrap();
+    r.worker
+        .wait_idle(std::time::Duration::from_secs(10))
+        .unwrap();
+    r.step(SchedulerStep::default(), &[], std::slice::from_ref(&b));
+    let snap = r.leader.metrics().snapshot();
+    assert_eq!(snap.finish_holds, 1, "{snap:?}");
+    assert!(snap.finish_hold_us > 0, "{snap:?}");
+    assert!(r
+        .leader
+        .metrics()
+        .render_prometheus()
+        .contains("kvbm_finish_holds_total 1\n"));
+}
+
 /// A new request's lookup applies the completions that arrived when a store of one of its keys
 /// is in flight, with no other leader call in between: what finished storing matches at once. A
 /// new request none of whose keys is being stored leaves them to the step's other calls.

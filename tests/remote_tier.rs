@@ -388,6 +388,18 @@ fn invalid_or_evicted_values_are_load_errors_never_served() {
     }
     let snap = b.leader.metrics().snapshot();
     assert_eq!((snap.load_error_blocks, snap.remote_hit_tokens), (3, 0));
+    // The worker's store saw the invalid values (the leader's only looked them up): its counters
+    // reach the leader's metrics (sent at the end of the iteration, applied by the next call).
+    b.leader.process_completions();
+    let snap = b.leader.metrics().snapshot();
+    assert_eq!(snap.remote_invalid_values, 3, "{snap:?}");
+    assert!(b
+        .leader
+        .metrics()
+        .render_prometheus()
+        .contains("kvbm_remote_invalid_values_total 3\n"));
+    let st = b.leader.remote_store_stats().unwrap();
+    assert_eq!(st.invalid, 3);
 
     // Evicted (a server restarted empty) between lookup and read: load errors too.
     faults.invalid.store(false, Ordering::Relaxed);

@@ -170,6 +170,8 @@ STAT_COUNTERS = (
     "host_store_error_blocks",
     "disk_store_error_blocks",
     "offload_dropped_blocks",
+    "finish_holds",
+    "finish_hold_us",
 )
 
 

@@ -102,9 +102,19 @@ pub struct Metrics {
     remote_state: AtomicU64,
     /// Changes of that verdict.
     remote_state_changes: AtomicU64,
+    /// The remote stores' own counters, the leader's and every rank's added (set, not added to:
+    /// see [`Metrics::set_remote_store_stats`]).
+    remote_call_errors: AtomicU64,
+    remote_call_timeouts: AtomicU64,
+    remote_reconnects: AtomicU64,
+    remote_invalid_values: AtomicU64,
     operations_submitted: AtomicU64,
     operations_completed: AtomicU64,
     operations_failed: AtomicU64,
+    /// Finished requests whose device blocks the engine kept for our operations, and the
+    /// microseconds from their finish until the leader saw those operations end.
+    finish_holds: AtomicU64,
+    finish_hold_us: AtomicU64,
     /// `transfers[index(src)][index(dst)]`.
     transfers: [[PairCounters; 4]; 4],
 }
@@ -220,6 +230,28 @@ impl Metrics {
         }
     }
 
+    /// The remote stores' counters (the leader's and every rank's, added): failed calls, calls
+    /// past their deadline, reconnections, values that failed verification (withdrawn).
+    pub fn set_remote_store_stats(&self, st: &crate::connector::remote::RemoteStoreStats) {
+        self.remote_call_errors.store(st.errors, Ordering::Relaxed);
+        self.remote_call_timeouts
+            .store(st.timeouts, Ordering::Relaxed);
+        self.remote_reconnects
+            .store(st.reconnects, Ordering::Relaxed);
+        self.remote_invalid_values
+            .store(st.invalid, Ordering::Relaxed);
+    }
+
+    /// A finished request's device blocks were kept for `held` (from `request_finished`
+    /// answering true until its last operation ended): the engine could not reuse them then.
+    pub fn record_finish_hold(&self, held: std::time::Duration) {
+        add(&self.finish_holds, 1);
+        add(
+            &self.finish_hold_us,
+            u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
+        );
+    }
+
     /// The current values (read counter by counter; see the module docs).
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut transfers = Vec::new();
@@ -254,6 +286,10 @@ impl Metrics {
             remote_lookup_skipped: get(&self.remote_lookup_skipped),
             remote_available: get(&self.remote_available) != 0,
             remote_state_changes: get(&self.remote_state_changes),
+            remote_call_errors: get(&self.remote_call_errors),
+            remote_call_timeouts: get(&self.remote_call_timeouts),
+            remote_reconnects: get(&self.remote_reconnects),
+            remote_invalid_values: get(&self.remote_invalid_values),
             remote_state: match get(&self.remote_state) {
                 1 => Some(StoreState::Healthy),
                 2 => Some(StoreState::Slow),
@@ -263,6 +299,8 @@ impl Metrics {
             operations_submitted: get(&self.operations_submitted),
             operations_completed: get(&self.operations_completed),
             operations_failed: get(&self.operations_failed),
+            finish_holds: get(&self.finish_holds),
+            finish_hold_us: get(&self.finish_hold_us),
             transfers,
         }
     }
@@ -321,12 +359,27 @@ pub struct MetricsSnapshot {
     pub remote_state: Option<StoreState>,
     /// How many times that verdict changed.
     pub remote_state_changes: u64,
+    /// Calls to the remote store that failed, the leader's and every rank's.
+    pub remote_call_errors: u64,
+    /// Calls to the remote store past their deadline, the leader's and every rank's.
+    pub remote_call_timeouts: u64,
+    /// Reconnections to the remote store, the leader's and every rank's.
+    pub remote_reconnects: u64,
+    /// Values read from the remote store that failed verification (each withdrawn), the
+    /// leader's and every rank's.
+    pub remote_invalid_values: u64,
     /// Operations submitted.
     pub operations_submitted: u64,
     /// Operations finished successfully.
     pub operations_completed: u64,
     /// Operations finished with an error.
     pub operations_failed: u64,
+    /// Finished requests whose device blocks the engine kept for the connector's operations
+    /// (`request_finished` answered true).
+    pub finish_holds: u64,
+    /// Microseconds those requests' blocks were kept, summed: from the finish until the leader
+    /// saw their last operation end. Divided by `finish_holds`, the mean hold.
+    pub finish_hold_us: u64,
     /// Blocks and bytes per (source, destination) pair: only non-zero pairs, ordered by
     /// (`src`, `dst`).
     pub transfers: Vec<TransferCounters>,
@@ -426,6 +479,11 @@ impl MetricsSnapshot {
             "Load and store operations finished with an error.",
             self.operations_failed,
         );
+        counter(
+            "kvbm_finish_holds_total",
+            "Finished requests whose device blocks the engine kept for the connector's operations.",
+            self.finish_holds,
+        );
 
         let name = "kvbm_hit_tokens_total";
         header(
@@ -473,6 +531,32 @@ impl MetricsSnapshot {
             line(&mut out, name, &format!("outcome=\"{outcome}\""), value);
         }
 
+        let name = "kvbm_remote_calls_failed_total";
+        header(
+            &mut out,
+            name,
+            "Calls to the remote store that did not succeed, by reason (error, timeout), the leader's and every worker's.",
+            "counter",
+        );
+        for (reason, value) in [
+            ("error", self.remote_call_errors),
+            ("timeout", self.remote_call_timeouts),
+        ] {
+            line(&mut out, name, &format!("reason=\"{reason}\""), value);
+        }
+        counter_line(
+            &mut out,
+            "kvbm_remote_reconnects_total",
+            "Reconnections to the remote store, the leader's and every worker's.",
+            self.remote_reconnects,
+        );
+        counter_line(
+            &mut out,
+            "kvbm_remote_invalid_values_total",
+            "Values read from the remote store that failed verification (each withdrawn), the leader's and every worker's.",
+            self.remote_invalid_values,
+        );
+
         let pairs = self.rendered_pairs();
         for (name, help, bytes) in [
             (
@@ -497,6 +581,18 @@ impl MetricsSnapshot {
                 );
             }
         }
+
+        header(
+            &mut out,
+            "kvbm_finish_hold_seconds_total",
+            "Seconds finished requests' device blocks were kept for the connector's operations, summed.",
+            "counter",
+        );
+        let _ = writeln!(
+            out,
+            "kvbm_finish_hold_seconds_total {}",
+            self.finish_hold_us as f64 / 1e6
+        );
 
         let mut gauge = |name: &str, help: &str, value: f64| {
             header(&mut out, name, help, "gauge");
@@ -601,6 +697,12 @@ impl WarnLimiter {
 fn header(out: &mut String, name: &str, help: &str, kind: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Appends a counter without labels: its header and its one sample.
+fn counter_line(out: &mut String, name: &str, help: &str, value: u64) {
+    header(out, name, help, "counter");
+    line(out, name, "", value);
 }
 
 /// Appends one integer sample, with `labels` (already formatted, without braces) if non-empty.

@@ -144,8 +144,10 @@ pub struct RemotePut {
     pub present: usize,
 }
 
-/// Counters of a [`RemoteStore`] for metrics and reports.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Counters of a [`RemoteStore`] for metrics and reports (totals since the store was built).
+/// Each worker sends its store's to the leader when they change
+/// ([`WorkerMessage::StoreStats`](crate::connector::transport::WorkerMessage::StoreStats)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RemoteStoreStats {
     /// Whether the store answered its last call (false while it is down / reconnecting).
     pub available: bool,
@@ -157,6 +159,19 @@ pub struct RemoteStoreStats {
     pub reconnects: u64,
     /// Values that failed verification on read.
     pub invalid: u64,
+}
+
+impl RemoteStoreStats {
+    /// The counters of `self` and `other` added (`available`: both answered).
+    pub fn plus(self, other: RemoteStoreStats) -> RemoteStoreStats {
+        RemoteStoreStats {
+            available: self.available && other.available,
+            errors: self.errors.saturating_add(other.errors),
+            timeouts: self.timeouts.saturating_add(other.timeouts),
+            reconnects: self.reconnects.saturating_add(other.reconnects),
+            invalid: self.invalid.saturating_add(other.invalid),
+        }
+    }
 }
 
 /// A shared block store beyond this machine (the G4 tier), as a storage backend provides it

@@ -74,6 +74,11 @@ pub enum WorkerMessage {
     Failed(String),
     /// Operations finished.
     Completed(Vec<Completion>),
+    /// The counters of this rank's remote store (totals since it was built), sent at the end
+    /// of an engine iteration when they changed: the leader adds every rank's to its own store's
+    /// in the metrics and reports (what a worker's loads and writes saw — values withdrawn,
+    /// timeouts, reconnections — is otherwise only in that worker's log).
+    StoreStats(crate::connector::remote::RemoteStoreStats),
     /// The connection to this rank was lost; the text says how (end of stream, I/O error,
     /// undecodable frame). Generated locally by a network transport (see
     /// [`tcp`](crate::connector::tcp)); never sent on the wire: a leader that receives it from a

@@ -41,9 +41,11 @@ use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, Operat
 use crate::connector::metrics::{Metrics, WarnLimiter};
 use crate::connector::metrics_server::MetricsServer;
 use crate::connector::outbox::Outbox;
-use crate::connector::remote::{RemoteScope, RemoteSink, RemoteSource, RemoteStore};
+use crate::connector::remote::{
+    RemoteScope, RemoteSink, RemoteSource, RemoteStore, RemoteStoreStats,
+};
 use crate::connector::transport::{
-    Completion, FinishWork, LeaderMessage, TierCounts, WorkerHello, WorkerTransport,
+    Completion, FinishWork, LeaderMessage, TierCounts, WorkerHello, WorkerMessage, WorkerTransport,
 };
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
@@ -252,6 +254,8 @@ pub struct Worker {
     metrics_server: Option<MetricsServer>,
     /// Completions waiting to be sent to the leader, in batches (see `outbox`).
     outbox: Arc<Outbox>,
+    /// The remote store's counters last sent to the leader ([`WorkerMessage::StoreStats`]).
+    store_stats_sent: RemoteStoreStats,
 }
 
 impl std::fmt::Debug for Worker {
@@ -320,6 +324,7 @@ impl Worker {
             leader_gone: false,
             metrics_server,
             outbox,
+            store_stats_sent: RemoteStoreStats::default(),
         })
     }
 
@@ -949,9 +954,26 @@ impl Worker {
         // The iteration ends: every completion queued by now — among them those of whatever
         // the answer below reports done — goes to the leader before the engine hears of it.
         self.outbox.end_iteration();
+        self.send_store_stats();
         released.sort();
         loaded.sort();
         (released, loaded)
+    }
+
+    /// Sends this rank's remote-store counters to the leader when they changed since the last
+    /// time (the leader adds every rank's to the metrics and reports). A failed send is the
+    /// transport's to report; the counters go with the next change.
+    fn send_store_stats(&mut self) {
+        let Some(store) = self.tiers().and_then(|t| t.remote.clone()) else {
+            return;
+        };
+        let now = store.stats();
+        if now == self.store_stats_sent {
+            return;
+        }
+        if self.transport.send(WorkerMessage::StoreStats(now)).is_ok() {
+            self.store_stats_sent = now;
+        }
     }
 
     /// Whether request `id` is still tracked here: operations in flight, or its end not yet

@@ -150,13 +150,14 @@ pub struct RemoteReport {
     pub write_errors: u64,
     /// Tokens loaded from it.
     pub hit_tokens: u64,
-    /// The leader's store: failed calls.
+    /// Failed calls to the store, the leader's and every rank's.
     pub store_errors: u64,
-    /// The leader's store: calls past their deadline.
+    /// Calls to the store past their deadline, the leader's and every rank's.
     pub store_timeouts: u64,
-    /// The leader's store: reconnections.
+    /// Reconnections to the store, the leader's and every rank's.
     pub reconnects: u64,
-    /// The leader's store: values that failed verification.
+    /// Values read from the store that failed verification (each withdrawn), the leader's and
+    /// every rank's.
     pub invalid_values: u64,
 }
 

@@ -184,6 +184,9 @@ impl<A: SchedulerAdapter> Leader<A> {
                 Ok(Some((rank, WorkerMessage::Completed(list)))) => {
                     batch.extend(list.into_iter().map(|c| (rank, c)));
                 }
+                Ok(Some((rank, WorkerMessage::StoreStats(st)))) => {
+                    self.rank_store_stats.insert(rank, st);
+                }
                 Ok(Some((rank, WorkerMessage::Disconnected(why)))) => {
                     self.apply_completions(&mut batch);
                     self.on_rank_lost(rank, &why);
@@ -202,6 +205,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             }
         }
         self.apply_completions(&mut batch);
+        self.publish_store_stats();
     }
 
     fn apply_completions(&mut self, batch: &mut Vec<(usize, Completion)>) {
@@ -437,6 +441,9 @@ impl<A: SchedulerAdapter> Leader<A> {
         if slot.life.is_finishing() && slot.loads_in_flight == 0 && slot.stores_in_flight == 0 {
             if let Err(e) = slot.life.drained() {
                 tracing::warn!(error = %e, "cannot close a drained request");
+            }
+            if let Some(since) = slot.held_since {
+                self.metrics.record_finish_hold(since.elapsed());
             }
             self.slots.remove(id);
         }

@@ -108,6 +108,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                     staged: None,
                     loads_in_flight: 0,
                     stores_in_flight: 0,
+                    held_since: None,
                 })
             }
         };

@@ -131,6 +131,9 @@ struct Slot {
     staged: Option<Staged>,
     loads_in_flight: usize,
     stores_in_flight: usize,
+    /// When `request_finished` answered true (the engine keeps the request's device blocks
+    /// until its operations end): the hold is counted in the metrics when they do.
+    held_since: Option<std::time::Instant>,
 }
 
 /// The host and disk block accounting, built once the barrier agreed on the counts.
@@ -189,6 +192,10 @@ pub struct Leader<A: SchedulerAdapter> {
     placeholder: Option<usize>,
     /// Whether a match counts in the lookup metrics (see `get_num_new_matched_tokens_uncounted`).
     count_lookups: bool,
+    /// The last remote-store counters each rank reported ([`WorkerMessage::StoreStats`]).
+    ///
+    /// [`WorkerMessage::StoreStats`]: crate::connector::transport::WorkerMessage::StoreStats
+    rank_store_stats: HashMap<usize, crate::connector::remote::RemoteStoreStats>,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -250,6 +257,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             deferred_match: E::DEFERRED_MATCH,
             placeholder: E::PLACEHOLDER_BLOCK,
             count_lookups: true,
+            rank_store_stats: HashMap::new(),
         };
         if let Some(addr) = leader.config.tcp.metrics_addr {
             leader.metrics_server = Some(crate::connector::metrics_server::MetricsServer::start(
@@ -382,6 +390,25 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// The remote store, once built.
     pub fn remote_store(&self) -> Option<&Arc<dyn crate::connector::remote::RemoteStore>> {
         self.remote.as_ref().map(|r| &r.store)
+    }
+
+    /// The remote-store counters of the leader's store and every rank's (as last reported),
+    /// added; `None` without a remote store. `available`: the leader's store answered its last
+    /// call and no rank's last report said otherwise.
+    pub fn remote_store_stats(&self) -> Option<crate::connector::remote::RemoteStoreStats> {
+        let own = self.remote.as_ref()?.store.stats();
+        Some(
+            self.rank_store_stats
+                .values()
+                .fold(own, |sum, rank| sum.plus(*rank)),
+        )
+    }
+
+    /// Copies [`Leader::remote_store_stats`] into the metrics.
+    pub(super) fn publish_store_stats(&self) {
+        if let Some(st) = self.remote_store_stats() {
+            self.metrics.set_remote_store_stats(&st);
+        }
     }
 
     /// Builds the remote store if configured and not tried yet. A failure leaves the remote

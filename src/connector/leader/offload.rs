@@ -248,6 +248,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         let (loads, stores) = (slot.loads_in_flight > 0, slot.stores_in_flight > 0);
         slot.life.finish(loads, stores)?;
         if loads || stores {
+            slot.held_since = Some(std::time::Instant::now());
             self.outbox.hold.push(id.clone());
             Ok(true)
         } else {

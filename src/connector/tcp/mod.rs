@@ -16,7 +16,7 @@
 //! so the start-up barrier ([`barrier`](crate::connector::barrier)) and the leader's completion
 //! handling run over the network unchanged.
 //!
-//! # Wire protocol (version 3)
+//! # Wire protocol (version 4)
 //!
 //! Every message in either direction is one *frame*: a 12-byte header followed by a payload (JSON,
 //! except COMPLETIONS, which is binary).
@@ -45,6 +45,8 @@
 //!   `"Ready"`, `{"Failed":"why"}`,
 //!   `{"Hello":{"rank":0,"world_size":2,"bytes_per_block":4096,"num_device_blocks":32,"dims":{...}}}`,
 //!   `{"Completed":[{"op":7,"failed_dst_blocks":[],"error":null}]}`,
+//!   `{"StoreStats":{"available":true,"errors":0,"timeouts":2,"reconnects":0,"invalid":1}}` (the
+//!   worker's remote store's counters, when they changed; version 4),
 //!   `{"Allocate":{"num_host_blocks":8,"num_disk_blocks":0,"num_device_blocks":32}}`,
 //!   `{"Refused":"why"}`,
 //!   `{"Finish":{"after_iteration":12,"metadata":[75,86,77,68,…]}}` (the metadata's bytes) (a finished request's last stores and hold,
@@ -100,7 +102,7 @@
 //!
 //! It also refuses, with a REFUSED frame, a client that speaks the protocol (right magic) but
 //! sends another protocol version ("protocol version 2 is not supported (this side speaks
-//! version 3)"), another frame kind than HELLO first, an oversized or
+//! version 4)"), another frame kind than HELLO first, an oversized or
 //! undecodable HELLO, and a client that sends no complete HELLO within the handshake timeout.
 //! Bytes that do not start with the magic (an HTTP request, random data) get no answer: the
 //! connection is just closed. At most 64 handshakes are pending at once; more connections are
@@ -108,7 +110,7 @@
 //!
 //! A worker whose leader answers in another protocol version gets an
 //! [`ErrorKind::Unsupported`] error at once, naming both versions ("the kvbm leader at ADDR
-//! speaks wire protocol version 2 and rank 0 speaks version 3: run the same kvbm-connector
+//! speaks wire protocol version 2 and rank 0 speaks version 4: run the same kvbm-connector
 //! release on the leader and every worker").
 //!
 //! # Heartbeats

@@ -198,7 +198,8 @@ pub trait LeaderCalls {
     fn match_split(&self) -> MatchResult;
     /// The leader's counters.
     fn metrics(&self) -> MetricsSnapshot;
-    /// The remote store's name and counters, when the remote tier is on.
+    /// The remote store's name and counters (the leader's store and every rank's, added), when
+    /// the remote tier is on.
     fn remote_store(&self) -> Option<(String, RemoteStoreStats)>;
 }
 
@@ -228,7 +229,8 @@ impl<A: SchedulerAdapter> LeaderCalls for Leader<A> {
         Leader::metrics(self).snapshot()
     }
     fn remote_store(&self) -> Option<(String, RemoteStoreStats)> {
-        Leader::remote_store(self).map(|s| (s.describe(), s.stats()))
+        let store = Leader::remote_store(self)?;
+        Some((store.describe(), self.remote_store_stats()?))
     }
 }
 
