@@ -42,6 +42,12 @@ soon as it is seen waiting for its load (``WAITING_FOR_REMOTE_KVS``, load not re
 history plus the next user tokens, the same in both arms; aborted requests are left out of the
 output comparison.
 
+``--executor mp``: vLLM's CPU backend reserves one more core when a KV connector is configured,
+which on a 2-core host makes it bind the kvbm arm's model to both cores with two OpenMP threads
+(one thread on one core without a connector). So both arms run with
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (the no-connector reservation) unless it is set already or
+``--vllm-default-binding`` is given; the header prints which.
+
 ``--load spin:K`` starts K processes running ``while True: pass``; ``--load mem:K`` K processes
 copying a 512 MiB array in a loop (memory bandwidth). They start before the first round and are
 killed at the end, always.
@@ -396,6 +402,9 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the untimed no-connector run of the workload before round 0")
+    ap.add_argument("--vllm-default-binding", action="store_true",
+                    help="--executor mp: leave vLLM's CPU core reservation as it is (it reserves "
+                         "one more core when a KV connector is configured, so the arms differ)")
     ap.add_argument("--allow-debug", action="store_true",
                     help="time an unoptimised (debug) build of kvbm anyway; not the product's figures")
     args = ap.parse_args()
@@ -411,6 +420,16 @@ def main() -> None:
     assert not (args.aborts and args.executor != "uni"), (
         "--aborts steps the in-process engine and reads its scheduler: use --executor uni"
     )
+    # vLLM's CPU backend (multiprocess executor) binds the model's OpenMP threads to the cores
+    # it does not reserve: one per local rank for the scheduler's process, and one more per rank
+    # whenever a KV connector is configured (meant for NIXL's transfers). On a 2-core host the
+    # second reservation cannot be met, and vLLM then binds the worker to every core with two
+    # OpenMP threads, where the no-connector arm has one thread on one core: the arms would
+    # differ in the model's threads, not only in the connector. Unless asked otherwise, both arms
+    # get the no-connector reservation (VLLM_CPU_NUM_OF_RESERVED_CPU=1); kvbm needs no core of
+    # its own.
+    if args.executor == "mp" and not args.vllm_default_binding:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     wl = Workload(args.workload, args.conversations, args.turns, args.system_tokens,
                   args.user_tokens, args.output_tokens)
     longest = wl.system + wl.user + (wl.turns - 1) * (wl.output + wl.user) + wl.output
@@ -445,12 +464,14 @@ def main() -> None:
             host_gb=args.host_gb,
             disk_gb=args.disk_gb,
             load_at_start=loadavg(),
+            vllm_cpu_reserved=os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "vLLM's default"),
         )
         print(
             f"CPU: {header['cpu']} ({header['cores']} cores; {header['cpu_flags']}); "
             f"executor {args.executor}; workload {args.workload} "
             f"{args.conversations} x {args.turns}; aborts {args.aborts}; "
-            f"competing load {header['load']}; load average {header['load_at_start']}",
+            f"competing load {header['load']}; load average {header['load_at_start']}; "
+            f"VLLM_CPU_NUM_OF_RESERVED_CPU {header['vllm_cpu_reserved']}",
             flush=True,
         )
         load = start_load(args.load)

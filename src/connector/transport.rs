@@ -79,12 +79,22 @@ pub enum WorkerMessage {
     /// in the metrics and reports (what a worker's loads and writes saw — values withdrawn,
     /// timeouts, reconnections — is otherwise only in that worker's log).
     StoreStats(crate::connector::remote::RemoteStoreStats),
+    /// This worker is closing its connection on purpose (its engine shut down): the leader's
+    /// transport then reports the connection's end as [`GOODBYE`], logged as a departure, not
+    /// as a lost worker. What it had not reported still counts as failed there, as for any
+    /// rank that leaves.
+    Goodbye,
     /// The connection to this rank was lost; the text says how (end of stream, I/O error,
     /// undecodable frame). Generated locally by a network transport (see
     /// [`tcp`](crate::connector::tcp)); never sent on the wire: a leader that receives it from a
     /// peer closes that connection. After it, nothing more arrives from this rank's connection.
     Disconnected(String),
 }
+
+/// The reason of the [`WorkerMessage::Disconnected`] of a rank that said
+/// [`WorkerMessage::Goodbye`] before closing its connection.
+pub const GOODBYE: &str =
+    "the worker closed its connection after saying goodbye (its engine shut down)";
 
 /// What the leader decided when a request finished (its last stores and the hold on its device
 /// blocks), sent to every worker at once instead of with the next metadata, so that it runs even

@@ -101,7 +101,14 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// A rank's connection was lost: every operation it had not completed counts as failed there
     /// (loads are load errors, stores are not registered), and the leader degrades.
     fn on_rank_lost(&mut self, rank: usize, why: &str) {
-        tracing::error!(rank, reason = %why, "kvbm leader lost a worker; matching and storing stop");
+        if why == crate::connector::transport::GOODBYE {
+            tracing::info!(
+                rank,
+                "a kvbm worker left (its engine shut down); matching and storing stop"
+            );
+        } else {
+            tracing::error!(rank, reason = %why, "kvbm leader lost a worker; matching and storing stop");
+        }
         if self.dead.len() <= rank {
             self.dead.resize(rank + 1, false);
         }

@@ -26,7 +26,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{tcp_config_from_env, TcpConfig, AUTH_TOKEN_ENV, HEARTBEAT_TIMEOUT_ENV};
-use crate::connector::transport::{LeaderMessage, LeaderTransport, Rank, WorkerMessage};
+use crate::connector::transport::{LeaderMessage, LeaderTransport, Rank, WorkerMessage, GOODBYE};
 use crate::error::{Error, Result};
 
 use super::cancelled;
@@ -708,7 +708,11 @@ async fn serve_connection(
     writer.abort();
     let logged = reason.clone();
     if shared.release(rank, conn, Some(reason)) {
-        tracing::warn!(peer = %peer, rank, reason = %logged, "kvbm worker disconnected");
+        if logged == GOODBYE {
+            tracing::info!(peer = %peer, rank, "kvbm worker left (it said goodbye)");
+        } else {
+            tracing::warn!(peer = %peer, rank, reason = %logged, "kvbm worker disconnected");
+        }
     }
 }
 
@@ -761,6 +765,7 @@ async fn read_loop(shared: &Shared, rank: Rank, conn: u64, rd: OwnedReadHalf) ->
             WorkerMessage::Disconnected(_) => {
                 return "peer sent Disconnected, which is never sent on the wire".to_string()
             }
+            WorkerMessage::Goodbye => return GOODBYE.to_string(),
             WorkerMessage::Ready => shared.note_ready(rank, conn),
             WorkerMessage::Completed(list) => {
                 counts

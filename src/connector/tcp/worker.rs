@@ -322,6 +322,16 @@ impl TcpWorker {
     /// Closes the connection to the leader (dropping the worker does the same); the leader sees
     /// [`WorkerMessage::Disconnected`] for this rank.
     pub fn close(&self) {
+        if self.is_connected() {
+            // Best effort and never blocking (a send in progress holds the stream): the leader
+            // then logs this rank's departure instead of a lost worker.
+            if let (Some(mut stream), Ok(frame)) = (
+                self.stream.try_lock(),
+                encode_json(FrameKind::Msg, &WorkerMessage::Goodbye),
+            ) {
+                let _ = stream.write_all(&frame);
+            }
+        }
         self.closed
             .close("this worker closed its connection".to_string());
         let _ = self.control.shutdown(Shutdown::Both);
