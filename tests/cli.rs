@@ -1776,6 +1776,39 @@ fn bad_flags_are_refused_at_once_and_by_name() {
         "{err}"
     );
     println!("refused in {:.3} s", t.elapsed().as_secs_f64());
+    // A device (before: the whole sweep ran, then "No space left on device") and a directory are
+    // refused before the sweep: no table was printed.
+    for (plot, why) in [
+        (PathBuf::from("/dev/full"), "not a regular file"),
+        (dir.path().to_path_buf(), "is a directory"),
+    ] {
+        let out = kvbm(dir.path())
+            .args(["sweep", "--capacities", "1k", "--plot"])
+            .arg(&plot)
+            .output()
+            .expect("run kvbm");
+        assert!(!out.status.success());
+        let err = text(&out.stderr);
+        assert!(err.contains("--plot") && err.contains(why), "{err}");
+        assert!(
+            !text(&out.stdout).contains("hit rate"),
+            "the sweep ran before --plot {} was refused",
+            plot.display()
+        );
+    }
+    // A plot into a new file is written (the check before the sweep removed what it created).
+    let svg = dir.path().join("curve.svg");
+    let out = kvbm(dir.path())
+        .args(["sweep", "--quiet", "--capacities", "1k", "--plot"])
+        .arg(&svg)
+        .output()
+        .expect("run kvbm");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let body = std::fs::read_to_string(&svg).expect("the plot was written");
+    assert!(
+        body.starts_with("<svg") && body.contains("</svg>"),
+        "{body:.200}"
+    );
 
     // A 100,000-character host is refused, and quoted cut (before: 400 KB of stderr).
     for host in ["a".repeat(100_000), "b".repeat(300)] {

@@ -327,6 +327,44 @@ pub fn render_table(title: &str, points: &[Point], unlimited: &Unlimited) -> Str
     out
 }
 
+/// `--plot`'s path must be a file this process can write: in an existing directory, and a regular
+/// file if it exists (a device such as /dev/full, a FIFO or a directory is refused). Checked by
+/// opening it for writing without truncating; a file created by the check is removed again, so a
+/// sweep that fails later leaves nothing behind.
+fn check_plot_path(path: &Path) -> Result<()> {
+    let bad = |why: String| {
+        Err(
+            Error::invalid_argument(format!("--plot {}: {why}", path.display()))
+                .with("flag", "--plot"),
+        )
+    };
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !parent.is_dir() {
+        return bad(format!("{} is not a directory", parent.display()));
+    }
+    let existed = match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => true,
+        Ok(m) if m.is_dir() => return bad("is a directory; name the SVG file to write".into()),
+        Ok(_) => return bad("is not a regular file; name the SVG file to write".into()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return bad(format!("cannot be read: {e}")),
+    };
+    if let Err(e) = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+    {
+        return bad(format!("cannot be written: {e}"));
+    }
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
 /// Writes the SVG plot: hit rate (%) over host capacity (tokens, log scale), one line per
 /// policy (and per policy with the disk tier), and the unlimited cache's line.
 pub fn draw_plot(
@@ -362,7 +400,8 @@ pub fn draw_plot(
     let mut keys: Vec<f64> = points.iter().map(|p| p.host_tokens as f64).collect();
     keys.sort_by(f64::total_cmp);
     keys.dedup();
-    let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
+    let mut svg = String::new();
+    let root = SVGBackend::with_string(&mut svg, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
@@ -435,7 +474,15 @@ pub fn draw_plot(
         .draw()
         .map_err(|e| fail(&e))?;
     root.present().map_err(|e| fail(&e))?;
-    Ok(())
+    drop(chart);
+    drop(root);
+    std::fs::write(path, svg).map_err(|e| {
+        Error::new(
+            ErrorKind::Io,
+            format!("cannot write the plot {}: {e}", path.display()),
+        )
+        .with("flag", "--plot")
+    })
 }
 
 /// `1.5M`, `300K`, `800`.
@@ -484,18 +531,7 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
     }
     if let Some(path) = &a.plot {
         // Checked before the sweep runs (minutes), not after it.
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        if !parent.is_dir() {
-            return Err(Error::invalid_argument(format!(
-                "--plot {}: {} is not a directory",
-                path.display(),
-                parent.display()
-            ))
-            .with("flag", "--plot"));
-        }
+        check_plot_path(path)?;
     }
     let mut policies: Vec<EvictionPolicy> = Vec::new();
     for p in &a.eviction {

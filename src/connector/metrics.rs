@@ -440,110 +440,94 @@ impl MetricsSnapshot {
     /// This snapshot in Prometheus text format (see [`Metrics::render_prometheus`]).
     pub fn render_prometheus(&self) -> String {
         let mut out = String::with_capacity(2048);
-        let mut counter = |name: &str, help: &str, value: u64| {
-            header(&mut out, name, help, "counter");
-            line(&mut out, name, "", value);
-        };
-        counter(
-            "kvbm_lookup_tokens_total",
-            "Prompt tokens looked up in the offload tiers.",
-            self.lookup_tokens,
-        );
-        counter(
-            "kvbm_matched_tokens_total",
-            "Tokens matched beyond the device (promised to the engine, not yet loaded).",
-            self.matched_tokens,
-        );
-        counter(
-            "kvbm_load_error_blocks_total",
-            "Device blocks whose load failed and are recomputed.",
-            self.load_error_blocks,
-        );
-        counter(
-            "kvbm_offload_dropped_blocks_total",
-            "Full blocks not offloaded because neither the host nor the disk tier had a free block.",
-            self.offload_dropped_blocks,
-        );
-        counter(
-            "kvbm_operations_submitted_total",
-            "Load and store operations submitted.",
-            self.operations_submitted,
-        );
-        counter(
-            "kvbm_operations_completed_total",
-            "Load and store operations finished successfully.",
-            self.operations_completed,
-        );
-        counter(
-            "kvbm_operations_failed_total",
-            "Load and store operations finished with an error.",
-            self.operations_failed,
-        );
-        counter(
-            "kvbm_finish_holds_total",
-            "Finished requests whose device blocks the engine kept for the connector's operations.",
-            self.finish_holds,
-        );
-
-        let name = "kvbm_hit_tokens_total";
-        header(
+        for (name, help, value) in [
+            (
+                "kvbm_lookup_tokens_total",
+                "Prompt tokens looked up in the offload tiers.",
+                self.lookup_tokens,
+            ),
+            (
+                "kvbm_matched_tokens_total",
+                "Tokens matched beyond the device (promised to the engine, not yet loaded).",
+                self.matched_tokens,
+            ),
+            (
+                "kvbm_load_error_blocks_total",
+                "Device blocks whose load failed and are recomputed.",
+                self.load_error_blocks,
+            ),
+            (
+                "kvbm_offload_dropped_blocks_total",
+                "Full blocks not offloaded because neither the host nor the disk tier had a free block.",
+                self.offload_dropped_blocks,
+            ),
+            (
+                "kvbm_operations_submitted_total",
+                "Load and store operations submitted.",
+                self.operations_submitted,
+            ),
+            (
+                "kvbm_operations_completed_total",
+                "Load and store operations finished successfully.",
+                self.operations_completed,
+            ),
+            (
+                "kvbm_operations_failed_total",
+                "Load and store operations finished with an error.",
+                self.operations_failed,
+            ),
+            (
+                "kvbm_finish_holds_total",
+                "Finished requests whose device blocks the engine kept for the connector's operations.",
+                self.finish_holds,
+            ),
+        ] {
+            counter_line(&mut out, name, help, value);
+        }
+        labelled(
             &mut out,
-            name,
+            "kvbm_hit_tokens_total",
             "Tokens loaded successfully from an offload tier, by tier.",
-            "counter",
+            "tier",
+            &[
+                (TierKind::Host, self.host_hit_tokens),
+                (TierKind::Disk, self.disk_hit_tokens),
+                (TierKind::Remote, self.remote_hit_tokens),
+            ],
         );
-        for (tier, value) in [
-            (TierKind::Host, self.host_hit_tokens),
-            (TierKind::Disk, self.disk_hit_tokens),
-            (TierKind::Remote, self.remote_hit_tokens),
-        ] {
-            line(&mut out, name, &format!("tier=\"{tier}\""), value);
-        }
-
-        let name = "kvbm_store_error_blocks_total";
-        header(
+        labelled(
             &mut out,
-            name,
+            "kvbm_store_error_blocks_total",
             "Blocks whose store into an offload tier failed (never matched), by tier.",
-            "counter",
+            "tier",
+            &[
+                (TierKind::Host, self.host_store_error_blocks),
+                (TierKind::Disk, self.disk_store_error_blocks),
+                (TierKind::Remote, self.remote_store_error_blocks),
+            ],
         );
-        for (tier, value) in [
-            (TierKind::Host, self.host_store_error_blocks),
-            (TierKind::Disk, self.disk_store_error_blocks),
-            (TierKind::Remote, self.remote_store_error_blocks),
-        ] {
-            line(&mut out, name, &format!("tier=\"{tier}\""), value);
-        }
-
-        let name = "kvbm_remote_lookups_total";
-        header(
+        labelled(
             &mut out,
-            name,
+            "kvbm_remote_lookups_total",
             "Lookups in the remote store, by outcome (answered, timeout and error count as misses; skipped: not sent while the store was failing).",
-            "counter",
+            "outcome",
+            &[
+                ("answered", self.remote_lookups),
+                ("timeout", self.remote_lookup_timeouts),
+                ("error", self.remote_lookup_errors),
+                ("skipped", self.remote_lookup_skipped),
+            ],
         );
-        for (outcome, value) in [
-            ("answered", self.remote_lookups),
-            ("timeout", self.remote_lookup_timeouts),
-            ("error", self.remote_lookup_errors),
-            ("skipped", self.remote_lookup_skipped),
-        ] {
-            line(&mut out, name, &format!("outcome=\"{outcome}\""), value);
-        }
-
-        let name = "kvbm_remote_calls_failed_total";
-        header(
+        labelled(
             &mut out,
-            name,
+            "kvbm_remote_calls_failed_total",
             "Calls to the remote store that did not succeed, by reason (error, timeout), the leader's and every worker's.",
-            "counter",
+            "reason",
+            &[
+                ("error", self.remote_call_errors),
+                ("timeout", self.remote_call_timeouts),
+            ],
         );
-        for (reason, value) in [
-            ("error", self.remote_call_errors),
-            ("timeout", self.remote_call_timeouts),
-        ] {
-            line(&mut out, name, &format!("reason=\"{reason}\""), value);
-        }
         counter_line(
             &mut out,
             "kvbm_remote_reconnects_total",
@@ -703,6 +687,20 @@ fn header(out: &mut String, name: &str, help: &str, kind: &str) {
 fn counter_line(out: &mut String, name: &str, help: &str, value: u64) {
     header(out, name, help, "counter");
     line(out, name, "", value);
+}
+
+/// Appends a counter with one label: its header and one sample per (label value, count).
+fn labelled<V: std::fmt::Display>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    label: &str,
+    samples: &[(V, u64)],
+) {
+    header(out, name, help, "counter");
+    for (v, value) in samples {
+        line(out, name, &format!("{label}=\"{v}\""), *value);
+    }
 }
 
 /// Appends one integer sample, with `labels` (already formatted, without braces) if non-empty.

@@ -9,7 +9,7 @@
 //! Every wait is bounded; all traffic is on 127.0.0.1.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -20,7 +20,7 @@ use crate::connector::barrier::{leader_barrier, worker_barrier};
 use crate::connector::metadata::OperationId;
 use crate::connector::transport::{
     in_process, Completion, LeaderMessage, LeaderTransport, TierCounts, WorkerHello, WorkerMessage,
-    WorkerTransport,
+    WorkerTransport, GOODBYE,
 };
 use crate::error::{ErrorKind, Result};
 use crate::layout::LayoutDims;
@@ -712,6 +712,26 @@ fn disconnect_loses_a_rank_as_a_dropped_connection_does() {
         .recv_timeout(Duration::from_millis(200))
         .unwrap()
         .is_none());
+}
+
+#[test]
+fn a_worker_that_closes_says_goodbye_and_one_that_vanishes_does_not() {
+    let leader = TcpLeader::bind(any_port(), 2, None).unwrap();
+    let addr = leader.local_addr();
+    let w0 = TcpWorker::connect(addr, 0, 2, None, LONG).unwrap();
+    let raw = raw_worker(addr, 1, 2);
+    leader.mark_session_started();
+    // A normal shutdown: the leader's transport names the departure as a goodbye.
+    w0.close();
+    assert_eq!(
+        next_disconnect(&leader, LONG),
+        Some((0, GOODBYE.to_string()))
+    );
+    // A connection that just ends (a crashed worker) is reported as a loss, not a goodbye.
+    raw.shutdown(Shutdown::Both).unwrap();
+    let got = next_disconnect(&leader, LONG);
+    assert!(matches!(&got, Some((1, why)) if why != GOODBYE), "{got:?}");
+    assert!(leader.connected_ranks().is_empty());
 }
 
 #[test]
