@@ -24,7 +24,7 @@
 //! max_concurrency = 4
 //! batch_blocks = 16
 //! load_timeout_secs = 10.0 # a load from disk/remote past this is a load error
-//! copy_method = "auto"     # large memory copies: auto (measured), plain or stream
+//! copy_method = "auto"     # large memory copies: auto (measured), plain, stream or stream-pages
 //!
 //! [remote]                 # the shared G4 tier (Redis / Valkey); off without url
 //! url = "redis://:pass@10.0.0.5:6379/0"  # or rediss://..., redis+cluster://h1:p1,h2:p2
@@ -219,9 +219,10 @@ pub struct TransferConfig {
     /// saves, and a frozen or failing disk must not hold a request (and its batch) longer.
     pub load_timeout_secs: f64,
     /// How transfers of at least 4 MiB between two memory tiers store their bytes
-    /// (`KVBM_COPY_METHOD`): `auto` (the faster of ordinary and streaming stores on this machine,
-    /// measured once per process when the first transfer engine starts; see
-    /// [`crate::transfer::calibrate`]), `plain` or `stream`. Default: `auto`.
+    /// (`KVBM_COPY_METHOD`): `auto` (the fastest of ordinary stores and two streaming-store
+    /// loops on this machine, measured once per process by the first large transfer; see
+    /// [`crate::transfer::calibrate`]), `plain`, `stream` (streaming stores, one line after the
+    /// other) or `stream-pages` (streaming stores to four pages in turn). Default: `auto`.
     pub copy_method: crate::transfer::CopyPolicy,
 }
 
@@ -1406,7 +1407,11 @@ impl Config {
             }
             "transfer.copy_method" => {
                 self.transfer.copy_method = raw.trim().parse().map_err(|_| {
-                    Error::invalid_config(source, raw, "expected one of auto, plain, stream")
+                    Error::invalid_config(
+                        source,
+                        raw,
+                        "expected one of auto, plain, stream, stream-pages",
+                    )
                 })?
             }
             "remote.url" => self.remote.url = trimmed(raw).map(str::to_owned),

@@ -1,20 +1,22 @@
 //! Host memory copies for the transfer engine: ordinary stores for small transfers; for large
-//! ones, whichever of ordinary and streaming (non-temporal) stores is faster on this machine, by
-//! measurement.
+//! ones, whichever of ordinary stores and two streaming-store loops is fastest on this machine,
+//! by measurement.
 //!
-//! Why two methods: a copy with ordinary stores first reads every destination cache line into
-//! the cache (to own it), then writes it back: three memory transfers per byte copied. Streaming
-//! stores write whole lines straight to memory: two. A plain `memcpy` makes that choice from the
-//! size of the one call; the transfer engine copies block by block (2 MiB or less per call), so
-//! on an Intel Xeon a 1 GiB transfer ran entirely on ordinary stores while one `memcpy` of the
-//! same gigabyte streamed: 0.49–0.62 of memcpy, and streaming stores brought it to ~1.0. On an
-//! AMD EPYC without AVX-512 the same streaming loop ran at 0.22–0.42 of memcpy (its `rep movsb`
-//! is 3–4× faster there), while on another AMD EPYC streaming was again the faster. No vendor
-//! or feature flag predicts it, so the choice is measured ([`calibrate`]): the first transfer of
-//! at least [`STREAM_MIN_BYTES`] in a process starts a short calibration on a thread of its own
-//! (about 16 MiB copied ten times, caches flushed before each copy; tens of milliseconds), and
-//! until it ends large transfers use ordinary stores. A process that never makes a large
-//! transfer never calibrates (on two cores, 0.1 s of one is a cost the engine feels). `transfer.copy_method` (`KVBM_COPY_METHOD`) forces one method.
+//! Why streaming: a copy with ordinary stores first reads every destination cache line into the
+//! cache (to own it), then writes it back: three memory transfers per byte copied. Streaming
+//! (non-temporal) stores write whole lines straight to memory: two. A plain `memcpy` makes that
+//! choice from the size of the one call; the transfer engine copies block by block (2 MiB or
+//! less per call), so on an Intel Xeon a 1 GiB transfer ran entirely on ordinary stores while one
+//! `memcpy` of the same gigabyte streamed: 0.49–0.62 of memcpy, and streaming stores to four
+//! pages in turn brought it to ~1.0. On an AMD EPYC without AVX-512 that loop ran at 0.22–0.42 of
+//! memcpy (its `rep movsb` is 3–4× faster there); on an AMD EPYC of family 26 the four-page loop
+//! ran at 13 GB/s, memcpy at 19 and streaming stores one line after the other at 27. No vendor or
+//! feature flag predicts it, so the choice is measured ([`calibrate`]): the first transfer of at
+//! least [`STREAM_MIN_BYTES`] in a process starts a short calibration on a thread of its own
+//! (16 MiB copied seven times per method, caches flushed before each copy; tens of
+//! milliseconds), and until it ends large transfers use ordinary stores. A process that never
+//! makes a large transfer never calibrates (on two cores, 0.1 s of one is a cost the engine
+//! feels). `transfer.copy_method` (`KVBM_COPY_METHOD`) forces one method.
 //!
 //! The engine decides from the size of the whole transfer ([`STREAM_MIN_BYTES`]), not the block,
 //! and copies each run itself. Streaming stores exist on x86-64 only (SSE2 is part of that
@@ -49,14 +51,18 @@ const STREAM_MIN_RUN: usize = 256;
     strum::Display,
     strum::EnumString,
 )]
-#[serde(rename_all = "lowercase")]
-#[strum(serialize_all = "lowercase", ascii_case_insensitive)]
+#[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case", ascii_case_insensitive)]
 pub enum CopyMethod {
     /// Ordinary stores: `memcpy` of each run (glibc picks its own loop, `rep movsb` included).
     Plain,
-    /// Streaming (non-temporal) stores, line by line, then a store fence (x86-64; elsewhere the
-    /// same as [`CopyMethod::Plain`]).
+    /// Streaming (non-temporal) stores, one cache line after the other, then a store fence
+    /// (x86-64; elsewhere the same as [`CopyMethod::Plain`]).
     Stream,
+    /// Streaming stores to four pages in turn (one line of each, then the next line of each):
+    /// four sequential streams instead of one. Faster than [`CopyMethod::Stream`] on some CPUs,
+    /// half as fast on others (an AMD EPYC of family 26: 13 against 27 GB/s).
+    StreamPages,
 }
 
 /// Which method large transfers use (`transfer.copy_method`, `KVBM_COPY_METHOD`).
@@ -73,8 +79,8 @@ pub enum CopyMethod {
     strum::Display,
     strum::EnumString,
 )]
-#[serde(rename_all = "lowercase")]
-#[strum(serialize_all = "lowercase", ascii_case_insensitive)]
+#[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case", ascii_case_insensitive)]
 pub enum CopyPolicy {
     /// The faster method on this machine, as measured by [`calibrate`] (ordinary stores until
     /// the calibration has ended). The default.
@@ -82,8 +88,12 @@ pub enum CopyPolicy {
     Auto,
     /// Always ordinary stores.
     Plain,
-    /// Always streaming stores for transfers of at least [`STREAM_MIN_BYTES`].
+    /// Always streaming stores, one line after the other, for transfers of at least
+    /// [`STREAM_MIN_BYTES`].
     Stream,
+    /// Always streaming stores to four pages in turn, for transfers of at least
+    /// [`STREAM_MIN_BYTES`].
+    StreamPages,
 }
 
 /// What the calibration measured and chose.
@@ -91,10 +101,13 @@ pub enum CopyPolicy {
 pub struct CopyCalibration {
     /// The method large transfers use under [`CopyPolicy::Auto`].
     pub method: CopyMethod,
-    /// Median bandwidth of ordinary stores, bytes per second (0 where nothing was measured).
+    /// Bandwidth of ordinary stores, bytes per second, in the fastest of the timed copies (0
+    /// where nothing was measured).
     pub plain_bytes_per_sec: f64,
-    /// Median bandwidth of streaming stores, bytes per second (0 where nothing was measured).
+    /// The same for streaming stores, one line after the other.
     pub stream_bytes_per_sec: f64,
+    /// The same for streaming stores to four pages in turn.
+    pub stream_pages_bytes_per_sec: f64,
     /// Bytes of one timed copy.
     pub bytes: usize,
     /// How long the calibration took (allocation and cache flushes included).
@@ -107,10 +120,13 @@ pub struct CopyCalibration {
 const CAL_BYTES: usize = 16 << 20;
 /// Runs per calibration copy: a 2 MiB block, the transfer engine's common run.
 const CAL_RUN: usize = 2 << 20;
-/// Timed copies per method (alternating, so a noisy neighbour hits both alike).
-const CAL_ROUNDS: usize = 5;
-/// Streaming stores are chosen only when at least this much faster (median against median):
-/// on a tie, ordinary stores keep the destination cached for its next reader.
+/// Timed copies per method (in rotating order, so a noisy neighbour hits every method alike).
+/// Each method's figure is its fastest copy: interference only ever slows a copy down, so the
+/// fastest is the one least disturbed (with the median, one busy moment on a loaded host chose
+/// streaming stores where ordinary ones were 1.2× faster).
+const CAL_ROUNDS: usize = 7;
+/// Streaming stores are chosen only when at least this much faster than ordinary ones: on a
+/// tie, ordinary stores keep the destination cached for its next reader.
 const CAL_STREAM_MARGIN: f64 = 1.03;
 
 static CALIBRATION: OnceLock<CopyCalibration> = OnceLock::new();
@@ -159,6 +175,7 @@ pub fn method_for(bytes: usize, policy: CopyPolicy) -> CopyMethod {
     match policy {
         CopyPolicy::Plain => CopyMethod::Plain,
         CopyPolicy::Stream => CopyMethod::Stream,
+        CopyPolicy::StreamPages => CopyMethod::StreamPages,
         CopyPolicy::Auto => match calibration() {
             Some(c) => c.method,
             None => {
@@ -181,37 +198,33 @@ fn measure() -> CopyCalibration {
         }
         began.elapsed()
     };
-    let (mut plain, mut stream) = (Vec::new(), Vec::new());
-    run(&mut dst, CopyMethod::Plain);
-    run(&mut dst, CopyMethod::Stream);
+    const METHODS: [CopyMethod; 3] = [
+        CopyMethod::Plain,
+        CopyMethod::Stream,
+        CopyMethod::StreamPages,
+    ];
+    let mut best = [Duration::MAX; 3];
+    for m in METHODS {
+        run(&mut dst, m);
+    }
     for round in 0..CAL_ROUNDS {
-        // Alternate which method goes first, so neither always follows the other.
-        let order = if round % 2 == 0 {
-            [CopyMethod::Plain, CopyMethod::Stream]
-        } else {
-            [CopyMethod::Stream, CopyMethod::Plain]
-        };
-        for method in order {
+        // Rotate which method goes first, so none always follows the same one.
+        for k in 0..METHODS.len() {
+            let i = (round + k) % METHODS.len();
             flush(&src);
             flush(&dst);
-            let t = run(&mut dst, method);
-            match method {
-                CopyMethod::Plain => plain.push(t),
-                CopyMethod::Stream => stream.push(t),
-            }
+            let t = run(&mut dst, METHODS[i]);
+            best[i] = best[i].min(t);
         }
     }
     std::hint::black_box(&dst);
-    let rate = |mut v: Vec<Duration>| {
-        v.sort();
-        let mid = v.get(v.len() / 2).copied().unwrap_or_default();
-        CAL_BYTES as f64 / mid.as_secs_f64().max(1e-9)
-    };
-    let (p, s) = (rate(plain), rate(stream));
+    let rate = |d: Duration| CAL_BYTES as f64 / d.as_secs_f64().max(1e-9);
+    let (p, s, sp) = (rate(best[0]), rate(best[1]), rate(best[2]));
     CopyCalibration {
-        method: choose(p, s),
+        method: choose(p, s, sp),
         plain_bytes_per_sec: p,
         stream_bytes_per_sec: s,
+        stream_pages_bytes_per_sec: sp,
         bytes: CAL_BYTES,
         elapsed: start.elapsed(),
     }
@@ -223,15 +236,22 @@ fn measure() -> CopyCalibration {
         method: CopyMethod::Plain,
         plain_bytes_per_sec: 0.0,
         stream_bytes_per_sec: 0.0,
+        stream_pages_bytes_per_sec: 0.0,
         bytes: 0,
         elapsed: Duration::ZERO,
     }
 }
 
-/// The method to use given the two measured bandwidths (bytes per second).
-fn choose(plain: f64, stream: f64) -> CopyMethod {
-    if stream > plain * CAL_STREAM_MARGIN {
-        CopyMethod::Stream
+/// The method to use given the measured bandwidths (bytes per second): the faster streaming
+/// loop, if it beats ordinary stores by [`CAL_STREAM_MARGIN`].
+fn choose(plain: f64, stream: f64, stream_pages: f64) -> CopyMethod {
+    let (method, rate) = if stream_pages > stream {
+        (CopyMethod::StreamPages, stream_pages)
+    } else {
+        (CopyMethod::Stream, stream)
+    };
+    if rate > plain * CAL_STREAM_MARGIN {
+        method
     } else {
         CopyMethod::Plain
     }
@@ -284,7 +304,8 @@ fn has_clflushopt() -> bool {
 /// cutting at whichever boundary comes first, with `method`'s stores (see the
 /// [module docs](self)).
 pub(crate) fn copy_segments(src: &[IoSlice<'_>], dst: &mut [IoSliceMut<'_>], method: CopyMethod) {
-    let stream = method == CopyMethod::Stream;
+    let stream = method != CopyMethod::Plain;
+    let pages = method == CopyMethod::StreamPages;
     let (mut si, mut so, mut di, mut doff) = (0usize, 0usize, 0usize, 0usize);
     let mut streamed = false;
     while si < src.len() && di < dst.len() {
@@ -292,7 +313,7 @@ pub(crate) fn copy_segments(src: &[IoSlice<'_>], dst: &mut [IoSliceMut<'_>], met
         let d = &mut dst[di][doff..];
         let n = s.len().min(d.len());
         if stream && n >= STREAM_MIN_RUN {
-            stream_copy(&mut d[..n], &s[..n]);
+            stream_copy(&mut d[..n], &s[..n], pages);
             streamed = true;
         } else {
             d[..n].copy_from_slice(&s[..n]);
@@ -313,9 +334,10 @@ pub(crate) fn copy_segments(src: &[IoSlice<'_>], dst: &mut [IoSliceMut<'_>], met
     }
 }
 
-/// `dst.copy_from_slice(src)` with streaming stores where the platform has them. The caller
-/// issues [`store_fence`] before publishing the bytes. `dst` and `src` have the same length.
-fn stream_copy(dst: &mut [u8], src: &[u8]) {
+/// `dst.copy_from_slice(src)` with streaming stores where the platform has them (`pages`: four
+/// pages in turn). The caller issues [`store_fence`] before publishing the bytes. `dst` and
+/// `src` have the same length.
+fn stream_copy(dst: &mut [u8], src: &[u8], pages: bool) {
     #[cfg(target_arch = "x86_64")]
     {
         let n = dst.len().min(src.len());
@@ -326,12 +348,22 @@ fn stream_copy(dst: &mut [u8], src: &[u8]) {
         let body = (n - head) & !63;
         // SAFETY: `dst[head..head + body]` and `src[head..head + body]` are in bounds (body <=
         // n - head), do not overlap (`&mut` and `&` borrows), and dst + head is 64-byte aligned.
-        unsafe { x86::stream_lines(dst.as_mut_ptr().add(head), src.as_ptr().add(head), body) };
+        unsafe {
+            x86::stream_lines(
+                dst.as_mut_ptr().add(head),
+                src.as_ptr().add(head),
+                body,
+                pages,
+            )
+        };
         let tail = head + body;
         dst[tail..n].copy_from_slice(&src[tail..n]);
     }
     #[cfg(not(target_arch = "x86_64"))]
-    dst.copy_from_slice(src);
+    {
+        let _ = pages;
+        dst.copy_from_slice(src);
+    }
 }
 
 /// Orders earlier streaming stores before later stores (a no-op where none are used).
@@ -375,20 +407,20 @@ mod x86 {
         }
     }
 
-    /// Copies `len` bytes (a multiple of 64) with streaming stores: four pages at a time, one
-    /// line of each in turn (four sequential read and write streams keep more memory requests in
-    /// flight than one), then line by line.
+    /// Copies `len` bytes (a multiple of 64) with streaming stores: line by line, or with
+    /// `pages` four pages at a time, one line of each in turn (four sequential read and write
+    /// streams keep more memory requests in flight than one on some CPUs), then line by line.
     ///
     /// # Safety
     /// `len` bytes readable at `src` and writable at `dst`, not overlapping; `dst` 64-byte
     /// aligned; `len % 64 == 0`.
-    pub(super) unsafe fn stream_lines(dst: *mut u8, src: *const u8, len: usize) {
+    pub(super) unsafe fn stream_lines(dst: *mut u8, src: *const u8, len: usize, pages: bool) {
         let mut done = 0;
         // SAFETY: every line copied starts at `done + k * PAGE + off` with that sum + 64 <= len
         // (the loops' bounds), so it lies inside the caller's `len` bytes; `dst + that` stays
         // 64-byte aligned (PAGE, LINE and `done` are multiples of 64).
         unsafe {
-            while done + 4 * PAGE <= len {
+            while pages && done + 4 * PAGE <= len {
                 let (d, s) = (dst.add(done), src.add(done));
                 let mut off = 0;
                 while off < PAGE {
@@ -441,17 +473,23 @@ mod tests {
         for &n in &lens {
             for src_off in [0usize, 1, 16, 63] {
                 for dst_off in [0usize, 1, 8, 33, 64] {
-                    let src = pattern(n + src_off, 1);
-                    let mut dst = vec![0xEEu8; n + dst_off + 64];
-                    stream_copy(&mut dst[dst_off..dst_off + n], &src[src_off..src_off + n]);
-                    store_fence();
-                    assert_eq!(
-                        &dst[dst_off..dst_off + n],
-                        &src[src_off..src_off + n],
-                        "n {n} src+{src_off} dst+{dst_off}"
-                    );
-                    assert!(dst[..dst_off].iter().all(|&b| b == 0xEE), "wrote before");
-                    assert!(dst[dst_off + n..].iter().all(|&b| b == 0xEE), "wrote after");
+                    for pages in [false, true] {
+                        let src = pattern(n + src_off, 1);
+                        let mut dst = vec![0xEEu8; n + dst_off + 64];
+                        stream_copy(
+                            &mut dst[dst_off..dst_off + n],
+                            &src[src_off..src_off + n],
+                            pages,
+                        );
+                        store_fence();
+                        assert_eq!(
+                            &dst[dst_off..dst_off + n],
+                            &src[src_off..src_off + n],
+                            "n {n} src+{src_off} dst+{dst_off} pages {pages}"
+                        );
+                        assert!(dst[..dst_off].iter().all(|&b| b == 0xEE), "wrote before");
+                        assert!(dst[dst_off + n..].iter().all(|&b| b == 0xEE), "wrote after");
+                    }
                 }
             }
         }
@@ -465,7 +503,11 @@ mod tests {
         let c = pattern(33_000, 5);
         let src = [IoSlice::new(&a), IoSlice::new(&b), IoSlice::new(&c)];
         let want: Vec<u8> = a.iter().chain(&b).chain(&c).copied().collect();
-        for method in [CopyMethod::Plain, CopyMethod::Stream] {
+        for method in [
+            CopyMethod::Plain,
+            CopyMethod::Stream,
+            CopyMethod::StreamPages,
+        ] {
             let mut x = vec![0u8; 17];
             let mut y = vec![0u8; 50_000];
             let mut z = vec![0u8; want.len() - 50_017];
@@ -486,14 +528,20 @@ mod tests {
     /// stores; small transfers never stream, whatever the policy; forced policies are obeyed.
     #[test]
     fn the_faster_method_is_chosen_and_small_transfers_stay_plain() {
-        assert_eq!(choose(10e9, 20e9), CopyMethod::Stream);
-        assert_eq!(choose(20e9, 10e9), CopyMethod::Plain);
+        assert_eq!(choose(10e9, 20e9, 13e9), CopyMethod::Stream);
+        assert_eq!(choose(10e9, 13e9, 20e9), CopyMethod::StreamPages);
+        assert_eq!(choose(20e9, 10e9, 19e9), CopyMethod::Plain);
         assert_eq!(
-            choose(10e9, 10.2e9),
+            choose(10e9, 10.2e9, 10.1e9),
             CopyMethod::Plain,
             "a tie keeps ordinary stores"
         );
-        for policy in [CopyPolicy::Auto, CopyPolicy::Plain, CopyPolicy::Stream] {
+        for policy in [
+            CopyPolicy::Auto,
+            CopyPolicy::Plain,
+            CopyPolicy::Stream,
+            CopyPolicy::StreamPages,
+        ] {
             assert_eq!(method_for(STREAM_MIN_BYTES - 1, policy), CopyMethod::Plain);
         }
         assert_eq!(
@@ -504,24 +552,39 @@ mod tests {
             method_for(STREAM_MIN_BYTES, CopyPolicy::Stream),
             CopyMethod::Stream
         );
+        assert_eq!(
+            method_for(STREAM_MIN_BYTES, CopyPolicy::StreamPages),
+            CopyMethod::StreamPages
+        );
         assert_eq!("Stream".parse::<CopyPolicy>(), Ok(CopyPolicy::Stream));
+        assert_eq!(
+            "stream-pages".parse::<CopyPolicy>(),
+            Ok(CopyPolicy::StreamPages)
+        );
+        assert_eq!(CopyMethod::StreamPages.to_string(), "stream-pages");
         assert!("fast".parse::<CopyPolicy>().is_err());
     }
 
-    /// The calibration measures both methods (on x86-64), picks the one its own figures favour,
+    /// The calibration measures every method (on x86-64), picks the one its own figures favour,
     /// and auto then uses that method for large transfers.
     #[test]
-    fn calibration_measures_both_methods_and_auto_follows_it() {
+    fn calibration_measures_every_method_and_auto_follows_it() {
         let c = calibrate();
         #[cfg(target_arch = "x86_64")]
         {
             assert!(
-                c.plain_bytes_per_sec > 0.0 && c.stream_bytes_per_sec > 0.0,
+                c.plain_bytes_per_sec > 0.0
+                    && c.stream_bytes_per_sec > 0.0
+                    && c.stream_pages_bytes_per_sec > 0.0,
                 "{c:?}"
             );
             assert_eq!(
                 c.method,
-                choose(c.plain_bytes_per_sec, c.stream_bytes_per_sec)
+                choose(
+                    c.plain_bytes_per_sec,
+                    c.stream_bytes_per_sec,
+                    c.stream_pages_bytes_per_sec
+                )
             );
             assert_eq!(c.bytes, CAL_BYTES);
         }

@@ -1289,7 +1289,7 @@ fn bench_curve_names_the_copy_method_of_each_size() {
             })
             .collect()
     };
-    for forced in ["plain", "stream"] {
+    for forced in ["plain", "stream", "stream-pages"] {
         let v = curve(forced);
         assert!(
             v["copy_calibration"].is_null(),
@@ -1315,8 +1315,15 @@ fn bench_curve_names_the_copy_method_of_each_size() {
         .as_str()
         .unwrap_or_else(|| panic!("no calibration under auto: {v}"))
         .to_string();
-    assert!(chosen == "plain" || chosen == "stream", "{v}");
-    for k in ["plain_bytes_per_sec", "stream_bytes_per_sec"] {
+    assert!(
+        ["plain", "stream", "stream-pages"].contains(&chosen.as_str()),
+        "{v}"
+    );
+    for k in [
+        "plain_bytes_per_sec",
+        "stream_bytes_per_sec",
+        "stream_pages_bytes_per_sec",
+    ] {
         let x = v["copy_calibration"][k].as_f64().unwrap_or(f64::NAN);
         assert!(x.is_finite() && x >= 0.0, "{k} = {x}");
     }
