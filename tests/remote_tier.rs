@@ -648,6 +648,36 @@ mod tiers {
         assert_eq!(s.stats().timeouts, 1);
     }
 
+    /// A load's budget runs from when it was created (submitted), not from when its reads
+    /// start: a load that waited in a queue for most of its budget gets only what is left. (A
+    /// budget per read had delayed the last of three loads queued on a stalled connection by
+    /// three budgets.)
+    #[test]
+    fn a_loads_budget_counts_from_its_submission() {
+        let s = Arc::new(store());
+        let src_host = host(1);
+        let data = vec![9u8; dims().bytes_per_block()];
+        src_host
+            .write_block(0, &[std::io::IoSlice::new(&data)])
+            .unwrap();
+        let sink = RemoteSink::new(s.clone(), 0, vec![5], dims(), IO).unwrap();
+        TransferEngine::copy_blocking(src_host.as_ref(), &sink, &[(0, 0)]).unwrap();
+        // Every read takes 100 ms; the budget is 300 ms.
+        s.faults.delay_ms.store(100, Ordering::Relaxed);
+        let dst = host(1);
+        let fresh =
+            RemoteSource::new(s.clone(), 0, vec![5], dims(), Duration::from_millis(300)).unwrap();
+        let out = TransferEngine::copy_blocking(&fresh, dst.as_ref(), &[(0, 0)]).unwrap();
+        assert!(out.failed.is_empty(), "a fresh load fits its budget");
+        // The same load, started 250 ms after it was created: 50 ms left, under one read.
+        let queued =
+            RemoteSource::new(s.clone(), 0, vec![5], dims(), Duration::from_millis(300)).unwrap();
+        std::thread::sleep(Duration::from_millis(250));
+        let out = TransferEngine::copy_blocking(&queued, dst.as_ref(), &[(0, 0)]).unwrap();
+        assert_eq!(out.failed.len(), 1, "a queued load keeps only what is left");
+        assert_eq!(out.failed[0].error.kind(), ErrorKind::Timeout);
+    }
+
     #[test]
     fn a_sink_or_source_of_the_wrong_block_size_is_refused() {
         let s = Arc::new(store());

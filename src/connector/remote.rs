@@ -243,8 +243,11 @@ fn remote_capability() -> Capability {
 
 /// One load's view of the store: block `k` of this tier is `keys[k]` of rank `rank`. Reads go
 /// through the store's pipelined [`RemoteStore::get`], one batch per transfer batch (its
-/// [`BatchCopy::copy_to`]), each bounded by `io_timeout` (the worker passes
-/// `remote.load_timeout_ms`); a block that is missing or fails
+/// [`BatchCopy::copy_to`]), all bounded by one deadline, `budget` after the load was created (the
+/// worker passes `remote.load_timeout_ms` and creates it when the engine submits the load): a
+/// load queued behind others on a stalled connection fails when its own budget is spent, not a
+/// budget after its turn came (loads that timed out one after another, 500 ms each, had
+/// delayed the last of them by 1.5 s). A block that is missing or fails
 /// verification fails alone (never written to the destination). Writes are refused.
 #[derive(Debug)]
 pub struct RemoteSource {
@@ -252,7 +255,7 @@ pub struct RemoteSource {
     rank: usize,
     keys: Vec<u128>,
     layout: Layout,
-    io_timeout: Duration,
+    deadline: Instant,
 }
 
 /// The layout of `n` values of `store` for a rank whose blocks have dimensions `dims`: refused
@@ -270,13 +273,14 @@ fn value_layout(store: &dyn RemoteStore, dims: LayoutDims, n: usize) -> Result<L
 }
 
 impl RemoteSource {
-    /// The source of a load of `keys` for worker `rank`, whose blocks have dimensions `dims`.
+    /// The source of a load of `keys` for worker `rank`, whose blocks have dimensions `dims`;
+    /// its reads end by `budget` from now.
     pub fn new(
         store: Arc<dyn RemoteStore>,
         rank: usize,
         keys: Vec<u128>,
         dims: LayoutDims,
-        io_timeout: Duration,
+        budget: Duration,
     ) -> Result<Self> {
         let layout = value_layout(store.as_ref(), dims, keys.len())?;
         Ok(Self {
@@ -284,7 +288,7 @@ impl RemoteSource {
             rank,
             keys,
             layout,
-            io_timeout,
+            deadline: Instant::now() + budget,
         })
     }
 
@@ -305,8 +309,7 @@ impl RemoteSource {
         let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; bpb]).collect();
         let outcome = {
             let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-            self.store
-                .get(self.rank, &keys, &mut dst, Instant::now() + self.io_timeout)
+            self.store.get(self.rank, &keys, &mut dst, self.deadline)
         };
         match outcome {
             Ok(reads) if reads.len() == keys.len() => bufs

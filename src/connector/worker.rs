@@ -129,6 +129,8 @@ struct WorkerSlot {
     loads: usize,
     /// Operations touching device blocks, submitted and not completed.
     device_ops: usize,
+    /// Of `loads` (and `device_ops`), those reading the remote store.
+    remote_loads: usize,
     had_load: bool,
     load_reported: bool,
     /// The leader asked the engine to hold this request's device blocks.
@@ -205,6 +207,10 @@ struct Active {
     /// Writes of host blocks to the remote store (write-behind): never waited for by
     /// [`Worker::wait_idle_or_stuck`].
     behind: usize,
+    /// Loads from the remote store into device blocks: not waited for by
+    /// [`Worker::wait_idle_or_stuck`] either (each ends within `remote.load_timeout_ms`; an
+    /// engine schedules other requests meanwhile).
+    remote_loads: usize,
 }
 
 impl Default for Shared {
@@ -513,6 +519,9 @@ impl Worker {
             }
             if op.direction() == Direction::Load {
                 slot.loads += 1;
+                if t.src == TierKind::Remote {
+                    slot.remote_loads += 1;
+                }
                 slot.had_load = true;
                 // A request matched again (after a preemption or a failed load) loads anew
                 // and is reported loaded anew.
@@ -676,12 +685,15 @@ impl Worker {
         let direction = op.direction();
         let touches_device = t.reads_device() || t.writes_device();
         let behind = !touches_device && t.dst == TierKind::Remote;
+        let remote_load = direction == Direction::Load && t.src == TierKind::Remote;
         // Counted until `complete` (every path below ends there).
         {
             let mut active = self.shared.active.lock();
             active.all += 1;
             if behind {
                 active.behind += 1;
+            } else if remote_load {
+                active.remote_loads += 1;
             } else if !touches_device {
                 active.off_device.insert(t.id, Instant::now());
             }
@@ -696,6 +708,7 @@ impl Worker {
             touches_device,
             off_device: !touches_device && !behind,
             behind,
+            remote_load,
             reads_device: t.reads_device(),
             writes_device: t.writes_device(),
             dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
@@ -838,8 +851,10 @@ impl Worker {
         }
     }
 
-    /// As [`Worker::wait_idle`], except for copies touching no device block: writes of host
-    /// blocks to the remote store (write-behind) are never waited for, and host → disk copies,
+    /// As [`Worker::wait_idle`], except for the remote store and copies touching no device block:
+    /// writes of host blocks to the remote store (write-behind) and loads from it (each bounded
+    /// by `remote.load_timeout_ms`; the engine runs other requests meanwhile, as vLLM and
+    /// TensorRT-LLM do while a request's KV is fetched) are never waited for, and host → disk copies,
     /// once everything else is done, are not waited for while any of them has been running for
     /// `grace` or more (the disk is stuck: they finish in the background). For callers that wait
     /// every iteration, like `kvbm replay`: a frozen disk then delays one iteration by `grace`,
@@ -856,13 +871,19 @@ impl Worker {
         loop {
             let device_busy = {
                 let st = self.shared.state.lock();
-                st.slots.values().any(|s| s.device_ops > 0 || s.loads > 0)
+                st.slots
+                    .values()
+                    .any(|s| s.device_ops > s.remote_loads || s.loads > s.remote_loads)
             } || *self.shared.device_reads.lock() > 0;
             let seen = self.shared.active.lock().all;
             let (all, off_device, stuck) = {
                 let a = self.shared.active.lock();
                 let stuck = a.off_device.values().any(|t| t.elapsed() >= grace);
-                (a.all.saturating_sub(a.behind), a.off_device.len(), stuck)
+                let waited_for = a
+                    .all
+                    .saturating_sub(a.behind)
+                    .saturating_sub(a.remote_loads);
+                (waited_for, a.off_device.len(), stuck)
             };
             let waited = start.elapsed();
             if !device_busy && (all == 0 || (all == off_device && stuck)) {
@@ -875,6 +896,16 @@ impl Worker {
                 ));
             }
             self.wait_for_a_completion(seen);
+        }
+    }
+
+    /// Waits up to `max` for an operation to complete while loads from the remote store are in
+    /// flight (at once otherwise). For a caller that steps an engine with nothing to schedule
+    /// but requests waiting for their remote loads: it waits for them instead of spinning.
+    pub fn wait_for_remote_loads(&self, max: Duration) {
+        let mut active = self.shared.active.lock();
+        if active.remote_loads > 0 {
+            let _ = self.shared.active_done.wait_for(&mut active, max);
         }
     }
 
@@ -1099,6 +1130,8 @@ struct OpDone {
     off_device: bool,
     /// Counted as a write-behind to the remote store in [`Active`].
     behind: bool,
+    /// Counted as a load from the remote store in [`Active`] and the request's slot.
+    remote_load: bool,
     reads_device: bool,
     writes_device: bool,
     dst_blocks: Vec<usize>,
@@ -1198,6 +1231,9 @@ fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result
                 if done.direction == Direction::Load {
                     s.loads = s.loads.saturating_sub(1);
                 }
+                if done.remote_load {
+                    s.remote_loads = s.remote_loads.saturating_sub(1);
+                }
             }
         }
     }
@@ -1214,6 +1250,9 @@ fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result
         }
         if done.behind {
             active.behind = active.behind.saturating_sub(1);
+        }
+        if done.remote_load {
+            active.remote_loads = active.remote_loads.saturating_sub(1);
         }
         active.all == 0
     };

@@ -220,10 +220,15 @@ impl RankExecutor {
         // The replay is deterministic: what this iteration (or, in an iteration that only
         // reports, the last `get_finished`) submitted finishes, and its completions are on their
         // way to the leader, before the engine finishes requests or hears what finished — except
-        // a host → disk copy stuck past the load deadline, which finishes in the background.
-        self.worker
-            .worker()
-            .wait_idle_or_stuck(Duration::from_secs(60), self.io_grace)?;
+        // a host → disk copy stuck past the load deadline, which finishes in the background, and
+        // the remote store's writes and loads: a request loading from the store waits for it
+        // while the others run (as in the engines), so a slow store delays its own hits only.
+        let worker = self.worker.worker();
+        worker.wait_idle_or_stuck(Duration::from_secs(60), self.io_grace)?;
+        if !cmd.forward {
+            // Nothing scheduled: wait a little for a remote load instead of spinning.
+            worker.wait_for_remote_loads(Duration::from_millis(1));
+        }
         if !cmd.report {
             return Ok(StepReply::default());
         }
