@@ -81,19 +81,8 @@ fn finishing_a_held_request_twice_is_an_invalid_state() {
     let mut r = rig(16, 32);
     let a: RequestId = "a".into();
     let tokens = prompt();
-    r.leader
-        .get_num_new_matched_tokens(info(&a, &tokens), 0)
-        .unwrap();
-    r.leader
-        .update_state_after_alloc(&a, &[0, 1, 2, 3, 4, 5], 0)
-        .unwrap();
     // Built but never executed: the stores are in flight when the request finishes.
-    r.leader
-        .build_connector_meta(&SchedulerStep {
-            requests: vec![prefill(&a, 0, 24)],
-            ..Default::default()
-        })
-        .unwrap();
+    r.prefill_unexecuted(&a, &tokens, &[0, 1, 2, 3, 4, 5]);
     assert!(r.leader.request_finished(&a, None, None).unwrap());
     let e = r.leader.request_finished(&a, None, None).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidState);

@@ -43,20 +43,7 @@ fn a_finish_held_for_stores_is_counted_once_they_end() {
 
     let b: RequestId = "b".into();
     let tokens: Vec<u32> = (200..224).collect();
-    r.leader
-        .get_num_new_matched_tokens(info(&b, &tokens), 0)
-        .unwrap();
-    r.leader
-        .update_state_after_alloc(&b, &[6, 7, 8, 9, 10, 11], 0)
-        .unwrap();
-    // Built but not yet executed: the stores are in flight when the request finishes.
-    let meta = r
-        .leader
-        .build_connector_meta(&SchedulerStep {
-            requests: vec![prefill(&b, 0, 24)],
-            ..Default::default()
-        })
-        .unwrap();
+    let meta = r.prefill_unexecuted(&b, &tokens, &[6, 7, 8, 9, 10, 11]);
     assert!(r.leader.request_finished(&b, None, None).unwrap(), "held");
     assert_eq!(r.leader.metrics().snapshot().finish_holds, 0, "still held");
     r.worker.bind_metadata(&meta).unwrap();

@@ -222,6 +222,27 @@ impl Rig {
         }
     }
 
+    /// Admits cold request `id` with `tokens` into device `blocks` and builds the metadata of its
+    /// whole prefill without executing it: its stores are in flight (not yet run by any worker)
+    /// when the caller finishes the request. Returns that metadata.
+    pub fn prefill_unexecuted(
+        &mut self,
+        id: &RequestId,
+        tokens: &[u32],
+        blocks: &[usize],
+    ) -> Vec<u8> {
+        self.leader
+            .get_num_new_matched_tokens(info(id, tokens), 0)
+            .unwrap();
+        self.leader.update_state_after_alloc(id, blocks, 0).unwrap();
+        self.leader
+            .build_connector_meta(&SchedulerStep {
+                requests: vec![prefill(id, 0, tokens.len())],
+                ..Default::default()
+            })
+            .unwrap()
+    }
+
     /// Matches `tokens` as request `id`, loads into `blocks`, and checks every loaded block's bytes.
     /// Returns the number of tokens loaded.
     pub fn onboard(&mut self, id: &RequestId, tokens: &[u32], blocks: &[usize]) -> usize {
