@@ -746,6 +746,68 @@ fn write_behind_to_a_slow_store_is_not_waited_for_each_iteration() {
     assert_eq!(a.leader.num_operations_in_flight(), 0);
 }
 
+/// Writes to a store whose replies stall hold at most half the host tier: the host tier keeps
+/// offloading, so a stalled store costs its own writes, not the local tiers' hits. Eight requests
+/// of 3 full blocks (24 distinct blocks) go through a 16-block host tier while every write to
+/// the store is held 5 s. How it would fail: without the bound the fifth request's writes hold
+/// 15 host blocks and the sixth request's blocks are dropped ("host and disk tiers are full").
+#[test]
+fn writes_to_a_stalled_store_hold_at_most_half_the_host_tier() {
+    let data = MemoryRemoteData::default();
+    let (mut a, faults) = instance::<Sync_>(&data, |c| c.remote.io_timeout_ms = Some(5_000));
+    faults.delay_ms.store(5_000, Ordering::Relaxed);
+    let iteration = |a: &mut Rig, step: SchedulerStep, writes: &[(&[u32], usize, usize)]| {
+        let bytes = a.leader.build_connector_meta(&step).unwrap();
+        a.worker.bind_metadata(&bytes).unwrap();
+        a.worker.start_load().unwrap();
+        for (tokens, block, device_block) in writes {
+            a.device
+                .write_block_from_slice(*device_block, &image(tokens, *block))
+                .unwrap();
+        }
+        a.worker.save().unwrap();
+        a.worker
+            .wait_idle_or_stuck(Duration::from_secs(3), Duration::from_secs(60))
+            .unwrap();
+        a.leader.process_completions();
+    };
+    for r in 0..8u32 {
+        let who = id(&format!("r{r}"));
+        let tokens: Vec<u32> = (0..13).map(|t| 10_000 * (r + 1) + t).collect();
+        let m = a
+            .leader
+            .get_num_new_matched_tokens(info(&who, &tokens), 0)
+            .unwrap();
+        assert_eq!(m.external_tokens, 0);
+        let base = 4 * r as usize;
+        let blocks = [base, base + 1, base + 2, base + 3];
+        a.leader.update_state_after_alloc(&who, &blocks, 0).unwrap();
+        let writes: Vec<(&[u32], usize, usize)> =
+            (0..3).map(|b| (&tokens[..], b, blocks[b])).collect();
+        let step = SchedulerStep {
+            requests: vec![prefill(&who, 0, tokens.len())],
+            ..Default::default()
+        };
+        iteration(&mut a, step, &writes);
+        a.leader.request_finished(&who, None, None).unwrap();
+        for _ in 0..2 {
+            iteration(&mut a, SchedulerStep::default(), &[]);
+            a.worker.get_finished(std::slice::from_ref(&who), None);
+        }
+    }
+    let snap = a.leader.metrics().snapshot();
+    assert_eq!(snap.offload_dropped_blocks, 0, "{snap:?}");
+    assert_eq!(snap.host_store_error_blocks, 0, "{snap:?}");
+    assert_eq!(
+        snap.transfer(TierKind::Device, TierKind::Host)
+            .map_or(0, |t| t.blocks),
+        24,
+        "every block reached the host tier: {snap:?}"
+    );
+    a.worker.wait_idle(Duration::from_secs(30)).unwrap();
+    a.leader.process_completions();
+}
+
 /// `remote.load_timeout_ms` bounds a load's read, not `remote.io_timeout_ms`: a store that
 /// answers the lookup and then holds the values fails the load at the load's own deadline, and
 /// its blocks are load errors (recomputed). How it would fail: a load bounded by the 20 s I/O

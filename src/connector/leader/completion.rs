@@ -328,6 +328,9 @@ impl<A: SchedulerAdapter> Leader<A> {
                         r.write_failed(failed);
                     }
                 }
+                if let Some(r) = self.remote.as_mut() {
+                    r.writing = r.writing.saturating_sub(src.len());
+                }
                 drop(src);
             }
             Holds::Load { tier, src, dst } => {

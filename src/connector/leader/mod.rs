@@ -438,7 +438,10 @@ impl<A: SchedulerAdapter> Leader<A> {
                     .transpose()
             });
         match built {
-            Ok(Some(store)) => {
+            Ok(Some(mut store)) => {
+                if let Some(host) = self.tiers.as_ref().and_then(|t| t.host.as_ref()) {
+                    store.bound_writes_to(host.num_blocks());
+                }
                 if matches!(self.config.remote.secret(), Ok(None)) {
                     // Said once per leader, at start-up (the workers' stores say nothing).
                     tracing::warn!(

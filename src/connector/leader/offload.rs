@@ -526,8 +526,16 @@ impl<A: SchedulerAdapter> Leader<A> {
         let mut pairs = Vec::new();
         let mut keys = Vec::new();
         let mut src = Vec::new();
+        let room = r.write_room();
+        let mut skipped = 0u64;
         for (host_block, hash) in queue {
             if r.knows(hash) || self.pending_keys.contains(&(TierKind::Remote, hash)) {
+                continue;
+            }
+            if src.len() >= room {
+                // Dropped (its hold on the host block with it): write-behind is best effort,
+                // and a later sighting may queue the block again.
+                skipped += 1;
                 continue;
             }
             pairs.push((host_block.block_id(), keys.len()));
@@ -535,9 +543,13 @@ impl<A: SchedulerAdapter> Leader<A> {
             src.push(host_block);
             self.pending_keys.insert((TierKind::Remote, hash));
         }
+        if skipped > 0 {
+            r.writes_skipped(skipped);
+        }
         if pairs.is_empty() {
             return;
         }
+        r.writing += src.len();
         let op = self.next_op_id();
         self.outbox.operations.push(Box::new(RemoteWrite {
             transfer: BlockTransfer {

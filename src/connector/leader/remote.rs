@@ -66,7 +66,12 @@ pub(super) struct LeaderStore {
     filter: FrequencyFilter,
     /// Host blocks waiting to be written.
     pub queue: Vec<(ImmutableBlock, SequenceHash)>,
+    /// Host blocks held by writes in flight (each holds its source blocks until it ends).
+    pub writing: usize,
+    /// At most this many host blocks are held by writes in flight ([`LeaderStore::write_room`]).
+    pub max_writing: usize,
     warn: WarnLimiter,
+    skipped_warn: WarnLimiter,
 }
 
 /// A request's deferred lookup.
@@ -109,7 +114,10 @@ impl LeaderStore {
             known: HashSet::new(),
             filter: FrequencyFilter::new(config.remote.min_frequency(), 1 << 16)?,
             queue: Vec::new(),
+            writing: 0,
+            max_writing: usize::MAX,
             warn: WarnLimiter::new(WarnLimiter::INTERVAL),
+            skipped_warn: WarnLimiter::new(WarnLimiter::INTERVAL),
         })
     }
 
@@ -329,6 +337,30 @@ impl LeaderStore {
     /// back-off).
     pub fn backing_off(&self) -> bool {
         !self.lookups.health().in_path()
+    }
+
+    /// Holds writes in flight to half the host tier of `host_blocks` blocks (at least one): a store
+    /// whose replies stall keeps each write, and the host blocks it reads, for up to
+    /// `remote.io_timeout_ms`, and without a bound those held blocks filled the host tier, so it
+    /// stopped offloading and the store cost local hits, not only its own.
+    pub fn bound_writes_to(&mut self, host_blocks: usize) {
+        self.max_writing = (host_blocks / 2).max(1);
+    }
+
+    /// How many more host blocks writes may hold now.
+    pub fn write_room(&self) -> usize {
+        self.max_writing.saturating_sub(self.writing)
+    }
+
+    /// Counts `n` queued blocks not written because writes in flight hold their share of the
+    /// host tier; warns (rate-limited).
+    pub fn writes_skipped(&mut self, n: u64) {
+        if let Some(n) = self.skipped_warn.event(n) {
+            tracing::warn!(
+                store = %self.store.describe(), blocks = n, held = self.writing,
+                "kvbm: host blocks not written to the remote store: writes in flight already hold half the host tier (a slow store)"
+            );
+        }
     }
 
     /// Counts `n` blocks whose write failed; warns (rate-limited).
