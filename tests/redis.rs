@@ -584,6 +584,49 @@ fn a_server_that_stops_answering_times_out_at_the_deadline() {
     assert_eq!(get(&store, 0, &[1]).0, vec![RemoteRead::Hit]);
 }
 
+/// A read of values that misses its deadline resets the connection at once (lookups need three
+/// in a row): on the pipelined connection every later reply waits behind the one that did not
+/// arrive. How it would fail: after one timed-out read the store still counts as available and
+/// the next calls queue behind the stalled reply.
+#[test]
+fn a_value_read_past_its_deadline_resets_the_connection_at_once() {
+    let Some(server) = OwnServer::start(&[]) else {
+        return;
+    };
+    let store = connect(&RedisUrl::parse(&server.url()).unwrap(), scope(1, 64), None);
+    put(&store, 0, &[(1, vec![1; 64])]);
+    server.signal(libc::SIGSTOP);
+    let e = store
+        .lookup_prefix(&[1], Instant::now() + Duration::from_millis(100))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(
+        store.stats().available,
+        "one late lookup is not a lost connection"
+    );
+    let mut buf = vec![0u8; 64];
+    let e = store
+        .get(
+            0,
+            &[1],
+            &mut [buf.as_mut_slice()],
+            Instant::now() + Duration::from_millis(100),
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    let stats = store.stats();
+    assert_eq!(stats.timeouts, 2, "{stats:?}");
+    assert!(
+        !stats.available,
+        "a late value read resets the connection: {stats:?}"
+    );
+    server.signal(libc::SIGCONT);
+    wait_for("the store to reconnect", Duration::from_secs(15), || {
+        store.stats().available
+    });
+    assert_eq!(get(&store, 0, &[1]).0, vec![RemoteRead::Hit]);
+}
+
 #[test]
 fn a_store_made_while_the_server_is_down_connects_later() {
     let Some(mut server) = OwnServer::start(&[]) else {

@@ -230,6 +230,21 @@ impl RedisStore {
     /// Runs `commands` (each answered by one value, in order) by `deadline`; a failure is
     /// counted and, when it means the connection is lost, hands over to the reconnection task.
     fn run(&self, commands: Vec<Cmd>, deadline: Instant) -> Result<Vec<Value>> {
+        self.run_calls(commands, deadline, false)
+    }
+
+    /// As [`RedisStore::run`]; with `lose_on_timeout` a missed deadline counts the connection
+    /// lost at once (not after [`TIMEOUTS_BEFORE_RECONNECT`] in a row). For value reads: the
+    /// connection is pipelined, so every reply behind one that has not arrived waits for it, and
+    /// on a path that passes small replies but stalls values (a half-broken proxy or link) the
+    /// loads, lookups and writes queued behind one stalled value all waited their own deadlines,
+    /// seconds in all, before three timeouts reset it.
+    fn run_calls(
+        &self,
+        commands: Vec<Cmd>,
+        deadline: Instant,
+        lose_on_timeout: bool,
+    ) -> Result<Vec<Value>> {
         if commands.is_empty() {
             return Ok(Vec::new());
         }
@@ -273,6 +288,10 @@ impl RedisStore {
                 if n >= TIMEOUTS_BEFORE_RECONNECT {
                     self.inner
                         .lose(&format!("{n} calls in a row missed their deadline"));
+                } else if lose_on_timeout {
+                    self.inner.lose(
+                        "a read of values missed its deadline (the replies queued behind it wait for it)",
+                    );
                 }
                 Err(
                     Error::new(ErrorKind::Timeout, "Redis did not answer by the deadline")
@@ -879,7 +898,7 @@ impl RemoteStore for RedisStore {
                 c
             })
             .collect();
-        let values = self.run(commands, deadline)?;
+        let values = self.run_calls(commands, deadline, true)?;
         if values.len() != keys.len() {
             return Err(Error::new(
                 ErrorKind::Io,
