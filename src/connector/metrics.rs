@@ -488,6 +488,7 @@ impl MetricsSnapshot {
             &mut out,
             "kvbm_hit_tokens_total",
             "Tokens loaded successfully from an offload tier, by tier.",
+            "counter",
             "tier",
             &[
                 (TierKind::Host, self.host_hit_tokens),
@@ -499,6 +500,7 @@ impl MetricsSnapshot {
             &mut out,
             "kvbm_store_error_blocks_total",
             "Blocks whose store into an offload tier failed (never matched), by tier.",
+            "counter",
             "tier",
             &[
                 (TierKind::Host, self.host_store_error_blocks),
@@ -510,6 +512,7 @@ impl MetricsSnapshot {
             &mut out,
             "kvbm_remote_lookups_total",
             "Lookups in the remote store, by outcome (answered, timeout and error count as misses; skipped: not sent while the store was failing).",
+            "counter",
             "outcome",
             &[
                 ("answered", self.remote_lookups),
@@ -522,6 +525,7 @@ impl MetricsSnapshot {
             &mut out,
             "kvbm_remote_calls_failed_total",
             "Calls to the remote store that did not succeed, by reason (error, timeout), the leader's and every worker's.",
+            "counter",
             "reason",
             &[
                 ("error", self.remote_call_errors),
@@ -598,25 +602,15 @@ impl MetricsSnapshot {
             if self.remote_available { 1.0 } else { 0.0 },
         );
         if let Some(state) = self.remote_state {
-            let name = "kvbm_remote_state";
-            header(
+            labelled(
                 &mut out,
-                name,
+                "kvbm_remote_state",
                 "The remote store's verdict from a window of its recent calls: 1 for the current state (healthy; slow: median latency above remote.slow_ms; unavailable: half of its calls failed), 0 for the others.",
                 "gauge",
+                "state",
+                &[StoreState::Healthy, StoreState::Slow, StoreState::Unavailable]
+                    .map(|s| (s, u64::from(s == state))),
             );
-            for s in [
-                StoreState::Healthy,
-                StoreState::Slow,
-                StoreState::Unavailable,
-            ] {
-                line(
-                    &mut out,
-                    name,
-                    &format!("state=\"{s}\""),
-                    u64::from(s == state),
-                );
-            }
         }
         out
     }
@@ -689,15 +683,16 @@ fn counter_line(out: &mut String, name: &str, help: &str, value: u64) {
     line(out, name, "", value);
 }
 
-/// Appends a counter with one label: its header and one sample per (label value, count).
+/// Appends a metric of `kind` with one label: its header and one sample per (label value, value).
 fn labelled<V: std::fmt::Display>(
     out: &mut String,
     name: &str,
     help: &str,
+    kind: &str,
     label: &str,
     samples: &[(V, u64)],
 ) {
-    header(out, name, help, "counter");
+    header(out, name, help, kind);
     for (v, value) in samples {
         line(out, name, &format!("{label}=\"{v}\""), *value);
     }
