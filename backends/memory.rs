@@ -334,7 +334,9 @@ mod tests {
     fn rss_bytes() -> Option<usize> {
         let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
         let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
-        Some(pages * 4096)
+        // SAFETY: sysconf reads a system constant; no memory is passed.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+        Some(pages * page)
     }
 
     #[test]

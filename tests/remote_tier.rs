@@ -724,17 +724,8 @@ fn write_behind_to_a_slow_store_is_not_waited_for_each_iteration() {
     faults.delay_ms.store(6_000, Ordering::Relaxed);
     let mut sent = false;
     for _ in 0..4 {
-        let bytes = a
-            .leader
-            .build_connector_meta(&SchedulerStep::default())
-            .unwrap();
-        a.worker.bind_metadata(&bytes).unwrap();
-        a.worker.start_load().unwrap();
-        a.worker.save().unwrap();
-        a.worker
-            .wait_idle_or_stuck(Duration::from_secs(3), Duration::from_secs(60))
+        a.step_as_replay(&SchedulerStep::default(), &[], Duration::from_secs(3))
             .expect("an iteration waited for write-behind");
-        a.leader.process_completions();
         a.worker.get_finished(std::slice::from_ref(&who), None);
         sent |= a.leader.num_operations_in_flight() > 0;
     }
@@ -756,21 +747,6 @@ fn writes_to_a_stalled_store_hold_at_most_half_the_host_tier() {
     let data = MemoryRemoteData::default();
     let (mut a, faults) = instance::<Sync_>(&data, |c| c.remote.io_timeout_ms = Some(5_000));
     faults.delay_ms.store(5_000, Ordering::Relaxed);
-    let iteration = |a: &mut Rig, step: SchedulerStep, writes: &[(&[u32], usize, usize)]| {
-        let bytes = a.leader.build_connector_meta(&step).unwrap();
-        a.worker.bind_metadata(&bytes).unwrap();
-        a.worker.start_load().unwrap();
-        for (tokens, block, device_block) in writes {
-            a.device
-                .write_block_from_slice(*device_block, &image(tokens, *block))
-                .unwrap();
-        }
-        a.worker.save().unwrap();
-        a.worker
-            .wait_idle_or_stuck(Duration::from_secs(3), Duration::from_secs(60))
-            .unwrap();
-        a.leader.process_completions();
-    };
     for r in 0..8u32 {
         let who = id(&format!("r{r}"));
         let tokens: Vec<u32> = (0..13).map(|t| 10_000 * (r + 1) + t).collect();
@@ -788,10 +764,12 @@ fn writes_to_a_stalled_store_hold_at_most_half_the_host_tier() {
             requests: vec![prefill(&who, 0, tokens.len())],
             ..Default::default()
         };
-        iteration(&mut a, step, &writes);
+        a.step_as_replay(&step, &writes, Duration::from_secs(3))
+            .unwrap();
         a.leader.request_finished(&who, None, None).unwrap();
         for _ in 0..2 {
-            iteration(&mut a, SchedulerStep::default(), &[]);
+            a.step_as_replay(&SchedulerStep::default(), &[], Duration::from_secs(3))
+                .unwrap();
             a.worker.get_finished(std::slice::from_ref(&who), None);
         }
     }

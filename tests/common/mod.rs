@@ -184,7 +184,33 @@ impl Rig {
         writes: &[(&[u32], usize, usize)],
         finished: &[RequestId],
     ) -> (Vec<RequestId>, Vec<RequestId>) {
-        let bytes = self.leader.build_connector_meta(&step).unwrap();
+        self.execute(&step, writes);
+        self.worker.wait_idle(Duration::from_secs(10)).unwrap();
+        self.leader.process_completions();
+        self.worker.get_finished(finished, None)
+    }
+
+    /// As [`Rig::step`] up to the wait, which is `kvbm replay`'s: `Worker::wait_idle_or_stuck`
+    /// within `timeout` (write-behind to the remote store and loads from it keep running);
+    /// then applies completions. Returns the wait's outcome; calls no `get_finished`.
+    pub fn step_as_replay(
+        &mut self,
+        step: &SchedulerStep,
+        writes: &[(&[u32], usize, usize)],
+        timeout: Duration,
+    ) -> kvbm_connector::Result<()> {
+        self.execute(step, writes);
+        let waited = self
+            .worker
+            .wait_idle_or_stuck(timeout, Duration::from_secs(60));
+        self.leader.process_completions();
+        waited
+    }
+
+    /// Builds and binds the step's metadata, starts its loads, writes the model's KV and starts
+    /// the stores.
+    fn execute(&mut self, step: &SchedulerStep, writes: &[(&[u32], usize, usize)]) {
+        let bytes = self.leader.build_connector_meta(step).unwrap();
         self.worker.bind_metadata(&bytes).unwrap();
         self.worker.start_load().unwrap();
         for (tokens, block, device_block) in writes {
@@ -193,9 +219,6 @@ impl Rig {
                 .unwrap();
         }
         self.worker.save().unwrap();
-        self.worker.wait_idle(Duration::from_secs(10)).unwrap();
-        self.leader.process_completions();
-        self.worker.get_finished(finished, None)
     }
 
     /// Runs request `id` cold through prefill on device blocks `blocks`, then finishes it and lets
