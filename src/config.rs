@@ -25,6 +25,7 @@
 //! batch_blocks = 16
 //! load_timeout_secs = 10.0 # a load from disk/remote past this is a load error
 //! copy_method = "auto"     # large memory copies: auto (measured), plain, stream or stream-pages
+//! inline_device_copies = true # a device tier in host memory (CPU engines): copy on the engine's thread
 //!
 //! [remote]                 # the shared G4 tier (Redis / Valkey); off without url
 //! url = "redis://:pass@10.0.0.5:6379/0"  # or rediss://..., redis+cluster://h1:p1,h2:p2
@@ -224,6 +225,16 @@ pub struct TransferConfig {
     /// [`crate::transfer::calibrate`]), `plain`, `stream` (streaming stores, one line after the
     /// other) or `stream-pages` (streaming stores to four pages in turn). Default: `auto`.
     pub copy_method: crate::transfer::CopyPolicy,
+    /// Where the device tier is itself host memory (an engine on the CPU: its "device" KV cache
+    /// is ordinary tensors), copies between it and another memory tier run on the engine's own
+    /// thread inside the call that submits them — loads in `start_load_kv`, stores when the
+    /// forward pass is done — instead of on the worker's copy threads
+    /// (`KVBM_INLINE_DEVICE_COPIES`). Such a copy is a `memcpy` of the step's blocks (a few
+    /// milliseconds at most); on a host whose cores are all busy a copy thread waits for a time
+    /// slice first, and meanwhile a finished request keeps its device blocks and a loading one
+    /// its place in the queue. No effect with a GPU, or on copies to or from disk or the remote
+    /// store. Default: `true`.
+    pub inline_device_copies: bool,
 }
 
 /// [`TransferConfig::load_timeout_secs`] when unset.
@@ -236,6 +247,7 @@ impl Default for TransferConfig {
             batch_blocks: 16,
             load_timeout_secs: DEFAULT_LOAD_TIMEOUT_SECS,
             copy_method: crate::transfer::CopyPolicy::Auto,
+            inline_device_copies: true,
         }
     }
 }
@@ -1190,6 +1202,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     ours("KVBM_TRANSFER_BATCH_BLOCKS", "transfer.batch_blocks"),
     ours("KVBM_LOAD_TIMEOUT_SECS", "transfer.load_timeout_secs"),
     ours("KVBM_COPY_METHOD", "transfer.copy_method"),
+    ours("KVBM_INLINE_DEVICE_COPIES", "transfer.inline_device_copies"),
     ours("KVBM_INIT_TIMEOUT_SECS", "init_timeout_secs"),
     ours(REMOTE_URL_ENV, "remote.url"),
     ours("KVBM_REMOTE_SECRET_FILE", "remote.secret_file"),
@@ -1413,6 +1426,9 @@ impl Config {
                         "expected one of auto, plain, stream, stream-pages",
                     )
                 })?
+            }
+            "transfer.inline_device_copies" => {
+                self.transfer.inline_device_copies = parse_bool(source, raw)?
             }
             "remote.url" => self.remote.url = trimmed(raw).map(str::to_owned),
             "remote.secret_file" => self.remote.secret_file = trimmed(raw).map(PathBuf::from),
@@ -1743,6 +1759,19 @@ mod tests {
         let c = Config::from_toml_str("[transfer]\ncopy_method = \"plain\"\n").unwrap();
         assert_eq!(c.transfer.copy_method, CopyPolicy::Plain);
         assert!(Config::from_toml_str("[transfer]\ncopy_method = \"fast\"\n").is_err());
+    }
+
+    #[test]
+    fn inline_device_copies_from_env_and_file() {
+        assert!(Config::default().transfer.inline_device_copies);
+        let c = Config::load_with(None, env(&[("KVBM_INLINE_DEVICE_COPIES", "off")])).unwrap();
+        assert!(!c.transfer.inline_device_copies);
+        let e = Config::load_with(None, env(&[("KVBM_INLINE_DEVICE_COPIES", "sometimes")]))
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
+        assert_eq!(e.context_value("setting"), Some("KVBM_INLINE_DEVICE_COPIES"));
+        let c = Config::from_toml_str("[transfer]\ninline_device_copies = false\n").unwrap();
+        assert!(!c.transfer.inline_device_copies);
     }
 
     #[test]

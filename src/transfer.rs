@@ -235,6 +235,28 @@ impl TransferEngine {
         TransferHandle { task }
     }
 
+    /// Runs a transfer [`TransferEngine::validate`] accepted on the calling thread, with this
+    /// engine's copy policy, outside its concurrency bound (for a caller that copies a few
+    /// blocks between memory tiers where waiting for a copy thread would cost more).
+    pub(crate) fn copy_here(
+        &self,
+        src: &dyn StorageTier,
+        dst: &dyn StorageTier,
+        pairs: &[(usize, usize)],
+    ) -> TransferOutcome {
+        let start = Instant::now();
+        let batch = copy_batch(src, dst, pairs, copy_method(src, pairs.len(), self.copy));
+        let blocks = pairs.len() - batch.failed.len();
+        TransferOutcome {
+            src: src.kind(),
+            dst: dst.kind(),
+            blocks,
+            bytes: blocks as u64 * src.bytes_per_block() as u64,
+            failed: batch.failed,
+            elapsed: start.elapsed(),
+        }
+    }
+
     /// Validates, runs and awaits a transfer.
     pub async fn copy(
         &self,

@@ -148,6 +148,8 @@ struct Gate {
     /// `[loads held, stores held]`.
     held: Mutex<[bool; 2]>,
     cv: Condvar,
+    /// The threads that moved device blocks for the connector (each once).
+    threads: Mutex<Vec<std::thread::ThreadId>>,
 }
 
 fn gate_slot(d: Direction) -> usize {
@@ -168,6 +170,12 @@ impl Gate {
     }
 
     fn pass(&self, d: Direction) -> kvbm_connector::Result<()> {
+        let me = std::thread::current().id();
+        let mut threads = self.threads.lock().unwrap();
+        if !threads.contains(&me) {
+            threads.push(me);
+        }
+        drop(threads);
         let guard = self.held.lock().unwrap();
         let (_g, t) = self
             .cv
@@ -266,6 +274,10 @@ struct Opts {
     /// device block 0 is the null block, which the block table holds for the blocks before
     /// the window.
     window: Option<usize>,
+    /// vLLM on the CPU: the worker copies device blocks on the engine's thread
+    /// (`transfer.inline_device_copies`). Off, the stand-in plays a GPU engine, whose copies run
+    /// on the worker's threads (and can be held at the gate).
+    inline: bool,
 }
 
 impl Default for Opts {
@@ -278,6 +290,7 @@ impl Default for Opts {
             backend: Backend::FlashAttention,
             runner: ModelRunner::V1,
             window: None,
+            inline: false,
         }
     }
 }
@@ -401,6 +414,7 @@ impl Engine {
         config.host.cache_blocks = Some(opts.host_blocks);
         config.disk.cache_blocks = Some(opts.disk_blocks);
         config.disk.dir = dir.path().to_path_buf();
+        config.transfer.inline_device_copies = opts.inline;
         // vLLM's block pool keeps block 0 as its null block (never in a request's list but as
         // a stand-in for blocks a sliding window dropped): `device_blocks` usable blocks + it.
         let n = opts.device_blocks + 1;
@@ -1378,6 +1392,34 @@ fn abort_while_loading() -> (Engine, StepReport) {
 fn abort_while_load_in_flight_delays_the_free_until_the_load_finished() {
     let (e, _) = abort_while_loading();
     e.finish_scenario("abort_while_loading");
+}
+
+/// vLLM on the CPU, where the device cache is host memory: the worker copies a step's loads in
+/// `start_load_kv` and its stores when the forward pass is done, on the engine's own thread, so
+/// no copy waits for a time slice of the worker's threads on a busy host. A load is reported in
+/// the step that submitted it; a request whose blocks were stored in its last step is not held.
+/// (With copies on the worker's threads the gate sees those threads, not this one.)
+#[test]
+fn on_the_cpu_device_copies_run_on_the_engines_thread() {
+    let mut e = Engine::new(Opts {
+        inline: true,
+        ..Opts::default()
+    });
+    let a = tokens(1300, 17);
+    e.add("a", a.clone(), 1);
+    let r = e.step();
+    // Its one full block was stored before the step ended: nothing to hold its blocks for.
+    assert_eq!(r.finished, vec![("a".to_string(), false)]);
+    assert_eq!(e.sched.leader().num_operations_in_flight(), 0);
+    e.add("b", a.clone(), 1);
+    let r = e.step();
+    assert_eq!(e.last_match("b"), (0, 16, true));
+    assert_eq!(r.finished_recving, BTreeSet::from(["b".to_string()]));
+    e.run_until_idle();
+    let me = std::thread::current().id();
+    let threads = e.gate.threads.lock().unwrap().clone();
+    assert_eq!(threads, vec![me], "device blocks moved on other threads");
+    e.drain_and_check();
 }
 
 #[test]

@@ -642,14 +642,18 @@ impl Worker {
             .tiers()
             .cloned()
             .ok_or_else(|| Error::new(ErrorKind::NotReady, "worker is not ready"))?;
-        let jobs = ops
+        let (here, elsewhere): (Vec<Job>, Vec<Job>) = ops
             .into_iter()
             .filter_map(|op| {
                 let orphan = self.orphans.contains(&op.id());
                 self.prepare(&tiers, op, orphan)
             })
-            .collect();
-        self.start_jobs(jobs);
+            .partition(|job| job.inline);
+        // Copies to or from disk and the store start first, so they run while this thread copies.
+        self.start_jobs(elsewhere);
+        for job in here {
+            job.run_here(&self.shared, &self.outbox);
+        }
         Ok(())
     }
 
@@ -782,7 +786,15 @@ impl Worker {
             complete(&shared, &outbox, done, Err(e));
             return None;
         }
+        // A device tier in host memory (an engine on the CPU) and another memory tier: a memcpy
+        // of this step's blocks, done at once on this thread (`transfer.inline_device_copies`).
+        let inline = self.config.transfer.inline_device_copies
+            && touches_device
+            && fence.is_none()
+            && src.capability().host_addressable
+            && target.capability().host_addressable;
         Some(Job {
+            inline,
             engine: engine.clone(),
             src,
             target,
@@ -1069,6 +1081,8 @@ impl Drop for Worker {
 
 /// An operation checked on the engine's thread, to be started on the worker's runtime.
 struct Job {
+    /// Run on the engine's thread when submitted ([`Job::run_here`]), not on the runtime.
+    inline: bool,
     engine: TransferEngine,
     src: Arc<dyn StorageTier>,
     /// The destination tier, or its fence for a load from a tier doing I/O.
@@ -1085,9 +1099,19 @@ struct Job {
 }
 
 impl Job {
+    /// Copies on the calling thread and completes the operation (a copy between two memory
+    /// tiers: no fence, no deadline).
+    fn run_here(self, shared: &Shared, outbox: &Arc<Outbox>) {
+        let outcome = self
+            .engine
+            .copy_here(self.src.as_ref(), self.target.as_ref(), &self.pairs);
+        complete(shared, outbox, self.done, Ok(outcome));
+    }
+
     /// Starts the transfer on `runtime` and a task that completes the operation when it ends.
     fn start(self, runtime: &tokio::runtime::Handle, shared: Arc<Shared>, outbox: Arc<Outbox>) {
         let Job {
+            inline: _,
             engine,
             src,
             target,
