@@ -98,7 +98,14 @@ from _vllm_cpu import (  # noqa: E402
 SYSTEM_TOKENS = 512
 USER_TOKENS = 256
 OUTPUT_TOKENS = 24
-ARMS = ("none", "kvbm")
+ARMS = ["none", "kvbm"]
+# Extra kvbm arms (``--variant NAME:ENV=VALUE,...``): arm ``kvbm-NAME`` runs with those variables
+# set while its engine starts (the connector reads its settings then).
+VARIANT_ENV: dict = {}
+
+
+def is_kvbm(arm: str) -> bool:
+    return arm == "kvbm" or arm.startswith("kvbm-")
 # vLLM counters read before and after each workload (deltas); summed over labels.
 COUNTERS = {
     "preemptions": "vllm:num_preemptions",
@@ -259,8 +266,17 @@ def run_arm(arm: str, args, model: str, config: str, wl: Workload, round_no: int
     if args.max_num_batched_tokens:
         engine["max_num_batched_tokens"] = args.max_num_batched_tokens
     t0 = time.perf_counter()
-    llm = make_llm(model, connector=(arm == "kvbm"), config=config, in_process=in_process,
-                   **engine)
+    saved = {k: os.environ.get(k) for k in VARIANT_ENV.get(arm, {})}
+    os.environ.update(VARIANT_ENV.get(arm, {}))
+    try:
+        llm = make_llm(model, connector=is_kvbm(arm), config=config, in_process=in_process,
+                       **engine)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         start_s = time.perf_counter() - t0
         warm = run_batch(llm, [prompt(99, 64)], 2)
@@ -289,7 +305,7 @@ def run_arm(arm: str, args, model: str, config: str, wl: Workload, round_no: int
         wall = time.perf_counter() - t
         load_after = loadavg()
         # Let the connector finish its stores (not timed) before the counters are read.
-        if arm == "kvbm" and in_process:
+        if is_kvbm(arm) and in_process:
             conn = engine_scheduler(llm).connector
             for _ in range(500):
                 if not conn.has_pending_work():
@@ -298,7 +314,7 @@ def run_arm(arm: str, args, model: str, config: str, wl: Workload, round_no: int
                 time.sleep(0.01)
         after = vllm_counters(llm)
         kvbm_own = None
-        if arm == "kvbm" and in_process:
+        if is_kvbm(arm) and in_process:
             kvbm_own = engine_scheduler(llm).connector.metrics()
     finally:
         shutdown(llm)
@@ -327,7 +343,7 @@ def run_arm(arm: str, args, model: str, config: str, wl: Workload, round_no: int
         counters=delta,
         kvbm_metrics=kvbm_own,
     )
-    if arm == "kvbm":
+    if is_kvbm(arm):
         lerr = delta["kvbm_load_error_blocks"]
         if kvbm_own is not None:
             lerr = max(lerr, kvbm_own.get("load_error_blocks", 0))
@@ -400,6 +416,9 @@ def main() -> None:
     ap.add_argument("--aborts", action="store_true")
     ap.add_argument("--load", default="", help="spin:K or mem:K")
     ap.add_argument("--json", default="")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME:ENV=VALUE[,ENV=VALUE]: one more kvbm arm, kvbm-NAME, run with those "
+                         "environment variables (e.g. off:KVBM_INLINE_DEVICE_COPIES=off)")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the untimed no-connector run of the workload before round 0")
     ap.add_argument("--vllm-default-binding", action="store_true",
@@ -408,6 +427,13 @@ def main() -> None:
     ap.add_argument("--allow-debug", action="store_true",
                     help="time an unoptimised (debug) build of kvbm anyway; not the product's figures")
     args = ap.parse_args()
+    for v in args.variant:
+        name, _, pairs = v.partition(":")
+        env = dict(p.split("=", 1) for p in pairs.split(",") if "=" in p)
+        if not name or not env:
+            ap.error(f"--variant {v!r}: want NAME:ENV=VALUE[,ENV=VALUE]")
+        ARMS.append(f"kvbm-{name}")
+        VARIANT_ENV[f"kvbm-{name}"] = env
     from kvbm_connector import _kvbm
     if getattr(_kvbm, "DEBUG_BUILD", False) and not args.allow_debug:
         sys.exit(
@@ -489,7 +515,7 @@ def main() -> None:
                 runs[arm].append(r)
                 lerr = r.get("load_error_blocks")
                 print(
-                    f"round {rnd} {arm:4}: wall {r['wall_s']:.2f} s (engine start "
+                    f"round {rnd} {arm}: wall {r['wall_s']:.2f} s (engine start "
                     f"{r['engine_start_s']:.1f} s), computed {r['computed_tokens']}, "
                     f"kvbm host hits {r['counters']['kvbm_host_hit_tokens']:.0f}, "
                     f"preemptions {r['counters']['preemptions']:.0f}, "
@@ -538,6 +564,11 @@ def main() -> None:
                   f"{s['aborted_unreported']})")
     print(f"load errors (kvbm, blocks per round): {summary['kvbm']['load_error_blocks']}")
     print(f"kvbm / none, median wall: {ratio:.2f}")
+    for a in ARMS[2:]:
+        print(f"{a} / none, median wall: "
+              f"{summary[a]['wall_median'] / summary['none']['wall_median']:.2f}; "
+              f"{a} / kvbm: {summary[a]['wall_median'] / summary['kvbm']['wall_median']:.2f} "
+              f"({VARIANT_ENV[a]})")
     if summary["none"]["ttft_p90"] and summary["kvbm"]["ttft_p90"]:
         print(f"kvbm / none, TTFT p50: {summary['kvbm']['ttft_p50'] / summary['none']['ttft_p50']:.2f}"
               f", p90: {summary['kvbm']['ttft_p90'] / summary['none']['ttft_p90']:.2f}")
@@ -549,7 +580,8 @@ def main() -> None:
                                      for r in runs[a]] for a in ARMS}), f, indent=1)
     ok = all(summary[a]["outputs_identical"] for a in ARMS)
     assert ok, "outputs differ from the first no-connector round (see the table)"
-    assert all(e == 0 for e in summary["kvbm"]["load_error_blocks"]), "kvbm reported load errors"
+    for a in ARMS[1:]:
+        assert all(e == 0 for e in summary[a]["load_error_blocks"]), f"{a} reported load errors"
 
 
 if __name__ == "__main__":

@@ -102,6 +102,12 @@ impl<A: SchedulerAdapter> Leader<A> {
             computed_after.push(self.adapter.computed_after(r)?);
         }
         for p in &step.preempted {
+            // A running request's loads are done on the workers (a synchronous load before the
+            // step it was scheduled in computed, an asynchronous one before the engine was told):
+            // a completion not applied yet is in transit.
+            if self.slots.get(p).is_some_and(|s| s.loads_in_flight > 0) {
+                self.await_loads(p);
+            }
             match self.slots.get(p) {
                 None => return Err(unknown_request("build_connector_meta (preempted)", p)),
                 Some(s) if s.loads_in_flight > 0 => {
