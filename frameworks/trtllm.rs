@@ -81,7 +81,13 @@ impl Engine for Trtllm {
     type Adapter = ComputedPosition;
     type LeaderInit = NonBlocking;
     type WorkerInit = Blocking;
+    /// TensorRT-LLM's `BAD_PAGE_INDEX` (-1: a block with no page in its layer group, before or
+    /// behind a sliding window), which the Python layer passes as `usize::MAX`.
+    const PLACEHOLDER_BLOCK: Option<usize> = Some(NO_PAGE);
 }
+
+/// The block id standing for TensorRT-LLM's `BAD_PAGE_INDEX` ([`Engine::PLACEHOLDER_BLOCK`]).
+pub const NO_PAGE: usize = usize::MAX;
 
 /// `KvCacheConnectorScheduler`.
 #[derive(Debug)]

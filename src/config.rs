@@ -1769,7 +1769,10 @@ mod tests {
         let e = Config::load_with(None, env(&[("KVBM_INLINE_DEVICE_COPIES", "sometimes")]))
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidConfig);
-        assert_eq!(e.context_value("setting"), Some("KVBM_INLINE_DEVICE_COPIES"));
+        assert_eq!(
+            e.context_value("setting"),
+            Some("KVBM_INLINE_DEVICE_COPIES")
+        );
         let c = Config::from_toml_str("[transfer]\ninline_device_copies = false\n").unwrap();
         assert!(!c.transfer.inline_device_copies);
     }

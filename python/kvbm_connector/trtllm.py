@@ -17,8 +17,9 @@ stand-ins with the same non-abstract helpers, so the classes can be built and te
 Both API generations are served: the older one (``register_kv_caches``, flat block lists) and the
 newer one's additions — ``wait_for_initialization`` on the scheduler (blocks until the start-up
 barrier completed, within the init timeout), ``register_kv_cache_layout`` (a one-group,
-one-region layout is registered as its single pool tensor; anything else is refused, naming what),
-the ``*_by_layer_group`` methods (one layer group; several are refused) and
+one-region layout, full attention or one sliding window, is registered as its single pool tensor;
+anything else is refused, naming what), the ``*_by_layer_group`` methods (one layer group; several
+are refused; ``BAD_PAGE_INDEX`` entries, -1, are pages a sliding window keeps none of) and
 ``supports_attention_dp`` (False: see :class:`KvbmConnectorScheduler`).
 
 What is read from TensorRT-LLM's objects (the shapes its ``KvCacheConnectorManager`` passes):
@@ -234,8 +235,34 @@ def cache_salt(request: Any) -> Optional[str]:
     return f"{SALT_ID_TAG}{salt_id}"
 
 
+#: TensorRT-LLM's ``BAD_PAGE_INDEX``: a block ordinal with no page in the layer group (before a
+#: sliding window, or left behind by it). It travels to the core as :data:`NO_PAGE`, the block id
+#: the TensorRT-LLM engine declares as its placeholder: never loaded into, never stored from.
+BAD_PAGE_INDEX = -1
+#: The placeholder block id a ``BAD_PAGE_INDEX`` becomes (``usize::MAX`` in the core).
+NO_PAGE = (1 << 64) - 1
+
+
+def _pages(values: Any, what: str) -> List[int]:
+    """Page indices as the core takes them: ``BAD_PAGE_INDEX`` becomes :data:`NO_PAGE`; any
+    other negative index is refused, naming the list and the value."""
+    ids = int_list(values, what)
+    for i, p in enumerate(ids):
+        if p < 0:
+            if p != BAD_PAGE_INDEX:
+                raise error(
+                    "invalid_argument",
+                    f"{what}[{i}] is {p}: a page index is >= 0, or {BAD_PAGE_INDEX} "
+                    "(BAD_PAGE_INDEX: no page for that block)",
+                    argument=what,
+                )
+            ids[i] = NO_PAGE
+    return ids
+
+
 def _one_group(what: str, groups: Sequence[Any]) -> Any:
-    """The only layer group's entry; several groups are refused, naming what is unsupported."""
+    """The only layer group's entry (``BAD_PAGE_INDEX`` where a sliding window keeps no page);
+    several groups are refused, naming what is unsupported."""
     try:
         n = len(groups)
     except TypeError:
@@ -252,22 +279,14 @@ def _one_group(what: str, groups: Sequence[Any]) -> Any:
             "not supported",
             argument=what,
         )
-    ids = int_list(groups[0], what)
-    if any(i < 0 for i in ids):
-        raise error(
-            "unsupported",
-            f"{what} has a page index below 0 (a sliding-window page that left the window); "
-            "sliding-window attention is not supported",
-            argument=what,
-        )
-    return ids
+    return _pages(groups[0], what)
 
 
 def _request_data(r: Any) -> Tuple[int, List[int], List[int], int]:
     return (
         int(r.request_id),
         int_list(r.new_tokens, "RequestData.new_tokens"),
-        int_list(r.new_block_ids, "RequestData.new_block_ids"),
+        _pages(r.new_block_ids, "RequestData.new_block_ids"),
         int(r.computed_position),
     )
 
@@ -312,7 +331,7 @@ class KvbmConnectorScheduler(_SchedulerBase):
 
     def update_state_after_alloc(self, request: Any, block_ids: List[int]) -> None:
         self._inner.update_state_after_alloc(
-            int(request.request_id), int_list(block_ids, "block_ids")
+            int(request.request_id), _pages(block_ids, "block_ids")
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> bytes:
@@ -325,7 +344,7 @@ class KvbmConnectorScheduler(_SchedulerBase):
         return self._inner.request_finished(
             int(request.request_id),
             _tokens(request),
-            int_list(cache_block_ids, "cache_block_ids"),
+            _pages(cache_block_ids, "cache_block_ids"),
         )
 
     # -- newer TensorRT-LLM (connectors/kv_cache_connector.py) ---------------------------------
@@ -423,11 +442,11 @@ class KvbmConnectorWorker(_WorkerBase):
         self._streams = StreamOrder(self._inner.register_kv_caches(kv_cache_tensor))
 
     def register_kv_cache_layout(self, layout: Any) -> None:
-        """Newer TensorRT-LLM (``KvCacheLayout``, KV cache manager V2): a layout of one full-
-        attention layer group in one region, with no replicated side cache, is registered as the
-        single pool tensor ``layout.as_single_pool_tensor()`` gives
-        (``[num_slots, num_layers, kv_factor, block elements]``); anything else is refused with
-        an ``unsupported`` error naming what."""
+        """Newer TensorRT-LLM (``KvCacheLayout``, KV cache manager V2): a layout of one layer
+        group — full attention, or a sliding window on every layer — in one region, with no
+        replicated side cache, is registered as the single pool tensor
+        ``layout.as_single_pool_tensor()`` gives (``[num_slots, num_layers, kv_factor, block
+        elements]``); anything else is refused with an ``unsupported`` error naming what."""
         groups = tuple(getattr(layout, "groups", ()) or ())
         if len(groups) != 1:
             raise error(
@@ -438,13 +457,17 @@ class KvbmConnectorWorker(_WorkerBase):
             )
         group = groups[0]
         window = getattr(group, "window_size", None)
-        if window is not None:
+        if window is not None and (not isinstance(window, int) or window <= 0):
             raise error(
-                "unsupported",
-                f"the KV cache layout's layer group has a sliding window of {window} tokens; "
-                "kvbm_connector supports full attention only",
+                "invalid_layout",
+                f"the KV cache layout's layer group has a sliding window of {window!r} tokens; "
+                "want a positive whole number (or None for full attention)",
                 argument="layout",
             )
+        # A sliding window (every layer sliding, one group): pages the window left behind come
+        # as BAD_PAGE_INDEX and are never loaded into or stored from; a hit loads the pages the
+        # engine allocated (the window before it).
+        self.window_size = window
         if tuple(getattr(group, "replicated_regions", ()) or ()):
             raise error(
                 "unsupported",

@@ -319,11 +319,22 @@ class TrtllmEngine:
     and before an idle iteration's ``get_finished``, it waits for the worker to be idle.
     """
 
-    def __init__(self, scheduler, worker, cache: TrtllmCache, chunk: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        scheduler,
+        worker,
+        cache: TrtllmCache,
+        chunk: Optional[int] = None,
+        window_blocks: Optional[int] = None,
+    ) -> None:
         self.sched = scheduler
         self.worker = worker
         self.cache = cache
         self.chunk = chunk or 1 << 30
+        # A sliding window of this many blocks (KV cache manager V2, one layer group): a hit of n
+        # tokens gets pages only for the window before n; the ordinals before it hold -1
+        # (BAD_PAGE_INDEX) in every list the connector sees.
+        self.window_blocks = window_blocks
         self.free = set(range(cache.num_blocks))
         self.waiting: List[LlmRequest] = []
         self.loading: List[LlmRequest] = []
@@ -406,7 +417,8 @@ class TrtllmEngine:
             n, load_async = self.sched.get_num_new_matched_tokens(req, 0)
             assert n % BS == 0 and load_async == (n > 0)
             self.matched[req.request_id] = (n, load_async)
-            req.blocks = [self._alloc() for _ in range(-(-req.prompt_len // BS))]
+            skip = 0 if self.window_blocks is None else max(0, n // BS - self.window_blocks)
+            req.blocks = [-1 if i < skip else self._alloc() for i in range(-(-req.prompt_len // BS))]
             self.sched.update_state_after_alloc(req, list(req.blocks))
             if load_async:
                 req.loaded = n
@@ -488,16 +500,22 @@ class TrtllmEngine:
             self._release(req)
 
     def verify_onboarded(self, req: LlmRequest) -> int:
+        checked = 0
         for b in range(req.loaded // BS):
+            if req.blocks[b] < 0:
+                continue  # no page here (before the sliding window): nothing was loaded
+            checked += 1
             got = self.cache.read_block(req.blocks[b])
             assert got == expected_block(req.tokens, b), (
                 f"request {req.request_id}: onboarded block {b} (device block {req.blocks[b]}) "
                 "does not hold its prefix's KV"
             )
-        return req.loaded // BS
+        return checked
 
     def _release(self, req: LlmRequest) -> None:
         for b in req.blocks:
+            if b < 0:
+                continue
             self.cache.fill(b, junk(b))
             assert b not in self.free
             self.free.add(b)

@@ -322,11 +322,40 @@ def test_register_kv_cache_layout_registers_its_single_pool_tensor():
     assert e.matched[2] == (12, True) and e.verified_blocks == 3
 
 
+def test_a_sliding_window_layout_loads_only_the_pages_the_window_keeps():
+    """One layer group with a sliding window (KV cache manager V2): a hit's blocks before the
+    window come as BAD_PAGE_INDEX (-1) in the flat list, the scheduler output and at finish;
+    nothing is loaded into or stored from them, the window's pages load with the prefix's KV."""
+    args = E.TrtLlmArgs()
+    sched = trtllm.KvbmConnectorScheduler(args)
+    worker = trtllm.KvbmConnectorWorker(args)
+    cache = E.TrtllmCache(48)
+    worker.register_kv_cache_layout(_Layout(cache.tensor, groups=[_Group(window=2 * E.BS)]))
+    assert worker.window_size == 2 * E.BS
+    sched.wait_for_initialization()
+    e = E.TrtllmEngine(sched, worker, cache, window_blocks=2)
+    a = E.prompt(21, 8 * E.BS)
+    e.submit(1, a, max_new=2)
+    e.run()
+    e.submit(2, a + [7], max_new=2)
+    e.run()
+    assert e.matched[2] == (8 * E.BS, True)
+    b = e.done[2]
+    assert b.blocks[:6] == [trtllm.BAD_PAGE_INDEX] * 6, b.blocks
+    assert all(p >= 0 for p in b.blocks[6:]), b.blocks
+    # The window's two pages were loaded, and hold the prefix's KV (checked by the engine).
+    assert e.verified_blocks == 2
+    assert sched.metrics()["load_error_blocks"] == 0
+    # Pages taken back at the end are whole again (no -1 reached the free list).
+    assert e.free == set(range(48))
+
+
 @pytest.mark.parametrize(
     "layout,words",
     [
         (lambda t: _Layout(t, groups=[_Group(), _Group()]), "2 layer groups"),
-        (lambda t: _Layout(t, groups=[_Group(window=128)]), "sliding window of 128"),
+        (lambda t: _Layout(t, groups=[_Group(window=0)]), "sliding window of 0"),
+        (lambda t: _Layout(t, groups=[_Group(window=2.5)]), "sliding window of 2.5"),
         (lambda t: _Layout(t, groups=[_Group(replicated=[_Region()])]), "replicated regions"),
         (lambda t: _Layout(t, groups=[_Group(regions=2)]), "2 region(s)"),
         (lambda t: _Layout(t, tpb=E.BS * 2), f"{E.BS * 2} tokens per block"),
@@ -352,9 +381,10 @@ def test_layer_group_methods_serve_one_group_and_refuse_several(trtllm_engine):
     with pytest.raises(KvbmError) as ei:
         e.sched.update_state_after_alloc_by_layer_group(req, [req.blocks, req.blocks])
     assert ei.value.kind == "unsupported" and "2 layer groups" in ei.value.message
+    # -1 is BAD_PAGE_INDEX (no page there: a sliding window); any other negative is refused.
     with pytest.raises(KvbmError) as ei:
-        e.sched.update_state_after_alloc_by_layer_group(req, [[-1] + req.blocks[1:]])
-    assert ei.value.kind == "unsupported" and "sliding-window" in ei.value.message
+        e.sched.update_state_after_alloc_by_layer_group(req, [[-2] + req.blocks[1:]])
+    assert ei.value.kind == "invalid_argument" and "is -2" in ei.value.message
     e.sched.update_state_after_alloc_by_layer_group(req, [list(req.blocks)])
     with pytest.raises(KvbmError) as ei:
         e.sched.request_finished_by_layer_group(req, [req.blocks, []])

@@ -324,7 +324,10 @@ impl<A: SchedulerAdapter> Leader<A> {
         let Some(slot) = self.slots.get_mut(id) else {
             return Err(unknown_request("update_state_after_alloc", id));
         };
-        if let Some(&bad) = block_ids.iter().find(|&&b| b >= num_device) {
+        if let Some(&bad) = block_ids
+            .iter()
+            .find(|&&b| b >= num_device && Some(b) != placeholder)
+        {
             return Err(Error::out_of_range("device block", bad, num_device)
                 .with("request", id)
                 .with("op", "update_state_after_alloc"));

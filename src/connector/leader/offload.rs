@@ -94,7 +94,12 @@ impl<A: SchedulerAdapter> Leader<A> {
             if !self.slots.contains_key(&r.request_id) {
                 return Err(unknown_request("build_connector_meta", &r.request_id));
             }
-            if let Some(&bad) = r.new_block_ids.iter().find(|&&b| b >= num_device) {
+            let placeholder = self.placeholder;
+            if let Some(&bad) = r
+                .new_block_ids
+                .iter()
+                .find(|&&b| b >= num_device && Some(b) != placeholder)
+            {
                 return Err(Error::out_of_range("device block", bad, num_device)
                     .with("request", &r.request_id)
                     .with("op", "build_connector_meta"));
