@@ -107,9 +107,8 @@ impl<A: SchedulerAdapter> Leader<A> {
             computed_after.push(self.adapter.computed_after(r)?);
         }
         for p in &step.preempted {
-            // A running request's loads are done on the workers (a synchronous load before the
-            // step it was scheduled in computed, an asynchronous one before the engine was told):
-            // a completion not applied yet is in transit.
+            // A running request's loads are done: a worker tells the engine a load finished only
+            // after sending its completion, so one not applied yet is in transit (TCP).
             if self.slots.get(p).is_some_and(|s| s.loads_in_flight > 0) {
                 self.await_loads(p);
             }
