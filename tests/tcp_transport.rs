@@ -172,7 +172,10 @@ impl Drop for Gated {
 
 fn gated_rig() -> Gated {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path(), 32, 0);
+    let mut cfg = config(dir.path(), 32, 0);
+    // The gate holds a store while the worker's threads run it, as a GPU's copy engine would: a
+    // device tier in host memory is otherwise copied on the caller's thread, which it would hold.
+    cfg.transfer.inline_device_copies = false;
     let lt = TcpLeader::bind(any_port(), 1, None).unwrap();
     let wt = TcpWorker::connect(lt.local_addr(), 0, 1, None, LONG).unwrap();
     let device = Arc::new(GatedDevice {
