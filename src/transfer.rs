@@ -244,17 +244,7 @@ impl TransferEngine {
         dst: &dyn StorageTier,
         pairs: &[(usize, usize)],
     ) -> TransferOutcome {
-        let start = Instant::now();
-        let batch = copy_batch(src, dst, pairs, copy_method(src, pairs.len(), self.copy));
-        let blocks = pairs.len() - batch.failed.len();
-        TransferOutcome {
-            src: src.kind(),
-            dst: dst.kind(),
-            blocks,
-            bytes: blocks as u64 * src.bytes_per_block() as u64,
-            failed: batch.failed,
-            elapsed: start.elapsed(),
-        }
+        copy_now(src, dst, pairs, self.copy)
     }
 
     /// Validates, runs and awaits a transfer.
@@ -339,19 +329,29 @@ impl TransferEngine {
         pairs: &[(usize, usize)],
         policy: CopyPolicy,
     ) -> Result<TransferOutcome> {
-        let start = Instant::now();
         let same = std::ptr::addr_eq(src as *const dyn StorageTier, dst as *const dyn StorageTier);
         Self::validate(src, dst, same, pairs)?;
-        let batch = copy_batch(src, dst, pairs, copy_method(src, pairs.len(), policy));
-        let blocks = pairs.len() - batch.failed.len();
-        Ok(TransferOutcome {
-            src: src.kind(),
-            dst: dst.kind(),
-            blocks,
-            bytes: blocks as u64 * src.bytes_per_block() as u64,
-            failed: batch.failed,
-            elapsed: start.elapsed(),
-        })
+        Ok(copy_now(src, dst, pairs, policy))
+    }
+}
+
+/// Copies validated `pairs` on the calling thread, memory copies by `policy`, and times it.
+fn copy_now(
+    src: &dyn StorageTier,
+    dst: &dyn StorageTier,
+    pairs: &[(usize, usize)],
+    policy: CopyPolicy,
+) -> TransferOutcome {
+    let start = Instant::now();
+    let batch = copy_batch(src, dst, pairs, copy_method(src, pairs.len(), policy));
+    let blocks = pairs.len() - batch.failed.len();
+    TransferOutcome {
+        src: src.kind(),
+        dst: dst.kind(),
+        blocks,
+        bytes: blocks as u64 * src.bytes_per_block() as u64,
+        failed: batch.failed,
+        elapsed: start.elapsed(),
     }
 }
 

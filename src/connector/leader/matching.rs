@@ -18,7 +18,7 @@ use crate::tier::TierKind;
 
 use super::completion::Holds;
 use super::remote::RemoteAnswer;
-use super::{unknown_request, Leader, MatchResult, RequestInfo, Slot};
+use super::{first_bad_block, unknown_request, Leader, MatchResult, RequestInfo, Slot};
 
 /// Matched blocks held for a request until the engine allocates device blocks for them.
 #[derive(Debug)]
@@ -324,10 +324,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         let Some(slot) = self.slots.get_mut(id) else {
             return Err(unknown_request("update_state_after_alloc", id));
         };
-        if let Some(&bad) = block_ids
-            .iter()
-            .find(|&&b| b >= num_device && Some(b) != placeholder)
-        {
+        if let Some(bad) = first_bad_block(block_ids, num_device, placeholder) {
             return Err(Error::out_of_range("device block", bad, num_device)
                 .with("request", id)
                 .with("op", "update_state_after_alloc"));

@@ -544,6 +544,19 @@ impl<A: SchedulerAdapter> Leader<A> {
     }
 }
 
+/// The first of `blocks` that is not a device block (`num_device` of them) nor the engine's
+/// `placeholder` (which stands where the engine keeps no block, and is never transferred).
+fn first_bad_block(
+    blocks: &[usize],
+    num_device: usize,
+    placeholder: Option<usize>,
+) -> Option<usize> {
+    blocks
+        .iter()
+        .copied()
+        .find(|&b| b >= num_device && Some(b) != placeholder)
+}
+
 fn unknown_request(op: &'static str, id: &RequestId) -> Error {
     Error::new(
         ErrorKind::NotFound,

@@ -22,7 +22,7 @@ use crate::pool::{ImmutableBlock, MutableBlock};
 use crate::tier::TierKind;
 
 use super::completion::Holds;
-use super::{unknown_request, Leader, Outbox, Slot};
+use super::{first_bad_block, unknown_request, Leader, Outbox, Slot};
 
 impl<A: SchedulerAdapter> Leader<A> {
     /// Builds the metadata of one engine iteration: loads and stores decided since the last one,
@@ -94,12 +94,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             if !self.slots.contains_key(&r.request_id) {
                 return Err(unknown_request("build_connector_meta", &r.request_id));
             }
-            let placeholder = self.placeholder;
-            if let Some(&bad) = r
-                .new_block_ids
-                .iter()
-                .find(|&&b| b >= num_device && Some(b) != placeholder)
-            {
+            if let Some(bad) = first_bad_block(&r.new_block_ids, num_device, self.placeholder) {
                 return Err(Error::out_of_range("device block", bad, num_device)
                     .with("request", &r.request_id)
                     .with("op", "build_connector_meta"));
