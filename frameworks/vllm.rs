@@ -88,6 +88,12 @@ pub struct CachedRequestData {
     pub new_block_ids: Vec<Option<Vec<Vec<usize>>>>,
     /// `num_computed_tokens`.
     pub num_computed_tokens: Vec<usize>,
+    /// Index in the request of `new_token_ids[i][0]`, where it is not `num_computed_tokens[i]`
+    /// (vLLM's own lists start there). A binding that reads a running request's tokens itself
+    /// (vLLM sends them only with pipeline parallelism) passes those the leader does not hold,
+    /// from [`VllmScheduler::known_tokens`] on. Empty: every list starts at
+    /// `num_computed_tokens`.
+    pub new_token_index: Vec<Option<usize>>,
 }
 
 /// vLLM's `SchedulerOutput` (the fields the connector reads).
@@ -389,13 +395,15 @@ impl VllmScheduler {
             || c.new_token_ids.len() != n
             || c.new_block_ids.len() != n
             || c.num_computed_tokens.len() != n
+            || !(c.new_token_index.is_empty() || c.new_token_index.len() == n)
         {
             return Err(Error::invalid_argument(format!(
-                "scheduled_cached_reqs lists differ in length: {n} ids, {} resumed, {} token lists, {} block lists, {} computed counts",
+                "scheduled_cached_reqs lists differ in length: {n} ids, {} resumed, {} token lists, {} block lists, {} computed counts, {} token indices",
                 c.resumed_from_preemption.len(),
                 c.new_token_ids.len(),
                 c.new_block_ids.len(),
-                c.num_computed_tokens.len()
+                c.num_computed_tokens.len(),
+                c.new_token_index.len()
             )));
         }
         for i in 0..n {
@@ -403,11 +411,17 @@ impl VllmScheduler {
             let none = Vec::new();
             let lists = per_group(id, c.new_block_ids[i].as_ref().unwrap_or(&none), n_groups)?;
             let count = scheduled(id)?;
+            let first = c
+                .new_token_index
+                .get(i)
+                .copied()
+                .flatten()
+                .unwrap_or(c.num_computed_tokens[i]);
             for (g, blocks) in lists.into_iter().enumerate() {
                 step.requests.push(ScheduledRequest {
                     request_id: group_id(id, g),
                     new_tokens: c.new_token_ids[i].clone(),
-                    first_token_index: Some(c.num_computed_tokens[i]),
+                    first_token_index: Some(first),
                     new_block_ids: blocks.to_vec(),
                     replace_block_ids: c.resumed_from_preemption[i],
                     num_computed_tokens: c.num_computed_tokens[i],

@@ -17,7 +17,11 @@ What is read from vLLM's objects (vLLM v1):
   ``kv_transfer_config.kv_connector_extra_config`` (see below);
 * ``Request``: ``request_id``, ``all_token_ids`` (only the tokens appended since the connector
   last saw the request), ``num_computed_tokens``, ``cache_salt`` and ``lora_request.lora_name``
-  when present;
+  when present. The scheduler side keeps a reference to each ``Request`` from
+  ``update_state_after_alloc`` until ``request_finished`` and reads a running request's new
+  tokens from it in ``build_connector_meta`` (the scheduler output carries them only with
+  pipeline parallelism), so a block that fills with generated tokens is stored in the step that
+  computes it and a finished request's device blocks are rarely held for a last store;
 * ``KVCacheBlocks``: ``get_block_ids()`` (one list per KV-cache group);
 * ``kv_cache_config.kv_cache_groups`` (each group's ``kv_cache_spec`` and ``block_size``): the
   class implements vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV-cache manager on and a

@@ -303,6 +303,12 @@ pub(crate) struct PyVllmScheduler {
     /// `(host_tokens, disk_tokens)` of each request's last hit, for
     /// `get_external_cache_hit_sources`.
     hit_split: Mutex<HashMap<String, (usize, usize)>>,
+    /// vLLM's `Request` of each request between `update_state_after_alloc` and
+    /// `request_finished`: `build_connector_meta` reads the tokens a running request generated
+    /// from it (vLLM's scheduler output carries them only with pipeline parallelism), so a block
+    /// that fills while the request decodes is stored in the step that computes it, not after
+    /// the request finished, when vLLM must keep the request's device blocks for that store.
+    live: Mutex<HashMap<String, Py<PyAny>>>,
 }
 
 #[pymethods]
@@ -322,6 +328,7 @@ impl PyVllmScheduler {
         Ok(Self {
             inner: Guarded::new("VllmScheduler", s),
             hit_split: Mutex::new(HashMap::new()),
+            live: Mutex::new(HashMap::new()),
         })
     }
 
@@ -404,6 +411,7 @@ impl PyVllmScheduler {
                 new_token_ids,
                 new_block_ids,
                 num_computed_tokens,
+                new_token_index: Vec::new(),
             },
             num_scheduled_tokens,
             finished_req_ids,
@@ -505,7 +513,9 @@ impl PyVllmScheduler {
                 num_external_tokens,
             )
             .map_err(rust_err(py, op))
-        })
+        })?;
+        self.live.lock().insert(rid, request.clone().unbind());
+        Ok(())
     }
 
     /// `KvbmConnector.build_connector_meta(scheduler_output)`: reads vLLM's `SchedulerOutput`
@@ -570,10 +580,20 @@ impl PyVllmScheduler {
         }
         let new_tokens = cached.getattr_opt(intern!(py, "new_token_ids"))?;
         let new_tokens = new_tokens.filter(|t| !t.is_none() && t.len().ok() == Some(n) && n > 0);
+        // vLLM fills new_token_ids only with pipeline parallelism; otherwise a running request's
+        // generated tokens are read from its `Request` (kept since update_state_after_alloc),
+        // once the leader's count of its tokens is known (below, under the lock).
+        let mut from_requests: Vec<Option<Bound<'py, PyAny>>> = Vec::new();
         match new_tokens {
-            // vLLM fills new_token_ids only with pipeline parallelism; the leader then learns
-            // the generated tokens from request_finished.
-            None => c.new_token_ids.resize(n, Vec::new()),
+            None => {
+                c.new_token_ids.resize(n, Vec::new());
+                let live = self.live.lock();
+                from_requests = c
+                    .req_ids
+                    .iter()
+                    .map(|id| live.get(id).map(|r| r.bind(py).clone()))
+                    .collect();
+            }
             Some(lists) => {
                 for t in lists.try_iter()? {
                     c.new_token_ids
@@ -622,6 +642,17 @@ impl PyVllmScheduler {
             });
         }
         let bytes = self.inner.call_attached(py, op, |s| {
+            let c = &mut output.scheduled_cached_reqs;
+            if from_requests.iter().any(Option::is_some) {
+                c.new_token_index = vec![None; c.req_ids.len()];
+                for (i, r) in from_requests.iter().enumerate() {
+                    let Some(r) = r else { continue };
+                    let first = s.known_tokens(&c.req_ids[i]);
+                    let all = r.getattr(intern!(py, "all_token_ids"))?;
+                    c.new_token_ids[i] = tokens_from(py, &all, first, "request.all_token_ids")?;
+                    c.new_token_index[i] = Some(first);
+                }
+            }
             let mut total = 0;
             for ((r, _), d) in news.iter().zip(output.scheduled_new_reqs.iter_mut()) {
                 let first = s.known_tokens(&d.req_id);
@@ -657,6 +688,7 @@ impl PyVllmScheduler {
                 hits.remove(&rid);
             }
         }
+        self.live.lock().remove(&rid);
         self.inner.call_attached(py, op, |s| {
             let first = s.known_tokens(&rid);
             let tokens = tokens_from(py, &all, first, "request.all_token_ids")?;

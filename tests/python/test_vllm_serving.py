@@ -194,3 +194,79 @@ def test_concurrent_chat_with_preemption_and_aborts(model, workdir):
         assert again["cached"] == full_blocks(len(p_last)), (again["cached"], len(p_last))
     finally:
         shutdown(llm)
+
+
+def test_a_block_filled_while_decoding_is_stored_while_the_request_runs(model, workdir):
+    """A block that fills with generated tokens is stored in the step that computes it, so the
+    request's finish has nothing left to store and vLLM frees its device blocks at once.
+
+    Without the connector reading a running request's tokens (vLLM's scheduler output carries
+    them only with pipeline parallelism), the leader learned the generated tokens at
+    ``request_finished``: no operation was submitted while the request decoded, the block was
+    stored afterwards, and vLLM kept the finished request's device blocks a step or more for it
+    (a hold: ``finish_holds`` 1 here). The bytes stored while decoding are checked by serving
+    the history again from the host tier and comparing with the run without the connector."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    first = prompt(90, 2 * 32 - 4)  # 60 tokens: block 1 fills with the 4th generated token
+    out_n = 16
+    sp = SamplingParams(max_tokens=out_n, temperature=0.0, ignore_eos=True)
+
+    llm = make_llm(model, connector=False, **ENGINE)
+    try:
+        ref_first = run_batch(llm, [first], out_n, tag="ref")[0]["tokens"]
+        history = first + ref_first + prompt(91, 20)  # 96 tokens: blocks 0 and 1 from kvbm
+        ref_again = run_batch(llm, [history], 8, tag="ref2")[0]["tokens"]
+    finally:
+        shutdown(llm)
+
+    llm = make_llm(model, config=kvbm_toml(str(workdir), 64), **ENGINE)
+    try:
+        engine = llm.llm_engine
+        conn = engine_scheduler(llm).connector
+        engine.add_request("decode-0", TokensPrompt(prompt_token_ids=list(first)), sp)
+        generated = []
+        submitted_after_prefill = None
+        steps = 0
+        # Step until 10 tokens are out: block 1 (tokens 32..63) was computed by the 5th.
+        while len(generated) < 10:
+            steps += 1
+            assert steps < 10_000, "the engine does not produce tokens"
+            for o in engine.step():
+                if o.request_id == "decode-0":
+                    generated = list(o.outputs[0].token_ids)
+            if generated and submitted_after_prefill is None:
+                submitted_after_prefill = conn.metrics()["operations_submitted"]
+        m = conn.metrics()
+        assert m["operations_submitted"] > submitted_after_prefill, (
+            "no store was submitted while the request decoded: the block its generated tokens "
+            f"filled waits for request_finished ({m})"
+        )
+        # Every store so far completed and the leader saw it (no step taken meanwhile).
+        deadline = time.monotonic() + 60.0
+        while (m["operations_completed"] < m["operations_submitted"]
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+            m = conn.metrics()
+        assert m["operations_completed"] == m["operations_submitted"], m
+        while engine.has_unfinished_requests():
+            steps += 1
+            assert steps < 10_000, "the engine does not drain"
+            for o in engine.step():
+                if o.request_id == "decode-0" and o.finished:
+                    generated = list(o.outputs[0].token_ids)
+        assert generated == ref_first
+        m = conn.metrics()
+        assert m["finish_holds"] == 0, (
+            "the finished request's device blocks were held for a store decided at its finish",
+            m,
+        )
+        assert m["operations_failed"] == 0 and m["offload_dropped_blocks"] == 0, m
+
+        reset(llm)
+        again = run_batch(llm, [history], 8, tag="again")[0]
+        assert again["cached"] == 64, again
+        assert again["tokens"] == ref_again
+    finally:
+        shutdown(llm)
