@@ -648,6 +648,11 @@ impl PyVllmScheduler {
                 for (i, r) in from_requests.iter().enumerate() {
                     let Some(r) = r else { continue };
                     let first = s.known_tokens(&c.req_ids[i]);
+                    if first == 0 {
+                        // Not tracked by the leader (a tracked request holds its prompt):
+                        // nothing to append, and its whole list is not read every step.
+                        continue;
+                    }
                     let all = r.getattr(intern!(py, "all_token_ids"))?;
                     c.new_token_ids[i] = tokens_from(py, &all, first, "request.all_token_ids")?;
                     c.new_token_index[i] = Some(first);
