@@ -31,7 +31,8 @@ use std::sync::Arc;
 use crate::backends::StandardTiers;
 use crate::config::Config;
 use crate::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
-use crate::connector::leader::{Leader, MatchResult, RequestInfo};
+use crate::connector::groups::{AttentionKind, KvCacheGroups};
+use crate::connector::leader::{Leader, RequestInfo};
 use crate::connector::transport::{LeaderTransport, WorkerTransport};
 use crate::connector::worker::Worker;
 use crate::connector::RequestId;
@@ -111,45 +112,16 @@ pub struct SchedulerOutput {
     pub preempted_req_ids: HashSet<String>,
 }
 
-/// Separates a request id from its KV-cache group in the ids the leader and workers use.
-pub const GROUP_SEP: char = '\u{1f}';
-
-/// Most KV-cache groups a model may have here.
-pub const MAX_KV_CACHE_GROUPS: usize = 64;
+pub use crate::connector::groups::{GROUP_SEP, MAX_KV_CACHE_GROUPS};
 
 /// The id the leader and workers use for group `g` of request `real`.
 fn group_id(real: &str, g: usize) -> RequestId {
-    if g == 0 {
-        RequestId::from(real)
-    } else {
-        RequestId::from(format!("{real}{GROUP_SEP}{g}").as_str())
-    }
+    KvCacheGroups::request_id(real, g)
 }
 
 /// The request id of a leader or worker id, and its group.
 fn real_of(id: &str) -> (&str, usize) {
-    match id.rsplit_once(GROUP_SEP) {
-        Some((real, g)) => match g.parse() {
-            Ok(g) => (real, g),
-            Err(_) => (id, 0),
-        },
-        None => (id, 0),
-    }
-}
-
-/// Group `g`'s cache salt: the request's own for group 0, the group added for the others.
-fn group_salt(salt: Option<&str>, g: usize) -> Option<String> {
-    (g > 0).then(|| format!("{}{GROUP_SEP}kv-cache-group-{g}", salt.unwrap_or("")))
-}
-
-fn check_groups(n: usize) -> Result<()> {
-    if n == 0 || n > MAX_KV_CACHE_GROUPS {
-        return Err(Error::invalid_argument(format!(
-            "{n} KV-cache groups: between 1 and {MAX_KV_CACHE_GROUPS} are supported"
-        ))
-        .with("kv_cache_groups", n));
-    }
-    Ok(())
+    KvCacheGroups::real_of(id)
 }
 
 /// A request's per-group block lists, checked against the model's group count (an empty list of
@@ -190,7 +162,9 @@ impl Engine for Vllm {
 #[derive(Debug)]
 pub struct VllmScheduler {
     leader: Leader<ScheduledTokens>,
-    groups: usize,
+    groups: KvCacheGroups,
+    /// `groups.len()`.
+    n_groups: usize,
 }
 
 impl VllmScheduler {
@@ -203,26 +177,41 @@ impl VllmScheduler {
     ) -> Result<Self> {
         let mut leader = Leader::new::<Vllm>(ScheduledTokens, config, block_size, transport)?;
         leader.set_tier_factory(StandardTiers::shared());
-        Ok(Self { leader, groups: 1 })
+        Ok(Self {
+            leader,
+            groups: KvCacheGroups::default(),
+            n_groups: 1,
+        })
     }
 
     /// The model's KV-cache groups (`len(kv_cache_config.kv_cache_groups)` with vLLM's hybrid
-    /// manager on; 1, the default, otherwise). Set before the first request.
+    /// manager on; 1, the default, otherwise), all full attention. Set before the first request.
     pub fn set_kv_cache_groups(&mut self, n: usize) -> Result<()> {
-        check_groups(n)?;
-        if n != self.groups && self.leader.num_slots() > 0 {
+        self.set_kv_cache_group_kinds(KvCacheGroups::full(n)?)
+    }
+
+    /// The model's KV-cache groups and how each attends (a sliding-window group is matched and
+    /// stored by its window, see [`crate::connector::groups`]). Set before the first request.
+    pub fn set_kv_cache_group_kinds(&mut self, groups: KvCacheGroups) -> Result<()> {
+        if groups != self.groups && self.leader.num_slots() > 0 {
             return Err(Error::new(
                 crate::error::ErrorKind::InvalidState,
                 "the KV-cache group count is set before the first request",
             ));
         }
-        self.groups = n;
+        self.n_groups = groups.len();
+        self.groups = groups;
         Ok(())
     }
 
     /// The model's KV-cache groups.
     pub fn kv_cache_groups(&self) -> usize {
-        self.groups
+        self.n_groups
+    }
+
+    /// The model's KV-cache groups' attention kinds.
+    pub fn kv_cache_group_kinds(&self) -> &[AttentionKind] {
+        self.groups.kinds()
     }
 
     /// The core leader (metrics, status).
@@ -249,10 +238,10 @@ impl VllmScheduler {
     /// How many of the request's tokens the leader holds (0 for a request it does not track):
     /// the calls ending in `_from` take only the tokens after these.
     pub fn known_tokens(&self, request_id: &str) -> usize {
-        if self.groups == 1 {
+        if self.n_groups == 1 {
             return self.leader.known_tokens(request_id).unwrap_or(0);
         }
-        (0..self.groups)
+        (0..self.n_groups)
             .map(|g| {
                 self.leader
                     .known_tokens(group_id(request_id, g).as_str())
@@ -270,11 +259,9 @@ impl VllmScheduler {
         first_token: usize,
         num_computed_tokens: usize,
     ) -> Result<(Option<usize>, bool)> {
-        if self.groups > 1 {
-            return self.match_groups(request, first_token, num_computed_tokens);
-        }
         let id = RequestId::from(request.request_id);
-        let m = self.leader.get_num_new_matched_tokens_from(
+        let m = self.leader.match_groups(
+            &self.groups,
             RequestInfo {
                 id: &id,
                 tokens: request.all_token_ids,
@@ -290,58 +277,6 @@ impl VllmScheduler {
         Ok((Some(m.external_tokens), m.load_async))
     }
 
-    /// A match across the KV-cache groups: every group is looked up (its own keys), the hit is
-    /// the smallest, and each group's staging is trimmed to it. Counted once in the metrics.
-    fn match_groups(
-        &mut self,
-        request: &Request<'_>,
-        first_token: usize,
-        num_computed_tokens: usize,
-    ) -> Result<(Option<usize>, bool)> {
-        if request.request_id.contains(GROUP_SEP) {
-            return Err(Error::invalid_argument(format!(
-                "request id {:?} contains U+001F, which names KV-cache groups here",
-                request.request_id
-            ))
-            .with("request", request.request_id));
-        }
-        let mut hit = usize::MAX;
-        let mut pending = false;
-        for g in 0..self.groups {
-            let id = group_id(request.request_id, g);
-            let salt = group_salt(request.cache_salt, g);
-            let m = self.leader.get_num_new_matched_tokens_uncounted(
-                RequestInfo {
-                    id: &id,
-                    tokens: request.all_token_ids,
-                    cache_salt: salt.as_deref().or(request.cache_salt),
-                    lora_name: request.lora_name,
-                },
-                first_token,
-                num_computed_tokens,
-            )?;
-            pending |= m.pending;
-            hit = hit.min(m.external_tokens);
-        }
-        if pending {
-            hit = 0;
-        }
-        let mut split = MatchResult::NONE;
-        for g in (0..self.groups).rev() {
-            split = self
-                .leader
-                .trim_staged(&group_id(request.request_id, g), hit)?;
-        }
-        let total = request.all_token_ids.len() + first_token;
-        self.leader
-            .metrics()
-            .record_lookup(total as u64, split.external_tokens as u64);
-        if pending {
-            return Ok((None, false));
-        }
-        Ok((Some(split.external_tokens), split.load_async))
-    }
-
     /// `update_state_after_alloc(request, blocks, num_external_tokens)`; `block_ids` is
     /// `blocks.get_block_ids()`: one list per KV-cache group.
     pub fn update_state_after_alloc(
@@ -350,7 +285,7 @@ impl VllmScheduler {
         block_ids: &[Vec<usize>],
         num_external_tokens: usize,
     ) -> Result<()> {
-        let lists = per_group(request.request_id, block_ids, self.groups)?;
+        let lists = per_group(request.request_id, block_ids, self.n_groups)?;
         for (g, blocks) in lists.into_iter().enumerate() {
             self.leader.update_state_after_alloc(
                 &group_id(request.request_id, g),
@@ -372,7 +307,7 @@ impl VllmScheduler {
                 .with("request", id)
             })
         };
-        let n_groups = self.groups;
+        let n_groups = self.n_groups;
         for r in &output.scheduled_new_reqs {
             let lists = per_group(&r.req_id, &r.block_ids, n_groups)?;
             let n = scheduled(&r.req_id)?;
@@ -460,7 +395,7 @@ impl VllmScheduler {
     ) -> Result<(bool, Option<()>)> {
         let _ = block_ids;
         let mut held = false;
-        for g in 0..self.groups {
+        for g in 0..self.n_groups {
             let id = group_id(request.request_id, g);
             let tokens = if first_token == 0 {
                 Some(request.all_token_ids)
@@ -516,8 +451,7 @@ impl VllmWorker {
 
     /// The model's KV-cache groups (as [`VllmScheduler::set_kv_cache_groups`]).
     pub fn set_kv_cache_groups(&mut self, n: usize) -> Result<()> {
-        check_groups(n)?;
-        self.groups = n;
+        self.groups = KvCacheGroups::full(n)?.len();
         Ok(())
     }
 

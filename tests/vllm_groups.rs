@@ -8,7 +8,11 @@
 //! * keys not salted per group: both groups' blocks map to one key, so one group's store is
 //!   skipped as already held and its load gets the other group's bytes;
 //! * the lookup counted per group: `matched_tokens` grows by twice the hit;
-//! * the hit not the smallest group match: a request one group cannot serve gets a hit.
+//! * the hit not the smallest group match: a request one group cannot serve gets a hit;
+//! * a sliding-window group matched like a full one: a hit needs every block of the prefix, so
+//!   the requests after the first find none (only the windows were stored); stored like a full
+//!   one: the device -> host counts and `window_skipped_blocks` differ;
+//! * no mark where an earlier prefix ended: the third request sharing a prefix finds no window.
 
 #![cfg(feature = "vllm")]
 
@@ -17,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::connector::groups::{AttentionKind, KvCacheGroups};
 use kvbm_connector::connector::transport::in_process;
 use kvbm_connector::frameworks::vllm::{
     NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
@@ -25,7 +30,7 @@ use kvbm_connector::layout::BlockOrder;
 use kvbm_connector::{Config, Layout, LayoutDims, StorageTierExt, TierKind};
 
 const BS: usize = 4;
-const DEVICE_BLOCKS: usize = 32;
+const DEVICE_BLOCKS: usize = 96;
 const WAIT: Duration = Duration::from_secs(10);
 
 fn dims() -> LayoutDims {
@@ -50,6 +55,10 @@ struct Rig {
 }
 
 fn rig(groups: usize) -> Rig {
+    rig_with(KvCacheGroups::full(groups).unwrap())
+}
+
+fn rig_with(groups: KvCacheGroups) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::default();
     config.host.cache_blocks = Some(64);
@@ -59,13 +68,13 @@ fn rig(groups: usize) -> Rig {
     let device = Arc::new(MemoryTier::new(TierKind::Device, layout).unwrap());
     let (lt, wts) = in_process(1);
     let mut worker = VllmWorker::new(config.clone(), BS, 1, wts[0].clone()).unwrap();
-    worker.set_kv_cache_groups(groups).unwrap();
+    worker.set_kv_cache_groups(groups.len()).unwrap();
     let layers = vec![("l0".to_string(), vec![2, DEVICE_BLOCKS, BS, 2, 2])];
     worker
         .register_kv_caches(&layers, 2, Some(DEVICE_BLOCKS), None, device.clone())
         .unwrap();
     let mut sched = VllmScheduler::new(config, BS, lt).unwrap();
-    sched.set_kv_cache_groups(groups).unwrap();
+    sched.set_kv_cache_group_kinds(groups).unwrap();
     let deadline = Instant::now() + WAIT;
     while !worker.worker().is_ready() {
         assert!(Instant::now() < deadline, "worker never became ready");
@@ -235,4 +244,182 @@ fn the_hit_is_the_smallest_group_match() {
     assert_eq!(host.unwrap().active, 0, "nothing staged for b");
     // The group count is fixed once requests exist.
     assert!(r.sched.set_kv_cache_groups(3).is_err());
+}
+
+/// Computes request `id` (its whole prompt in one step, every device block real as vLLM has them
+/// while the request runs) with group `g`'s block `i` at device block `blocks[g][i]` holding
+/// `bytes(g, i)`, then finishes it.
+fn compute(
+    r: &mut Rig,
+    id: &str,
+    tokens: &[u32],
+    blocks: &[Vec<usize>],
+    bytes: impl Fn(usize, usize) -> Vec<u8>,
+) {
+    let (ext, _) = r
+        .sched
+        .get_num_new_matched_tokens(&req(id, tokens, 0), 0)
+        .unwrap();
+    assert_eq!(ext, Some(0), "{id} is computed, not loaded");
+    r.sched
+        .update_state_after_alloc(&req(id, tokens, 0), blocks, 0)
+        .unwrap();
+    for (g, list) in blocks.iter().enumerate() {
+        for (i, &b) in list.iter().enumerate() {
+            r.device.write_block_from_slice(b, &bytes(g, i)).unwrap();
+        }
+    }
+    let mut out = SchedulerOutput::default();
+    out.scheduled_new_reqs.push(NewRequestData {
+        req_id: id.into(),
+        prompt_token_ids: tokens.to_vec(),
+        first_token_index: 0,
+        block_ids: blocks.to_vec(),
+        num_computed_tokens: 0,
+    });
+    out.num_scheduled_tokens.insert(id.into(), tokens.len());
+    r.step(&out);
+    r.sched
+        .request_finished(&req(id, tokens, tokens.len()), &[])
+        .unwrap();
+    let mut out = SchedulerOutput::default();
+    out.finished_req_ids.insert(id.into());
+    r.step(&out);
+}
+
+/// Loads request `id`'s match of `hit` tokens into `blocks` and waits until it is reported.
+fn load(r: &mut Rig, id: &str, tokens: &[u32], blocks: &[Vec<usize>], hit: usize) {
+    r.sched
+        .update_state_after_alloc(&req(id, tokens, 0), blocks, hit)
+        .unwrap();
+    let (_, recving) = r.step(&SchedulerOutput::default());
+    assert_eq!(recving, HashSet::from([id.to_string()]));
+    assert!(r.worker.get_block_ids_with_load_errors().is_empty());
+}
+
+fn stored(r: &Rig) -> (u64, u64) {
+    let m = r.sched.leader().metrics().snapshot();
+    (
+        m.transfer(TierKind::Device, TierKind::Host)
+            .map_or(0, |t| t.blocks),
+        m.window_skipped_blocks,
+    )
+}
+
+fn ids(from: usize, n: usize) -> Vec<usize> {
+    (from..from + n).collect()
+}
+
+/// A full and a sliding-window group (window 8 tokens = 2 blocks of 4 before a hit). Request
+/// `a` (40 tokens, 10 blocks) stores every full block but only the window before its prompt's
+/// end in the sliding group; `b` (a's prompt and more) is served whole, loading 10 full blocks
+/// and the 2 window blocks; `c`, sharing a's first 20 tokens, finds the full group's prefix but
+/// no window there: no hit, and that point is marked, so `c` stores the window before it and
+/// `d`, sharing the same 20 tokens, is served.
+#[test]
+fn a_sliding_window_group_stores_and_loads_only_the_windows_hits_need() {
+    let groups = KvCacheGroups::new(vec![
+        AttentionKind::Full,
+        AttentionKind::SlidingWindow { tokens: 8 },
+    ])
+    .unwrap();
+    let mut r = rig_with(groups);
+    let a: Vec<u32> = (100..140).collect();
+    compute(&mut r, "a", &a, &[ids(1, 10), ids(11, 10)], image);
+    assert_eq!(
+        stored(&r),
+        (13, 7),
+        "10 full blocks; of the sliding group the 3 blocks from the window before the prompt's last block on"
+    );
+
+    let mut b = a.clone();
+    b.extend(900..904);
+    let got = r
+        .sched
+        .get_num_new_matched_tokens(&req("b", &b, 0), 0)
+        .unwrap();
+    assert_eq!(got, (Some(40), true));
+    let mut swa = vec![0usize; 8];
+    swa.extend([32, 33, 34]);
+    load(&mut r, "b", &b, &[ids(21, 11), swa], 40);
+    for i in 0..10 {
+        assert_eq!(r.device.read_block_to_vec(21 + i).unwrap(), image(0, i));
+    }
+    assert_eq!(r.device.read_block_to_vec(32).unwrap(), image(1, 8));
+    assert_eq!(r.device.read_block_to_vec(33).unwrap(), image(1, 9));
+
+    let mut c: Vec<u32> = a[..20].to_vec();
+    c.extend(500..520);
+    let other = |g: usize, i: usize| {
+        if i < 5 {
+            image(g, i)
+        } else {
+            vec![0xee; dims().bytes_per_block()]
+        }
+    };
+    let before = stored(&r);
+    compute(&mut r, "c", &c, &[ids(41, 10), ids(51, 10)], other);
+    let after = stored(&r);
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (10, 5),
+        "5 new full blocks; the sliding group's window before the shared 20 tokens (2) and before its prompt's end (3)"
+    );
+
+    let mut d: Vec<u32> = a[..20].to_vec();
+    d.extend(700..720);
+    let got = r
+        .sched
+        .get_num_new_matched_tokens(&req("d", &d, 0), 0)
+        .unwrap();
+    assert_eq!(got, (Some(20), true), "the marked window serves d");
+    let mut swa = vec![0usize; 3];
+    swa.extend([71, 72]);
+    swa.extend(ids(73, 5));
+    load(&mut r, "d", &d, &[ids(61, 10), swa], 20);
+    assert_eq!(r.device.read_block_to_vec(71).unwrap(), image(1, 3));
+    assert_eq!(r.device.read_block_to_vec(72).unwrap(), image(1, 4));
+    for i in 0..5 {
+        assert_eq!(r.device.read_block_to_vec(61 + i).unwrap(), image(0, i));
+    }
+}
+
+/// Every layer sliding (one group, as Mistral): no full group says where a prefix ends, so the
+/// keys the group computed do; the engine must keep its placeholder before the window, and a
+/// real block there is refused by name before anything loads.
+#[test]
+fn one_sliding_group_marks_shared_prefixes_and_refuses_a_real_block_before_the_window() {
+    let mut r =
+        rig_with(KvCacheGroups::new(vec![AttentionKind::SlidingWindow { tokens: 8 }]).unwrap());
+    let a: Vec<u32> = (100..140).collect();
+    compute(&mut r, "a", &a, &[ids(1, 10)], image);
+    assert_eq!(stored(&r), (3, 7));
+    let mut c: Vec<u32> = a[..20].to_vec();
+    c.extend(500..520);
+    compute(&mut r, "c", &c, &[ids(11, 10)], image);
+    assert_eq!(stored(&r), (3 + 5, 7 + 5));
+    let mut d: Vec<u32> = a[..20].to_vec();
+    d.extend(700..720);
+    let got = r
+        .sched
+        .get_num_new_matched_tokens(&req("d", &d, 0), 0)
+        .unwrap();
+    assert_eq!(got, (Some(20), true));
+    let mut table = vec![0usize; 3];
+    table.extend(ids(21, 7));
+    table[1] = 40;
+    let e = r
+        .sched
+        .update_state_after_alloc(&req("d", &d, 0), &[table.clone()], 20)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("device block 40 at block position 1")
+            && e.to_string().contains("before the sliding window"),
+        "{e}"
+    );
+    table[1] = 0;
+    load(&mut r, "d", &d, &[table], 20);
+    assert_eq!(r.device.read_block_to_vec(21).unwrap(), image(0, 3));
+    assert_eq!(r.device.read_block_to_vec(22).unwrap(), image(0, 4));
 }

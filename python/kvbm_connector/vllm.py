@@ -285,19 +285,19 @@ except Exception:
 _SERVED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
 
 
-def _kv_cache_groups(kv_cache_config: Any, block_size: int) -> Tuple[int, bool]:
-    """The KV-cache group count of ``kv_cache_config`` (1 without one) and whether a group is
-    not full attention (a sliding window: the block table holds the null block before the
-    window), after checking that each group is a kind the connector serves and uses the
-    engine's block size."""
+def _kv_cache_groups(kv_cache_config: Any, block_size: int) -> List[Optional[int]]:
+    """The sliding window (tokens) of each KV-cache group of ``kv_cache_config``, ``None`` for a
+    full-attention group (one full group without a config), after checking that each group is a
+    kind the connector serves and uses the engine's block size. A sliding-window group's block
+    table holds the null block before its window."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    windowed = False
+    windows: List[Optional[int]] = []
     for i, g in enumerate(groups):
         spec = getattr(g, "kv_cache_spec", None)
         if spec is None:
+            windows.append(None)
             continue
         names = {c.__name__ for c in type(spec).__mro__}
-        windowed |= "FullAttentionSpec" not in names
         kind = type(spec).__name__
         layers = list(getattr(g, "layer_names", None) or ())
         if not names.intersection(_SERVED_SPECS):
@@ -317,7 +317,20 @@ def _kv_cache_groups(kv_cache_config: Any, block_size: int) -> Tuple[int, bool]:
                 group=i,
                 block_size=bs,
             )
-    return max(1, len(groups)), windowed
+        if "FullAttentionSpec" in names:
+            windows.append(None)
+            continue
+        window = getattr(spec, "sliding_window", None)
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise error(
+                "unsupported",
+                f"KV-cache group {i} ({kind}) has sliding window {window!r}: a whole number of"
+                " tokens, at least 1, is needed",
+                group=i,
+                sliding_window=repr(window),
+            )
+        windows.append(window)
+    return windows or [None]
 
 
 class KvbmConnector(*_BASES):
@@ -351,7 +364,9 @@ class KvbmConnector(*_BASES):
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self._layout = extra.get("layout")
         self._kvbm_vllm_config = vllm_config
-        self._groups, windowed = _kv_cache_groups(kv_cache_config, self.block_size)
+        self._windows = _kv_cache_groups(kv_cache_config, self.block_size)
+        self._groups = len(self._windows)
+        windowed = any(w is not None for w in self._windows)
         # With several groups vLLM refuses block-level load errors; with a sliding window they
         # would recompute over the null block: such requests are reported whole.
         self._whole_request_failures = (self._groups > 1 or windowed) and (
@@ -379,7 +394,7 @@ class KvbmConnector(*_BASES):
                     config=self._config,
                 ),
             )
-            self._scheduler.set_kv_cache_groups(self._groups)
+            self._scheduler.set_kv_cache_groups(self._groups, self._windows)
         else:
             self.rank = int(extra["rank"]) if "rank" in extra else _tp_rank()
             self._worker = _kvbm.VllmWorker(

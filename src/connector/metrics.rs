@@ -89,6 +89,7 @@ pub struct Metrics {
     remote_hit_tokens: AtomicU64,
     load_error_blocks: AtomicU64,
     offload_dropped_blocks: AtomicU64,
+    window_skipped_blocks: AtomicU64,
     host_store_error_blocks: AtomicU64,
     disk_store_error_blocks: AtomicU64,
     remote_store_error_blocks: AtomicU64,
@@ -162,6 +163,12 @@ impl Metrics {
     /// a free block for them (every block in use by operations in flight).
     pub fn record_offload_dropped(&self, blocks: u64) {
         add(&self.offload_dropped_blocks, blocks);
+    }
+
+    /// `blocks` full blocks of sliding-window KV-cache groups not offloaded because no later hit
+    /// reads them (they lie before every window a hit is expected to need).
+    pub fn record_window_skipped(&self, blocks: u64) {
+        add(&self.window_skipped_blocks, blocks);
     }
 
     /// `blocks` blocks whose store into `dst` failed (never registered, never matched). Counted
@@ -277,6 +284,7 @@ impl Metrics {
             remote_hit_tokens: get(&self.remote_hit_tokens),
             load_error_blocks: get(&self.load_error_blocks),
             offload_dropped_blocks: get(&self.offload_dropped_blocks),
+            window_skipped_blocks: get(&self.window_skipped_blocks),
             host_store_error_blocks: get(&self.host_store_error_blocks),
             disk_store_error_blocks: get(&self.disk_store_error_blocks),
             remote_store_error_blocks: get(&self.remote_store_error_blocks),
@@ -339,6 +347,8 @@ pub struct MetricsSnapshot {
     pub load_error_blocks: u64,
     /// Full blocks not offloaded because neither tier had a free block for them.
     pub offload_dropped_blocks: u64,
+    /// Full blocks of sliding-window groups not offloaded: no later hit reads them.
+    pub window_skipped_blocks: u64,
     /// Blocks whose store into the host tier failed (never matched).
     pub host_store_error_blocks: u64,
     /// Blocks whose store into the disk tier failed (never matched).
@@ -460,6 +470,11 @@ impl MetricsSnapshot {
                 "kvbm_offload_dropped_blocks_total",
                 "Full blocks not offloaded because neither the host nor the disk tier had a free block.",
                 self.offload_dropped_blocks,
+            ),
+            (
+                "kvbm_window_skipped_blocks_total",
+                "Full blocks of sliding-window KV-cache groups not offloaded: before every window a later hit needs.",
+                self.window_skipped_blocks,
             ),
             (
                 "kvbm_operations_submitted_total",

@@ -5,6 +5,7 @@
 //!   [`Engine`] that bundles an adapter with its two sides' init modes;
 //! * [`barrier`] — [`InitMode`] ([`Blocking`], [`NonBlocking`]) and the two-step start-up
 //!   barrier (run by the leader's and the worker's constructors; its functions are crate-private);
+//! * [`groups`] — KV-cache groups (sliding-window and full layers) and their attention kinds;
 //! * [`leader`] — the scheduler side (matching, offload, completion handling);
 //! * [`lifecycle`] — the request state machine;
 //! * [`metadata`] — the per-iteration metadata and its operations;
@@ -19,6 +20,7 @@
 pub mod adapter;
 pub mod barrier;
 mod fence;
+pub mod groups;
 pub mod leader;
 pub mod lifecycle;
 pub mod metadata;

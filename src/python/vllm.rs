@@ -12,6 +12,7 @@ use super::cache::register_cache;
 use super::tensor::{parse_layout_kind, read_layer_tensors, vllm_layout};
 use super::transport::{PyLeaderTransport, PyWorkerTransport};
 use super::{common, detached, to_py_err, Guarded, PyConfig};
+use crate::connector::groups::{AttentionKind, KvCacheGroups};
 use crate::error::Error;
 use crate::frameworks::vllm::{
     CachedRequestData, NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
@@ -482,10 +483,22 @@ impl PyVllmScheduler {
         Ok(out)
     }
 
-    /// The model's KV-cache groups (vLLM's hybrid manager); set before the first request.
-    fn set_kv_cache_groups(&self, py: Python<'_>, n: usize) -> PyResult<()> {
-        self.inner
-            .call(py, "set_kv_cache_groups", move |s| s.set_kv_cache_groups(n))
+    /// The model's KV-cache groups (vLLM's hybrid manager): how many, and each group's sliding
+    /// window in tokens (`None`: full attention; all full without the list); set before the
+    /// first request.
+    #[pyo3(signature = (n, windows=None))]
+    fn set_kv_cache_groups(
+        &self,
+        py: Python<'_>,
+        n: usize,
+        windows: Option<Vec<Option<i64>>>,
+    ) -> PyResult<()> {
+        self.inner.call(py, "set_kv_cache_groups", move |s| {
+            let Some(windows) = windows else {
+                return s.set_kv_cache_groups(n);
+            };
+            s.set_kv_cache_group_kinds(group_kinds(n, &windows)?)
+        })
     }
 
     /// `(host_tokens, disk_tokens)` of the request's last hit, forgotten once taken; `(0, 0)`
@@ -979,4 +992,32 @@ fn test_faults(w: &mut VllmWorker) -> crate::error::Result<()> {
         }
         _ => Ok(()),
     }
+}
+
+/// The groups of `windows` (one entry per group: a window in tokens, or `None` for full
+/// attention), which must list `n` groups.
+fn group_kinds(n: usize, windows: &[Option<i64>]) -> crate::error::Result<KvCacheGroups> {
+    if windows.len() != n {
+        return Err(crate::error::Error::invalid_argument(format!(
+            "{} sliding windows given for {n} KV-cache groups",
+            windows.len()
+        ))
+        .with("kv_cache_groups", n));
+    }
+    let mut kinds = Vec::with_capacity(n);
+    for (g, w) in windows.iter().enumerate() {
+        kinds.push(match *w {
+            None => AttentionKind::Full,
+            Some(t) if t >= 1 => AttentionKind::SlidingWindow {
+                tokens: usize::try_from(t).unwrap_or(usize::MAX),
+            },
+            Some(t) => {
+                return Err(crate::error::Error::invalid_argument(format!(
+                    "KV-cache group {g} has a sliding window of {t} tokens: a window is at least 1"
+                ))
+                .with("group", g))
+            }
+        });
+    }
+    KvCacheGroups::new(kinds)
 }

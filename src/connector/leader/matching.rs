@@ -25,6 +25,9 @@ use super::{first_bad_block, unknown_request, Leader, MatchResult, RequestInfo, 
 pub(super) struct Staged {
     /// Index of the first matched block in the request.
     start: usize,
+    /// Matched blocks after `start` that a sliding window does not need (the engine keeps its
+    /// placeholder there): matched, never loaded. The loaded blocks follow them.
+    skip: usize,
     host: Vec<ImmutableBlock>,
     disk: Vec<ImmutableBlock>,
     /// Keys of the remote blocks after the disk ones (in the store when looked up).
@@ -32,9 +35,87 @@ pub(super) struct Staged {
 }
 
 impl Staged {
+    /// Blocks to load.
     fn blocks(&self) -> usize {
         self.host.len() + self.disk.len() + self.remote.len()
     }
+
+    /// Blocks matched: those skipped before a window and those to load.
+    fn tokens_blocks(&self) -> usize {
+        self.skip + self.blocks()
+    }
+}
+
+/// How a match looks: every block before the hit (full attention), or only a sliding window's;
+/// and how far it may reach.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Scope {
+    /// The blocks before a hit a sliding-window group needs; `None`: every block.
+    pub(super) window: Option<usize>,
+    /// The hit ends at most this many tokens beyond the device's prefix (another group's hit).
+    pub(super) cap_tokens: Option<usize>,
+}
+
+impl Scope {
+    /// Full attention, no cap: the plain match.
+    pub(super) const FULL: Scope = Scope {
+        window: None,
+        cap_tokens: None,
+    };
+}
+
+/// Most marked window ends a request keeps (the oldest is dropped).
+const MAX_WINDOW_ENDS: usize = 8;
+
+/// The sliding-window match of `hashes[start..]`: the largest end `e` whose window before it
+/// (`[max(start, e - w), e)`) host and disk hold (host first, then disk, as any match), staged
+/// with the blocks between `start` and the window skipped. `None`: no end has its window.
+fn match_window(
+    pools: &[&BlockPool],
+    hashes: &[SequenceHash],
+    start: usize,
+    w: usize,
+) -> Option<Staged> {
+    let rest = hashes.get(start..)?;
+    // run[k]: how many blocks in a row end at `start + k` that some tier holds.
+    let mut run = Vec::with_capacity(rest.len());
+    let mut len = 0usize;
+    for h in rest {
+        len = if pools.iter().any(|p| p.contains(*h)) {
+            len + 1
+        } else {
+            0
+        };
+        run.push(len);
+    }
+    for end in (1..=rest.len()).rev() {
+        let from = end.saturating_sub(w);
+        if run[end - 1] < end - from {
+            continue;
+        }
+        let m = match_across(pools, &rest[from..end]);
+        let got: usize = m.per_tier.iter().map(|(_, b)| b.len()).sum();
+        if got < end - from {
+            // Held, but not host-then-disk in order: try a shorter hit.
+            continue;
+        }
+        let (mut host, mut disk) = (Vec::new(), Vec::new());
+        for (kind, blocks) in m.per_tier {
+            match kind {
+                TierKind::Host => host = blocks,
+                TierKind::Disk => disk = blocks,
+                _ => {}
+            }
+        }
+        return Some(Staged {
+            start,
+            skip: from,
+            host,
+            disk,
+            remote: Vec::new(),
+        });
+    }
+    None
 }
 
 impl<A: SchedulerAdapter> Leader<A> {
@@ -62,6 +143,19 @@ impl<A: SchedulerAdapter> Leader<A> {
         request: RequestInfo<'_>,
         first_token: usize,
         num_computed_tokens: usize,
+    ) -> Result<MatchResult> {
+        self.match_scoped(request, first_token, num_computed_tokens, Scope::FULL)
+    }
+
+    /// The match of [`Leader::get_num_new_matched_tokens_from`] for a request (or KV-cache
+    /// group) that attends as `scope` says, ending at most `scope.cap_tokens` beyond the device's
+    /// prefix.
+    pub(super) fn match_scoped(
+        &mut self,
+        request: RequestInfo<'_>,
+        first_token: usize,
+        num_computed_tokens: usize,
+        scope: Scope,
     ) -> Result<MatchResult> {
         let known = self
             .slots
@@ -109,6 +203,8 @@ impl<A: SchedulerAdapter> Leader<A> {
                     loads_in_flight: 0,
                     stores_in_flight: 0,
                     held_since: None,
+                    window: None,
+                    window_ends: Vec::new(),
                 })
             }
         };
@@ -159,16 +255,41 @@ impl<A: SchedulerAdapter> Leader<A> {
             };
         }
         slot.staged = None;
+        slot.window = scope.window;
         let n = slot.seq.total_tokens();
         let aligned = num_computed_tokens % bs == 0;
         let start = num_computed_tokens / bs;
         // The engine must compute at least one token: never match the block holding the last one.
-        let limit = n.saturating_sub(1) / bs;
+        let mut limit = n.saturating_sub(1) / bs;
+        if let Some(cap) = scope.cap_tokens {
+            limit = limit.min(start + cap / bs);
+        }
         let Some(tiers) = self.tiers.as_ref() else {
             return Ok(MatchResult::NONE);
         };
         let mut staged = None;
-        if aligned && start < limit && !self.dead.iter().any(|d| *d) {
+        if let Some(w) = scope.window {
+            if aligned && start < limit && !self.dead.iter().any(|d| *d) {
+                let hashes = &slot.seq.hashes()[..limit.min(slot.seq.num_full_blocks())];
+                let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
+                staged = match_window(&pools, hashes, start, w);
+                // A prefix computed before whose window is not here: mark its end, so this
+                // request stores the window before it for the requests after it.
+                let got = staged
+                    .as_ref()
+                    .map_or(start, |s| s.start + s.skip + s.blocks());
+                let rest = hashes.get(start..).unwrap_or_default();
+                if let Some(end) = self.window_keys.longest_prefix(rest) {
+                    let end = start + end;
+                    if end > got && !slot.window_ends.contains(&end) {
+                        if slot.window_ends.len() >= MAX_WINDOW_ENDS {
+                            slot.window_ends.remove(0);
+                        }
+                        slot.window_ends.push(end);
+                    }
+                }
+            }
+        } else if aligned && start < limit && !self.dead.iter().any(|d| *d) {
             let hashes = &slot.seq.hashes()[start..limit.min(slot.seq.num_full_blocks())];
             let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
             let m = match_across(&pools, hashes);
@@ -203,13 +324,14 @@ impl<A: SchedulerAdapter> Leader<A> {
             if !host.is_empty() || !disk.is_empty() || !remote.is_empty() {
                 staged = Some(Staged {
                     start,
+                    skip: 0,
                     host,
                     disk,
                     remote,
                 });
             }
         }
-        let matched_blocks = staged.as_ref().map_or(0, Staged::blocks);
+        let matched_blocks = staged.as_ref().map_or(0, Staged::tokens_blocks);
         if self.count_lookups {
             self.metrics
                 .record_lookup(n as u64, (matched_blocks * bs) as u64);
@@ -266,7 +388,16 @@ impl<A: SchedulerAdapter> Leader<A> {
             self.last_match = MatchResult::NONE;
             return Ok(MatchResult::NONE);
         };
-        let mut left = keep;
+        if slot.window.is_some() && keep < staged.tokens_blocks() {
+            // A shorter hit needs the window before it, not the first blocks of this one:
+            // nothing of this staging serves it (`match_groups` matches such a group again).
+            slot.staged = None;
+            slot.life.unstage()?;
+            self.last_match = MatchResult::NONE;
+            return Ok(MatchResult::NONE);
+        }
+        let skip = staged.skip;
+        let mut left = keep.saturating_sub(skip);
         let host = staged.host.len().min(left);
         staged.host.truncate(host);
         left -= host;
@@ -282,7 +413,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             return Ok(MatchResult::NONE);
         }
         let m = MatchResult {
-            external_tokens: (host + disk + remote) * bs,
+            external_tokens: (skip + host + disk + remote) * bs,
             load_async: true,
             host_tokens: host * bs,
             disk_tokens: disk * bs,
@@ -345,14 +476,14 @@ impl<A: SchedulerAdapter> Leader<A> {
             ))
             .with("request", id));
         };
-        if num_external_tokens != staged.blocks() * bs {
+        if num_external_tokens != staged.tokens_blocks() * bs {
             return Err(Error::invalid_argument(format!(
                 "request {id}: the engine asks to load {num_external_tokens} tokens but {} were matched",
-                staged.blocks() * bs
+                staged.tokens_blocks() * bs
             ))
             .with("request", id));
         }
-        let needed = staged.start + staged.blocks();
+        let needed = staged.start + staged.tokens_blocks();
         if block_ids.len() < needed {
             return Err(Error::invalid_argument(format!(
                 "request {id}: {} device blocks allocated but the load needs {needed}",
@@ -363,6 +494,21 @@ impl<A: SchedulerAdapter> Leader<A> {
         // A destination that is the engine's placeholder (a block a sliding-window layer does
         // not keep) is not loaded: its source is released here, and its tokens stay matched.
         let real = |d: usize| Some(d) != placeholder;
+        let window_from = staged.start + staged.skip;
+        if let Some(k) = block_ids[staged.start..window_from]
+            .iter()
+            .position(|&d| real(d))
+        {
+            // Nothing is loaded before a sliding window (its blocks were never stored): an
+            // engine that keeps a real block there would read it as computed.
+            return Err(Error::invalid_argument(format!(
+                "request {id}: device block {} at block position {} lies before the sliding window of the {num_external_tokens} matched tokens, where the engine keeps its placeholder block",
+                block_ids[staged.start + k],
+                staged.start + k
+            ))
+            .with("request", id)
+            .with("op", "update_state_after_alloc"));
+        }
         if !block_ids[staged.start..needed].iter().any(|&d| real(d)) {
             // The block holding the last matched token is inside any window, so an engine always
             // lists a real one there: placeholders only are refused before anything is loaded.
@@ -377,10 +523,12 @@ impl<A: SchedulerAdapter> Leader<A> {
         };
         let Staged {
             start,
+            skip,
             host,
             disk,
             remote,
         } = staged;
+        let start = start + skip;
         let disk_start = start + host.len();
         let remote_start = disk_start + disk.len();
         let (host_pairs, host_src) = keep_real(host, &block_ids[start..], &real);

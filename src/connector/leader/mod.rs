@@ -35,6 +35,7 @@
 //! only once it is finishing with nothing in flight (or was never ready).
 
 mod completion;
+mod groups;
 mod matching;
 mod offload;
 mod remote;
@@ -134,6 +135,25 @@ struct Slot {
     /// When `request_finished` answered true (the engine keeps the request's device blocks
     /// until its operations end): the hold is counted in the metrics when they do.
     held_since: Option<std::time::Instant>,
+    /// A sliding-window group: the blocks before a hit it needs (see `groups`); `None`: every
+    /// block (full attention).
+    window: Option<usize>,
+    /// Block indices where a later hit is expected to end (an earlier request's prefix ended
+    /// there), besides the prompt's end: a windowed slot stores the window before each.
+    window_ends: Vec<usize>,
+}
+
+impl Slot {
+    /// Whether block `i` is one a later hit can use: every block of a full-attention slot; of a
+    /// sliding-window slot, those in the window before the end of its prompt or after it, and
+    /// those in the window before a marked end.
+    fn worth_storing(&self, i: usize, page_size: usize) -> bool {
+        let Some(w) = self.window else {
+            return true;
+        };
+        let prompt_end = self.prompt_len.saturating_sub(1) / page_size.max(1);
+        i + w >= prompt_end || self.window_ends.iter().any(|&e| i < e && i + w >= e)
+    }
 }
 
 /// The host and disk block accounting, built once the barrier agreed on the counts.
@@ -196,6 +216,9 @@ pub struct Leader<A: SchedulerAdapter> {
     ///
     /// [`WorkerMessage::StoreStats`]: crate::connector::transport::WorkerMessage::StoreStats
     rank_store_stats: HashMap<usize, crate::connector::remote::RemoteStoreStats>,
+    /// Keys sliding-window slots computed, stored or not (bounded): where a later request's
+    /// windowed match finds its prefix here but no window, the prefix's end is marked for storing.
+    window_keys: groups::SeenKeys,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -258,6 +281,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             placeholder: E::PLACEHOLDER_BLOCK,
             count_lookups: true,
             rank_store_stats: HashMap::new(),
+            window_keys: groups::SeenKeys::new(groups::SEEN_KEYS),
         };
         if let Some(addr) = leader.config.tcp.metrics_addr {
             leader.metrics_server = Some(crate::connector::metrics_server::MetricsServer::start(

@@ -354,6 +354,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         let kind = pool.kind();
         let mut wanted: Vec<(usize, SequenceHash)> = Vec::with_capacity(full - slot.offloaded);
         let mut upto = slot.offloaded;
+        let mut window_skipped = 0u64;
         for i in slot.offloaded..full {
             let Some(&device) = slot.device_blocks.get(i) else {
                 break;
@@ -366,12 +367,23 @@ impl<A: SchedulerAdapter> Leader<A> {
             let Some(&hash) = slot.seq.hashes().get(i) else {
                 break;
             };
+            if slot.window.is_some() {
+                self.window_keys.insert(hash);
+                if !slot.worth_storing(i, bs) {
+                    // Before a sliding window no later hit reads it.
+                    window_skipped += 1;
+                    continue;
+                }
+            }
             if self.pending_keys.contains(&(kind, hash)) {
                 continue;
             }
             wanted.push((device, hash));
         }
         slot.offloaded = upto;
+        if window_skipped > 0 {
+            self.metrics.record_window_skipped(window_skipped);
+        }
         // Those the tier holds already: one lock for the request's blocks, not one per block.
         pool.retain_unregistered(&mut wanted, |w| w.1);
         if wanted.is_empty() {

@@ -1,0 +1,172 @@
+//! Matching a request across its KV-cache groups (see [`crate::connector::groups`]): the hit is
+//! the longest one every group can serve, and the keys sliding-window groups computed, which say
+//! where a later hit may end.
+//!
+//! Invariants: after [`Leader::match_groups`] every group of the request has the same hit staged
+//! (or none), so the engine's one count loads every group; a sliding-window group's staging is the
+//! window before that hit, never a prefix of a longer hit's.
+
+use std::collections::{HashSet, VecDeque};
+
+use crate::connector::adapter::SchedulerAdapter;
+use crate::connector::groups::{AttentionKind, KvCacheGroups};
+use crate::error::Result;
+use crate::identity::SequenceHash;
+use crate::pool::BuildSeqHasher;
+
+use super::matching::Scope;
+use super::{Leader, MatchResult, RequestInfo};
+
+/// Keys the windowed-key table holds at most (about 10 MB).
+pub(super) const SEEN_KEYS: usize = 1 << 18;
+
+/// A bounded set of block keys, the oldest forgotten first.
+#[derive(Debug)]
+pub(super) struct SeenKeys {
+    capacity: usize,
+    set: HashSet<SequenceHash, BuildSeqHasher>,
+    order: VecDeque<SequenceHash>,
+}
+
+impl SeenKeys {
+    pub(super) fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            set: HashSet::default(),
+            order: VecDeque::new(),
+        }
+    }
+
+    pub(super) fn insert(&mut self, h: SequenceHash) {
+        if !self.set.insert(h) {
+            return;
+        }
+        self.order.push_back(h);
+        while self.order.len() > self.capacity {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+
+    /// The length of the longest prefix of `hashes` computed before: keys are chained, so the
+    /// last key seen ends it. `None`: none seen.
+    pub(super) fn longest_prefix(&self, hashes: &[SequenceHash]) -> Option<usize> {
+        hashes
+            .iter()
+            .rposition(|h| self.set.contains(h))
+            .map(|i| i + 1)
+    }
+}
+
+impl<A: SchedulerAdapter> Leader<A> {
+    /// How many tokens beyond `num_computed_tokens` every KV-cache group of `request` can load
+    /// (as [`Leader::get_num_new_matched_tokens_from`] for one group): each group is matched
+    /// under its own id and salt ([`KvCacheGroups::request_id`], [`KvCacheGroups::salt`]);
+    /// full-attention groups first, whose smallest hit caps the sliding-window groups', which
+    /// are matched again at a lower cap until every group serves the same hit. The full groups'
+    /// stagings are trimmed to it. Counted once in the lookup metrics. `host_tokens`,
+    /// `disk_tokens` and `remote_tokens` add up what each group loads.
+    ///
+    /// One full-attention group is the plain match. Errors: a request id that contains
+    /// [`GROUP_SEP`](crate::connector::groups::GROUP_SEP), and those of the plain match.
+    pub fn match_groups(
+        &mut self,
+        groups: &KvCacheGroups,
+        request: RequestInfo<'_>,
+        first_token: usize,
+        num_computed_tokens: usize,
+    ) -> Result<MatchResult> {
+        if groups.is_plain() {
+            return self.get_num_new_matched_tokens_from(request, first_token, num_computed_tokens);
+        }
+        let real = request.id.as_str();
+        groups.check_request_id(real)?;
+        let bs = self.page_size;
+        let ids: Vec<_> = (0..groups.len())
+            .map(|g| KvCacheGroups::request_id(real, g))
+            .collect();
+        let salts: Vec<Option<String>> = (0..groups.len())
+            .map(|g| KvCacheGroups::salt(request.cache_salt, g))
+            .collect();
+        let info = |g: usize| RequestInfo {
+            id: &ids[g],
+            tokens: request.tokens,
+            cache_salt: salts[g].as_deref().or(request.cache_salt),
+            lora_name: request.lora_name,
+        };
+        self.count_lookups = false;
+        let mut pending = false;
+        let mut hit = usize::MAX;
+        let mut answer = Ok(());
+        for (g, kind) in groups.kinds().iter().enumerate() {
+            if *kind != AttentionKind::Full {
+                continue;
+            }
+            match self.match_scoped(info(g), first_token, num_computed_tokens, Scope::FULL) {
+                Ok(m) => {
+                    pending |= m.pending;
+                    hit = hit.min(m.external_tokens);
+                }
+                Err(e) => {
+                    answer = Err(e);
+                    break;
+                }
+            }
+        }
+        // The windowed groups: each hit at most the others', until all agree.
+        while answer.is_ok() && !pending {
+            let cap = (hit != usize::MAX).then_some(hit);
+            let mut lowest = hit;
+            let mut agree = true;
+            for (g, kind) in groups.kinds().iter().enumerate() {
+                let Some(w) = kind.window_blocks(bs) else {
+                    continue;
+                };
+                let scope = Scope {
+                    window: Some(w),
+                    cap_tokens: cap,
+                };
+                match self.match_scoped(info(g), first_token, num_computed_tokens, scope) {
+                    Ok(m) => {
+                        pending |= m.pending;
+                        agree &= lowest == usize::MAX || m.external_tokens == lowest;
+                        lowest = lowest.min(m.external_tokens);
+                    }
+                    Err(e) => {
+                        answer = Err(e);
+                        break;
+                    }
+                }
+            }
+            hit = lowest;
+            if agree || pending {
+                break;
+            }
+        }
+        self.count_lookups = true;
+        answer?;
+        if pending || hit == usize::MAX {
+            hit = 0;
+        }
+        let mut out = MatchResult::NONE;
+        for (g, id) in ids.iter().enumerate().rev() {
+            let m = self.trim_staged(id, hit)?;
+            out.external_tokens = out.external_tokens.max(m.external_tokens);
+            out.load_async |= m.load_async;
+            out.host_tokens += m.host_tokens;
+            out.disk_tokens += m.disk_tokens;
+            out.remote_tokens += m.remote_tokens;
+            if g == 0 && m.external_tokens != hit {
+                // Cannot happen: every group was matched or trimmed to `hit`.
+                out.external_tokens = 0;
+            }
+        }
+        let total = request.tokens.len() + first_token;
+        self.metrics
+            .record_lookup(total as u64, out.external_tokens as u64);
+        out.pending = pending;
+        self.last_match = out;
+        Ok(out)
+    }
+}
