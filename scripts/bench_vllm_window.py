@@ -14,11 +14,18 @@ kvbm_connector in the vLLM venv (refuses a debug build unless --allow-debug).
 
     python3 scripts/bench_vllm_window.py [--rounds 5] [--tokens 4000] [--window 256] [--load spin:2]
     python3 scripts/bench_vllm_window.py --capacity [--max-len 16384] [--window 256]
+    python3 scripts/bench_vllm_window.py --stored [--tokens 4000] [--window 256] [--layers 8]
 
 ``--capacity``: the KV-cache capacity vLLM reports for the Gemma 2 model with the connector, with
 vLLM's hybrid manager on (the connector's ``SupportsHMA``) and forced off
 (``disable_hybrid_kv_cache_manager``, what vLLM did for a connector without it), under
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1 here).
+
+``--stored``: bytes the connector offloads (device -> host) for one request (``--tokens`` prompt
+tokens, 8 output tokens) on the Gemma 2 model with vLLM's hybrid manager on (a sliding-window
+group stores only the windows a later hit needs) and forced off (every layer kept and stored
+whole: the same model with all layers full), and whether the repeat after
+``reset_prefix_cache()`` is served whole with the same greedy tokens in both.
 """
 
 from __future__ import annotations
@@ -63,6 +70,39 @@ def capacity(a) -> None:
             shutdown(llm)
 
 
+def stored(a) -> None:
+    from _vllm_cpu import build_windowed_model, generate, make_llm, prompt, reset, shutdown
+
+    work = tempfile.mkdtemp(prefix="kvbm-window-")
+    toml = os.path.join(work, "kvbm.toml")
+    with open(toml, "w") as f:
+        f.write("init_timeout_secs = 120.0\n[host]\ncache_blocks = 2048\n[disk]\ncache_blocks = 0\n")
+    path = build_windowed_model(os.path.join(work, "gemma2"), "gemma2", a.window,
+                                layers=a.layers, std=0.04)
+    p = prompt(4242, a.tokens)
+    print(f"Gemma 2, {a.layers} layers alternating sliding ({a.window} tokens) and full, "
+          f"a {a.tokens}-token prompt and 8 output tokens, with the connector")
+    got = {}
+    for hma in (False, True):
+        kw = {} if hma else dict(disable_hybrid_kv_cache_manager=True)
+        llm = make_llm(path, config=toml, max_model_len=a.tokens + 64, **kw)
+        try:
+            conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            toks, _, _ = generate(llm, p, 8)
+            reset(llm)
+            m = conn.metrics()
+            t = next(x for x in m["transfers"] if x["src"] == "device" and x["dst"] == "host")
+            again, _, cached = generate(llm, p, 8)
+            got[hma] = t["bytes"]
+            print(f"hybrid manager {'on ' if hma else 'off'}: device->host {t['blocks']} blocks, "
+                  f"{t['bytes'] / 1e6:.2f} MB; sliding-window blocks not stored "
+                  f"{m['window_skipped_blocks']}; repeat: {cached} tokens cached, greedy tokens "
+                  f"{'identical' if again == toks else 'DIFFERENT'}")
+        finally:
+            shutdown(llm)
+    print(f"bytes stored, hybrid manager on / all layers full: {got[True] / got[False]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
@@ -73,7 +113,10 @@ def main() -> None:
     ap.add_argument("--allow-debug", action="store_true")
     ap.add_argument("--capacity", action="store_true")
     ap.add_argument("--max-len", type=int, default=16384)
+    ap.add_argument("--stored", action="store_true")
     a = ap.parse_args()
+    if a.stored:
+        return stored(a)
     if a.capacity:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         return capacity(a)

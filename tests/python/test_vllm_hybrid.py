@@ -31,6 +31,12 @@ What each test proves, and how it would fail:
   keeps vLLM's hybrid manager on (two KV-cache groups; before ``SupportsHMA`` vLLM turned it off
   and kept every block of every layer); the repeat is served whole from both groups, equal to
   cold; the sliding group loads only its window.
+* ``test_alternating_shared_prefix_is_marked_then_served``: three prompts sharing a 200-token
+  prefix on Gemma 2: the sliding-window group stores only the windows a later hit needs (its
+  ``window_skipped_blocks`` grows); the second prompt finds the full group's 6 blocks but no
+  window before them (a miss, which marks that point), the third is served those 192 tokens,
+  its output equal to the cold engine's. Without the window-aware match or the mark, the third
+  is a miss too.
 * ``test_alternating_failed_load_is_recomputed``: with two groups a failed load is reported per
   request (vLLM raises on block-level errors there) and recomputed: output equal to cold.
 """
@@ -65,7 +71,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WINDOW = 64  # tokens: two 32-token blocks
 MAX_LEN = 2048
 A = prompt(11, 300)  # 9 full blocks + 12 tokens; a hit's window is its last 2-3 blocks
-EVICTORS = (prompt(12, 300), prompt(13, 300))  # 2 × 9 blocks: more than the host's 16
+# A sliding-window group stores the window before its prompt's end and what follows (3 blocks
+# here), not the 9 before: 2 × 3 blocks are more than the host's 4.
+EVICTORS = (prompt(12, 300), prompt(13, 300))
+EVICTED_HOST_BLOCKS = 4
 FAULTS_ENV = "KVBM_TEST_FAULTS"
 
 
@@ -133,7 +142,8 @@ def mistral_cold(mistral):
 
 def test_sliding_window_repeat_is_served_from_host_then_disk(mistral, mistral_cold, workdir):
     want_tokens, want_lps, _ = mistral_cold["a"]
-    llm = make_llm(mistral, config=kvbm_toml(workdir, 16, 512), max_model_len=MAX_LEN)
+    llm = make_llm(mistral, config=kvbm_toml(workdir, EVICTED_HOST_BLOCKS, 512),
+                   max_model_len=MAX_LEN)
     try:
         tokens1, _, cached1 = generate(llm, A)
         assert cached1 == 0 and tokens1 == want_tokens
@@ -270,6 +280,34 @@ def test_alternating_sliding_and_full_keeps_the_hybrid_manager(gemma2, workdir):
         # Counted once per request, not once per group.
         assert after["matched_tokens"] - before["matched_tokens"] == 288, (before, after)
         assert after["load_error_blocks"] == 0, after
+    finally:
+        shutdown(llm)
+
+
+def test_alternating_shared_prefix_is_marked_then_served(gemma2, workdir):
+    shared = prompt(21, 200)  # 6 full blocks and 8 tokens
+    p1, p2, p3 = (shared + prompt(22 + i, 100) for i in range(3))
+    (want_tokens, want_lps, _), = cold_outputs(gemma2, [p3])
+    llm = make_llm(gemma2, config=kvbm_toml(workdir, 64, 0), max_model_len=MAX_LEN)
+    try:
+        assert len(kv_cache_groups(llm)) == 2
+        generate(llm, p1)
+        reset(llm)
+        m1 = metrics(llm)
+        # 9 full blocks per group; the sliding group keeps the window before its prompt's
+        # end (blocks 7 and 8 of 0-8): 7 of its blocks are not stored.
+        assert m1["window_skipped_blocks"] == 7, m1
+        _, _, cached2 = generate(llm, p2)
+        assert cached2 == 0, "no window before the shared prefix's end was stored yet"
+        reset(llm)
+        before = metrics(llm)
+        tokens, lps, cached3 = generate(llm, p3)
+        after = metrics(llm)
+        assert cached3 == 192, (cached3, after)
+        assert tokens == want_tokens
+        assert max_diff(lps, want_lps) <= 1e-4, (lps, want_lps)
+        assert after["load_error_blocks"] == 0, after
+        assert after["matched_tokens"] - before["matched_tokens"] == 192, (before, after)
     finally:
         shutdown(llm)
 
