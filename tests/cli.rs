@@ -1738,6 +1738,60 @@ fn replay_with_a_sliding_window_loads_only_the_window() {
     );
 }
 
+/// The same model over two tensor-parallel ranks (worker processes): every onboarded block of
+/// both ranks is verified, none fails, and the window-aware stores cross fewer blocks device ->
+/// host than the same replay of a model without a window (a sliding-window group stores only the
+/// windows a later hit needs; before, every computed block).
+#[test]
+fn replay_with_a_sliding_window_over_two_ranks_stores_only_windows() {
+    let dir = tmp();
+    let offloaded = |window: Option<&str>, name: &str| -> (usize, Value) {
+        let report = dir.path().join(name);
+        let mut c = kvbm(dir.path());
+        c.args(["replay", "--framework", "vllm", "--tp", "2"]);
+        if let Some(w) = window {
+            c.args(["--sliding-window", w]);
+        }
+        let out = c
+            .args([
+                "--block-size",
+                "16",
+                "--requests",
+                "120",
+                "--host-blocks",
+                "4096",
+                "--disk-blocks",
+                "0",
+                "--quiet",
+                "--report",
+            ])
+            .arg(&report)
+            .output()
+            .expect("run kvbm");
+        assert_ok(&out, name);
+        let r = read_report(&report);
+        check_report_invariants(&r, name);
+        let s = r["summary"].clone();
+        let blocks = s["offloaded"]
+            .as_array()
+            .expect("offloaded")
+            .iter()
+            .find(|t| t["path"] == "device->host")
+            .map_or(0, |t| u(&t["blocks"]));
+        (blocks, s)
+    };
+    let (windowed, s) = offloaded(Some("64"), "swa-tp2.json");
+    assert_eq!(u(&s["tp"]), 2, "{s}");
+    assert_eq!(u(&s["load_errors"]), 0, "{s}");
+    assert_eq!(u(&s["rank_failures"]), 0, "{s}");
+    assert!(u(&s["blocks_verified"]) > 0, "{s}");
+    let (full, _) = offloaded(None, "full-tp2.json");
+    assert!(
+        windowed < full,
+        "a window stores fewer blocks: {windowed} with a window, {full} without"
+    );
+}
+
 // ------------------------------------------------------------------------------------------------
 // Flags answered at once and by name (issue 26 item 6)
 // ------------------------------------------------------------------------------------------------

@@ -303,6 +303,7 @@ fn connect(
         opts.config.clone(),
         opts.block_size,
         leader_transport.clone(),
+        opts.sliding_window,
     ) {
         Ok(s) => s,
         Err(e) => {

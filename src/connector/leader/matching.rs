@@ -44,6 +44,28 @@ impl Staged {
     fn tokens_blocks(&self) -> usize {
         self.skip + self.blocks()
     }
+
+    /// The match as the engine is told it: the matched tokens by the tier that serves them (the
+    /// blocks skipped before a window count with the tier its first block is loaded from).
+    fn result(&self, bs: usize) -> MatchResult {
+        let (mut host, mut disk, mut remote) =
+            (self.host.len(), self.disk.len(), self.remote.len());
+        if host > 0 {
+            host += self.skip;
+        } else if disk > 0 {
+            disk += self.skip;
+        } else {
+            remote += self.skip;
+        }
+        MatchResult {
+            external_tokens: self.tokens_blocks() * bs,
+            load_async: true,
+            host_tokens: host * bs,
+            disk_tokens: disk * bs,
+            remote_tokens: remote * bs,
+            pending: false,
+        }
+    }
 }
 
 /// How a match looks: every block before the hit (full attention), or only a sliding window's;
@@ -341,18 +363,8 @@ impl<A: SchedulerAdapter> Leader<A> {
             return Ok(MatchResult::NONE);
         }
         slot.life.stage_onboard()?;
-        let (host_blocks, disk_blocks, remote_blocks) = staged
-            .as_ref()
-            .map_or((0, 0, 0), |s| (s.host.len(), s.disk.len(), s.remote.len()));
+        let m = staged.as_ref().map_or(MatchResult::NONE, |s| s.result(bs));
         slot.staged = staged;
-        let m = MatchResult {
-            external_tokens: matched_blocks * bs,
-            load_async: true,
-            host_tokens: host_blocks * bs,
-            disk_tokens: disk_blocks * bs,
-            remote_tokens: remote_blocks * bs,
-            pending: false,
-        };
         self.last_match = m;
         Ok(m)
     }
@@ -396,8 +408,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             self.last_match = MatchResult::NONE;
             return Ok(MatchResult::NONE);
         }
-        let skip = staged.skip;
-        let mut left = keep.saturating_sub(skip);
+        let mut left = keep.saturating_sub(staged.skip);
         let host = staged.host.len().min(left);
         staged.host.truncate(host);
         left -= host;
@@ -412,14 +423,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             self.last_match = MatchResult::NONE;
             return Ok(MatchResult::NONE);
         }
-        let m = MatchResult {
-            external_tokens: (skip + host + disk + remote) * bs,
-            load_async: true,
-            host_tokens: host * bs,
-            disk_tokens: disk * bs,
-            remote_tokens: remote * bs,
-            pending: false,
-        };
+        let m = staged.result(bs);
         self.last_match = m;
         Ok(m)
     }

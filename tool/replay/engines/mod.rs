@@ -72,12 +72,14 @@ pub trait SimEngine: Sync {
     /// non-blocking, then the scheduler blocking); false for the other order (TensorRT-LLM).
     fn workers_first(&self) -> bool;
 
-    /// Starts the scheduler side over the leader's `transport`.
+    /// Starts the scheduler side over the leader's `transport`; `window`: every layer attends
+    /// over that many tokens (`--sliding-window`; vLLM only, refused before this).
     fn scheduler(
         &self,
         config: Config,
         block_size: usize,
         transport: Arc<dyn LeaderTransport>,
+        window: Option<usize>,
     ) -> Result<Box<dyn SchedulerSide>>;
 
     /// The layout of one rank's device cache of `blocks` blocks of `dims`.

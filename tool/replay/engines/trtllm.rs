@@ -38,6 +38,7 @@ impl SimEngine for TensorRtLlm {
         config: Config,
         block_size: usize,
         transport: Arc<dyn LeaderTransport>,
+        _window: Option<usize>,
     ) -> Result<Box<dyn SchedulerSide>> {
         Ok(Box::new(Scheduler {
             sched: TrtllmScheduler::new(config, block_size, transport)?,

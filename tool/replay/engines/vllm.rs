@@ -10,6 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use kvbm_connector::config::Config;
+use kvbm_connector::connector::groups::{AttentionKind, KvCacheGroups};
 use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
 use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
@@ -43,9 +44,17 @@ impl SimEngine for Vllm {
         config: Config,
         block_size: usize,
         transport: Arc<dyn LeaderTransport>,
+        window: Option<usize>,
     ) -> Result<Box<dyn SchedulerSide>> {
+        let mut sched = VllmScheduler::new(config, block_size, transport)?;
+        if let Some(tokens) = window {
+            // One KV-cache group whose layers all slide: matched and stored by its window.
+            sched.set_kv_cache_group_kinds(KvCacheGroups::new(vec![
+                AttentionKind::SlidingWindow { tokens },
+            ])?)?;
+        }
         Ok(Box::new(Scheduler {
-            sched: VllmScheduler::new(config, block_size, transport)?,
+            sched,
             finished_last_step: HashSet::new(),
             pending_preempted: Vec::new(),
             finished_for_worker: HashSet::new(),

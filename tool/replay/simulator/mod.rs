@@ -135,7 +135,14 @@ impl Simulator {
                 wt,
             )
         };
-        let scheduler = || engine.scheduler(opts.config.clone(), opts.block_size, lt);
+        let scheduler = || {
+            engine.scheduler(
+                opts.config.clone(),
+                opts.block_size,
+                lt,
+                opts.sliding_window,
+            )
+        };
         let (sched, rank) = if engine.workers_first() {
             let rank = executor()?;
             (scheduler()?, rank)
