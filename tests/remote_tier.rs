@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::connector::adapter::{Engine, ScheduledTokens, SchedulerStep};
+use kvbm_connector::connector::groups::{AttentionKind, KvCacheGroups};
+use kvbm_connector::connector::leader::RequestInfo;
 use kvbm_connector::connector::remote::{
     MemoryFaults, MemoryRemoteData, MemoryRemoteStore, RemoteScope, RemoteStore,
 };
@@ -196,6 +198,54 @@ fn a_second_instance_onboards_the_first_ones_prefix_through_the_store() {
         "{text}"
     );
     assert!(text.contains("kvbm_remote_available 1"), "{text}");
+}
+
+/// An engine that keeps a placeholder block before a sliding window (as vLLM's null block).
+struct WithPlaceholder;
+impl Engine for WithPlaceholder {
+    type Adapter = ScheduledTokens;
+    type LeaderInit = Blocking;
+    type WorkerInit = Blocking;
+    const PLACEHOLDER_BLOCK: Option<usize> = Some(0);
+}
+
+/// A sliding-window group (5 tokens: the block before a hit) finds nothing in host or disk; the
+/// store holds A's 3 blocks, so the hit is all 12 tokens and only the window's block (A's third)
+/// crosses from the store. Without the store in the windowed match, no hit; loading the
+/// skipped blocks too, 12 remote hit tokens. An engine without a placeholder is refused.
+#[test]
+fn a_sliding_window_hit_loads_only_its_window_from_the_store() {
+    let data = MemoryRemoteData::default();
+    let a = publish(&data);
+    let (mut b, _) = instance_with::<WithPlaceholder>(&data, |_| {});
+    let groups = KvCacheGroups::new(vec![AttentionKind::SlidingWindow { tokens: 5 }]).unwrap();
+    let tokens = prompt();
+    let info = RequestInfo {
+        id: &id("b"),
+        tokens: &tokens,
+        cache_salt: None,
+        lora_name: None,
+    };
+    let m = b.leader.match_groups(&groups, info, 0, 0).unwrap();
+    assert_eq!((m.external_tokens, m.remote_tokens), (12, 12), "{m:?}");
+    sentinel(&b, &[7]);
+    let errors = load(&mut b, &id("b"), &[0, 0, 7, 8], 12);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(
+        b.device.read_block_to_vec(7).unwrap(),
+        a.device.read_block_to_vec(2).unwrap()
+    );
+    assert_eq!(b.leader.metrics().snapshot().remote_hit_tokens, 4);
+
+    let (mut c, _) = instance_with::<Sync_>(&data, |_| {});
+    let info = RequestInfo {
+        id: &id("c"),
+        tokens: &tokens,
+        cache_salt: None,
+        lora_name: None,
+    };
+    let e = c.leader.match_groups(&groups, info, 0, 0).unwrap_err();
+    assert!(e.to_string().contains("placeholder"), "{e}");
 }
 
 #[test]

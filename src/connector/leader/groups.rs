@@ -10,7 +10,7 @@ use std::collections::{HashSet, VecDeque};
 
 use crate::connector::adapter::SchedulerAdapter;
 use crate::connector::groups::{AttentionKind, KvCacheGroups};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::identity::SequenceHash;
 use crate::pool::BuildSeqHasher;
 
@@ -69,7 +69,9 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// `disk_tokens` and `remote_tokens` add up what each group loads.
     ///
     /// One full-attention group is the plain match. Errors: a request id that contains
-    /// [`GROUP_SEP`](crate::connector::groups::GROUP_SEP), and those of the plain match.
+    /// [`GROUP_SEP`](crate::connector::groups::GROUP_SEP); a sliding-window group on an engine
+    /// without [`Engine::PLACEHOLDER_BLOCK`](crate::connector::Engine::PLACEHOLDER_BLOCK)
+    /// (unsupported); and those of the plain match.
     pub fn match_groups(
         &mut self,
         groups: &KvCacheGroups,
@@ -82,6 +84,23 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         let real = request.id.as_str();
         groups.check_request_id(real)?;
+        if self.placeholder.is_none() {
+            if let Some(g) = groups
+                .kinds()
+                .iter()
+                .position(|k| *k != AttentionKind::Full)
+            {
+                // Nothing is loaded before a window: the engine must mark those blocks.
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "KV-cache group {g} is {}: a sliding-window group needs an engine that keeps a placeholder block before the window, and this one declares none",
+                        groups.kinds()[g]
+                    ),
+                )
+                .with("group", g));
+            }
+        }
         let bs = self.page_size;
         let ids: Vec<_> = (0..groups.len())
             .map(|g| KvCacheGroups::request_id(real, g))

@@ -13,7 +13,7 @@ use crate::connector::metadata::{BlockTransfer, Load, RemoteLoad};
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::{BlockHasher, Salt, SequenceHash, TokenSequence};
-use crate::pool::{match_across, BlockPool, ImmutableBlock};
+use crate::pool::{match_across, BlockPool, ImmutableBlock, TieredMatch};
 use crate::tier::TierKind;
 
 use super::completion::Holds;
@@ -89,6 +89,19 @@ impl Scope {
 /// Most marked window ends a request keeps (the oldest is dropped).
 const MAX_WINDOW_ENDS: usize = 8;
 
+/// A match's host and disk blocks.
+fn by_tier(m: TieredMatch) -> (Vec<ImmutableBlock>, Vec<ImmutableBlock>) {
+    let (mut host, mut disk) = (Vec::new(), Vec::new());
+    for (kind, blocks) in m.per_tier {
+        match kind {
+            TierKind::Host => host = blocks,
+            TierKind::Disk => disk = blocks,
+            _ => {}
+        }
+    }
+    (host, disk)
+}
+
 /// The sliding-window match of `hashes[start..]`: the largest end `e` whose window before it
 /// (`[max(start, e - w), e)`) host and disk hold (host first, then disk, as any match), staged
 /// with the blocks between `start` and the window skipped. `None`: no end has its window.
@@ -121,14 +134,7 @@ fn match_window(
             // Held, but not host-then-disk in order: try a shorter hit.
             continue;
         }
-        let (mut host, mut disk) = (Vec::new(), Vec::new());
-        for (kind, blocks) in m.per_tier {
-            match kind {
-                TierKind::Host => host = blocks,
-                TierKind::Disk => disk = blocks,
-                _ => {}
-            }
-        }
+        let (host, disk) = by_tier(m);
         return Some(Staged {
             start,
             skip: from,
@@ -295,6 +301,41 @@ impl<A: SchedulerAdapter> Leader<A> {
                 let hashes = &slot.seq.hashes()[..limit.min(slot.seq.num_full_blocks())];
                 let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
                 staged = match_window(&pools, hashes, start, w);
+                let end = hashes.len();
+                let got = staged
+                    .as_ref()
+                    .map_or(start, |s| s.start + s.tokens_blocks());
+                if got < end {
+                    if let Some(r) = self.remote.as_mut() {
+                        // The store may hold the window before the longest hit: host and disk
+                        // first, the store for the rest of it.
+                        let from = end.saturating_sub(w).max(start);
+                        let (host, disk) = by_tier(match_across(&pools, &hashes[from..end]));
+                        let local = from + host.len() + disk.len();
+                        let rest = &hashes[local..end];
+                        match r.lookup(request.id, local, rest, &self.metrics) {
+                            RemoteAnswer::Found(n) if n >= rest.len() => {
+                                staged = Some(Staged {
+                                    start,
+                                    skip: from - start,
+                                    host,
+                                    disk,
+                                    remote: rest.to_vec(),
+                                });
+                            }
+                            RemoteAnswer::Found(_) => {}
+                            RemoteAnswer::Pending => {
+                                slot.life.unstage()?;
+                                let m = MatchResult {
+                                    pending: true,
+                                    ..MatchResult::NONE
+                                };
+                                self.last_match = m;
+                                return Ok(m);
+                            }
+                        }
+                    }
+                }
                 // A prefix computed before whose window is not here: mark its end, so this
                 // request stores the window before it for the requests after it.
                 let got = staged
@@ -314,16 +355,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         } else if aligned && start < limit && !self.dead.iter().any(|d| *d) {
             let hashes = &slot.seq.hashes()[start..limit.min(slot.seq.num_full_blocks())];
             let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
-            let m = match_across(&pools, hashes);
-            let mut host = Vec::new();
-            let mut disk = Vec::new();
-            for (kind, blocks) in m.per_tier {
-                match kind {
-                    TierKind::Host => host = blocks,
-                    TierKind::Disk => disk = blocks,
-                    _ => {}
-                }
-            }
+            let (host, disk) = by_tier(match_across(&pools, hashes));
             // The remote store continues where host and disk stopped.
             let mut remote = Vec::new();
             if let Some(r) = self.remote.as_mut() {
