@@ -71,12 +71,13 @@ def build_windowed_model(path: str, family: str, window: int, layers: int = 2,
     """A random-weight model with sliding-window attention saved at ``path`` (fixed seed; head dim
     64, vocab 1024): ``family`` ``"mistral"`` (every layer slides over ``window`` tokens: one
     KV-cache group in vLLM) or ``"gemma2"`` (layers alternate sliding and full: two groups with
-    vLLM's hybrid manager, one full-attention group without it). Gemma 2 scales its embeddings
+    vLLM's hybrid manager, one full-attention group without it) or ``"gemma3"`` (five sliding
+    layers to one full, Gemma 3's pattern: vLLM makes a group of each layer). Gemma scales its embeddings
     by sqrt(hidden) and ties them to the output, so its weights take a smaller ``std`` for a
     greedy output that is not one repeated token."""
     import torch
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, MistralConfig,
-                              MistralForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                              Gemma3TextConfig, MistralConfig, MistralForCausalLM)
 
     torch.manual_seed(4321 + window)
     common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -87,6 +88,8 @@ def build_windowed_model(path: str, family: str, window: int, layers: int = 2,
         model = MistralForCausalLM(MistralConfig(tie_word_embeddings=False, **common))
     elif family == "gemma2":
         model = Gemma2ForCausalLM(Gemma2Config(**common))
+    elif family == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common))
     else:
         raise ValueError(f"unknown model family {family!r}")
     with torch.no_grad():

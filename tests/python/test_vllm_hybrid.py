@@ -37,6 +37,12 @@ What each test proves, and how it would fail:
   window before them (a miss, which marks that point), the third is served those 192 tokens,
   its output equal to the cold engine's. Without the window-aware match or the mark, the third
   is a miss too.
+* ``test_gemma3_six_groups_repeat_is_served_whole``: a third family, Gemma 3 (5 sliding layers
+  to 1 full; vLLM makes six KV-cache groups, one per layer): the repeat is served whole, equal to
+  the cold engine's tokens and fp32 logprobs, and each of the five sliding groups stored only the
+  window before the prompt's end (7 of its 9 blocks not stored). Qwen2 with
+  ``use_sliding_window`` is refused by vLLM 0.32 itself ("Sliding window for some but all layers
+  is not supported"), so it is not among the families.
 * ``test_alternating_failed_load_is_recomputed``: with two groups a failed load is reported per
   request (vLLM raises on block-level errors there) and recomputed: output equal to cold.
 """
@@ -94,6 +100,11 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mistral(workdir):
     return build_windowed_model(str(workdir / "mistral-w64"), "mistral", WINDOW)
+
+
+@pytest.fixture(scope="module")
+def gemma3(workdir):
+    return build_windowed_model(str(workdir / "gemma3-w64"), "gemma3", WINDOW, layers=6, std=0.04)
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +319,25 @@ def test_alternating_shared_prefix_is_marked_then_served(gemma2, workdir):
         assert max_diff(lps, want_lps) <= 1e-4, (lps, want_lps)
         assert after["load_error_blocks"] == 0, after
         assert after["matched_tokens"] - before["matched_tokens"] == 192, (before, after)
+    finally:
+        shutdown(llm)
+
+
+def test_gemma3_six_groups_repeat_is_served_whole(gemma3, workdir):
+    (want_tokens, want_lps, _), = cold_outputs(gemma3, [A])
+    llm = make_llm(gemma3, config=kvbm_toml(workdir, 128, 0), max_model_len=MAX_LEN)
+    try:
+        groups = kv_cache_groups(llm)
+        assert groups == ["SlidingWindowSpec"] * 5 + ["FullAttentionSpec"], groups
+        generate(llm, A)
+        reset(llm)
+        m = metrics(llm)
+        assert m["window_skipped_blocks"] == 5 * 7, m
+        tokens, lps, cached = generate(llm, A)
+        assert cached == 288, (cached, metrics(llm))
+        assert tokens == want_tokens
+        assert max_diff(lps, want_lps) <= 1e-4, (lps, want_lps)
+        assert metrics(llm)["load_error_blocks"] == 0
     finally:
         shutdown(llm)
 
