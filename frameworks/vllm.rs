@@ -163,8 +163,6 @@ impl Engine for Vllm {
 pub struct VllmScheduler {
     leader: Leader<ScheduledTokens>,
     groups: KvCacheGroups,
-    /// `groups.len()`.
-    n_groups: usize,
 }
 
 impl VllmScheduler {
@@ -180,7 +178,6 @@ impl VllmScheduler {
         Ok(Self {
             leader,
             groups: KvCacheGroups::default(),
-            n_groups: 1,
         })
     }
 
@@ -199,14 +196,13 @@ impl VllmScheduler {
                 "the KV-cache group count is set before the first request",
             ));
         }
-        self.n_groups = groups.len();
         self.groups = groups;
         Ok(())
     }
 
     /// The model's KV-cache groups.
     pub fn kv_cache_groups(&self) -> usize {
-        self.n_groups
+        self.groups.len()
     }
 
     /// The model's KV-cache groups' attention kinds.
@@ -238,10 +234,10 @@ impl VllmScheduler {
     /// How many of the request's tokens the leader holds (0 for a request it does not track):
     /// the calls ending in `_from` take only the tokens after these.
     pub fn known_tokens(&self, request_id: &str) -> usize {
-        if self.n_groups == 1 {
+        if self.groups.len() == 1 {
             return self.leader.known_tokens(request_id).unwrap_or(0);
         }
-        (0..self.n_groups)
+        (0..self.groups.len())
             .map(|g| {
                 self.leader
                     .known_tokens(group_id(request_id, g).as_str())
@@ -285,7 +281,7 @@ impl VllmScheduler {
         block_ids: &[Vec<usize>],
         num_external_tokens: usize,
     ) -> Result<()> {
-        let lists = per_group(request.request_id, block_ids, self.n_groups)?;
+        let lists = per_group(request.request_id, block_ids, self.groups.len())?;
         for (g, blocks) in lists.into_iter().enumerate() {
             self.leader.update_state_after_alloc(
                 &group_id(request.request_id, g),
@@ -307,7 +303,7 @@ impl VllmScheduler {
                 .with("request", id)
             })
         };
-        let n_groups = self.n_groups;
+        let n_groups = self.groups.len();
         for r in &output.scheduled_new_reqs {
             let lists = per_group(&r.req_id, &r.block_ids, n_groups)?;
             let n = scheduled(&r.req_id)?;
@@ -395,7 +391,7 @@ impl VllmScheduler {
     ) -> Result<(bool, Option<()>)> {
         let _ = block_ids;
         let mut held = false;
-        for g in 0..self.n_groups {
+        for g in 0..self.groups.len() {
             let id = group_id(request.request_id, g);
             let tokens = if first_token == 0 {
                 Some(request.all_token_ids)

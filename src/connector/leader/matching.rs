@@ -340,7 +340,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                 // request stores the window before it for the requests after it.
                 let got = staged
                     .as_ref()
-                    .map_or(start, |s| s.start + s.skip + s.blocks());
+                    .map_or(start, |s| s.start + s.tokens_blocks());
                 let rest = hashes.get(start..).unwrap_or_default();
                 if let Some(end) = self.window_keys.longest_prefix(rest) {
                     let end = start + end;
