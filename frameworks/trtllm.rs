@@ -22,6 +22,7 @@ use std::sync::Arc;
 use crate::backends::StandardTiers;
 use crate::config::Config;
 use crate::connector::adapter::{ComputedPosition, ScheduledRequest, SchedulerStep};
+use crate::connector::groups::{AttentionKind, KvCacheGroups};
 use crate::connector::leader::{Leader, RequestInfo};
 use crate::connector::transport::{LeaderTransport, WorkerTransport};
 use crate::connector::worker::Worker;
@@ -93,6 +94,8 @@ pub const NO_PAGE: usize = usize::MAX;
 #[derive(Debug)]
 pub struct TrtllmScheduler {
     leader: Leader<ComputedPosition>,
+    /// The model's one layer group: full attention, or a sliding window on every layer.
+    groups: KvCacheGroups,
     /// External-token counts returned by `get_num_new_matched_tokens`, consumed by
     /// `update_state_after_alloc`.
     external: HashMap<u64, usize>,
@@ -114,10 +117,30 @@ impl TrtllmScheduler {
         leader.set_tier_factory(StandardTiers::shared());
         Ok(Self {
             leader,
+            groups: KvCacheGroups::default(),
             external: HashMap::new(),
             reported: HashMap::new(),
             prompt_len: HashMap::new(),
         })
+    }
+
+    /// Every layer attends over a sliding window of `tokens` (`None`: full attention): a hit
+    /// needs only the window before it (the engine's `BAD_PAGE_INDEX` pages before it), and
+    /// only the windows a later hit needs are stored (see [`crate::connector::groups`]). Set
+    /// before the first request. Errors: a window of 0 tokens; requests already seen.
+    pub fn set_sliding_window(&mut self, tokens: Option<usize>) -> Result<()> {
+        let groups = KvCacheGroups::new(vec![match tokens {
+            None => AttentionKind::Full,
+            Some(tokens) => AttentionKind::SlidingWindow { tokens },
+        }])?;
+        if groups != self.groups && self.leader.num_slots() > 0 {
+            return Err(Error::new(
+                crate::error::ErrorKind::InvalidState,
+                "the sliding window is set before the first request",
+            ));
+        }
+        self.groups = groups;
+        Ok(())
     }
 
     /// The core leader (metrics, status).
@@ -143,13 +166,15 @@ impl TrtllmScheduler {
         // An unaligned count (partial reuse of a device block) matches nothing: the leader
         // answers (0, false) for it, and still tracks the request.
         let id = RequestId::from(request.request_id);
-        let m = self.leader.get_num_new_matched_tokens(
+        let m = self.leader.match_groups(
+            &self.groups,
             RequestInfo {
                 id: &id,
                 tokens: request.tokens,
                 cache_salt: request.cache_salt,
                 lora_name: request.lora_name,
             },
+            0,
             num_computed_tokens,
         )?;
         if m.external_tokens > 0 {

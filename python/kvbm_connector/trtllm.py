@@ -163,6 +163,35 @@ def _tokens_per_block(llm_args: Any) -> int:
     return int(tpb)
 
 
+def _attention_windows(llm_args: Any) -> List[Optional[int]]:
+    """Each layer group's sliding window in tokens (``None``: full attention), in TensorRT-LLM's
+    layer-group order, from ``llm_args.kv_cache_config.max_attention_window`` (one window per
+    layer, repeated over the layers; a window at or past ``llm_args.max_seq_len`` is full
+    attention; groups are numbered by each window's first appearance). ``[None]`` without it."""
+    kv = getattr(llm_args, "kv_cache_config", None)
+    raw = getattr(kv, "max_attention_window", None) if kv is not None else None
+    if raw is None:
+        return [None]
+    try:
+        values = list(raw)
+    except TypeError:
+        values = [raw]
+    max_seq = getattr(llm_args, "max_seq_len", None)
+    out: List[Optional[int]] = []
+    for w in values:
+        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+            raise error(
+                "invalid_config",
+                f"llm_args.kv_cache_config.max_attention_window holds {w!r}: windows are whole "
+                "numbers of tokens, at least 1",
+                setting="kv_cache_config.max_attention_window",
+            )
+        eff = None if isinstance(max_seq, int) and w >= max_seq else w
+        if eff not in out:
+            out.append(eff)
+    return out or [None]
+
+
 def _world_size(llm_args: Any) -> int:
     pc = getattr(llm_args, "parallel_config", None)
     ws = getattr(pc, "world_size", None) if pc is not None else None
@@ -319,6 +348,11 @@ class KvbmConnectorScheduler(_SchedulerBase):
         self._inner = _kvbm.TrtllmScheduler(
             self._config, self.tokens_per_block, transport
         )
+        # One layer group sliding on every layer: matched and stored by its window. Several
+        # groups are refused by the *_by_layer_group calls.
+        windows = _attention_windows(llm_args)
+        if len(windows) == 1 and windows[0] is not None:
+            self._inner.set_sliding_window(windows[0])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
         return self._inner.get_num_new_matched_tokens(
@@ -425,6 +459,7 @@ class KvbmConnectorWorker(_WorkerBase):
         self.tokens_per_block = _tokens_per_block(llm_args)
         self.world_size = _world_size(llm_args)
         self.rank = _rank() if rank is None else int(rank)
+        self._windows = _attention_windows(llm_args)
         self._config = config if config is not None else load_config()
         if transport is None:
             transport = worker_transport(
@@ -466,7 +501,16 @@ class KvbmConnectorWorker(_WorkerBase):
             )
         # A sliding window (every layer sliding, one group): pages the window left behind come
         # as BAD_PAGE_INDEX and are never loaded into or stored from; a hit loads the pages the
-        # engine allocated (the window before it).
+        # engine allocated (the window before it). The scheduler reads the window from llm_args
+        # and matches by it: a layout that slides otherwise would get loads it cannot take.
+        expected = self._windows[0] if len(self._windows) == 1 else None
+        if expected is not None and window != expected:
+            raise error(
+                "invalid_layout",
+                f"the KV cache layout's layer group has a sliding window of {window!r} tokens but "
+                f"llm_args.kv_cache_config.max_attention_window says {expected}",
+                argument="layout",
+            )
         self.window_size = window
         if tuple(getattr(group, "replicated_regions", ()) or ()):
             raise error(

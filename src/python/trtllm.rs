@@ -56,6 +56,25 @@ impl PyTrtllmScheduler {
         })
     }
 
+    /// Every layer attends over a sliding window of `tokens` (`None`: full attention); set
+    /// before the first request.
+    #[pyo3(signature = (tokens))]
+    fn set_sliding_window(&self, py: Python<'_>, tokens: Option<i64>) -> PyResult<()> {
+        self.inner.call(py, "set_sliding_window", move |s| {
+            let tokens = match tokens {
+                None => None,
+                Some(t) if t >= 1 => Some(usize::try_from(t).unwrap_or(usize::MAX)),
+                Some(t) => {
+                    return Err(crate::error::Error::invalid_argument(format!(
+                        "a sliding window of {t} tokens: a window is at least 1"
+                    ))
+                    .with("sliding_window", t))
+                }
+            };
+            s.set_sliding_window(tokens)
+        })
+    }
+
     /// `(num_external_tokens, load_async)` for the request's tokens beyond `num_computed_tokens`.
     #[pyo3(signature = (request_id, tokens, num_computed_tokens, cache_salt=None, lora_name=None))]
     fn get_num_new_matched_tokens(

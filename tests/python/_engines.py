@@ -244,6 +244,7 @@ def write_kv(cache, tokens: List[int], blocks: List[int], start: int, end: int,
 @dataclass
 class TrtKvCacheConfig:
     tokens_per_block: int = BS
+    max_attention_window: Optional[List[int]] = None
 
 
 @dataclass
@@ -251,6 +252,7 @@ class TrtLlmArgs:
     """``TorchLlmArgs``: the fields the connector reads."""
 
     kv_cache_config: TrtKvCacheConfig = field(default_factory=TrtKvCacheConfig)
+    max_seq_len: Optional[int] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 

@@ -325,8 +325,12 @@ def test_register_kv_cache_layout_registers_its_single_pool_tensor():
 def test_a_sliding_window_layout_loads_only_the_pages_the_window_keeps():
     """One layer group with a sliding window (KV cache manager V2): a hit's blocks before the
     window come as BAD_PAGE_INDEX (-1) in the flat list, the scheduler output and at finish;
-    nothing is loaded into or stored from them, the window's pages load with the prefix's KV."""
-    args = E.TrtLlmArgs()
+    nothing is loaded into or stored from them, the window's pages load with the prefix's KV.
+    The scheduler knows the window from llm_args (max_attention_window, one value below
+    max_seq_len): only the pages from the window before the prompt's end on are stored."""
+    args = E.TrtLlmArgs(
+        kv_cache_config=E.TrtKvCacheConfig(max_attention_window=[2 * E.BS]), max_seq_len=4096
+    )
     sched = trtllm.KvbmConnectorScheduler(args)
     worker = trtllm.KvbmConnectorWorker(args)
     cache = E.TrtllmCache(48)
@@ -345,9 +349,29 @@ def test_a_sliding_window_layout_loads_only_the_pages_the_window_keeps():
     assert all(p >= 0 for p in b.blocks[6:]), b.blocks
     # The window's two pages were loaded, and hold the prefix's KV (checked by the engine).
     assert e.verified_blocks == 2
-    assert sched.metrics()["load_error_blocks"] == 0
+    m = sched.metrics()
+    assert m["load_error_blocks"] == 0
+    # Of request 1's 8 full blocks (the prompt's last block is 7), blocks 5-7 and on are
+    # stored; 0-4 lie before every window a later hit needs.
+    assert m["window_skipped_blocks"] == 5, m
     # Pages taken back at the end are whole again (no -1 reached the free list).
     assert e.free == set(range(48))
+
+
+def test_a_layout_whose_window_differs_from_llm_args_is_refused():
+    args = E.TrtLlmArgs(
+        kv_cache_config=E.TrtKvCacheConfig(max_attention_window=[2 * E.BS]), max_seq_len=4096
+    )
+    worker = trtllm.KvbmConnectorWorker(args)
+    with pytest.raises(KvbmError) as ei:
+        worker.register_kv_cache_layout(_Layout(E.TrtllmCache(8).tensor, groups=[_Group()]))
+    assert ei.value.kind == "invalid_layout"
+    assert "max_attention_window says 8" in ei.value.message, ei.value.message
+    with pytest.raises(KvbmError) as ei:
+        trtllm.KvbmConnectorScheduler(
+            E.TrtLlmArgs(kv_cache_config=E.TrtKvCacheConfig(max_attention_window=[0]))
+        )
+    assert ei.value.kind == "invalid_config"
 
 
 @pytest.mark.parametrize(
