@@ -179,9 +179,10 @@ impl KvCacheGroups {
         (g > 0).then(|| format!("{}{GROUP_SEP}kv-cache-group-{g}", salt.unwrap_or("")))
     }
 
-    /// Refuses a request id that contains [`GROUP_SEP`] where it would name a group.
+    /// Refuses a request id that contains [`GROUP_SEP`] where it would name a group (with
+    /// several groups).
     pub fn check_request_id(&self, id: &str) -> Result<()> {
-        if !self.is_plain() && id.contains(GROUP_SEP) {
+        if self.len() > 1 && id.contains(GROUP_SEP) {
             return Err(Error::invalid_argument(format!(
                 "request id {:?} contains U+001F, which names KV-cache groups here",
                 head(id)

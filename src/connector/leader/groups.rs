@@ -168,18 +168,26 @@ impl<A: SchedulerAdapter> Leader<A> {
         if pending || hit == usize::MAX {
             hit = 0;
         }
+        // Every group was matched to `hit` or beyond it (full groups); trimmed, all serve it. A
+        // group that serves less than the others (none does) would set the hit for all.
+        let mut got: Vec<MatchResult> = Vec::with_capacity(ids.len());
+        for id in &ids {
+            got.push(self.trim_staged(id, hit)?);
+        }
+        let least = got.iter().map(|m| m.external_tokens).min().unwrap_or(0);
+        if got.iter().any(|m| m.external_tokens != least) {
+            got.clear();
+            for id in &ids {
+                got.push(self.trim_staged(id, least)?);
+            }
+        }
         let mut out = MatchResult::NONE;
-        for (g, id) in ids.iter().enumerate().rev() {
-            let m = self.trim_staged(id, hit)?;
-            out.external_tokens = out.external_tokens.max(m.external_tokens);
+        for m in &got {
+            out.external_tokens = m.external_tokens;
             out.load_async |= m.load_async;
             out.host_tokens += m.host_tokens;
             out.disk_tokens += m.disk_tokens;
             out.remote_tokens += m.remote_tokens;
-            if g == 0 && m.external_tokens != hit {
-                // Cannot happen: every group was matched or trimmed to `hit`.
-                out.external_tokens = 0;
-            }
         }
         let total = request.tokens.len() + first_token;
         self.metrics
