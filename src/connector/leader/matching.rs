@@ -89,6 +89,16 @@ impl Scope {
 /// Most marked window ends a request keeps (the oldest is dropped).
 const MAX_WINDOW_ENDS: usize = 8;
 
+/// "Ask again later" (a remote lookup is running): nothing staged, nothing counted yet.
+fn ask_again(life: &mut Lifecycle, last_match: &mut MatchResult) -> Result<MatchResult> {
+    life.unstage()?;
+    *last_match = MatchResult {
+        pending: true,
+        ..MatchResult::NONE
+    };
+    Ok(*last_match)
+}
+
 /// A match's host and disk blocks.
 fn by_tier(m: TieredMatch) -> (Vec<ImmutableBlock>, Vec<ImmutableBlock>) {
     let (mut host, mut disk) = (Vec::new(), Vec::new());
@@ -325,13 +335,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                             }
                             RemoteAnswer::Found(_) => {}
                             RemoteAnswer::Pending => {
-                                slot.life.unstage()?;
-                                let m = MatchResult {
-                                    pending: true,
-                                    ..MatchResult::NONE
-                                };
-                                self.last_match = m;
-                                return Ok(m);
+                                return ask_again(&mut slot.life, &mut self.last_match);
                             }
                         }
                     }
@@ -364,14 +368,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                 match r.lookup(request.id, start + local, rest, &self.metrics) {
                     RemoteAnswer::Found(n) => remote = rest[..n.min(rest.len())].to_vec(),
                     RemoteAnswer::Pending => {
-                        // Ask again later; nothing staged, nothing counted yet.
-                        slot.life.unstage()?;
-                        let m = MatchResult {
-                            pending: true,
-                            ..MatchResult::NONE
-                        };
-                        self.last_match = m;
-                        return Ok(m);
+                        return ask_again(&mut slot.life, &mut self.last_match);
                     }
                 }
             }
