@@ -22,7 +22,7 @@ use std::sync::Arc;
 use crate::backends::StandardTiers;
 use crate::config::Config;
 use crate::connector::adapter::{ComputedPosition, ScheduledRequest, SchedulerStep};
-use crate::connector::groups::{AttentionKind, KvCacheGroups};
+use crate::connector::groups::KvCacheGroups;
 use crate::connector::leader::{Leader, RequestInfo};
 use crate::connector::transport::{LeaderTransport, WorkerTransport};
 use crate::connector::worker::Worker;
@@ -59,6 +59,9 @@ pub struct RequestData {
     pub new_block_ids: Vec<usize>,
     /// Position up to which the request's KV is computed.
     pub computed_position: usize,
+    /// With several layer groups (`new_block_ids_by_layer_group`): each group's new pages, in
+    /// layer-group order. Empty for a one-group model, whose pages are `new_block_ids`.
+    pub new_block_ids_by_layer_group: Vec<Vec<usize>>,
 }
 
 /// TensorRT-LLM's `SchedulerOutput`.
@@ -124,22 +127,48 @@ impl TrtllmScheduler {
         })
     }
 
-    /// Every layer attends over a sliding window of `tokens` (`None`: full attention): a hit
-    /// needs only the window before it (the engine's `BAD_PAGE_INDEX` pages before it), and
-    /// only the windows a later hit needs are stored (see [`crate::connector::groups`]). Set
-    /// before the first request. Errors: a window of 0 tokens; requests already seen.
-    pub fn set_sliding_window(&mut self, tokens: Option<usize>) -> Result<()> {
-        let groups = KvCacheGroups::new(vec![match tokens {
-            None => AttentionKind::Full,
-            Some(tokens) => AttentionKind::SlidingWindow { tokens },
-        }])?;
+    /// The model's layer groups, in TensorRT-LLM's layer-group order, and how each attends: a
+    /// sliding-window group's hit needs only the window before it (the engine's
+    /// `BAD_PAGE_INDEX` pages before it), and it stores only the windows a later hit needs (see
+    /// [`crate::connector::groups`]); each group of a request is served under its own id and
+    /// keys. Set before the first request. Errors: requests already seen.
+    pub fn set_layer_groups(&mut self, groups: KvCacheGroups) -> Result<()> {
         if groups != self.groups && self.leader.num_slots() > 0 {
             return Err(Error::new(
                 crate::error::ErrorKind::InvalidState,
-                "the sliding window is set before the first request",
+                "the layer groups are set before the first request",
             ));
         }
         self.groups = groups;
+        Ok(())
+    }
+
+    /// The model's layer groups.
+    pub fn layer_groups(&self) -> &KvCacheGroups {
+        &self.groups
+    }
+
+    /// A flat call's block list as per-group lists: the list itself for a one-group model; with
+    /// several groups TensorRT-LLM makes a flat call only for a request with no KV (an empty
+    /// list: every group's list empty), and anything else is refused by the group count.
+    fn flat_lists(&self, block_ids: &[usize]) -> Vec<Vec<usize>> {
+        if self.groups.len() > 1 && block_ids.is_empty() {
+            vec![Vec::new(); self.groups.len()]
+        } else {
+            vec![block_ids.to_vec()]
+        }
+    }
+
+    /// The per-group lists of `request`, checked against the model's group count.
+    fn check_lists(&self, request_id: u64, what: &str, lists: &[Vec<usize>]) -> Result<()> {
+        if lists.len() != self.groups.len() {
+            return Err(Error::invalid_argument(format!(
+                "request {request_id}: {what} has {} layer-group lists; the model has {} layer groups",
+                lists.len(),
+                self.groups.len()
+            ))
+            .with("request", request_id));
+        }
         Ok(())
     }
 
@@ -184,15 +213,31 @@ impl TrtllmScheduler {
     }
 
     /// `update_state_after_alloc(request, block_ids)`: uses the count remembered from the match.
+    /// A model with several layer groups takes [`TrtllmScheduler::update_state_after_alloc_by_layer_group`].
     pub fn update_state_after_alloc(
         &mut self,
         request: &LlmRequest<'_>,
         block_ids: &[usize],
     ) -> Result<()> {
+        let lists = self.flat_lists(block_ids);
+        self.update_state_after_alloc_by_layer_group(request, &lists)
+    }
+
+    /// `update_state_after_alloc_by_layer_group(request, block_ids_by_layer_group)`: one page
+    /// list per layer group (every group loads the count remembered from the match).
+    pub fn update_state_after_alloc_by_layer_group(
+        &mut self,
+        request: &LlmRequest<'_>,
+        lists: &[Vec<usize>],
+    ) -> Result<()> {
+        self.check_lists(request.request_id, "block_ids_by_layer_group", lists)?;
         let external = self.external.get(&request.request_id).copied().unwrap_or(0);
-        let id = RequestId::from(request.request_id);
-        self.leader
-            .update_state_after_alloc(&id, block_ids, external)?;
+        let real = request.request_id.to_string();
+        for (g, blocks) in lists.iter().enumerate() {
+            let id = KvCacheGroups::request_id(&real, g);
+            self.leader
+                .update_state_after_alloc(&id, blocks, external)?;
+        }
         self.external.remove(&request.request_id);
         Ok(())
     }
@@ -211,17 +256,30 @@ impl TrtllmScheduler {
             } else {
                 self.reported.get(&data.request_id).copied().unwrap_or(0)
             };
-            step.requests.push(ScheduledRequest {
-                request_id: RequestId::from(data.request_id),
-                new_tokens: data.new_tokens.clone(),
-                first_token_index: Some(first),
-                new_block_ids: data.new_block_ids.clone(),
-                // A request's first appearance carries its whole block list.
-                replace_block_ids: new,
-                num_computed_tokens: data.computed_position,
-                num_scheduled_tokens: None,
-                computed_position: Some(data.computed_position),
-            });
+            let lists: &[Vec<usize>] = if self.groups.len() == 1 {
+                std::slice::from_ref(&data.new_block_ids)
+            } else {
+                self.check_lists(
+                    data.request_id,
+                    "new_block_ids_by_layer_group",
+                    &data.new_block_ids_by_layer_group,
+                )?;
+                &data.new_block_ids_by_layer_group
+            };
+            let real = data.request_id.to_string();
+            for (g, blocks) in lists.iter().enumerate() {
+                step.requests.push(ScheduledRequest {
+                    request_id: KvCacheGroups::request_id(&real, g),
+                    new_tokens: data.new_tokens.clone(),
+                    first_token_index: Some(first),
+                    new_block_ids: blocks.clone(),
+                    // A request's first appearance carries its whole block list.
+                    replace_block_ids: new,
+                    num_computed_tokens: data.computed_position,
+                    num_scheduled_tokens: None,
+                    computed_position: Some(data.computed_position),
+                });
+            }
         }
         let bytes = self.leader.build_connector_meta(&step)?;
         for (data, new) in output
@@ -247,11 +305,22 @@ impl TrtllmScheduler {
         request: &LlmRequest<'_>,
         cache_block_ids: &[usize],
     ) -> Result<bool> {
-        let _ = cache_block_ids;
+        let lists = self.flat_lists(cache_block_ids);
+        self.request_finished_by_layer_group(request, &lists)
+    }
+
+    /// `request_finished_by_layer_group(request, cache_block_ids_by_layer_group) -> bool`: as
+    /// [`TrtllmScheduler::request_finished`] for every layer group; true while any group's
+    /// operations are in flight.
+    pub fn request_finished_by_layer_group(
+        &mut self,
+        request: &LlmRequest<'_>,
+        lists: &[Vec<usize>],
+    ) -> Result<bool> {
+        self.check_lists(request.request_id, "cache_block_ids_by_layer_group", lists)?;
         self.external.remove(&request.request_id);
         self.reported.remove(&request.request_id);
         let prompt_len = self.prompt_len.remove(&request.request_id);
-        let id = RequestId::from(request.request_id);
         // Once a token was generated, every token but the last has its KV computed. A request
         // that ends before that (aborted while loading or mid-prefill) has computed only what its
         // last computed_position said: let the leader use that.
@@ -261,8 +330,15 @@ impl TrtllmScheduler {
         };
         // TensorRT-LLM builds no metadata while nothing is scheduled: the request's last stores
         // and its hold go to the workers at once (ordered after the last metadata built).
-        self.leader
-            .request_finished_now(&id, Some(request.tokens), computed)
+        let real = request.request_id.to_string();
+        let mut held = false;
+        for g in 0..self.groups.len() {
+            let id = KvCacheGroups::request_id(&real, g);
+            held |= self
+                .leader
+                .request_finished_now(&id, Some(request.tokens), computed)?;
+        }
+        Ok(held)
     }
 }
 
@@ -273,6 +349,11 @@ pub struct TrtllmWorker {
     tokens_per_block: usize,
     num_layers: usize,
     saved_this_iteration: bool,
+    /// Layer groups sharing the registered pool (1: the model's one group).
+    groups: usize,
+    /// The model's layers (`save_kv_layer`'s indices) when several groups share the pool, whose
+    /// tensor holds one group's layers; else the tensor's.
+    model_layers: Option<usize>,
 }
 
 impl TrtllmWorker {
@@ -294,7 +375,28 @@ impl TrtllmWorker {
             tokens_per_block,
             num_layers: 0,
             saved_this_iteration: false,
+            groups: 1,
+            model_layers: None,
         })
+    }
+
+    /// Several layer groups share the registered pool (TensorRT-LLM's KV cache manager V2 puts
+    /// groups whose pages are the same size in one pool group, with disjoint live pages): a
+    /// request is reported done once every group is, and `save_kv_layer` counts the model's
+    /// `num_model_layers`. Errors: no group, more than
+    /// [`MAX_KV_CACHE_GROUPS`](crate::connector::groups::MAX_KV_CACHE_GROUPS), or no layer.
+    pub fn set_layer_groups(&mut self, n: usize, num_model_layers: usize) -> Result<()> {
+        let n = KvCacheGroups::full(n)?.len();
+        if num_model_layers == 0 {
+            return Err(Error::invalid_argument("a model has at least one layer"));
+        }
+        self.groups = n;
+        self.model_layers = Some(num_model_layers);
+        Ok(())
+    }
+
+    fn layer_count(&self) -> usize {
+        self.model_layers.unwrap_or(self.num_layers)
     }
 
     /// The core worker.
@@ -347,7 +449,7 @@ impl TrtllmWorker {
     /// `save_kv_layer(layer_idx, stream)`: stores start after the last layer.
     pub fn save_kv_layer(&mut self, layer_idx: usize) -> Result<()> {
         self.check_layer(layer_idx)?;
-        if layer_idx + 1 == self.num_layers && !self.saved_this_iteration {
+        if layer_idx + 1 == self.layer_count() && !self.saved_this_iteration {
             self.saved_this_iteration = true;
             self.worker.save()?;
         }
@@ -369,15 +471,19 @@ impl TrtllmWorker {
         finished_gen_req_ids: &[u64],
         started_loading_req_ids: &[u64],
     ) -> (Vec<u64>, Vec<u64>) {
-        let finished: Vec<RequestId> = finished_gen_req_ids
-            .iter()
-            .map(|&i| RequestId::from(i))
-            .collect();
-        let loading: Vec<RequestId> = started_loading_req_ids
-            .iter()
-            .map(|&i| RequestId::from(i))
-            .collect();
-        let (saved, loaded) = self.worker.get_finished(&finished, Some(&loading));
+        let n = self.groups;
+        let ids = |v: &[u64]| -> Vec<RequestId> {
+            v.iter()
+                .flat_map(|&i| (0..n).map(move |g| KvCacheGroups::request_id(&i.to_string(), g)))
+                .collect()
+        };
+        let (finished, loading) = (ids(finished_gen_req_ids), ids(started_loading_req_ids));
+        let (mut saved, mut loaded) = self.worker.get_finished(&finished, Some(&loading));
+        if n > 1 {
+            let w = &self.worker;
+            saved = crate::connector::groups::whole_requests(saved, n, |id| w.tracks(id));
+            loaded = crate::connector::groups::whole_requests(loaded, n, |id| w.load_pending(id));
+        }
         let to_u64 = |v: Vec<RequestId>| -> Vec<u64> {
             let mut out: Vec<u64> = v.iter().filter_map(|id| id.as_str().parse().ok()).collect();
             out.sort_unstable();
@@ -393,8 +499,8 @@ impl TrtllmWorker {
     }
 
     fn check_layer(&self, layer_idx: usize) -> Result<()> {
-        if layer_idx >= self.num_layers {
-            return Err(Error::out_of_range("layer", layer_idx, self.num_layers));
+        if layer_idx >= self.layer_count() {
+            return Err(Error::out_of_range("layer", layer_idx, self.layer_count()));
         }
         Ok(())
     }

@@ -595,16 +595,7 @@ impl VllmWorker {
         done: Vec<RequestId>,
         busy: fn(&Worker, &RequestId) -> bool,
     ) -> Vec<RequestId> {
-        let mut out: Vec<RequestId> = Vec::new();
-        for id in done {
-            let (real, _) = real_of(id.as_str());
-            let whole = (0..self.groups).all(|g| !busy(&self.worker, &group_id(real, g)));
-            if whole && !out.iter().any(|r| r.as_str() == real) {
-                out.push(RequestId::from(real));
-            }
-        }
-        out.sort();
-        out
+        crate::connector::groups::whole_requests(done, self.groups, |id| busy(&self.worker, id))
     }
 
     /// `get_block_ids_with_load_errors() -> set[int]`: device blocks to recompute.

@@ -488,6 +488,7 @@ impl Engine {
                 new_tokens: req.tokens[req.reported_tokens..].to_vec(),
                 new_block_ids: req.blocks[req.reported_blocks..].to_vec(),
                 computed_position,
+                new_block_ids_by_layer_group: Vec::new(),
             };
             req.reported_tokens = len;
             req.reported_blocks = req.blocks.len();
@@ -1238,6 +1239,7 @@ fn lagging_rank_runs_finish_work_after_its_forward_pass() {
                 new_tokens: r1.1.clone(),
                 new_block_ids: vec![0, 1],
                 computed_position: 0,
+                new_block_ids_by_layer_group: Vec::new(),
             }],
             cached_requests: vec![],
         })

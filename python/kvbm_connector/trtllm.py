@@ -289,35 +289,78 @@ def _pages(values: Any, what: str) -> List[int]:
     return ids
 
 
-def _one_group(what: str, groups: Sequence[Any]) -> Any:
-    """The only layer group's entry (``BAD_PAGE_INDEX`` where a sliding window keeps no page);
-    several groups are refused, naming what is unsupported."""
+def _group_pages(what: str, groups: Sequence[Any], n: int) -> List[List[int]]:
+    """One page list per layer group (``BAD_PAGE_INDEX`` where a sliding window keeps no page),
+    as many as the model has groups; another count is refused, naming both."""
     try:
-        n = len(groups)
+        got = len(groups)
     except TypeError:
         raise error(
             "invalid_argument",
             f"{what} must be a list with one entry per layer group, got {type(groups).__name__}",
             argument=what,
         ) from None
-    if n != 1:
+    if got != n:
         raise error(
-            "unsupported",
-            f"{what} has {n} layer groups; kvbm_connector supports one layer group (full "
-            "attention, one page-index space): hybrid and variable sliding-window models are "
-            "not supported",
+            "invalid_argument",
+            f"{what} has {got} layer groups; the model has {n} "
+            "(llm_args.kv_cache_config.max_attention_window)",
             argument=what,
         )
-    return _pages(groups[0], what)
+    return [_pages(g, f"{what}[{i}]") for i, g in enumerate(groups)]
 
 
-def _request_data(r: Any) -> Tuple[int, List[int], List[int], int]:
+def _request_data(r: Any, groups: int) -> Tuple[int, List[int], List[int], int, List[List[int]]]:
+    by_group: List[List[int]] = []
+    if groups > 1:
+        by_group = _group_pages(
+            "RequestData.new_block_ids_by_layer_group",
+            getattr(r, "new_block_ids_by_layer_group", None) or [],
+            groups,
+        )
     return (
         int(r.request_id),
         int_list(r.new_tokens, "RequestData.new_tokens"),
-        _pages(r.new_block_ids, "RequestData.new_block_ids"),
+        _pages(r.new_block_ids, "RequestData.new_block_ids") if groups == 1 else [],
         int(r.computed_position),
+        by_group,
     )
+
+
+def _shared_pool_tensor(layout: Any, groups: Sequence[Any]) -> Any:
+    """The pool several layer groups share, as ``[num_slots, layers per group, kv_factor, block
+    elements]`` of the layout's dtype: every group must have one region, all of them the same
+    (base, slot stride, slot count, bytes) and the same number of layers; otherwise the groups
+    live in pools of their own, which is refused by name."""
+    regions = []
+    for g, group in enumerate(groups):
+        rs = tuple(getattr(group, "regions", ()) or ())
+        if len(rs) != 1:
+            raise error(
+                "unsupported",
+                f"the KV cache layout's layer group {g} has {len(rs)} region(s); with several "
+                "layer groups kvbm_connector serves one region each",
+                argument="layout",
+            )
+        regions.append(rs[0])
+    shape = lambda r: tuple(int(getattr(r, k, -1)) for k in ("base", "stride", "num_slots", "size"))
+    layer_counts = {len(tuple(getattr(g, "layer_ids", ()) or ())) for g in groups}
+    if len({shape(r) for r in regions}) != 1 or len(layer_counts) != 1:
+        raise error(
+            "unsupported",
+            f"the KV cache layout's {len(groups)} layer groups live in pools of their own (pages "
+            "of different sizes, e.g. five sliding layers to one full); kvbm_connector serves "
+            "several layer groups only when they share one pool",
+            argument="layout",
+        )
+    region = regions[0]
+    layers = layer_counts.pop()
+    buffers = tuple(getattr(region, "buffers", ()) or ())
+    kv = len(buffers) // layers if buffers and len(buffers) % layers == 0 else 2
+    if layers < 1 or kv < 1:
+        raise error("invalid_layout", "a layer group has no layers", argument="layout")
+    raw = region.as_tensor()  # [num_slots, bytes per page], the pool's own memory
+    return raw.view(layout.dtype).view(int(region.num_slots), layers, kv, -1)
 
 
 class KvbmConnectorScheduler(_SchedulerBase):
@@ -348,11 +391,10 @@ class KvbmConnectorScheduler(_SchedulerBase):
         self._inner = _kvbm.TrtllmScheduler(
             self._config, self.tokens_per_block, transport
         )
-        # One layer group sliding on every layer: matched and stored by its window. Several
-        # groups are refused by the *_by_layer_group calls.
-        windows = _attention_windows(llm_args)
-        if len(windows) == 1 and windows[0] is not None:
-            self._inner.set_sliding_window(windows[0])
+        # The layer groups (TensorRT-LLM numbers them by each window's first appearance): each
+        # matched and stored by its window; several are served as vLLM's KV-cache groups are.
+        self._windows = _attention_windows(llm_args)
+        self._inner.set_layer_groups(self._windows)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
         return self._inner.get_num_new_matched_tokens(
@@ -369,9 +411,10 @@ class KvbmConnectorScheduler(_SchedulerBase):
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> bytes:
+        n = len(self._windows)
         return self._inner.build_connector_meta(
-            [_request_data(r) for r in scheduler_output.new_requests],
-            [_request_data(r) for r in scheduler_output.cached_requests],
+            [_request_data(r, n) for r in scheduler_output.new_requests],
+            [_request_data(r, n) for r in scheduler_output.cached_requests],
         )
 
     def request_finished(self, request: Any, cache_block_ids: List[int]) -> bool:
@@ -394,17 +437,25 @@ class KvbmConnectorScheduler(_SchedulerBase):
     def update_state_after_alloc_by_layer_group(
         self, request: Any, block_ids_by_layer_group: List[List[int]]
     ) -> None:
-        """One layer group: as :meth:`update_state_after_alloc`; several are refused."""
-        self.update_state_after_alloc(
-            request, _one_group("block_ids_by_layer_group", block_ids_by_layer_group)
+        """One page list per layer group, as many as the model has (see
+        :func:`_attention_windows`)."""
+        self._inner.update_state_after_alloc_by_layer_group(
+            int(request.request_id),
+            _group_pages("block_ids_by_layer_group", block_ids_by_layer_group, len(self._windows)),
         )
 
     def request_finished_by_layer_group(
         self, request: Any, cache_block_ids_by_layer_group: List[List[int]]
     ) -> bool:
-        """One layer group: as :meth:`request_finished`; several are refused."""
-        return self.request_finished(
-            request, _one_group("cache_block_ids_by_layer_group", cache_block_ids_by_layer_group)
+        """As :meth:`request_finished`, one page list per layer group."""
+        return self._inner.request_finished_by_layer_group(
+            int(request.request_id),
+            _tokens(request),
+            _group_pages(
+                "cache_block_ids_by_layer_group",
+                cache_block_ids_by_layer_group,
+                len(self._windows),
+            ),
         )
 
     # -- beyond TensorRT-LLM's interface --------------------------------------------------------
@@ -477,48 +528,60 @@ class KvbmConnectorWorker(_WorkerBase):
         self._streams = StreamOrder(self._inner.register_kv_caches(kv_cache_tensor))
 
     def register_kv_cache_layout(self, layout: Any) -> None:
-        """Newer TensorRT-LLM (``KvCacheLayout``, KV cache manager V2): a layout of one layer
-        group — full attention, or a sliding window on every layer — in one region, with no
-        replicated side cache, is registered as the single pool tensor
-        ``layout.as_single_pool_tensor()`` gives (``[num_slots, num_layers, kv_factor, block
-        elements]``); anything else is refused with an ``unsupported`` error naming what."""
-        groups = tuple(getattr(layout, "groups", ()) or ())
-        if len(groups) != 1:
-            raise error(
-                "unsupported",
-                f"the KV cache layout has {len(groups)} layer groups; kvbm_connector supports "
-                "one (hybrid and variable sliding-window models are not supported)",
-                argument="layout",
-            )
-        group = groups[0]
-        window = getattr(group, "window_size", None)
-        if window is not None and (not isinstance(window, int) or window <= 0):
-            raise error(
-                "invalid_layout",
-                f"the KV cache layout's layer group has a sliding window of {window!r} tokens; "
-                "want a positive whole number (or None for full attention)",
-                argument="layout",
-            )
-        # A sliding window (every layer sliding, one group): pages the window left behind come
-        # as BAD_PAGE_INDEX and are never loaded into or stored from; a hit loads the pages the
-        # engine allocated (the window before it). The scheduler reads the window from llm_args
-        # and matches by it: a layout that slides otherwise would get loads it cannot take.
-        expected = self._windows[0] if len(self._windows) == 1 else None
-        if expected is not None and window != expected:
+        """Newer TensorRT-LLM (``KvCacheLayout``, KV cache manager V2). One layer group — full
+        attention, or a sliding window on every layer — in one region, with no replicated side
+        cache, is registered as the single pool tensor ``layout.as_single_pool_tensor()`` gives
+        (``[num_slots, num_layers, kv_factor, block elements]``). Several layer groups are served
+        when they share one pool (TensorRT-LLM puts groups whose pages are the same size, e.g.
+        sliding and full layers alternating, in one pool group: one base, one page space,
+        disjoint live pages): the pool is registered once and each group's pages are its own
+        requests' (as vLLM's hybrid manager). Groups in pools of their own (pages of different
+        sizes), or any other layout, are refused with an ``unsupported`` error naming what; a
+        window that differs from ``llm_args`` with ``invalid_layout``."""
+        groups = sorted(
+            tuple(getattr(layout, "groups", ()) or ()),
+            key=lambda g: int(getattr(g, "layer_group_id", 0) or 0),
+        )
+        if not groups:
+            raise error("unsupported", "the KV cache layout has no layer group", argument="layout")
+        if len(groups) > 1 and len(groups) != len(self._windows):
             raise error(
                 "invalid_layout",
-                f"the KV cache layout's layer group has a sliding window of {window!r} tokens but "
-                f"llm_args.kv_cache_config.max_attention_window says {expected}",
+                f"the KV cache layout has {len(groups)} layer groups but "
+                f"llm_args.kv_cache_config.max_attention_window gives {len(self._windows)} "
+                f"({self._windows}): the scheduler serves the groups it gives",
                 argument="layout",
             )
-        self.window_size = window
-        if tuple(getattr(group, "replicated_regions", ()) or ()):
-            raise error(
-                "unsupported",
-                "the KV cache layout has replicated regions (a side cache identical on every "
-                "shard); kvbm_connector does not store them",
-                argument="layout",
-            )
+        for g, group in enumerate(groups):
+            window = getattr(group, "window_size", None)
+            if window is not None and (not isinstance(window, int) or window <= 0):
+                raise error(
+                    "invalid_layout",
+                    f"the KV cache layout's layer group {g} has a sliding window of {window!r} "
+                    "tokens; want a positive whole number (or None for full attention)",
+                    argument="layout",
+                )
+            # Pages a window left behind come as BAD_PAGE_INDEX and are never loaded into or
+            # stored from; a hit loads the pages the engine allocated (the window before it).
+            # The scheduler reads the windows from llm_args and matches by them: a layout that
+            # slides otherwise would get loads it cannot take.
+            expected = self._windows[g] if g < len(self._windows) else None
+            if window != expected and (expected is not None or len(groups) > 1):
+                raise error(
+                    "invalid_layout",
+                    f"the KV cache layout's layer group {g} has a sliding window of {window!r} "
+                    "tokens but llm_args.kv_cache_config.max_attention_window says "
+                    f"{expected}",
+                    argument="layout",
+                )
+            if tuple(getattr(group, "replicated_regions", ()) or ()):
+                raise error(
+                    "unsupported",
+                    "the KV cache layout has replicated regions (a side cache identical on every "
+                    "shard); kvbm_connector does not store them",
+                    argument="layout",
+                )
+        self.window_size = getattr(groups[0], "window_size", None)
         tpb = getattr(layout, "tokens_per_block", self.tokens_per_block)
         if int(tpb) != self.tokens_per_block:
             raise error(
@@ -527,20 +590,25 @@ class KvbmConnectorWorker(_WorkerBase):
                 f"{self.tokens_per_block}",
                 argument="layout",
             )
-        single = getattr(layout, "as_single_pool_tensor", None)
-        tensor = single() if callable(single) else None
-        if tensor is None:
-            regions = len(tuple(getattr(group, "regions", ()) or ()))
-            raise error(
-                "unsupported",
-                f"the KV cache layout cannot be read as one pool tensor (its layer group has "
-                f"{regions} region(s), or a page expansion factor other than 1); kvbm_connector "
-                "supports one uniform region",
-                argument="layout",
-            )
+        if len(groups) > 1:
+            tensor = _shared_pool_tensor(layout, groups)
+            layers = sum(len(tuple(getattr(g, "layer_ids", ()) or ())) for g in groups)
+            self._inner.set_layer_groups(len(groups), layers)
+        else:
+            single = getattr(layout, "as_single_pool_tensor", None)
+            tensor = single() if callable(single) else None
+            if tensor is None:
+                regions = len(tuple(getattr(groups[0], "regions", ()) or ()))
+                raise error(
+                    "unsupported",
+                    f"the KV cache layout cannot be read as one pool tensor (its layer group has "
+                    f"{regions} region(s), or a page expansion factor other than 1); "
+                    "kvbm_connector supports one uniform region",
+                    argument="layout",
+                )
         is_contiguous = getattr(tensor, "is_contiguous", None)
         if callable(is_contiguous) and not is_contiguous():
-            region = next(iter(getattr(group, "regions", ()) or ()), None)
+            region = next(iter(getattr(groups[0], "regions", ()) or ()), None)
             stride, size = getattr(region, "stride", "?"), getattr(region, "size", "?")
             raise error(
                 "unsupported",

@@ -128,6 +128,28 @@ impl KvCacheGroups {
         Ok(Self { kinds })
     }
 
+    /// Groups from each one's sliding window in tokens (`None`: full attention), as an engine
+    /// binding receives them. Errors: a window below 1 (named by group), and those of
+    /// [`KvCacheGroups::new`].
+    pub fn from_windows(windows: &[Option<i64>]) -> Result<Self> {
+        let mut kinds = Vec::with_capacity(windows.len());
+        for (g, w) in windows.iter().enumerate() {
+            kinds.push(match *w {
+                None => AttentionKind::Full,
+                Some(t) if t >= 1 => AttentionKind::SlidingWindow {
+                    tokens: usize::try_from(t).unwrap_or(usize::MAX),
+                },
+                Some(t) => {
+                    return Err(Error::invalid_argument(format!(
+                    "KV-cache group {g} has a sliding window of {t} tokens: a window is at least 1"
+                ))
+                    .with("group", g))
+                }
+            });
+        }
+        Self::new(kinds)
+    }
+
     /// `n` full-attention groups.
     pub fn full(n: usize) -> Result<Self> {
         Self::new(vec![AttentionKind::Full; n])
@@ -191,6 +213,25 @@ impl KvCacheGroups {
         }
         Ok(())
     }
+}
+
+/// The requests of `done` (leader or worker ids of any group) whose every one of `n` groups is
+/// done: `busy` is false for each group's id. Each request once, by its own id, sorted.
+pub fn whole_requests(
+    done: Vec<RequestId>,
+    n: usize,
+    busy: impl Fn(&RequestId) -> bool,
+) -> Vec<RequestId> {
+    let mut out: Vec<RequestId> = Vec::new();
+    for id in done {
+        let (real, _) = KvCacheGroups::real_of(id.as_str());
+        let whole = (0..n).all(|g| !busy(&KvCacheGroups::request_id(real, g)));
+        if whole && !out.iter().any(|r| r.as_str() == real) {
+            out.push(RequestId::from(real));
+        }
+    }
+    out.sort();
+    out
 }
 
 /// At most the first 64 characters of `s` (an error message quotes no more of an input).

@@ -8,6 +8,7 @@ use super::cache::register_cache;
 use super::tensor::read_tensor;
 use super::transport::{PyLeaderTransport, PyWorkerTransport};
 use super::{common, detached, to_py_err, Guarded, PyConfig};
+use crate::connector::groups::KvCacheGroups;
 use crate::frameworks::trtllm::detect_trtllm;
 use crate::frameworks::trtllm::{
     LlmRequest, RequestData, SchedulerOutput, TrtllmScheduler, TrtllmWorker,
@@ -15,19 +16,30 @@ use crate::frameworks::trtllm::{
 use crate::layout::LayoutKind;
 
 /// `(request_id, new_tokens, new_block_ids, computed_position)`: TensorRT-LLM's `RequestData`.
-type RequestTuple = (u64, Vec<u32>, Vec<usize>, usize);
+type RequestTuple = (u64, Vec<u32>, Vec<usize>, usize, Vec<Vec<usize>>);
 
 fn request_data(v: Vec<RequestTuple>) -> Vec<RequestData> {
     v.into_iter()
         .map(
-            |(request_id, new_tokens, new_block_ids, computed_position)| RequestData {
+            |(request_id, new_tokens, new_block_ids, computed_position, by_group)| RequestData {
                 request_id,
                 new_tokens,
                 new_block_ids,
                 computed_position,
+                new_block_ids_by_layer_group: by_group,
             },
         )
         .collect()
+}
+
+/// The parts of a request the per-request calls past matching read: its id (and tokens).
+fn req(request_id: u64, tokens: &[u32]) -> LlmRequest<'_> {
+    LlmRequest {
+        request_id,
+        tokens,
+        cache_salt: None,
+        lora_name: None,
+    }
 }
 
 /// The scheduler side (`KvCacheConnectorScheduler`), on rank 0. Its start-up barrier runs in
@@ -56,22 +68,12 @@ impl PyTrtllmScheduler {
         })
     }
 
-    /// Every layer attends over a sliding window of `tokens` (`None`: full attention); set
-    /// before the first request.
-    #[pyo3(signature = (tokens))]
-    fn set_sliding_window(&self, py: Python<'_>, tokens: Option<i64>) -> PyResult<()> {
-        self.inner.call(py, "set_sliding_window", move |s| {
-            let tokens = match tokens {
-                None => None,
-                Some(t) if t >= 1 => Some(usize::try_from(t).unwrap_or(usize::MAX)),
-                Some(t) => {
-                    return Err(crate::error::Error::invalid_argument(format!(
-                        "a sliding window of {t} tokens: a window is at least 1"
-                    ))
-                    .with("sliding_window", t))
-                }
-            };
-            s.set_sliding_window(tokens)
+    /// The model's layer groups: each one's sliding window in tokens (`None`: full attention),
+    /// in layer-group order; set before the first request.
+    #[pyo3(signature = (windows))]
+    fn set_layer_groups(&self, py: Python<'_>, windows: Vec<Option<i64>>) -> PyResult<()> {
+        self.inner.call(py, "set_layer_groups", move |s| {
+            s.set_layer_groups(KvCacheGroups::from_windows(&windows)?)
         })
     }
 
@@ -107,20 +109,47 @@ impl PyTrtllmScheduler {
         block_ids: Vec<usize>,
     ) -> PyResult<()> {
         self.inner.call(py, "update_state_after_alloc", move |s| {
-            s.update_state_after_alloc(
-                &LlmRequest {
-                    request_id,
-                    tokens: &[],
-                    cache_salt: None,
-                    lora_name: None,
-                },
-                &block_ids,
-            )
+            s.update_state_after_alloc(&req(request_id, &[]), &block_ids)
         })
     }
 
+    /// `update_state_after_alloc_by_layer_group`: one page list per layer group.
+    fn update_state_after_alloc_by_layer_group(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        block_ids_by_layer_group: Vec<Vec<usize>>,
+    ) -> PyResult<()> {
+        self.inner
+            .call(py, "update_state_after_alloc_by_layer_group", move |s| {
+                s.update_state_after_alloc_by_layer_group(
+                    &req(request_id, &[]),
+                    &block_ids_by_layer_group,
+                )
+            })
+    }
+
+    /// `request_finished_by_layer_group`: true while operations on the request's device blocks
+    /// (of any group) are in flight.
+    fn request_finished_by_layer_group(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        tokens: Vec<u32>,
+        cache_block_ids_by_layer_group: Vec<Vec<usize>>,
+    ) -> PyResult<bool> {
+        self.inner
+            .call(py, "request_finished_by_layer_group", move |s| {
+                s.request_finished_by_layer_group(
+                    &req(request_id, &tokens),
+                    &cache_block_ids_by_layer_group,
+                )
+            })
+    }
+
     /// The metadata bytes of this iteration; each request is
-    /// `(request_id, new_tokens, new_block_ids, computed_position)`.
+    /// `(request_id, new_tokens, new_block_ids, computed_position, new_block_ids_by_layer_group)`
+    /// (the last empty for a one-group model).
     fn build_connector_meta<'py>(
         &self,
         py: Python<'py>,
@@ -146,15 +175,7 @@ impl PyTrtllmScheduler {
         cache_block_ids: Vec<usize>,
     ) -> PyResult<bool> {
         self.inner.call(py, "request_finished", move |s| {
-            s.request_finished(
-                &LlmRequest {
-                    request_id,
-                    tokens: &tokens,
-                    cache_salt: None,
-                    lora_name: None,
-                },
-                &cache_block_ids,
-            )
+            s.request_finished(&req(request_id, &tokens), &cache_block_ids)
         })
     }
 
@@ -232,6 +253,14 @@ impl PyTrtllmWorker {
         Ok(Self {
             inner: Guarded::new("TrtllmWorker", w),
             tokens_per_block,
+        })
+    }
+
+    /// Several layer groups share the registered pool (one page space): `n` groups of the
+    /// model's `num_model_layers` layers.
+    fn set_layer_groups(&self, py: Python<'_>, n: usize, num_model_layers: usize) -> PyResult<()> {
+        self.inner.call(py, "set_layer_groups", move |w| {
+            w.set_layer_groups(n, num_model_layers)
         })
     }
 

@@ -12,7 +12,7 @@ use super::cache::register_cache;
 use super::tensor::{parse_layout_kind, read_layer_tensors, vllm_layout};
 use super::transport::{PyLeaderTransport, PyWorkerTransport};
 use super::{common, detached, to_py_err, Guarded, PyConfig};
-use crate::connector::groups::{AttentionKind, KvCacheGroups};
+use crate::connector::groups::KvCacheGroups;
 use crate::error::Error;
 use crate::frameworks::vllm::{
     CachedRequestData, NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
@@ -497,7 +497,14 @@ impl PyVllmScheduler {
             let Some(windows) = windows else {
                 return s.set_kv_cache_groups(n);
             };
-            s.set_kv_cache_group_kinds(group_kinds(n, &windows)?)
+            if windows.len() != n {
+                return Err(Error::invalid_argument(format!(
+                    "{} sliding windows given for {n} KV-cache groups",
+                    windows.len()
+                ))
+                .with("kv_cache_groups", n));
+            }
+            s.set_kv_cache_group_kinds(KvCacheGroups::from_windows(&windows)?)
         })
     }
 
@@ -992,32 +999,4 @@ fn test_faults(w: &mut VllmWorker) -> crate::error::Result<()> {
         }
         _ => Ok(()),
     }
-}
-
-/// The groups of `windows` (one entry per group: a window in tokens, or `None` for full
-/// attention), which must list `n` groups.
-fn group_kinds(n: usize, windows: &[Option<i64>]) -> crate::error::Result<KvCacheGroups> {
-    if windows.len() != n {
-        return Err(crate::error::Error::invalid_argument(format!(
-            "{} sliding windows given for {n} KV-cache groups",
-            windows.len()
-        ))
-        .with("kv_cache_groups", n));
-    }
-    let mut kinds = Vec::with_capacity(n);
-    for (g, w) in windows.iter().enumerate() {
-        kinds.push(match *w {
-            None => AttentionKind::Full,
-            Some(t) if t >= 1 => AttentionKind::SlidingWindow {
-                tokens: usize::try_from(t).unwrap_or(usize::MAX),
-            },
-            Some(t) => {
-                return Err(crate::error::Error::invalid_argument(format!(
-                    "KV-cache group {g} has a sliding window of {t} tokens: a window is at least 1"
-                ))
-                .with("group", g))
-            }
-        });
-    }
-    KvCacheGroups::new(kinds)
 }

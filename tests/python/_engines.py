@@ -160,6 +160,15 @@ class FakeTensor:
     def element_size(self) -> int:
         return int(self.np.itemsize)
 
+    def view(self, *args):
+        """``Tensor.view(dtype)`` (the same bytes as another element type) or
+        ``Tensor.view(*shape)``."""
+        if len(args) == 1 and not isinstance(args[0], int):
+            dt = args[0]
+            dt = np.dtype(dt.name) if isinstance(dt, FakeDtype) else np.dtype(dt)
+            return FakeTensor(self.np.view(dt), str(self.device))
+        return FakeTensor(self.np.reshape(*args), str(self.device))
+
 
 class TrtllmCache:
     """TensorRT-LLM's primary pool ``[num_blocks, num_layers, 2, tokens_per_block * inner]``."""

@@ -374,6 +374,145 @@ def test_a_layout_whose_window_differs_from_llm_args_is_refused():
     assert ei.value.kind == "invalid_config"
 
 
+class _PoolRegion:
+    """A ``KvCacheRegion`` over ``pool`` (``[slots, layers, 2, BS * INNER]``), which every layer
+    group of the layout shares (TensorRT-LLM's pool group for groups of one page size)."""
+
+    def __init__(self, pool, layer_ids):
+        self._u8 = pool.view(np.uint8).reshape(pool.shape[0], -1)
+        self.base = int(pool.ctypes.data)
+        self.num_slots = pool.shape[0]
+        self.size = self.stride = self._u8.shape[1]
+        self.buffers = tuple((l, role) for l in layer_ids for role in ("key", "value"))
+
+    def as_tensor(self):
+        return E.FakeTensor(self._u8)
+
+
+class _SharedGroup:
+    def __init__(self, gid, layer_ids, window, pool):
+        self.layer_group_id = gid
+        self.layer_ids = tuple(layer_ids)
+        self.window_size = window
+        self.regions = (_PoolRegion(pool, layer_ids),)
+        self.replicated_regions = ()
+
+
+class _SharedLayout:
+    def __init__(self, groups):
+        self.tokens_per_block = E.BS
+        self.groups = tuple(groups)
+        self.dtype = E.FakeDtype(E.DTYPE)
+
+    def as_single_pool_tensor(self):
+        return None  # TensorRT-LLM gives none for several groups
+
+
+def test_two_layer_groups_in_one_pool_store_and_load_each_groups_own_pages():
+    """Sliding (2 blocks) and full layers alternating, both groups in one pool (KV cache
+    manager V2 for pages of one size), the windows from llm_args: request 1 (8 full blocks) is
+    stored in both groups, the sliding one only from the window before its prompt's end (2 of
+    8 pages); request 2 sharing its 32 tokens matches all of them, loads 8 pages of the full
+    group and 2 of the sliding one (its 6 before are BAD_PAGE_INDEX), each with its own group's
+    bytes, and is reported loaded once both groups are. Keys not salted by group, or the
+    sliding group matched like a full one, or a request reported per group, fail here."""
+    args = E.TrtLlmArgs(
+        kv_cache_config=E.TrtKvCacheConfig(max_attention_window=[2 * E.BS, 4096]),
+        max_seq_len=4096,
+    )
+    sched = trtllm.KvbmConnectorScheduler(args)
+    worker = trtllm.KvbmConnectorWorker(args)
+    cache = E.TrtllmCache(48)
+    layout = _SharedLayout(
+        [_SharedGroup(0, (0, 2), 2 * E.BS, cache.array), _SharedGroup(1, (1, 3), None, cache.array)]
+    )
+    worker.register_kv_cache_layout(layout)
+    sched.wait_for_initialization()
+    image = lambda g, tokens, i: E.expected_block(tokens, i, rank=5 + g)
+
+    def step(new, finished=(), loading=()):
+        out = E.TrtSchedulerOutput(new_requests=new)
+        worker.bind_connector_meta(sched.build_connector_meta(out))
+        worker.start_load_kv(None)
+        for layer in range(4):
+            worker.save_kv_layer(layer, None)
+        worker.wait_for_save(None)
+        worker.wait_idle(10)
+        return worker.get_finished(list(finished), list(loading))
+
+    def data(rid, tokens, lists, computed):
+        return types.SimpleNamespace(request_id=rid, new_tokens=tokens, new_block_ids=[],
+                                     computed_position=computed, new_block_ids_by_layer_group=lists)
+
+    a = E.prompt(31, 8 * E.BS + 1)
+    r1 = E.LlmRequest(1, a, 1)
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+    pages = [list(range(0, 9)), list(range(9, 18))]
+    sched.update_state_after_alloc_by_layer_group(r1, pages)
+    for g in range(2):
+        for i in range(8):
+            cache.fill(pages[g][i], image(g, a, i))
+    step([data(1, a, pages, 0)])
+    r1.tokens.append(7)
+    assert sched.request_finished_by_layer_group(r1, pages) is True
+    saved = []
+    for _ in range(50):
+        saved, _ = step([], finished=[] if saved else [1])
+        if 1 in saved:
+            break
+    assert saved == [1], saved
+    m = sched.metrics()
+    host = next(t for t in m["transfers"] if t["src"] == "device" and t["dst"] == "host")
+    assert (host["blocks"], m["window_skipped_blocks"]) == (8 + 2, 6), m
+
+    b = a[: 8 * E.BS] + [5, 6]
+    r2 = E.LlmRequest(2, b, 1)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (8 * E.BS, True)
+    pages = [[trtllm.BAD_PAGE_INDEX] * 6 + [20, 21, 22], list(range(30, 39))]
+    for p in (20, 21, *range(30, 38)):
+        cache.fill(p, E.junk(p))
+    sched.update_state_after_alloc_by_layer_group(r2, pages)
+    _, loaded = step([data(2, b, pages, 8 * E.BS)], loading=[2])
+    for _ in range(50):
+        if 2 in loaded:
+            break
+        _, loaded = step([])
+    assert loaded == [2], loaded
+    for i in range(8):
+        assert cache.read_block(30 + i) == image(1, a, i), f"full group block {i}"
+    assert cache.read_block(20) == image(0, a, 6) and cache.read_block(21) == image(0, a, 7)
+    assert sched.metrics()["load_error_blocks"] == 0
+
+
+def test_layer_groups_in_pools_of_their_own_are_refused():
+    args = E.TrtLlmArgs(
+        kv_cache_config=E.TrtKvCacheConfig(max_attention_window=[2 * E.BS, 4096]),
+        max_seq_len=4096,
+    )
+    worker = trtllm.KvbmConnectorWorker(args)
+    layout = _SharedLayout(
+        [
+            _SharedGroup(0, (0, 2), 2 * E.BS, E.TrtllmCache(8).array),
+            _SharedGroup(1, (1, 3), None, E.TrtllmCache(8).array),
+        ]
+    )
+    with pytest.raises(KvbmError) as ei:
+        worker.register_kv_cache_layout(layout)
+    assert ei.value.kind == "unsupported" and "pools of their own" in ei.value.message
+
+
+def test_layer_groups_llm_args_does_not_give_are_refused():
+    layout = _SharedLayout(
+        [
+            _SharedGroup(0, (0, 2), 2 * E.BS, E.TrtllmCache(8).array),
+            _SharedGroup(1, (1, 3), None, E.TrtllmCache(8).array),
+        ]
+    )
+    with pytest.raises(KvbmError) as ei:
+        trtllm.KvbmConnectorWorker(E.TrtLlmArgs()).register_kv_cache_layout(layout)
+    assert ei.value.kind == "invalid_layout" and "2 layer groups" in ei.value.message
+
+
 @pytest.mark.parametrize(
     "layout,words",
     [
@@ -404,7 +543,8 @@ def test_layer_group_methods_serve_one_group_and_refuse_several(trtllm_engine):
     req.blocks = [e._alloc() for _ in range(4)]
     with pytest.raises(KvbmError) as ei:
         e.sched.update_state_after_alloc_by_layer_group(req, [req.blocks, req.blocks])
-    assert ei.value.kind == "unsupported" and "2 layer groups" in ei.value.message
+    assert ei.value.kind == "invalid_argument", ei.value
+    assert "2 layer groups; the model has 1" in ei.value.message
     # -1 is BAD_PAGE_INDEX (no page there: a sliding window); any other negative is refused.
     with pytest.raises(KvbmError) as ei:
         e.sched.update_state_after_alloc_by_layer_group(req, [[-2] + req.blocks[1:]])
@@ -412,7 +552,7 @@ def test_layer_group_methods_serve_one_group_and_refuse_several(trtllm_engine):
     e.sched.update_state_after_alloc_by_layer_group(req, [list(req.blocks)])
     with pytest.raises(KvbmError) as ei:
         e.sched.request_finished_by_layer_group(req, [req.blocks, []])
-    assert ei.value.kind == "unsupported"
+    assert ei.value.kind == "invalid_argument"
     # One group: the flat answer (its load is in flight, so its blocks are held).
     assert e.sched.request_finished_by_layer_group(req, [list(req.blocks)]) is True
 

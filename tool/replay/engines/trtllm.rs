@@ -175,6 +175,7 @@ impl SchedulerSide for Scheduler {
                 new_tokens: r.tokens[r.sent_tokens..].to_vec(),
                 new_block_ids: r.blocks[r.sent_blocks.min(r.blocks.len())..].to_vec(),
                 computed_position,
+                new_block_ids_by_layer_group: Vec::new(),
             };
             r.sent_tokens = r.tokens.len();
             r.sent_blocks = r.blocks.len();
