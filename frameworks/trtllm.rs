@@ -14,7 +14,11 @@
 //! * the scheduler initialises non-blocking and the worker blocking (TensorRT-LLM builds both at
 //!   once; the engine is ready when the worker is);
 //! * `get_finished(finished_gen_req_ids, started_loading_req_ids)` returns an id only after the
-//!   engine passed it in.
+//!   engine passed it in;
+//! * layer groups (KV cache manager V2, `*_by_layer_group`): each group of a request is served as
+//!   its own request (see [`crate::connector::groups`]), matched by its window
+//!   ([`TrtllmScheduler::set_layer_groups`]); the workers serve several groups when they share
+//!   the registered pool ([`TrtllmWorker::set_layer_groups`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -18,13 +18,15 @@ Both API generations are served: the older one (``register_kv_caches``, flat blo
 newer one's additions — ``wait_for_initialization`` on the scheduler (blocks until the start-up
 barrier completed, within the init timeout), ``register_kv_cache_layout`` (a one-group,
 one-region layout, full attention or one sliding window, is registered as its single pool tensor;
-anything else is refused, naming what), the ``*_by_layer_group`` methods (one layer group; several
-are refused; ``BAD_PAGE_INDEX`` entries, -1, are pages a sliding window keeps none of) and
+several layer groups sharing one pool as that pool, each group's pages its own; anything else is
+refused, naming what), the ``*_by_layer_group`` methods (one page list per layer group;
+``BAD_PAGE_INDEX`` entries, -1, are pages a sliding window keeps none of) and
 ``supports_attention_dp`` (False: see :class:`KvbmConnectorScheduler`).
 
 What is read from TensorRT-LLM's objects (the shapes its ``KvCacheConnectorManager`` passes):
 
-* ``llm_args`` (``TorchLlmArgs``): ``kv_cache_config.tokens_per_block``; the world size from
+* ``llm_args`` (``TorchLlmArgs``): ``kv_cache_config.tokens_per_block``; the layer groups' windows
+  from ``kv_cache_config.max_attention_window`` and ``max_seq_len``; the world size from
   ``parallel_config.world_size`` (else ``tensor_parallel_size * pipeline_parallel_size``);
 * ``LlmRequest``: ``request_id`` (int), ``get_tokens(0)`` (prompt and generated tokens),
   the cache salt and ``lora_task_id`` when present (tenant isolation; see :func:`cache_salt`);
