@@ -79,14 +79,19 @@ struct Bound<'a> {
 }
 
 impl Bound<'_> {
-    /// The next slice of waiting, or the error that ends the wait.
-    fn next_wait(&self) -> Result<Duration> {
-        if let Some(why) = (self.lost)() {
-            return Err(Error::new(
+    /// The error that ends the wait when the peer is lost.
+    fn check_lost(&self) -> Result<()> {
+        match (self.lost)() {
+            Some(why) => Err(Error::new(
                 ErrorKind::Cancelled,
                 format!("{}: {why}", self.what),
-            ));
+            )),
+            None => Ok(()),
         }
+    }
+
+    /// The next slice of waiting, or the deadline's error.
+    fn next_wait(&self) -> Result<Duration> {
         let Some((until, timeout)) = self.until else {
             return Ok(POLL);
         };
@@ -105,7 +110,9 @@ impl Bound<'_> {
     }
 
     /// Moves `len` bytes with `step` (a read or a write at an offset, under a socket timeout
-    /// that `arm` sets to the next slice), keeping partial progress across slices.
+    /// that `arm` sets to the next slice), keeping partial progress across slices. Whether the
+    /// peer is lost is asked only after a slice passed with nothing moved: bytes it sent before
+    /// it went (a rank's last answer, written before its connector said goodbye) are read.
     fn transfer(
         &self,
         stream: &mut TcpStream,
@@ -126,7 +133,10 @@ impl Bound<'_> {
                         std::io::ErrorKind::WouldBlock
                             | std::io::ErrorKind::TimedOut
                             | std::io::ErrorKind::Interrupted
-                    ) => {}
+                    ) =>
+                {
+                    self.check_lost()?
+                }
                 Err(e) => return Err(closed(e)),
             }
         }
@@ -503,6 +513,28 @@ mod tests {
         let why = disconnected(&leader).expect("Disconnected for rank 0");
         assert!(why.contains("the engine lost rank 0"), "{why}");
         assert!(leader.connected_ranks().is_empty());
+    }
+
+    /// A rank answers `Finish`, then its connector says goodbye (the leader forgets it) before
+    /// the engine reads the answer (a busy host): the answer is read, the rank is not lost. The
+    /// replay counted such a rank as failed when it asked whether the rank was lost before
+    /// reading what had arrived (seen under load in tests/cli.rs).
+    #[test]
+    fn an_answer_sent_before_the_rank_left_is_read() {
+        let (mut rank, leader, worker, mut silent) = silent_rank(Duration::from_secs(60));
+        let answer = encode(&RankResponse::Finished(RankStats { paths: Vec::new() })).unwrap();
+        silent.write_all(&answer).unwrap();
+        worker.close();
+        let deadline = Instant::now() + LONG;
+        while !leader.connected_ranks().is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "the leader never saw the rank leave"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let stats = rank.finish().unwrap();
+        assert!(stats.paths.is_empty());
     }
 
     #[test]
