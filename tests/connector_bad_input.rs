@@ -194,11 +194,12 @@ fn forged_operations_fail_cleanly_on_the_worker() {
     r.worker
         .wait_idle(std::time::Duration::from_secs(5))
         .unwrap();
+    // The failed blocks are the engine's to hear of with the load's end.
+    let (_, loaded) = r.worker.get_finished(&["forged".into()], None);
+    assert_eq!(loaded, vec![RequestId::from("forged")]);
     let mut errors = r.worker.take_load_errors();
     errors.sort_unstable();
     assert_eq!(errors, vec![3, 4]);
-    let (_, loaded) = r.worker.get_finished(&["forged".into()], None);
-    assert_eq!(loaded, vec![RequestId::from("forged")]);
     assert_eq!(r.worker.num_slots(), 0);
     // The leader ignores completions of operations it never issued.
     r.leader.process_completions();

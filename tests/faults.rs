@@ -197,6 +197,50 @@ fn a_stalled_load_becomes_load_errors_at_its_deadline_and_never_writes_later() {
     r.leader.request_finished(&b, None, Some(0)).unwrap();
 }
 
+/// The engine reads a request's failed blocks right after `get_finished` (vLLM:
+/// `get_block_ids_with_load_errors`; TensorRT-LLM: ours, polled the same way). A load that fails
+/// after one `get_finished` and before that read must not be heard of then, an iteration before
+/// its request's load is reported done: the engine would take the request as fully loaded in the
+/// next iteration and use the failed blocks (wrong bytes; CI saw it as `kvbm replay`'s integrity
+/// errors when Redis was killed mid-run).
+#[test]
+fn a_load_failing_between_get_finished_and_the_error_read_is_reported_with_its_request() {
+    let mut r = faulty_rig(0, 16, "disk.read:stall=400", |c| {
+        c.transfer.load_timeout_secs = 0.1;
+    });
+    let tokens = prompt();
+    r.offload(&id("a"), &tokens, &[0, 1, 2, 3]);
+    let b = id("b");
+    let m = start_load(&mut r, &b, &tokens, &[5, 6, 7, 8]);
+    assert_eq!(m.disk_tokens, 3 * BS, "{m:?}");
+    let bytes = r
+        .leader
+        .build_connector_meta(&SchedulerStep::default())
+        .unwrap();
+    r.worker.bind_metadata(&bytes).unwrap();
+    r.worker.start_load().unwrap();
+    r.worker.save().unwrap();
+    // The load is in flight (its reads stall past its deadline): not done yet.
+    let (_, loaded) = r.worker.get_finished(&[], None);
+    assert!(loaded.is_empty(), "{loaded:?}");
+    // It fails at its deadline, before the engine asks for load errors.
+    r.worker.wait_idle(Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        r.worker.take_load_errors(),
+        Vec::<usize>::new(),
+        "failed blocks reported before their request's load ended"
+    );
+    assert!(r.worker.take_failed_loads().is_empty());
+    let (_, loaded) = r.worker.get_finished(&[], None);
+    assert_eq!(loaded, vec![b.clone()]);
+    let mut errors = r.worker.take_load_errors();
+    errors.sort_unstable();
+    assert_eq!(errors, vec![5, 6, 7]);
+    assert_eq!(r.worker.take_failed_loads(), vec![b.clone()]);
+    r.leader.process_completions();
+    r.leader.request_finished(&b, None, Some(0)).unwrap();
+}
+
 #[test]
 fn a_corrupt_disk_read_is_a_load_error_and_never_reaches_the_device() {
     let mut r = faulty_rig(0, 16, "disk.read:corrupt:calls=1+1", |_| {});

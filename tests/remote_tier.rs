@@ -872,6 +872,8 @@ fn a_load_from_the_store_ends_at_its_own_deadline() {
         .wait_idle(Duration::from_secs(5))
         .expect("the load ran past its own deadline");
     b.leader.process_completions();
+    let (_, loaded) = b.worker.get_finished(&[], None);
+    assert_eq!(loaded, vec![who.clone()]);
     let mut errors = b.worker.take_load_errors();
     errors.sort_unstable();
     assert_eq!(

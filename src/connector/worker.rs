@@ -139,13 +139,19 @@ struct WorkerSlot {
     engine_finished: bool,
     /// The engine said the request started loading (TensorRT-LLM passes these ids).
     engine_loading: bool,
+    /// Device blocks whose load failed, held until [`Worker::get_finished`] reports the
+    /// request loaded: the engine hears of a request's failed blocks in the same iteration as
+    /// of its load's end, never before (it would then take the load for whole).
+    load_errors: Vec<usize>,
 }
 
 #[derive(Debug, Default)]
 struct State {
     slots: HashMap<RequestId, WorkerSlot>,
+    /// Failed device blocks of the loads [`Worker::get_finished`] reported done (and of loads
+    /// without a request), since the last [`Worker::take_load_errors`].
     load_errors: BTreeSet<usize>,
-    /// Requests with a load that failed (some of its blocks), since the last
+    /// Of those loads, the requests with a failed block, since the last
     /// [`Worker::take_failed_loads`].
     failed_loads: BTreeSet<RequestId>,
     recently_finished: VecDeque<RequestId>,
@@ -980,12 +986,20 @@ impl Worker {
         let any_loading = started_loading.is_none();
         let mut released = Vec::new();
         let mut loaded = Vec::new();
-        st.slots.retain(|id, s| {
+        let state = &mut *st;
+        let (errors, failed_loads) = (&mut state.load_errors, &mut state.failed_loads);
+        state.slots.retain(|id, s| {
             if s.had_load && s.loads == 0 && !s.load_reported && (any_loading || s.engine_loading) {
                 s.load_reported = true;
                 loaded.push(id.clone());
+                if !s.load_errors.is_empty() {
+                    errors.extend(s.load_errors.drain(..));
+                    failed_loads.insert(id.clone());
+                }
             }
             if s.engine_finished && s.device_ops == 0 && s.loads == 0 {
+                // A load never reported (the engine finished the request first) leaves its
+                // failed blocks unsaid: they are the engine's again, maybe another request's.
                 if s.hold {
                     released.push(id.clone());
                 }
@@ -1035,14 +1049,17 @@ impl Worker {
             .is_some_and(|s| s.had_load && !s.load_reported)
     }
 
-    /// Device blocks whose load failed since the last call (the engine must recompute them).
+    /// Device blocks whose load failed (the engine must recompute them): those of the requests
+    /// [`Worker::get_finished`] reported loaded since the last call, so an engine that calls
+    /// this right after `get_finished` hears of a request's failed blocks with its load's end.
     pub fn take_load_errors(&mut self) -> Vec<usize> {
         std::mem::take(&mut self.shared.state.lock().load_errors)
             .into_iter()
             .collect()
     }
 
-    /// Requests with a load that failed since the last call, in id order (an engine that must
+    /// Requests with a load that failed, among those [`Worker::get_finished`] reported loaded
+    /// since the last call, in id order (an engine that must
     /// recompute such a request whole, not from its first failed block, asks this: with a
     /// sliding window the tokens before that block are not on the device).
     pub fn take_failed_loads(&mut self) -> Vec<RequestId> {
@@ -1238,12 +1255,18 @@ fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result
     });
     {
         let mut st = shared.state.lock();
-        // Only device blocks are the engine's to recompute.
-        if done.writes_device {
-            st.load_errors.extend(failed.iter().copied());
-            if !failed.is_empty() {
-                if let Some(id) = &done.request {
-                    st.failed_loads.insert(id.clone());
+        let st = &mut *st;
+        // Only device blocks are the engine's to recompute. A request's wait in its slot until
+        // `get_finished` reports its load done (the engine reads them right after that call: one
+        // completing in between must not reach it an iteration before its request's end).
+        if done.writes_device && !failed.is_empty() {
+            match done.request.as_ref().and_then(|id| st.slots.get_mut(id)) {
+                Some(s) => s.load_errors.extend(failed.iter().copied()),
+                None => {
+                    st.load_errors.extend(failed.iter().copied());
+                    if let Some(id) = &done.request {
+                        st.failed_loads.insert(id.clone());
+                    }
                 }
             }
         }
