@@ -137,12 +137,8 @@ impl TrtllmScheduler {
     /// [`crate::connector::groups`]); each group of a request is served under its own id and
     /// keys. Set before the first request. Errors: requests already seen.
     pub fn set_layer_groups(&mut self, groups: KvCacheGroups) -> Result<()> {
-        if groups != self.groups && self.leader.num_slots() > 0 {
-            return Err(Error::new(
-                crate::error::ErrorKind::InvalidState,
-                "the layer groups are set before the first request",
-            ));
-        }
+        self.leader
+            .check_groups_change(&self.groups, &groups, "layer groups")?;
         self.groups = groups;
         Ok(())
     }

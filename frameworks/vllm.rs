@@ -190,12 +190,8 @@ impl VllmScheduler {
     /// The model's KV-cache groups and how each attends (a sliding-window group is matched and
     /// stored by its window, see [`crate::connector::groups`]). Set before the first request.
     pub fn set_kv_cache_group_kinds(&mut self, groups: KvCacheGroups) -> Result<()> {
-        if groups != self.groups && self.leader.num_slots() > 0 {
-            return Err(Error::new(
-                crate::error::ErrorKind::InvalidState,
-                "the KV-cache group count is set before the first request",
-            ));
-        }
+        self.leader
+            .check_groups_change(&self.groups, &groups, "KV-cache groups")?;
         self.groups = groups;
         Ok(())
     }

@@ -1089,7 +1089,7 @@ pub struct Config {
     /// is forgeable: only for trusted single-tenant deployments.
     pub hash: HashAlgorithm,
     /// Which cached block the host and disk tiers evict when full: `lru`, `prefix` (prefix-aware
-    /// reuse credit) or `2q` ([`EvictionPolicy`]). Default: `lru`.
+    /// reuse credit) or `2q` ([`EvictionPolicy`]). Default: `prefix`.
     pub eviction: EvictionPolicy,
     /// Host tier size.
     pub host: TierSize,

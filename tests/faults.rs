@@ -349,6 +349,12 @@ mod replay {
     use serde_json::Value;
 
     fn run(dir: &Path, faults: &str, extra_env: &[(&str, &str)], args: &[&str]) -> Output {
+        let mut all = vec!["--requests", "60", "--host-blocks", "24"];
+        all.extend_from_slice(args);
+        run_with(dir, faults, extra_env, &all)
+    }
+
+    fn run_with(dir: &Path, faults: &str, extra_env: &[(&str, &str)], args: &[&str]) -> Output {
         let mut c = Command::new(env!("CARGO_BIN_EXE_kvbm"));
         for v in ENV_VARS {
             c.env_remove(v.name);
@@ -360,16 +366,7 @@ mod replay {
             c.env(k, v);
         }
         let report = dir.join("report.json");
-        c.args([
-            "replay",
-            "--requests",
-            "60",
-            "--host-blocks",
-            "24",
-            "--report",
-        ])
-        .arg(&report)
-        .args(args);
+        c.args(["replay", "--report"]).arg(&report).args(args);
         c.output().expect("run kvbm replay")
     }
 
@@ -421,6 +418,40 @@ mod replay {
         );
         let s = summary(dir.path(), &out, "corrupt reads");
         assert!(s["load_errors"].as_u64().unwrap_or(0) > 0, "{s}");
+    }
+
+    /// A sliding-window model (issue 25 item 2) in both engines' call orders: host reads fail at
+    /// random, the failed blocks are recomputed, and every onboarded byte is the model's (the
+    /// null block / `BAD_PAGE_INDEX` before a window is never loaded or reported failed).
+    #[test]
+    fn failed_loads_of_a_sliding_window_model_are_recomputed_in_both_call_orders() {
+        for framework in ["vllm", "trtllm"] {
+            let dir = tempfile::tempdir().unwrap();
+            let out = run_with(
+                dir.path(),
+                "seed=7; host.read:fail:p=0.2",
+                &[],
+                &[
+                    "--framework",
+                    framework,
+                    "--sliding-window",
+                    "128",
+                    "--block-size",
+                    "16",
+                    "--requests",
+                    "100",
+                    "--host-blocks",
+                    "2048",
+                    "--disk-blocks",
+                    "0",
+                ],
+            );
+            let s = summary(dir.path(), &out, framework);
+            assert!(
+                s["load_errors"].as_u64().unwrap_or(0) > 0,
+                "{framework}: {s}"
+            );
+        }
     }
 
     #[test]

@@ -565,15 +565,19 @@ class KvbmConnectorWorker(_WorkerBase):
                 )
             # Pages a window left behind come as BAD_PAGE_INDEX and are never loaded into or
             # stored from; a hit loads the pages the engine allocated (the window before it).
-            # The scheduler reads the windows from llm_args and matches by them: a layout that
-            # slides otherwise would get loads it cannot take.
+            # The scheduler reads the windows from llm_args and matches and stores by them: a
+            # layout that slides otherwise would get loads it cannot take, and — TensorRT-LLM's
+            # stores trailing its compute by an iteration — stores of pages the window already
+            # left, which the engine may have given to another request (wrong bytes). So a
+            # sliding layout needs its window in llm_args too.
             expected = self._windows[g] if g < len(self._windows) else None
-            if window != expected and (expected is not None or len(groups) > 1):
+            if window != expected:
                 raise error(
                     "invalid_layout",
                     f"the KV cache layout's layer group {g} has a sliding window of {window!r} "
                     "tokens but llm_args.kv_cache_config.max_attention_window says "
-                    f"{expected}",
+                    f"{expected} (None: not set, or at least max_seq_len: full attention); "
+                    "set it to the model's windows",
                     argument="layout",
                 )
             if tuple(getattr(group, "replicated_regions", ()) or ()):

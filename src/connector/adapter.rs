@@ -66,6 +66,16 @@ pub trait SchedulerAdapter: Send + 'static {
     /// run. Blocks wholly below this count may be offloaded.
     fn computed_after(&self, request: &ScheduledRequest) -> Result<usize>;
 
+    /// Whether the stores an iteration's metadata submits read blocks computed in earlier
+    /// iterations, after a forward pass in which the request moved on (offload by computed
+    /// position). An engine frees a block that left a sliding window and may hand it to another
+    /// request in that same iteration, so the leader then stores a windowed block only if it is
+    /// still inside the window wherever the request can get to in that iteration. The default:
+    /// no (the stores read what this iteration computed, before the engine frees anything).
+    fn stores_trail_compute(&self) -> bool {
+        false
+    }
+
     /// Hook run on every metadata before it is encoded: an adapter may append operations of its
     /// own kinds. The default adds nothing.
     fn extend_metadata(&mut self, metadata: &mut ConnectorMetadata) -> Result<()> {
@@ -175,6 +185,10 @@ pub struct ComputedPosition;
 impl SchedulerAdapter for ComputedPosition {
     fn name(&self) -> &'static str {
         "computed-position"
+    }
+
+    fn stores_trail_compute(&self) -> bool {
+        true
     }
 
     fn computed_after(&self, r: &ScheduledRequest) -> Result<usize> {

@@ -9,13 +9,16 @@
 //! * [`leader`] — the scheduler side (matching, offload, completion handling);
 //! * [`lifecycle`] — the request state machine;
 //! * [`metadata`] — the per-iteration metadata and its operations;
-//! * [`metrics`] — counters exposed in Prometheus text format;
-//! * [`remote`] — the remote (G4) tier's discovery: instances publish and read each other's host
-//!   block indexes;
+//! * [`metrics`] — counters exposed in Prometheus text format; [`metrics_server`] serves them
+//!   over HTTP (`tcp.metrics_addr`);
+//! * [`remote`] — the remote (G4) tier: the [`RemoteStore`](remote::RemoteStore) trait of a block
+//!   store shared by several instances, and each load's and write's view of it; [`store_health`]
+//!   — the store's states (healthy, slow, unavailable) from a window of outcomes;
 //! * [`tcp`] — the network transport: leader and workers in separate processes (its frames are
 //!   crate-private; its settings are [`TcpConfig`](crate::config::TcpConfig));
 //! * [`transport`] — leader/worker messages and the in-process transport;
-//! * [`worker`] — the GPU-process side.
+//! * [`worker`] — the GPU-process side (with two private parts: the load fence, which keeps an
+//!   abandoned load's late I/O off the device, and the outbox of completions to the leader).
 
 pub mod adapter;
 pub mod barrier;

@@ -80,9 +80,10 @@ pub struct ReplayArgs {
     /// `simulated_ms`).
     #[arg(long)]
     pub pace: bool,
-    /// A sliding window of this many tokens on every layer of the simulated model (vLLM only,
-    /// as its `SlidingWindowManager`: blocks before a request's window are freed while it runs
-    /// and held as the null block, block 0; a hit's table is null before its window).
+    /// A sliding window of this many tokens on every layer of the simulated model (vLLM's
+    /// `SlidingWindowManager`, TensorRT-LLM's KV cache manager V2 with one sliding layer group:
+    /// blocks before a request's window are freed while it runs and held as the null block —
+    /// block 0, TensorRT-LLM's `BAD_PAGE_INDEX`; a hit's table is null before its window).
     #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
     pub sliding_window: Option<usize>,
     /// Seed of the built-in workload.

@@ -77,21 +77,9 @@ impl SimOptions {
                 "block size, device blocks, max batch, chunk tokens and tp must be at least 1",
             ));
         }
-        match (self.sliding_window, self.framework) {
-            (Some(0), _) => {
-                return Err(sim_err("--sliding-window must be at least 1 token")
-                    .with("flag", "--sliding-window"))
-            }
-            (Some(w), Framework::Trtllm) => {
-                return Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "--sliding-window {w}: only the vLLM engine model has a sliding window"
-                    ),
-                )
-                .with("flag", "--sliding-window"))
-            }
-            _ => {}
+        if self.sliding_window == Some(0) {
+            return Err(sim_err("--sliding-window must be at least 1 token")
+                .with("flag", "--sliding-window"));
         }
         if !(self.prefill_us_per_token.is_finite() && self.prefill_us_per_token >= 0.0) {
             return Err(sim_err("prefill_us_per_token must be a number >= 0"));

@@ -60,6 +60,25 @@ impl SeenKeys {
 }
 
 impl<A: SchedulerAdapter> Leader<A> {
+    /// Refuses to change the model's KV-cache groups from `current` to `new` once a request is
+    /// tracked (its keys and windows were built with the old ones); `what` names the engine's
+    /// setting for the error. The same groups again are accepted at any time.
+    pub fn check_groups_change(
+        &self,
+        current: &KvCacheGroups,
+        new: &KvCacheGroups,
+        what: &str,
+    ) -> Result<()> {
+        if new != current && self.num_slots() > 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("the {what} are set before the first request"),
+            )
+            .with("requests_tracked", self.num_slots()));
+        }
+        Ok(())
+    }
+
     /// How many tokens beyond `num_computed_tokens` every KV-cache group of `request` can load
     /// (as [`Leader::get_num_new_matched_tokens_from`] for one group): each group is matched
     /// under its own id and salt ([`KvCacheGroups::request_id`], [`KvCacheGroups::salt`]);

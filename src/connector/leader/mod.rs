@@ -154,6 +154,24 @@ impl Slot {
         let prompt_end = self.prompt_len.saturating_sub(1) / page_size.max(1);
         i + w >= prompt_end || self.window_ends.iter().any(|&e| i < e && i + w >= e)
     }
+
+    /// Whether block `i` is still inside the window at the furthest token the request can reach
+    /// in the iteration whose stores read it, when stores trail the compute
+    /// ([`SchedulerAdapter::stores_trail_compute`]), `computed` tokens being computed before that
+    /// iteration: a prompt chunk ends at the prompt's end at most, a generation step adds one
+    /// token (speculative decoding's extra tokens are not counted). Any block of a full-attention
+    /// slot.
+    fn inside_window_while_storing(&self, i: usize, page_size: usize, computed: usize) -> bool {
+        let Some(w) = self.window else {
+            return true;
+        };
+        let reach = if computed < self.prompt_len {
+            self.prompt_len
+        } else {
+            computed + 1
+        };
+        i + w >= reach.saturating_sub(1) / page_size.max(1)
+    }
 }
 
 /// The host and disk block accounting, built once the barrier agreed on the counts.

@@ -328,6 +328,7 @@ impl<A: SchedulerAdapter> Leader<A> {
     fn offload(&mut self, id: &RequestId, computed: usize) {
         let bs = self.page_size;
         let placeholder = self.placeholder;
+        let trailing = self.adapter.stores_trail_compute();
         let Some(tiers) = self.tiers.as_mut() else {
             return;
         };
@@ -371,6 +372,11 @@ impl<A: SchedulerAdapter> Leader<A> {
                 self.window_keys.insert(hash);
                 if !slot.worth_storing(i, bs) {
                     // Before a sliding window no later hit reads it.
+                    window_skipped += 1;
+                    continue;
+                }
+                if trailing && !slot.inside_window_while_storing(i, bs, computed) {
+                    // The engine may have freed and reused it by the time the store reads it.
                     window_skipped += 1;
                     continue;
                 }

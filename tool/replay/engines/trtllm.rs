@@ -10,12 +10,13 @@
 use std::sync::Arc;
 
 use kvbm_connector::config::Config;
+use kvbm_connector::connector::groups::{AttentionKind, KvCacheGroups};
 use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
 use kvbm_connector::connector::worker::Worker;
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::error::Result;
 use kvbm_connector::frameworks::trtllm::{
-    LlmRequest, RequestData, SchedulerOutput, TrtllmScheduler, TrtllmWorker,
+    LlmRequest, RequestData, SchedulerOutput, TrtllmScheduler, TrtllmWorker, NO_PAGE,
 };
 use kvbm_connector::layout::{Layout, LayoutDims};
 use kvbm_connector::tier::StorageTier;
@@ -24,6 +25,7 @@ use super::{CallOrder, LeaderCalls, SchedulerSide, SimEngine, WorkerSide};
 use crate::replay::messages::StepReply;
 use crate::replay::report::Timings;
 use crate::replay::request::Req;
+use crate::replay::simulator::schedule::NULL_BLOCK;
 
 /// TensorRT-LLM.
 pub struct TensorRtLlm;
@@ -38,12 +40,21 @@ impl SimEngine for TensorRtLlm {
         config: Config,
         block_size: usize,
         transport: Arc<dyn LeaderTransport>,
-        _window: Option<usize>,
+        window: Option<usize>,
     ) -> Result<Box<dyn SchedulerSide>> {
+        let mut sched = TrtllmScheduler::new(config, block_size, transport)?;
+        if let Some(tokens) = window {
+            // One layer group whose layers all slide (KV cache manager V2): matched and stored by
+            // its window; the pages before it are BAD_PAGE_INDEX in the block lists.
+            sched.set_layer_groups(KvCacheGroups::new(vec![AttentionKind::SlidingWindow {
+                tokens,
+            }])?)?;
+        }
         Ok(Box::new(Scheduler {
-            sched: TrtllmScheduler::new(config, block_size, transport)?,
+            sched,
             new_saving: Vec::new(),
             new_loading: Vec::new(),
+            windowed: window.is_some(),
         }))
     }
 
@@ -78,6 +89,21 @@ struct Scheduler {
     new_saving: Vec<u64>,
     /// Newly loading, for the next `get_finished`.
     new_loading: Vec<u64>,
+    /// A sliding window: the simulator's null block is TensorRT-LLM's `BAD_PAGE_INDEX`.
+    windowed: bool,
+}
+
+impl Scheduler {
+    /// A block list as TensorRT-LLM passes it: with a window, no page before it.
+    fn pages(&self, blocks: &[usize]) -> Vec<usize> {
+        if !self.windowed {
+            return blocks.to_vec();
+        }
+        blocks
+            .iter()
+            .map(|&b| if b == NULL_BLOCK { NO_PAGE } else { b })
+            .collect()
+    }
 }
 
 fn llm_request(r: &Req) -> LlmRequest<'_> {
@@ -136,9 +162,10 @@ impl SchedulerSide for Scheduler {
     ) -> Result<()> {
         // TensorRT-LLM calls it once per admission and passes no count.
         let req = llm_request(r);
+        let pages = self.pages(&r.blocks);
         let sched = &mut self.sched;
         timings.time("update_state_after_alloc", || {
-            sched.update_state_after_alloc(&req, &r.blocks)
+            sched.update_state_after_alloc(&req, &pages)
         })
     }
 
@@ -173,7 +200,7 @@ impl SchedulerSide for Scheduler {
             let data = RequestData {
                 request_id: r.num_id,
                 new_tokens: r.tokens[r.sent_tokens..].to_vec(),
-                new_block_ids: r.blocks[r.sent_blocks.min(r.blocks.len())..].to_vec(),
+                new_block_ids: self.pages(&r.blocks[r.sent_blocks.min(r.blocks.len())..]),
                 computed_position,
                 new_block_ids_by_layer_group: Vec::new(),
             };
@@ -191,10 +218,9 @@ impl SchedulerSide for Scheduler {
 
     fn request_finished(&mut self, r: &Req, timings: &mut Timings) -> Result<bool> {
         let req = llm_request(r);
+        let pages = self.pages(&r.blocks);
         let sched = &mut self.sched;
-        let held = timings.time("request_finished", || {
-            sched.request_finished(&req, &r.blocks)
-        })?;
+        let held = timings.time("request_finished", || sched.request_finished(&req, &pages))?;
         if held {
             self.new_saving.push(r.num_id);
         }

@@ -22,7 +22,7 @@
 //! that per decode token; idle stretches skip to the next arrival.
 
 mod iteration;
-mod schedule;
+pub(crate) mod schedule;
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};

@@ -18,7 +18,7 @@ use kvbm_connector::error::{Error, Result};
 use super::Simulator;
 
 /// vLLM's null block (the block table's entry where a sliding window keeps no block).
-pub(super) const NULL_BLOCK: usize = 0;
+pub(crate) const NULL_BLOCK: usize = 0;
 use crate::replay::request::Phase;
 use crate::replay::workload::{sample_token, PREFIX_HASH_SEED};
 
