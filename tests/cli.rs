@@ -1682,43 +1682,87 @@ mod trace_parser {
 /// engine frees a block that left the window and reuses it at once, as vLLM does. Every
 /// onboarded block is verified: storing a windowed block that the request's next iteration may
 /// move out of the window served other requests' bytes (72 integrity errors here before the
-/// leader held those stores back).
+/// leader held those stores back). The second setting (a 48-token window over 32-token blocks,
+/// 256-token chunks: the window's block count, 2, is one more than it spans at some positions)
+/// served 4 wrong blocks while the leader judged "still in the window" by that block count.
 #[test]
 fn replay_with_a_sliding_window_loads_only_the_window() {
     let dir = tmp();
-    let block_size = 16;
-    for framework in ["vllm", "trtllm"] {
-        let report = dir.path().join(format!("swa-{framework}.json"));
-        let out = kvbm(dir.path())
-            .args(["replay", "--framework", framework, "--sliding-window", "64"])
-            .args([
+    let settings: [(&str, &[&str]); 2] = [
+        (
+            "w64",
+            &[
+                "--sliding-window",
+                "64",
                 "--block-size",
                 "16",
                 "--requests",
                 "150",
-                "--host-blocks",
-                "4096",
-            ])
-            .args(["--disk-blocks", "0", "--quiet", "--report"])
-            .arg(&report)
-            .output()
-            .expect("run kvbm");
-        assert_ok(
-            &out,
-            &format!("kvbm replay --framework {framework} --sliding-window 64"),
-        );
-        let r = read_report(&report);
-        check_report_invariants(&r, &format!("sliding window, {framework}"));
-        let s = &r["summary"];
-        assert_eq!(u(&s["integrity_errors"]), 0, "{framework}: {s}");
-        assert_eq!(u(&s["load_errors"]), 0, "{framework}: {s}");
-        let verified = u(&s["blocks_verified"]);
-        let matched = u(&s["matched_tokens"]);
-        assert!(verified > 0 && matched > 0, "{framework}: {s}");
-        assert!(
-            verified * block_size < matched,
-            "{framework}: a hit loads its window's blocks only: {verified} blocks for {matched} matched tokens"
-        );
+            ],
+        ),
+        (
+            "w48",
+            &[
+                "--sliding-window",
+                "48",
+                "--block-size",
+                "32",
+                "--requests",
+                "120",
+                "--workload",
+                "shared-prefix",
+                "--seed",
+                "947",
+                "--chunk-tokens",
+                "256",
+                "--device-blocks",
+                "256",
+                "--device-prefix-cache",
+                "off",
+                "--max-batch",
+                "32",
+            ],
+        ),
+    ];
+    for (name, args) in settings {
+        for framework in ["vllm", "trtllm"] {
+            let what = format!("{name}, {framework}");
+            let report = dir.path().join(format!("swa-{name}-{framework}.json"));
+            let out = kvbm(dir.path())
+                .args(["replay", "--framework", framework])
+                .args(args)
+                .args([
+                    "--host-blocks",
+                    "4096",
+                    "--disk-blocks",
+                    "0",
+                    "--quiet",
+                    "--report",
+                ])
+                .arg(&report)
+                .output()
+                .expect("run kvbm");
+            assert_ok(&out, &format!("kvbm replay {what}"));
+            let r = read_report(&report);
+            check_report_invariants(&r, &what);
+            let s = &r["summary"];
+            assert_eq!(u(&s["integrity_errors"]), 0, "{what}: {s}");
+            assert_eq!(u(&s["load_errors"]), 0, "{what}: {s}");
+            let verified = u(&s["blocks_verified"]);
+            let matched = u(&s["matched_tokens"]);
+            // (TensorRT-LLM's w48 hits were all windows before a shared prompt's end, stored
+            // after the window had left them: wrong bytes, now never stored, so no hit.)
+            if (name, framework) != ("w48", "trtllm") {
+                assert!(verified > 0 && matched > 0, "{what}: {s}");
+            }
+            if name == "w64" {
+                let block_size = 16;
+                assert!(
+                    verified * block_size < matched,
+                    "{what}: a hit loads its window's blocks only: {verified} blocks for {matched} matched tokens"
+                );
+            }
+        }
     }
 }
 

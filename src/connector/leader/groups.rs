@@ -161,8 +161,12 @@ impl<A: SchedulerAdapter> Leader<A> {
                 let Some(w) = kind.window_blocks(bs) else {
                     continue;
                 };
+                let AttentionKind::SlidingWindow { tokens } = *kind else {
+                    continue;
+                };
                 let scope = Scope {
                     window: Some(w),
+                    window_tokens: Some(tokens),
                     cap_tokens: cap,
                 };
                 match self.match_scoped(info(g), first_token, num_computed_tokens, scope) {

@@ -74,6 +74,8 @@ impl Staged {
 pub(super) struct Scope {
     /// The blocks before a hit a sliding-window group needs; `None`: every block.
     pub(super) window: Option<usize>,
+    /// That group's window in tokens; `None`: full attention.
+    pub(super) window_tokens: Option<usize>,
     /// The hit ends at most this many tokens beyond the device's prefix (another group's hit).
     pub(super) cap_tokens: Option<usize>,
 }
@@ -82,6 +84,7 @@ impl Scope {
     /// Full attention, no cap: the plain match.
     pub(super) const FULL: Scope = Scope {
         window: None,
+        window_tokens: None,
         cap_tokens: None,
     };
 }
@@ -242,6 +245,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                     stores_in_flight: 0,
                     held_since: None,
                     window: None,
+                    window_tokens: None,
                     window_ends: Vec::new(),
                 })
             }
@@ -294,6 +298,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         slot.staged = None;
         slot.window = scope.window;
+        slot.window_tokens = scope.window_tokens;
         let n = slot.seq.total_tokens();
         let aligned = num_computed_tokens % bs == 0;
         let start = num_computed_tokens / bs;

@@ -138,6 +138,8 @@ struct Slot {
     /// A sliding-window group: the blocks before a hit it needs (see `groups`); `None`: every
     /// block (full attention).
     window: Option<usize>,
+    /// That group's window in tokens.
+    window_tokens: Option<usize>,
     /// Block indices where a later hit is expected to end (an earlier request's prefix ended
     /// there), besides the prompt's end: a windowed slot stores the window before each.
     window_ends: Vec<usize>,
@@ -155,14 +157,16 @@ impl Slot {
         i + w >= prompt_end || self.window_ends.iter().any(|&e| i < e && i + w >= e)
     }
 
-    /// Whether block `i` is still inside the window at the furthest token the request can reach
-    /// in the iteration whose stores read it, when stores trail the compute
+    /// Whether block `i` is still inside the window when the request has computed as many tokens
+    /// as it can in the iteration whose stores read it, when stores trail the compute
     /// ([`SchedulerAdapter::stores_trail_compute`]), `computed` tokens being computed before that
     /// iteration: a prompt chunk ends at the prompt's end at most, a generation step adds one
-    /// token (speculative decoding's extra tokens are not counted). Any block of a full-attention
-    /// slot.
+    /// token (speculative decoding's extra tokens are not counted). An engine frees the blocks
+    /// wholly before the window of the next token, `computed - W + 1` tokens (vLLM's skipped
+    /// tokens; exact, not the window's block count, whose alignment varies). Any block of a
+    /// full-attention slot.
     fn inside_window_while_storing(&self, i: usize, page_size: usize, computed: usize) -> bool {
-        let Some(w) = self.window else {
+        let Some(w) = self.window_tokens else {
             return true;
         };
         let reach = if computed < self.prompt_len {
@@ -170,7 +174,7 @@ impl Slot {
         } else {
             computed + 1
         };
-        i + w >= reach.saturating_sub(1) / page_size.max(1)
+        i >= (reach + 1).saturating_sub(w) / page_size.max(1)
     }
 }
 
