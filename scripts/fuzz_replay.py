@@ -7,7 +7,11 @@ and checks that it exits 0 with `integrity_errors` 0 (a load error is fine: the 
 the block; a wrong byte never is). A failing run prints its whole command line, faults included,
 so it can be rerun as it is (the replay is deterministic).
 
-    python3 scripts/fuzz_replay.py [--seed S] [--runs N] [--bin target/debug/kvbm]
+    python3 scripts/fuzz_replay.py [--seed S] [--runs N] [--bin target/debug/kvbm] \
+        [--remote-url redis://127.0.0.1:PORT]
+
+A fifth of the runs use two tensor-parallel ranks (worker processes); with `--remote-url` a
+third also share a Redis/Valkey store (each run in a namespace of its own).
 
 It found the TensorRT-LLM sliding-window store that read a freed block (docs/benchmarks.md,
 "TensorRT-LLM's trailing stores and a sliding window"). Not part of the test suite: 60 runs take
@@ -39,6 +43,8 @@ def draw(rng: random.Random) -> tuple[list[str], str | None]:
         "--chunk-tokens", str(rng.choice([64, 256, 2048])),
         "--max-batch", str(rng.choice([2, 8, 32])),
     ]
+    if rng.random() < 0.2:
+        args += ["--tp", "2"]
     window = rng.choice([None, None, 17, 48, 64, 100, 256, 1000])
     if window:
         args += ["--sliding-window", str(window)]
@@ -56,11 +62,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", type=int, default=60)
     ap.add_argument("--bin", default="target/debug/kvbm")
+    ap.add_argument("--remote-url", default="",
+                    help="a Redis/Valkey URL: a third of the runs also use it as the shared tier")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     bad = 0
     for _ in range(a.runs):
         args, faults = draw(rng)
+        if a.remote_url and rng.random() < 0.33:
+            args += ["--remote-url", a.remote_url]
         env = dict(os.environ)
         env.pop("KVBM_REPLAY_FAULTS", None)
         if faults:
@@ -68,6 +78,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as d:
             report = os.path.join(d, "report.json")
             env["KVBM_DISK_CACHE_DIR"] = d
+            env["KVBM_REMOTE_NAMESPACE"] = "fuzz-" + os.path.basename(d)
             cmd = [a.bin, "replay", "--quiet", *args, "--report", report]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             s = json.load(open(report))["summary"] if os.path.exists(report) else None
