@@ -2,7 +2,8 @@
 
 Each run draws the engine's call order (vLLM or TensorRT-LLM), the workload and its seed, the
 request count, block size, device / host / disk blocks, the device prefix cache, the chunk size,
-the batch size, a sliding window (or none) and a storage fault plan (or none), runs the replay
+the batch size, a sliding window or several KV-cache groups (`--layer-groups`, or neither) and
+a storage fault plan (or none), runs the replay
 and checks that it exits 0 with `integrity_errors` 0 (a load error is fine: the engine recomputes
 the block; a wrong byte never is). A failing run prints its whole command line, faults included,
 so it can be rerun as it is (the replay is deterministic).
@@ -45,8 +46,11 @@ def draw(rng: random.Random) -> tuple[list[str], str | None]:
     ]
     if rng.random() < 0.2:
         args += ["--tp", "2"]
-    window = rng.choice([None, None, 17, 48, 64, 100, 256, 1000])
-    if window:
+    window = rng.choice([None, None, 17, 48, 64, 100, 256, 1000, "groups", "groups"])
+    if window == "groups":
+        kinds = ["full", "sliding:17", "sliding:48", "sliding:64", "sliding:256"]
+        args += ["--layer-groups", ",".join(rng.choice(kinds) for _ in range(rng.choice([2, 3])))]
+    elif window:
         args += ["--sliding-window", str(window)]
     faults = rng.choice([
         None,

@@ -1820,6 +1820,123 @@ fn replay_with_a_sliding_window_over_two_ranks_stores_only_windows() {
     );
 }
 
+/// A hybrid model (issue 25 item 5): several KV-cache groups, each with its own block table
+/// over the one device pool and its own KV bytes (a block onboarded into another group's place
+/// fails verification), in both engines' call orders (vLLM's per-group block lists, TensorRT-LLM's
+/// `*_by_layer_group` calls) and over two ranks. Every onboarded block of every group is
+/// verified; a hit is served by every group (more blocks verified than the full group's alone);
+/// sliding groups store only their windows (fewer blocks offloaded than the same number of full
+/// groups).
+#[test]
+fn replay_of_a_hybrid_model_serves_every_group_in_both_call_orders() {
+    let dir = tmp();
+    let run = |framework: &str, groups: &str, extra: &[&str]| -> Value {
+        let name = format!(
+            "hybrid-{framework}-{}-{}.json",
+            groups.replace([',', ':'], "_"),
+            extra.len()
+        );
+        let report = dir.path().join(&name);
+        let out = kvbm(dir.path())
+            .args(["replay", "--framework", framework, "--layer-groups", groups])
+            .args(extra)
+            .args([
+                "--block-size",
+                "16",
+                "--requests",
+                "120",
+                "--host-blocks",
+                "4096",
+                "--disk-blocks",
+                "0",
+                "--quiet",
+                "--report",
+            ])
+            .arg(&report)
+            .output()
+            .expect("run kvbm");
+        assert_ok(&out, &name);
+        let r = read_report(&report);
+        check_report_invariants(&r, &name);
+        let s = r["summary"].clone();
+        assert_eq!(u(&s["integrity_errors"]), 0, "{name}: {s}");
+        assert_eq!(u(&s["load_errors"]), 0, "{name}: {s}");
+        s
+    };
+    let offloaded = |s: &Value| -> usize {
+        s["offloaded"]
+            .as_array()
+            .expect("offloaded")
+            .iter()
+            .find(|t| t["path"] == "device->host")
+            .map_or(0, |t| u(&t["blocks"]))
+    };
+    for framework in ["vllm", "trtllm"] {
+        let hybrid = run(framework, "full,sliding:64", &[]);
+        let what = format!("{framework} full,sliding:64");
+        let (verified, matched) = (u(&hybrid["blocks_verified"]), u(&hybrid["matched_tokens"]));
+        assert!(matched > 0, "{what}: {hybrid}");
+        // The full group alone loads matched / 16 blocks; the sliding group adds its windows.
+        assert!(
+            verified * 16 > matched,
+            "{what}: every group is loaded: {hybrid}"
+        );
+        let two_full = run(framework, "full,full", &[]);
+        assert!(
+            offloaded(&hybrid) < offloaded(&two_full),
+            "{what}: a sliding group stores its windows only: {} blocks offloaded, {} with two full groups",
+            offloaded(&hybrid),
+            offloaded(&two_full)
+        );
+        let three = run(framework, "sliding:48,full,sliding:128", &[]);
+        assert!(
+            u(&three["matched_tokens"]) > 0,
+            "{framework} three groups: {three}"
+        );
+    }
+    let tp = run("vllm", "full,sliding:64", &["--tp", "2"]);
+    assert_eq!(u(&tp["tp"]), 2, "{tp}");
+    assert_eq!(u(&tp["rank_failures"]), 0, "{tp}");
+    assert!(u(&tp["blocks_verified"]) > 0, "{tp}");
+}
+
+/// `--layer-groups` answers a kind it does not know, too many groups, and a clash with
+/// `--sliding-window` by name, before anything runs.
+#[test]
+fn layer_groups_bad_input_is_refused_by_name() {
+    let dir = tmp();
+    let refused = |args: &[&str]| -> String {
+        let out = kvbm(dir.path())
+            .args(["replay", "--requests", "4"])
+            .args(args)
+            .output()
+            .expect("run kvbm");
+        assert!(!out.status.success(), "{args:?} was accepted");
+        text(&out.stderr)
+    };
+    let err = refused(&["--layer-groups", "full,chunked:4"]);
+    assert!(
+        err.contains("chunked:4") && err.contains("group=1") && err.contains("--layer-groups"),
+        "{err}"
+    );
+    let err = refused(&["--layer-groups", "full,sliding:0"]);
+    assert!(
+        err.contains("sliding:0") && err.contains("group=1"),
+        "{err}"
+    );
+    let many = vec!["full"; 65].join(",");
+    let err = refused(&["--layer-groups", &many]);
+    assert!(
+        err.contains("65 groups") && err.contains("at most 64"),
+        "{err}"
+    );
+    let err = refused(&["--layer-groups", "full", "--sliding-window", "64"]);
+    assert!(
+        err.contains("--sliding-window") && err.contains("--layer-groups"),
+        "{err}"
+    );
+}
+
 // ------------------------------------------------------------------------------------------------
 // Flags answered at once and by name (issue 26 item 6)
 // ------------------------------------------------------------------------------------------------

@@ -420,12 +420,22 @@ mod replay {
         assert!(s["load_errors"].as_u64().unwrap_or(0) > 0, "{s}");
     }
 
-    /// A sliding-window model (issue 25 item 2) in both engines' call orders: host reads fail at
-    /// random, the failed blocks are recomputed, and every onboarded byte is the model's (the
-    /// null block / `BAD_PAGE_INDEX` before a window is never loaded or reported failed).
+    /// A sliding-window model (issue 25 item 2) and a hybrid one (a full, a sliding and a full
+    /// group: a position whose block failed in any group is recomputed in all) in both engines'
+    /// call orders: host reads fail at random, the failed blocks are recomputed, and every
+    /// onboarded byte is the model's (the null block / `BAD_PAGE_INDEX` before a window is never
+    /// loaded or reported failed).
     #[test]
     fn failed_loads_of_a_sliding_window_model_are_recomputed_in_both_call_orders() {
-        for framework in ["vllm", "trtllm"] {
+        let models: [[&str; 2]; 2] = [
+            ["--sliding-window", "128"],
+            ["--layer-groups", "full,sliding:64,full"],
+        ];
+        for (framework, model) in ["vllm", "trtllm"]
+            .into_iter()
+            .flat_map(|f| models.iter().map(move |m| (f, m)))
+        {
+            let what = format!("{framework} {}", model.join(" "));
             let dir = tempfile::tempdir().unwrap();
             let out = run_with(
                 dir.path(),
@@ -434,8 +444,8 @@ mod replay {
                 &[
                     "--framework",
                     framework,
-                    "--sliding-window",
-                    "128",
+                    model[0],
+                    model[1],
                     "--block-size",
                     "16",
                     "--requests",
@@ -446,11 +456,8 @@ mod replay {
                     "0",
                 ],
             );
-            let s = summary(dir.path(), &out, framework);
-            assert!(
-                s["load_errors"].as_u64().unwrap_or(0) > 0,
-                "{framework}: {s}"
-            );
+            let s = summary(dir.path(), &out, &what);
+            assert!(s["load_errors"].as_u64().unwrap_or(0) > 0, "{what}: {s}");
         }
     }
 

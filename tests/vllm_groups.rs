@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::connector::groups::{AttentionKind, KvCacheGroups};
+use kvbm_connector::connector::metadata::ConnectorMetadata;
 use kvbm_connector::connector::transport::in_process;
 use kvbm_connector::frameworks::vllm::{
     NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
@@ -52,6 +53,8 @@ struct Rig {
     sched: VllmScheduler,
     worker: VllmWorker,
     device: Arc<MemoryTier>,
+    /// Every step's metadata, as the workers decoded it.
+    metas: Vec<ConnectorMetadata>,
 }
 
 fn rig(groups: usize) -> Rig {
@@ -85,6 +88,7 @@ fn rig_with(groups: KvCacheGroups) -> Rig {
         sched,
         worker,
         device,
+        metas: Vec::new(),
     }
 }
 
@@ -102,6 +106,7 @@ impl Rig {
     /// One engine step: metadata, the worker's calls, and its report.
     fn step(&mut self, out: &SchedulerOutput) -> (HashSet<String>, HashSet<String>) {
         let bytes = self.sched.build_connector_meta(out).unwrap();
+        self.metas.push(ConnectorMetadata::decode(&bytes).unwrap());
         self.worker.bind_connector_metadata(&bytes).unwrap();
         self.worker.start_load_kv().unwrap();
         self.worker.save_kv_layer("l0").unwrap();
@@ -422,4 +427,60 @@ fn one_sliding_group_marks_shared_prefixes_and_refuses_a_real_block_before_the_w
     load(&mut r, "d", &d, &[table], 20);
     assert_eq!(r.device.read_block_to_vec(21).unwrap(), image(0, 3));
     assert_eq!(r.device.read_block_to_vec(22).unwrap(), image(0, 4));
+}
+
+/// The metadata of a hybrid request (issue 25 item 5), pinned: a Gemma 2 style model (group 0
+/// sliding over 8 tokens, group 1 full) computes request `a` (12 tokens, 3 blocks a group), then
+/// request `b` shares its first 8 tokens. Each group travels as a request of its own (`a`, and
+/// `a` + `GROUP_SEP` + `1`), with its own keys (salted per group) and block ids; the sliding
+/// group stores only what a later hit can use and loads only the window before the hit, never
+/// the null block. A change to what any group stores, loads or how it is named shows here.
+#[test]
+fn a_hybrid_requests_metadata() {
+    let mut r = rig_with(
+        KvCacheGroups::new(vec![
+            AttentionKind::SlidingWindow { tokens: 8 },
+            AttentionKind::Full,
+        ])
+        .unwrap(),
+    );
+    let a: Vec<u32> = (100..112).collect();
+    let blocks_a = vec![vec![1, 2, 3], vec![4, 5, 6]];
+    r.sched
+        .get_num_new_matched_tokens(&req("a", &a, 0), 0)
+        .unwrap();
+    r.sched
+        .update_state_after_alloc(&req("a", &a, 0), &blocks_a, 0)
+        .unwrap();
+    let mut out = SchedulerOutput::default();
+    out.scheduled_new_reqs.push(NewRequestData {
+        req_id: "a".into(),
+        prompt_token_ids: a.clone(),
+        first_token_index: 0,
+        block_ids: blocks_a.clone(),
+        num_computed_tokens: 0,
+    });
+    out.num_scheduled_tokens.insert("a".into(), a.len());
+    r.step(&out);
+    r.sched.request_finished(&req("a", &a, 12), &[]).unwrap();
+    let mut out = SchedulerOutput::default();
+    out.finished_req_ids.insert("a".into());
+    r.step(&out);
+
+    let mut b: Vec<u32> = a[..8].to_vec();
+    b.extend(900..903);
+    let (ext, _) = r
+        .sched
+        .get_num_new_matched_tokens(&req("b", &b, 0), 0)
+        .unwrap();
+    assert_eq!(ext, Some(8));
+    r.sched
+        .update_state_after_alloc(&req("b", &b, 8), &[vec![0, 11, 12], vec![13, 14, 15]], 8)
+        .unwrap();
+    r.step(&SchedulerOutput::default());
+    assert!(r.worker.get_block_ids_with_load_errors().is_empty());
+    let mut settings = insta::Settings::clone_current();
+    settings.set_snapshot_path("../snapshots");
+    settings.set_prepend_module_to_snapshot(false);
+    settings.bind(|| insta::assert_yaml_snapshot!("vllm__hybrid_request", r.metas));
 }

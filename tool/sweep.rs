@@ -217,7 +217,7 @@ fn run_point(a: &ReplayArgs, p: &Plan, disk_dir: &Path) -> Result<Point> {
     ra.quiet = true;
     let mut config = replay_config(&ra)?;
     config.eviction = p.policy;
-    let opts = sim_options(&ra, config);
+    let opts = sim_options(&ra, config)?;
     opts.config
         .block_counts(opts.model_dims()?.bytes_per_block())?;
     let report = simulator::replay(opts, workload_source(&ra)?)?;

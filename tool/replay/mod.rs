@@ -39,6 +39,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use kvbm_connector::config::Config;
+use kvbm_connector::connector::groups::{AttentionKind, MAX_KV_CACHE_GROUPS};
 use kvbm_connector::error::{Error, ErrorKind, Result};
 
 use crate::{ModelArgs, OnOff};
@@ -84,8 +85,20 @@ pub struct ReplayArgs {
     /// `SlidingWindowManager`, TensorRT-LLM's KV cache manager V2 with one sliding layer group:
     /// blocks before a request's window are freed while it runs and held as the null block —
     /// block 0, TensorRT-LLM's `BAD_PAGE_INDEX`; a hit's table is null before its window).
-    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        value_name = "TOKENS",
+        conflicts_with = "layer_groups"
+    )]
     pub sliding_window: Option<usize>,
+    /// The simulated model's KV-cache groups, one attention kind each, in the engine's group
+    /// order: `full` or `sliding:W` (W tokens), e.g. `full,sliding:64` for a model whose layers
+    /// alternate (Gemma 2 style). Each group keeps its own block table over the one device
+    /// pool (vLLM's hybrid KV-cache manager; TensorRT-LLM's layer groups sharing one pool) and
+    /// its own KV bytes; a hit is a token count every group can serve. Default: `full`.
+    #[arg(long, value_name = "KINDS")]
+    pub layer_groups: Option<String>,
     /// Seed of the built-in workload.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub seed: u64,
@@ -233,9 +246,38 @@ pub fn workload_source(a: &ReplayArgs) -> Result<simulator::Source> {
     Ok(simulator::source_of(&list))
 }
 
+/// The KV-cache groups `--layer-groups` (or `--sliding-window`) asks for: `[full]` by default.
+/// Errors name the group and its text: more than
+/// [`MAX_KV_CACHE_GROUPS`](kvbm_connector::connector::groups::MAX_KV_CACHE_GROUPS) groups, or a
+/// kind other than `full` and `sliding:W`.
+pub fn layer_groups(a: &ReplayArgs) -> Result<Vec<AttentionKind>> {
+    if let Some(tokens) = a.sliding_window {
+        return Ok(vec![AttentionKind::SlidingWindow { tokens }]);
+    }
+    let Some(text) = a.layer_groups.as_deref() else {
+        return Ok(vec![AttentionKind::Full]);
+    };
+    let parts: Vec<&str> = text.split(',').collect();
+    if parts.len() > MAX_KV_CACHE_GROUPS {
+        return Err(Error::invalid_argument(format!(
+            "--layer-groups lists {} groups; at most {MAX_KV_CACHE_GROUPS}",
+            parts.len()
+        ))
+        .with("flag", "--layer-groups"));
+    }
+    parts
+        .iter()
+        .enumerate()
+        .map(|(g, p)| {
+            p.parse::<AttentionKind>()
+                .map_err(|e| e.with("flag", "--layer-groups").with("group", g))
+        })
+        .collect()
+}
+
 /// The simulation options of `a` with this connector configuration.
-pub fn sim_options(a: &ReplayArgs, config: Config) -> SimOptions {
-    SimOptions {
+pub fn sim_options(a: &ReplayArgs, config: Config) -> Result<SimOptions> {
+    Ok(SimOptions {
         framework: a.framework,
         block_size: a.model.block_size,
         device_blocks: a.device_blocks,
@@ -251,8 +293,8 @@ pub fn sim_options(a: &ReplayArgs, config: Config) -> SimOptions {
         device: a.device,
         sequential: a.sequential,
         pace: a.pace,
-        sliding_window: a.sliding_window,
-    }
+        groups: layer_groups(a)?,
+    })
 }
 
 /// Host blocks used when neither flags nor configuration size the host tier.
@@ -292,7 +334,7 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
     let config = replay_config(a)?;
     let workload = workload_source(a)?;
     let eviction = config.eviction;
-    let opts = sim_options(a, config);
+    let opts = sim_options(a, config)?;
     // Tier sizes the configuration asks for, checked before anything starts (the error names
     // the setting).
     opts.config

@@ -60,6 +60,9 @@ pub struct WorkerArgs {
     /// What backs the device cache.
     #[arg(long, value_enum, default_value_t = DeviceKind::Memory)]
     pub device: DeviceKind,
+    /// KV-cache groups sharing the device cache (the engine's `--layer-groups` count).
+    #[arg(long, default_value_t = 1)]
+    pub kv_groups: usize,
     /// Configuration file (TOML); the environment still overrides it.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -111,6 +114,7 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
         Shard { rank: a.rank, dims },
         a.device_blocks,
         a.world_size,
+        a.kv_groups,
         transport.clone(),
     )?;
     wait_for(&format!("rank {}", a.rank), deadline, || {
@@ -221,6 +225,7 @@ pub fn replay(opts: SimOptions, workload: Source, topo: &Topology) -> Result<Rep
                 .args(["--dtype-bytes", &m.dtype_bytes.to_string()])
                 .args(["--device-blocks", &opts.device_blocks.to_string()])
                 .args(["--device", &opts.device.to_string()])
+                .args(["--kv-groups", &opts.n_groups().to_string()])
                 .arg("--config")
                 .arg(&config_path)
                 .stdin(Stdio::null())
@@ -303,7 +308,7 @@ fn connect(
         opts.config.clone(),
         opts.block_size,
         leader_transport.clone(),
-        opts.sliding_window,
+        &opts.groups,
     ) {
         Ok(s) => s,
         Err(e) => {

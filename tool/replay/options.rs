@@ -3,6 +3,7 @@
 //! them into block dimensions.
 
 use kvbm_connector::config::Config;
+use kvbm_connector::connector::groups::{AttentionKind, KvCacheGroups};
 use kvbm_connector::error::{Error, ErrorKind, Result};
 use kvbm_connector::layout::LayoutDims;
 
@@ -56,8 +57,11 @@ pub struct SimOptions {
     pub sequential: bool,
     /// Steps take their simulated time in real time (see `kvbm replay --pace`).
     pub pace: bool,
-    /// Every layer attends over this many tokens (vLLM only; see `kvbm replay --sliding-window`).
-    pub sliding_window: Option<usize>,
+    /// The model's KV-cache groups, one attention kind each (`kvbm replay --layer-groups`, or
+    /// `--sliding-window` for one sliding group): `[Full]` for a plain model. Each group has its
+    /// own block table over the shared device pool (vLLM's hybrid manager, TensorRT-LLM's layer
+    /// groups in one pool), and its own KV bytes.
+    pub groups: Vec<AttentionKind>,
 }
 
 fn sim_err(msg: impl Into<String>) -> Error {
@@ -77,10 +81,8 @@ impl SimOptions {
                 "block size, device blocks, max batch, chunk tokens and tp must be at least 1",
             ));
         }
-        if self.sliding_window == Some(0) {
-            return Err(sim_err("--sliding-window must be at least 1 token")
-                .with("flag", "--sliding-window"));
-        }
+        // Between 1 and MAX_KV_CACHE_GROUPS groups, no window of 0 tokens (named by group).
+        KvCacheGroups::new(self.groups.clone()).map_err(|e| e.with("flag", "--layer-groups"))?;
         if !(self.prefill_us_per_token.is_finite() && self.prefill_us_per_token >= 0.0) {
             return Err(sim_err("prefill_us_per_token must be a number >= 0"));
         }
@@ -138,12 +140,28 @@ impl SimOptions {
         Ok(())
     }
 
-    /// Request blocks before the window of `computed` tokens (vLLM's `get_num_skipped_tokens`:
-    /// `computed - window + 1` tokens, whole blocks of them); 0 without a window.
-    pub fn skipped_blocks(&self, computed: usize) -> usize {
-        self.sliding_window.map_or(0, |w| {
-            (computed + 1).saturating_sub(w) / self.block_size.max(1)
-        })
+    /// KV-cache groups (at least 1).
+    pub fn n_groups(&self) -> usize {
+        self.groups.len().max(1)
+    }
+
+    /// True when some group slides: its table holds the null block before the window.
+    pub fn windowed(&self) -> bool {
+        self.groups
+            .iter()
+            .any(|k| matches!(k, AttentionKind::SlidingWindow { .. }))
+    }
+
+    /// Blocks of group `g` before the window of `computed` tokens (vLLM's
+    /// `get_num_skipped_tokens`: `computed - window + 1` tokens, whole blocks of them); 0 for a
+    /// full-attention group.
+    pub fn skipped_blocks(&self, g: usize, computed: usize) -> usize {
+        match self.groups.get(g) {
+            Some(AttentionKind::SlidingWindow { tokens }) => {
+                (computed + 1).saturating_sub(*tokens) / self.block_size.max(1)
+            }
+            _ => 0,
+        }
     }
 
     /// Checks one request against the limits and the device: arriving by [`MAX_ARRIVAL`],

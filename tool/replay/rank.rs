@@ -119,8 +119,10 @@ pub struct RankExecutor {
 
 impl RankExecutor {
     /// Creates the rank's device tier (its shard, laid out as `framework` lays out its cache),
-    /// builds the engine's worker over `transport` and registers the cache (TensorRT-LLM:
+    /// builds the engine's worker (for a model of `groups` KV-cache groups) over `transport` and
+    /// registers the cache (TensorRT-LLM:
     /// blocking; vLLM: non-blocking — the barrier then completes in the background).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         framework: Framework,
         device_kind: DeviceKind,
@@ -128,13 +130,22 @@ impl RankExecutor {
         shard: Shard,
         num_blocks: usize,
         world_size: usize,
+        groups: usize,
         transport: Arc<dyn WorkerTransport>,
     ) -> Result<Self> {
         let engine = engine_of(framework);
         let io_grace = config.transfer.load_timeout();
         let d = shard.dims;
         let (device, gpu) = device_tier(device_kind, engine.cache_layout(d, num_blocks)?)?;
-        let worker = engine.worker(config, d, num_blocks, world_size, transport, device.clone())?;
+        let worker = engine.worker(
+            config,
+            d,
+            num_blocks,
+            world_size,
+            groups,
+            transport,
+            device.clone(),
+        )?;
         Ok(Self {
             scratch: vec![0u8; shard.token_bytes()],
             io_grace,

@@ -40,8 +40,9 @@ pub struct Req {
     pub generated: usize,
     /// Tokens whose KV is on the device (computed, loaded or found in the device cache).
     pub computed: usize,
-    /// Device blocks, in token order.
-    pub blocks: Vec<usize>,
+    /// Device blocks of each KV-cache group, in token order; every group's table has one entry
+    /// per block position (the null block where a sliding window keeps none).
+    pub blocks: Vec<Vec<usize>>,
     /// Where it is.
     pub phase: Phase,
     /// Engine step of its arrival.
@@ -66,6 +67,11 @@ pub struct Req {
 }
 
 impl Req {
+    /// Block positions in its tables (the same in every group).
+    pub fn table_len(&self) -> usize {
+        self.blocks.first().map_or(0, Vec::len)
+    }
+
     /// Appends a token and its prefix hash.
     pub fn push_token(&mut self, t: u32) {
         let h = self.prefix.last().copied().unwrap_or(PREFIX_HASH_SEED);

@@ -85,7 +85,9 @@ impl<A: SchedulerAdapter> Leader<A> {
     /// full-attention groups first, whose smallest hit caps the sliding-window groups', which
     /// are matched again at a lower cap until every group serves the same hit. The full groups'
     /// stagings are trimmed to it. Counted once in the lookup metrics. `host_tokens`,
-    /// `disk_tokens` and `remote_tokens` add up what each group loads.
+    /// `disk_tokens` and `remote_tokens` split the hit's tokens (they add up to it, as for one
+    /// group) in the proportion the groups load from each tier: a sliding group loads only its
+    /// window, and several groups load the same token once each.
     ///
     /// One full-attention group is the plain match. Errors: a request id that contains
     /// [`GROUP_SEP`](crate::connector::groups::GROUP_SEP); a sliding-window group on an engine
@@ -205,18 +207,60 @@ impl<A: SchedulerAdapter> Leader<A> {
             }
         }
         let mut out = MatchResult::NONE;
+        let mut loads = [0usize; 3];
         for m in &got {
             out.external_tokens = m.external_tokens;
             out.load_async |= m.load_async;
-            out.host_tokens += m.host_tokens;
-            out.disk_tokens += m.disk_tokens;
-            out.remote_tokens += m.remote_tokens;
+            loads[0] += m.host_tokens;
+            loads[1] += m.disk_tokens;
+            loads[2] += m.remote_tokens;
         }
+        [out.host_tokens, out.disk_tokens, out.remote_tokens] =
+            split_tokens(out.external_tokens, loads);
         let total = request.tokens.len() + first_token;
         self.metrics
             .record_lookup(total as u64, out.external_tokens as u64);
         out.pending = pending;
         self.last_match = out;
         Ok(out)
+    }
+}
+
+/// Splits `hit` tokens across (host, disk, remote) in proportion to `loads`, what the groups
+/// load from each tier, so that they add up to `hit` exactly (the rounding remainder goes to the
+/// tier that loads the most). One group's split, which already adds up to its hit, is returned
+/// as it is.
+fn split_tokens(hit: usize, loads: [usize; 3]) -> [usize; 3] {
+    let total: u128 = loads.iter().map(|&x| x as u128).sum();
+    if hit == 0 || total == 0 {
+        return [0; 3];
+    }
+    let mut out = [0usize; 3];
+    for (o, &l) in out.iter_mut().zip(&loads) {
+        // At most `hit`: l <= total.
+        *o = usize::try_from(hit as u128 * l as u128 / total).unwrap_or(hit);
+    }
+    let rest = hit.saturating_sub(out.iter().sum());
+    if let Some(most) = (0..3).max_by_key(|&i| loads[i]) {
+        out[most] += rest;
+    }
+    out
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::split_tokens;
+
+    #[test]
+    fn a_hits_tokens_are_split_by_what_the_groups_load() {
+        // One group: its own split.
+        assert_eq!(split_tokens(96, [64, 32, 0]), [64, 32, 0]);
+        // A full group (96 from host) and a sliding one (its 32-token window from disk).
+        assert_eq!(split_tokens(96, [96, 32, 0]), [72, 24, 0]);
+        // Rounding: the remainder to the largest share; always adds up.
+        let s = split_tokens(100, [1, 1, 1]);
+        assert_eq!(s.iter().sum::<usize>(), 100);
+        assert_eq!(split_tokens(0, [5, 0, 0]), [0, 0, 0]);
+        assert_eq!(split_tokens(16, [0, 0, 0]), [0, 0, 0]);
     }
 }

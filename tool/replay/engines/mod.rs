@@ -29,6 +29,7 @@ use kvbm_connector::backends::faults::{FaultPlan, FaultyTiers, FAULTS_ENV};
 use kvbm_connector::backends::StandardTiers;
 use kvbm_connector::config::Config;
 use kvbm_connector::connector::adapter::SchedulerAdapter;
+use kvbm_connector::connector::groups::AttentionKind;
 use kvbm_connector::connector::leader::{Leader, LeaderStatus, MatchResult};
 use kvbm_connector::connector::lifecycle::RequestState;
 use kvbm_connector::connector::metrics::MetricsSnapshot;
@@ -72,27 +73,31 @@ pub trait SimEngine: Sync {
     /// non-blocking, then the scheduler blocking); false for the other order (TensorRT-LLM).
     fn workers_first(&self) -> bool;
 
-    /// Starts the scheduler side over the leader's `transport`; `window`: every layer attends
-    /// over that many tokens (`--sliding-window`; vLLM only, refused before this).
+    /// Starts the scheduler side over the leader's `transport`, for a model whose KV-cache
+    /// groups are `groups` (`--layer-groups`; `[Full]` for a plain model).
     fn scheduler(
         &self,
         config: Config,
         block_size: usize,
         transport: Arc<dyn LeaderTransport>,
-        window: Option<usize>,
+        groups: &[AttentionKind],
     ) -> Result<Box<dyn SchedulerSide>>;
 
     /// The layout of one rank's device cache of `blocks` blocks of `dims`.
     fn cache_layout(&self, dims: LayoutDims, blocks: usize) -> Result<Layout>;
 
     /// Starts one rank's worker over `transport` and registers `device` (of `blocks` blocks of
-    /// `dims`, laid out as [`SimEngine::cache_layout`] says) as the engine registers its cache.
+    /// `dims`, laid out as [`SimEngine::cache_layout`] says) as the engine registers its cache;
+    /// `groups` KV-cache groups share it (layer `l` of every group is a view of the same
+    /// memory, a block belonging to one group at a time).
+    #[allow(clippy::too_many_arguments)]
     fn worker(
         &self,
         config: Config,
         dims: LayoutDims,
         blocks: usize,
         world_size: usize,
+        groups: usize,
         transport: Arc<dyn WorkerTransport>,
         device: Arc<dyn StorageTier>,
     ) -> Result<Box<dyn WorkerSide>>;

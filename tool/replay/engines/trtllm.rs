@@ -40,21 +40,22 @@ impl SimEngine for TensorRtLlm {
         config: Config,
         block_size: usize,
         transport: Arc<dyn LeaderTransport>,
-        window: Option<usize>,
+        groups: &[AttentionKind],
     ) -> Result<Box<dyn SchedulerSide>> {
         let mut sched = TrtllmScheduler::new(config, block_size, transport)?;
-        if let Some(tokens) = window {
-            // One layer group whose layers all slide (KV cache manager V2): matched and stored by
-            // its window; the pages before it are BAD_PAGE_INDEX in the block lists.
-            sched.set_layer_groups(KvCacheGroups::new(vec![AttentionKind::SlidingWindow {
-                tokens,
-            }])?)?;
+        if groups != [AttentionKind::Full] {
+            // Layer groups in one pool (KV cache manager V2), each matched and stored by its
+            // kind; a sliding group's pages before its window are BAD_PAGE_INDEX in its list.
+            sched.set_layer_groups(KvCacheGroups::new(groups.to_vec())?)?;
         }
         Ok(Box::new(Scheduler {
             sched,
             new_saving: Vec::new(),
             new_loading: Vec::new(),
-            windowed: window.is_some(),
+            windowed: groups
+                .iter()
+                .any(|k| matches!(k, AttentionKind::SlidingWindow { .. })),
+            groups: groups.len(),
         }))
     }
 
@@ -68,11 +69,16 @@ impl SimEngine for TensorRtLlm {
         d: LayoutDims,
         blocks: usize,
         world_size: usize,
+        groups: usize,
         transport: Arc<dyn WorkerTransport>,
         device: Arc<dyn StorageTier>,
     ) -> Result<Box<dyn WorkerSide>> {
         let mut w = TrtllmWorker::new(config, d.page_size, world_size, transport)?;
         w.worker_mut().set_tier_factory(super::tier_factory()?)?;
+        if groups > 1 {
+            // Every group's layers are views of the one registered pool.
+            w.set_layer_groups(groups, d.num_layers)?;
+        }
         w.register_kv_caches(
             &[blocks, d.num_layers, 2, d.page_size * d.inner_dim],
             d.dtype_bytes,
@@ -91,9 +97,19 @@ struct Scheduler {
     new_loading: Vec<u64>,
     /// A sliding window: the simulator's null block is TensorRT-LLM's `BAD_PAGE_INDEX`.
     windowed: bool,
+    /// Layer groups (more than one: the `*_by_layer_group` calls).
+    groups: usize,
 }
 
 impl Scheduler {
+    /// Every group's page list from block position `from` on.
+    fn lists(&self, r: &Req, from: usize) -> Vec<Vec<usize>> {
+        r.blocks
+            .iter()
+            .map(|t| self.pages(&t[from.min(t.len())..]))
+            .collect()
+    }
+
     /// A block list as TensorRT-LLM passes it: with a window, no page before it.
     fn pages(&self, blocks: &[usize]) -> Vec<usize> {
         if !self.windowed {
@@ -162,10 +178,12 @@ impl SchedulerSide for Scheduler {
     ) -> Result<()> {
         // TensorRT-LLM calls it once per admission and passes no count.
         let req = llm_request(r);
-        let pages = self.pages(&r.blocks);
+        let lists = self.lists(r, 0);
+        let by_group = self.groups > 1;
         let sched = &mut self.sched;
-        timings.time("update_state_after_alloc", || {
-            sched.update_state_after_alloc(&req, &pages)
+        timings.time("update_state_after_alloc", || match lists.first() {
+            Some(pages) if !by_group => sched.update_state_after_alloc(&req, pages),
+            _ => sched.update_state_after_alloc_by_layer_group(&req, &lists),
         })
     }
 
@@ -197,15 +215,21 @@ impl SchedulerSide for Scheduler {
             } else {
                 r.computed
             };
+            let mut lists = self.lists(r, r.sent_blocks);
+            let (new_block_ids, new_block_ids_by_layer_group) = if self.groups > 1 {
+                (Vec::new(), lists)
+            } else {
+                (lists.pop().unwrap_or_default(), Vec::new())
+            };
             let data = RequestData {
                 request_id: r.num_id,
                 new_tokens: r.tokens[r.sent_tokens..].to_vec(),
-                new_block_ids: self.pages(&r.blocks[r.sent_blocks.min(r.blocks.len())..]),
+                new_block_ids,
                 computed_position,
-                new_block_ids_by_layer_group: Vec::new(),
+                new_block_ids_by_layer_group,
             };
             r.sent_tokens = r.tokens.len();
-            r.sent_blocks = r.blocks.len();
+            r.sent_blocks = r.table_len();
             if is_new {
                 out.new_requests.push(data);
             } else {
@@ -218,9 +242,13 @@ impl SchedulerSide for Scheduler {
 
     fn request_finished(&mut self, r: &Req, timings: &mut Timings) -> Result<bool> {
         let req = llm_request(r);
-        let pages = self.pages(&r.blocks);
+        let lists = self.lists(r, 0);
+        let by_group = self.groups > 1;
         let sched = &mut self.sched;
-        let held = timings.time("request_finished", || sched.request_finished(&req, &pages))?;
+        let held = timings.time("request_finished", || match lists.first() {
+            Some(pages) if !by_group => sched.request_finished(&req, pages),
+            _ => sched.request_finished_by_layer_group(&req, &lists),
+        })?;
         if held {
             self.new_saving.push(r.num_id);
         }

@@ -44,14 +44,13 @@ impl SimEngine for Vllm {
         config: Config,
         block_size: usize,
         transport: Arc<dyn LeaderTransport>,
-        window: Option<usize>,
+        groups: &[AttentionKind],
     ) -> Result<Box<dyn SchedulerSide>> {
         let mut sched = VllmScheduler::new(config, block_size, transport)?;
-        if let Some(tokens) = window {
-            // One KV-cache group whose layers all slide: matched and stored by its window.
-            sched.set_kv_cache_group_kinds(KvCacheGroups::new(vec![
-                AttentionKind::SlidingWindow { tokens },
-            ])?)?;
+        if groups != [AttentionKind::Full] {
+            // The hybrid KV-cache manager's groups (or one group whose layers all slide): each
+            // matched and stored by its kind.
+            sched.set_kv_cache_group_kinds(KvCacheGroups::new(groups.to_vec())?)?;
         }
         Ok(Box::new(Scheduler {
             sched,
@@ -71,12 +70,14 @@ impl SimEngine for Vllm {
         d: LayoutDims,
         blocks: usize,
         world_size: usize,
+        groups: usize,
         transport: Arc<dyn WorkerTransport>,
         device: Arc<dyn StorageTier>,
     ) -> Result<Box<dyn WorkerSide>> {
         let layer_names: Vec<String> = (0..d.num_layers).map(layer_name).collect();
         let mut w = VllmWorker::new(config, d.page_size, world_size, transport)?;
         w.worker_mut().set_tier_factory(super::tier_factory()?)?;
+        w.set_kv_cache_groups(groups)?;
         let layers: Vec<(String, Vec<usize>)> = layer_names
             .iter()
             .map(|n| (n.clone(), vec![2, blocks, d.page_size, d.inner_dim]))
@@ -153,10 +154,9 @@ impl SchedulerSide for Scheduler {
         timings: &mut Timings,
     ) -> Result<()> {
         let req = request(r, r.computed);
-        let groups = [r.blocks.clone()];
         let sched = &mut self.sched;
         timings.time("update_state_after_alloc", || {
-            sched.update_state_after_alloc(&req, &groups, external)
+            sched.update_state_after_alloc(&req, &r.blocks, external)
         })
     }
 
@@ -192,12 +192,12 @@ impl SchedulerSide for Scheduler {
             out.num_scheduled_tokens.insert(r.id.clone(), n);
             if !r.announced {
                 r.announced = true;
-                r.sent_blocks = r.blocks.len();
+                r.sent_blocks = r.table_len();
                 out.scheduled_new_reqs.push(NewRequestData {
                     req_id: r.id.clone(),
                     prompt_token_ids: r.tokens.clone(),
                     first_token_index: 0,
-                    block_ids: vec![r.blocks.clone()],
+                    block_ids: r.blocks.clone(),
                     num_computed_tokens: r.computed,
                 });
             } else {
@@ -207,12 +207,17 @@ impl SchedulerSide for Scheduler {
                 let lo = r.computed.min(r.tokens.len());
                 let hi = (r.computed + n).min(r.tokens.len());
                 c.new_token_ids.push(r.tokens[lo..hi].to_vec());
-                let new_blocks = r.blocks[r.sent_blocks.min(r.blocks.len())..].to_vec();
-                r.sent_blocks = r.blocks.len();
-                c.new_block_ids.push(if new_blocks.is_empty() {
+                let from = r.sent_blocks.min(r.table_len());
+                r.sent_blocks = r.table_len();
+                c.new_block_ids.push(if from == r.table_len() {
                     None
                 } else {
-                    Some(vec![new_blocks])
+                    Some(
+                        r.blocks
+                            .iter()
+                            .map(|t| t[from.min(t.len())..].to_vec())
+                            .collect(),
+                    )
                 });
                 c.num_computed_tokens.push(r.computed);
             }
@@ -226,7 +231,7 @@ impl SchedulerSide for Scheduler {
         let req = request(r, r.computed);
         let sched = &mut self.sched;
         let (held, _) = timings.time("request_finished", || {
-            sched.request_finished(&req, &r.blocks)
+            sched.request_finished(&req, r.blocks.first().map_or(&[][..], Vec::as_slice))
         })?;
         self.finished_last_step.insert(r.id.clone());
         Ok(held)

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use kvbm_connector::error::{Error, Result};
 
-use super::Simulator;
+use super::{group_hash, Simulator};
 use crate::replay::messages::{BlockWrite, StepCommand, StepReply, Verify};
 use crate::replay::request::Phase;
 
@@ -39,20 +39,24 @@ impl Simulator {
         let mut writes = Vec::new();
         for (&(i, n), &before) in scheduled.iter().zip(computed_before) {
             let r = &self.reqs[i];
-            let mut p = before;
-            while p < before + n {
-                let k = p / bs;
-                let upto = ((k + 1) * bs).min(before + n);
-                let block = *r
-                    .blocks
-                    .get(k)
-                    .ok_or_else(|| Error::internal("a scheduled token has no device block"))?;
-                writes.push(BlockWrite {
-                    block,
-                    first_slot: p % bs,
-                    hashes: r.prefix[p..upto].to_vec(),
-                });
-                p = upto;
+            for (g, table) in r.blocks.iter().enumerate() {
+                let mut p = before;
+                while p < before + n {
+                    let k = p / bs;
+                    let upto = ((k + 1) * bs).min(before + n);
+                    let block = *table
+                        .get(k)
+                        .ok_or_else(|| Error::internal("a scheduled token has no device block"))?;
+                    writes.push(BlockWrite {
+                        block,
+                        first_slot: p % bs,
+                        hashes: r.prefix[p..upto]
+                            .iter()
+                            .map(|&h| group_hash(h, g))
+                            .collect(),
+                    });
+                    p = upto;
+                }
             }
         }
         let (finished, started_loading) = if report {
@@ -215,21 +219,34 @@ impl Simulator {
         };
         let mut first_bad: Option<usize> = None;
         let mut check = Verify::default();
+        let windowed = self.opts.windowed();
+        // Positions with a failed block in any group: the request recomputes from the first.
+        let mut failed = 0;
         for k in first..first + count {
-            let block = self.reqs[i].blocks[k];
-            if self.opts.sliding_window.is_some() && block == super::schedule::NULL_BLOCK {
-                // Before the window: nothing was loaded, nothing is needed.
-                continue;
+            for table in &self.reqs[i].blocks {
+                let block = table.get(k).copied().unwrap_or(super::schedule::NULL_BLOCK);
+                if windowed && block == super::schedule::NULL_BLOCK {
+                    continue;
+                }
+                if errors.contains(&block) {
+                    first_bad.get_or_insert(k);
+                    failed += 1;
+                }
             }
-            if errors.contains(&block) {
-                first_bad.get_or_insert(k);
-                self.reqs[i].report.load_errors += 1;
-                continue;
-            }
-            if first_bad.is_none() {
-                check
-                    .blocks
-                    .push((block, self.reqs[i].prefix[k * bs..(k + 1) * bs].to_vec()));
+        }
+        self.reqs[i].report.load_errors += failed;
+        let good_end = first_bad.unwrap_or(first + count);
+        for (g, table) in self.reqs[i].blocks.iter().enumerate() {
+            for (k, &block) in table.iter().enumerate().take(good_end).skip(first) {
+                if windowed && block == super::schedule::NULL_BLOCK {
+                    // Before the window: nothing was loaded, nothing is needed.
+                    continue;
+                }
+                let hashes = self.reqs[i].prefix[k * bs..(k + 1) * bs]
+                    .iter()
+                    .map(|&h| group_hash(h, g))
+                    .collect();
+                check.blocks.push((block, hashes));
             }
         }
         // Every live rank compares its shard of each onboarded block with the model's KV.

@@ -132,17 +132,11 @@ impl Simulator {
                 shard,
                 opts.device_blocks,
                 1,
+                opts.n_groups(),
                 wt,
             )
         };
-        let scheduler = || {
-            engine.scheduler(
-                opts.config.clone(),
-                opts.block_size,
-                lt,
-                opts.sliding_window,
-            )
-        };
+        let scheduler = || engine.scheduler(opts.config.clone(), opts.block_size, lt, &opts.groups);
         let (sched, rank) = if engine.workers_first() {
             let rank = executor()?;
             (scheduler()?, rank)
@@ -178,11 +172,12 @@ impl Simulator {
         opts.check_workload(&[])?;
         let n = opts.device_blocks;
         let mut engine = Self {
-            // vLLM's block 0 is its null block, which the connector never reads or writes.
+            // vLLM's block 0 is its null block, which the connector never reads or writes (and
+            // with a sliding window it stands for TensorRT-LLM's BAD_PAGE_INDEX too).
             pool: DevicePool::new(
                 n,
                 opts.device_prefix_cache,
-                usize::from(opts.framework == Framework::Vllm),
+                usize::from(opts.framework == Framework::Vllm || opts.windowed()),
             ),
             hasher: BlockHasher::new(opts.config.hash, Salt::NONE),
             sched,
@@ -264,7 +259,7 @@ impl Simulator {
             max_tokens: r.max_tokens.max(1),
             generated: 0,
             computed: 0,
-            blocks: Vec::new(),
+            blocks: vec![Vec::new(); self.opts.n_groups()],
             phase: Phase::Waiting,
             arrival: r.arrival,
             arrival_clock_us: self.clock_us,
@@ -317,13 +312,17 @@ impl Simulator {
         })
     }
 
-    fn keys(&self, i: usize, blocks: usize) -> Vec<u128> {
+    /// The device prefix cache's keys of request `i`'s first `blocks` blocks in KV-cache group
+    /// `g` (group 0 the plain sequence hashes; other groups salted, so groups never share a
+    /// cached block).
+    fn keys(&self, i: usize, g: usize, blocks: usize) -> Vec<u128> {
         let bs = self.opts.block_size;
         let r = &self.reqs[i];
         let n = (blocks * bs).min(r.tokens.len());
+        let salt = (g as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
         self.hasher
             .sequence_hashes(&r.tokens[..n], bs)
-            .map(|v| v.into_iter().map(|k| k.0).collect())
+            .map(|v| v.into_iter().map(|k| k.0 ^ salt).collect())
             .unwrap_or_default()
     }
 
@@ -387,7 +386,7 @@ impl Simulator {
                             r.phase,
                             r.computed,
                             r.tokens.len(),
-                            r.blocks.len(),
+                            r.table_len(),
                             r.loading,
                             r.loaded,
                             self.sched.leader().state_of(&self.sched.request_id(r))
@@ -621,4 +620,18 @@ impl Simulator {
 /// Runs a replay in one process (leader and one worker over the in-process transport).
 pub fn replay(opts: SimOptions, workload: Source) -> Result<Report> {
     Simulator::new(opts, workload)?.run()
+}
+
+/// The prefix hash KV-cache group `g`'s bytes of a token are made from: group 0 keeps the
+/// token's own (a one-group model's bytes are unchanged); other groups mix the group in, so two
+/// groups' blocks never hold the same bytes and a block onboarded into the wrong group fails
+/// verification.
+pub(crate) fn group_hash(h: u64, g: usize) -> u64 {
+    if g == 0 {
+        return h;
+    }
+    let mut x = h ^ (g as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }

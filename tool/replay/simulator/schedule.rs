@@ -48,11 +48,27 @@ impl Simulator {
             let n = r.tokens.len();
             // Blocks needed now: vLLM the prompt; TensorRT-LLM prompt and output (no evict).
             let need = self.sched.blocks_at_admission(r, bs);
-            let keys = self.keys(i, n.saturating_sub(1) / bs);
-            let local_blocks = self.pool.lookup(&keys);
-            let fresh = need.saturating_sub(local_blocks.len());
-            if self.pool.available() < fresh {
-                self.pool.release(&local_blocks, &[]);
+            let groups = self.opts.n_groups();
+            // The device prefix cache's hit: the prefix every group holds (each group looks up
+            // its own keys; what one group holds past the shortest goes back, still cached).
+            let mut found: Vec<Vec<usize>> = Vec::with_capacity(groups);
+            for g in 0..groups {
+                let keys = self.keys(i, g, n.saturating_sub(1) / bs);
+                found.push(self.pool.lookup(&keys));
+            }
+            let hit = found.iter().map(Vec::len).min().unwrap_or(0);
+            for (g, f) in found.iter_mut().enumerate() {
+                if f.len() > hit {
+                    let keys = self.keys(i, g, f.len());
+                    self.pool.release(&f[hit..], &keys[hit..]);
+                    f.truncate(hit);
+                }
+            }
+            let fresh = need.saturating_sub(hit);
+            if self.pool.available() < fresh * groups {
+                for f in &found {
+                    self.pool.release(f, &[]);
+                }
                 still.push_back(i);
                 // Keep arrival order: nothing behind this one is admitted this step.
                 while let Some(j) = self.waiting.pop_front() {
@@ -60,39 +76,44 @@ impl Simulator {
                 }
                 break;
             }
-            let local = local_blocks.len() * bs;
+            let local = hit * bs;
             let Some(m) = self.connector_match(i, local)? else {
                 // The connector asks to be asked again (a remote lookup is running): the
                 // request keeps waiting, those behind it may go first (vLLM's skipped queue).
-                self.pool.release(&local_blocks, &[]);
+                for f in &found {
+                    self.pool.release(f, &[]);
+                }
                 self.match_pending += 1;
                 still.push_back(i);
                 continue;
             };
-            // With a sliding window the table holds the null block before the window of what
-            // is computed once the load is in (vLLM's `SlidingWindowManager`): local blocks
+            // A sliding-window group's table holds the null block before the window of what is
+            // computed once the load is in (vLLM's `SlidingWindowManager`): its local blocks
             // there go back to the pool (still cached), and none is allocated there.
-            let skip = self.opts.skipped_blocks(local + m.0);
-            let mut blocks = local_blocks;
-            let early = skip.min(blocks.len());
-            if early > 0 {
-                let keys = self.keys(i, early);
-                let gone: Vec<usize> = blocks[..early].to_vec();
-                self.pool.release(&gone, &keys);
-                blocks[..early].fill(NULL_BLOCK);
-            }
-            for k in blocks.len()..blocks.len() + fresh {
-                if k < skip {
-                    blocks.push(NULL_BLOCK);
-                    continue;
+            let mut tables = Vec::with_capacity(groups);
+            for (g, mut blocks) in found.into_iter().enumerate() {
+                let skip = self.opts.skipped_blocks(g, local + m.0);
+                let early = skip.min(blocks.len());
+                if early > 0 {
+                    let keys = self.keys(i, g, early);
+                    let gone: Vec<usize> = blocks[..early].to_vec();
+                    self.pool.release(&gone, &keys);
+                    blocks[..early].fill(NULL_BLOCK);
                 }
-                match self.pool.alloc() {
-                    Some(b) => blocks.push(b),
-                    None => return Err(Error::internal("device pool ran out after checking")),
+                for k in blocks.len()..blocks.len() + fresh {
+                    if k < skip {
+                        blocks.push(NULL_BLOCK);
+                        continue;
+                    }
+                    match self.pool.alloc() {
+                        Some(b) => blocks.push(b),
+                        None => return Err(Error::internal("device pool ran out after checking")),
+                    }
                 }
+                tables.push(blocks);
             }
             let r = &mut self.reqs[i];
-            r.blocks = blocks;
+            r.blocks = tables;
             r.report.device_hit_tokens += local;
             r.report.matched_tokens += m.0;
             r.report.matched_from.host += m.1;
@@ -167,10 +188,28 @@ impl Simulator {
                 continue;
             }
             let need = (r.computed + n).div_ceil(bs);
+            let computed = r.computed;
             let mut preempted_self = false;
-            while self.reqs[i].blocks.len() < need {
-                if let Some(b) = self.pool.alloc() {
-                    self.reqs[i].blocks.push(b);
+            while self.reqs[i].table_len() < need {
+                // One more block position: a block in every group (the null block in a sliding
+                // group where the window has already passed it), all or none.
+                let pos = self.reqs[i].table_len();
+                let groups = self.opts.n_groups();
+                let real: Vec<bool> = (0..groups)
+                    .map(|g| pos >= self.opts.skipped_blocks(g, computed))
+                    .collect();
+                let wanted = real.iter().filter(|&&x| x).count();
+                if self.pool.available() >= wanted {
+                    for (g, &is_real) in real.iter().enumerate() {
+                        let b = if is_real {
+                            self.pool.alloc().ok_or_else(|| {
+                                Error::internal("device pool ran out after checking")
+                            })?
+                        } else {
+                            NULL_BLOCK
+                        };
+                        self.reqs[i].blocks[g].push(b);
+                    }
                     continue;
                 }
                 // Out of blocks: vLLM preempts the newest running request. (TensorRT-LLM reserved
@@ -211,25 +250,28 @@ impl Simulator {
     }
 
     /// vLLM's `remove_skipped_blocks`: a running request's blocks before its window go back to
-    /// the pool (cached under their keys) and the null block takes their place.
+    /// the pool (cached under their keys) and the null block takes their place, in every
+    /// sliding-window group.
     fn skip_out_of_window(&mut self, i: usize) {
-        let skip = self
-            .opts
-            .skipped_blocks(self.reqs[i].computed)
-            .min(self.reqs[i].blocks.len());
-        if skip == 0 {
-            return;
+        for g in 0..self.opts.n_groups() {
+            let skip = self
+                .opts
+                .skipped_blocks(g, self.reqs[i].computed)
+                .min(self.reqs[i].blocks[g].len());
+            if skip == 0 {
+                continue;
+            }
+            let keys = self.keys(i, g, skip);
+            let blocks: Vec<usize> = self.reqs[i].blocks[g][..skip].to_vec();
+            self.reqs[i].blocks[g][..skip].fill(NULL_BLOCK);
+            self.release_blocks(&blocks, &keys);
         }
-        let keys = self.keys(i, skip);
-        let blocks: Vec<usize> = self.reqs[i].blocks[..skip].to_vec();
-        self.reqs[i].blocks[..skip].fill(NULL_BLOCK);
-        self.release_blocks(&blocks, &keys);
     }
 
     /// Returns `blocks` to the pool, each cached under the key at its position in `keys` (if
     /// any), leaving out the null block, and queues the freed ones to be clobbered.
     fn release_blocks(&mut self, blocks: &[usize], keys: &[u128]) {
-        if self.opts.sliding_window.is_none() {
+        if !self.opts.windowed() {
             self.pool.release(blocks, keys);
             self.to_clobber.extend_from_slice(blocks);
             return;
@@ -244,11 +286,19 @@ impl Simulator {
         }
     }
 
+    /// Returns every group's table of request `i` to the pool, its first `full` blocks cached.
+    fn release_tables(&mut self, i: usize, full: usize) {
+        let tables = std::mem::take(&mut self.reqs[i].blocks);
+        for (g, blocks) in tables.iter().enumerate() {
+            let keys = self.keys(i, g, full);
+            self.release_blocks(blocks, &keys);
+        }
+        self.reqs[i].blocks = vec![Vec::new(); tables.len()];
+    }
+
     fn preempt(&mut self, i: usize) -> Result<()> {
         self.running.retain(|&j| j != i);
-        let keys = self.keys(i, self.reqs[i].computed / self.opts.block_size);
-        let blocks = std::mem::take(&mut self.reqs[i].blocks);
-        self.release_blocks(&blocks, &keys);
+        self.release_tables(i, self.reqs[i].computed / self.opts.block_size);
         let r = &mut self.reqs[i];
         let was_announced = r.announced;
         r.computed = 0;
@@ -308,10 +358,7 @@ impl Simulator {
     /// Returns a finished request's blocks to the pool (full computed ones stay cached).
     pub(super) fn free_request_blocks(&mut self, i: usize) -> Result<()> {
         let bs = self.opts.block_size;
-        let full = self.reqs[i].computed / bs;
-        let keys = self.keys(i, full);
-        let blocks = std::mem::take(&mut self.reqs[i].blocks);
-        self.release_blocks(&blocks, &keys);
+        self.release_tables(i, self.reqs[i].computed / bs);
         Ok(())
     }
 }
