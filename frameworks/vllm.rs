@@ -615,6 +615,15 @@ impl VllmWorker {
         out
     }
 
+    /// Every registered layer's name, in model order (the last one's `save_kv_layer` submits
+    /// the iteration's stores). The Python connector keeps these to answer the per-layer hooks
+    /// of the layers before the last without crossing into Rust.
+    pub fn layer_names(&self) -> Vec<String> {
+        let mut names: Vec<(&String, usize)> = self.layers.iter().map(|(n, &i)| (n, i)).collect();
+        names.sort_unstable_by_key(|&(_, i)| i);
+        names.into_iter().map(|(n, _)| n.clone()).collect()
+    }
+
     fn layer_index(&self, name: &str) -> Result<usize> {
         self.layers.get(name).copied().ok_or_else(|| {
             Error::invalid_argument(format!("unknown layer {name:?}")).with("layer", name)

@@ -242,6 +242,100 @@ def stop_load(procs) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
+# --profile: where the engine thread's time goes, and which threads take the CPU
+# -------------------------------------------------------------------------------------------------
+
+# name -> [calls, wall s, thread CPU s]; reset at the start of each timed workload.
+CALLS: dict = {}
+_PROFILED = (
+    ("vllm.v1.engine.core", "EngineCore", ("step",)),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", ("schedule", "update_from_output")),
+    ("vllm.v1.executor.uniproc_executor", "UniProcExecutor", ("execute_model", "sample_tokens")),
+    ("kvbm_connector.vllm", "KvbmConnector", (
+        "get_num_new_matched_tokens", "get_external_cache_hit_sources",
+        "update_state_after_alloc", "build_connector_meta", "request_finished",
+        "update_connector_output", "bind_connector_metadata", "clear_connector_metadata",
+        "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+        "get_finished", "get_block_ids_with_load_errors", "get_kv_connector_stats",
+        "take_events",
+    )),
+)
+
+
+def install_profile() -> None:
+    """Wraps the engine's step and its parts, and every connector call, to sum each one's wall
+    time and the calling thread's CPU time (in-process executor: all on the engine thread).
+    Wall minus CPU is time the engine thread waited: for a core, the GIL, or a lock."""
+    import importlib
+    import functools
+
+    for mod, cls_name, names in _PROFILED:
+        cls = getattr(importlib.import_module(mod), cls_name)
+        for name in names:
+            fn = getattr(cls, name, None)
+            if fn is None:
+                continue
+            key = f"{cls_name}.{name}"
+
+            def wrap(fn=fn, key=key):
+                @functools.wraps(fn)
+                def timed(*a, **kw):
+                    w0, c0 = time.perf_counter(), time.thread_time()
+                    try:
+                        return fn(*a, **kw)
+                    finally:
+                        e = CALLS.setdefault(key, [0, 0.0, 0.0, 0, 0.0])
+                        w = time.perf_counter() - w0
+                        e[0] += 1
+                        e[1] += w
+                        e[2] += time.thread_time() - c0
+                        if w > 1e-3:
+                            e[3] += 1
+                            e[4] += w
+                return timed
+
+            setattr(cls, name, wrap())
+
+
+def thread_cpu() -> dict:
+    """Each live thread of this process: {tid: (name, CPU seconds, voluntary switches,
+    involuntary switches)}. A voluntary switch is a wait (a sleep, a lock, a read); every wait
+    ends in a wake-up, which on a busy host may take a core from the engine's thread."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                st = f.read()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        name = st[st.index("(") + 1:st.rindex(")")]
+        fields = st[st.rindex(")") + 2:].split()
+        out[tid] = (
+            name,
+            (int(fields[11]) + int(fields[12])) / tick,
+            int(status.get("voluntary_ctxt_switches", "0")),
+            int(status.get("nonvoluntary_ctxt_switches", "0")),
+        )
+    return out
+
+
+def thread_cpu_delta(before: dict, after: dict) -> dict:
+    """[CPU seconds, voluntary, involuntary switches] between two ``thread_cpu`` reads, summed
+    by thread name (threads started in between count from zero)."""
+    by_name: dict = {}
+    for tid, (name, s, vol, inv) in after.items():
+        _, s0, vol0, inv0 = before.get(tid, (name, 0.0, 0, 0))
+        e = by_name.setdefault(name, [0.0, 0, 0])
+        e[0] += s - s0
+        e[1] += vol - vol0
+        e[2] += inv - inv0
+    return by_name
+
+
+# -------------------------------------------------------------------------------------------------
 # One arm of one round
 # -------------------------------------------------------------------------------------------------
 
@@ -286,6 +380,8 @@ def run_arm(arm: str, args, model: str, config: str, wl: Workload, round_no: int
         load_before = loadavg()
         histories = wl.start()
         turns = []
+        CALLS.clear()
+        threads0 = thread_cpu() if args.profile else None
         t = time.perf_counter()
         for turn in range(wl.turns):
             prompts = wl.prompts(turn, histories)
@@ -304,6 +400,12 @@ def run_arm(arm: str, args, model: str, config: str, wl: Workload, round_no: int
             histories = wl.advance(turn, histories, [r["tokens"] for r in res])
         wall = time.perf_counter() - t
         load_after = loadavg()
+        profile = None
+        if args.profile:
+            profile = dict(
+                calls={k: list(v) for k, v in CALLS.items()},
+                threads=thread_cpu_delta(threads0, thread_cpu()),
+            )
         # Let the connector finish its stores (not timed) before the counters are read.
         if is_kvbm(arm) and in_process:
             conn = engine_scheduler(llm).connector
@@ -342,6 +444,7 @@ def run_arm(arm: str, args, model: str, config: str, wl: Workload, round_no: int
         outputs=[[r["tokens"] for r in res] for res in turns],
         counters=delta,
         kvbm_metrics=kvbm_own,
+        profile=profile,
     )
     if is_kvbm(arm):
         lerr = delta["kvbm_load_error_blocks"]
@@ -397,6 +500,38 @@ def summarise(runs, reference) -> dict:
     )
 
 
+def print_profile(runs) -> None:
+    """Medians over the rounds, per arm: each timed call's count, wall and CPU (the engine
+    thread's), then the CPU of the threads that took the most."""
+    arms = list(runs)
+    med = lambda a, k, i: statistics.median(  # noqa: E731
+        r["profile"]["calls"].get(k, [0, 0.0, 0.0, 0, 0.0])[i] for r in runs[a])
+    keys = sorted({k for a in arms for r in runs[a] for k in r["profile"]["calls"]},
+                  key=lambda k: -max(med(a, k, 1) for a in arms))
+    print()
+    print("profile, medians per round: calls / wall s / engine-thread CPU s / calls over 1 ms "
+          "/ their wall s")
+    print("| call | " + " | ".join(arms) + " |")
+    print("|---|" + "---|" * len(arms))
+    for k in keys:
+        print(f"| {k} | " + " | ".join(
+            f"{med(a, k, 0):.0f} / {med(a, k, 1):.3f} / {med(a, k, 2):.3f} / {med(a, k, 3):.0f} "
+            f"/ {med(a, k, 4):.3f}" for a in arms) + " |")
+    tmed = lambda a, n, i: statistics.median(  # noqa: E731
+        r["profile"]["threads"].get(n, [0.0, 0, 0])[i] for r in runs[a])
+    names = sorted({n for a in arms for r in runs[a] for n in r["profile"]["threads"]},
+                   key=lambda n: -max(tmed(a, n, 0) + tmed(a, n, 1) / 1e4 for a in arms))
+    print()
+    print("threads over the workload (medians per round), by name: CPU s / voluntary switches "
+          "(waits, each ended by a wake-up) / involuntary switches (preempted)")
+    print("| thread | " + " | ".join(arms) + " |")
+    print("|---|" + "---|" * len(arms))
+    for n in names[:15]:
+        print(f"| {n} | " + " | ".join(
+            f"{tmed(a, n, 0):.2f} / {tmed(a, n, 1):.0f} / {tmed(a, n, 2):.0f}" for a in arms)
+            + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--executor", choices=("uni", "mp"), default="uni")
@@ -424,6 +559,10 @@ def main() -> None:
     ap.add_argument("--vllm-default-binding", action="store_true",
                     help="--executor mp: leave vLLM's CPU core reservation as it is (it reserves "
                          "one more core when a KV connector is configured, so the arms differ)")
+    ap.add_argument("--profile", action="store_true",
+                    help="in-process executor: sum the wall and CPU time of the engine's step, "
+                         "its parts and every connector call, and the CPU of each thread, per "
+                         "arm (printed after the table, and in --json)")
     ap.add_argument("--allow-debug", action="store_true",
                     help="time an unoptimised (debug) build of kvbm anyway; not the product's figures")
     args = ap.parse_args()
@@ -443,6 +582,11 @@ def main() -> None:
             "--allow-debug"
         )
     assert args.rounds >= 1, "--rounds must be at least 1"
+    assert not (args.profile and args.executor != "uni"), (
+        "--profile times calls on the engine thread of this process: use --executor uni"
+    )
+    if args.profile:
+        install_profile()
     assert not (args.aborts and args.executor != "uni"), (
         "--aborts steps the in-process engine and reads its scheduler: use --executor uni"
     )
@@ -572,6 +716,8 @@ def main() -> None:
     if summary["none"]["ttft_p90"] and summary["kvbm"]["ttft_p90"]:
         print(f"kvbm / none, TTFT p50: {summary['kvbm']['ttft_p50'] / summary['none']['ttft_p50']:.2f}"
               f", p90: {summary['kvbm']['ttft_p90'] / summary['none']['ttft_p90']:.2f}")
+    if args.profile:
+        print_profile(runs)
     print(f"load average at the end: {loadavg()}")
     if args.json:
         with open(args.json, "w") as f:

@@ -534,6 +534,14 @@ class KvbmConnector(*_BASES):
         if len(unique) < len(caches):
             worker.set_layer_names([str(n) for n in caches])
         self._streams = StreamOrder(gpu)
+        # The per-layer hooks run twice per layer per step on the engine's thread; only the last
+        # layer's save_kv_layer has work (it submits the stores), so the others are answered
+        # here. Each call into Rust releases and retakes the GIL, and on a busy host a thread
+        # that gives up anything may wait a time slice to run again: measured at a quarter of
+        # these calls taking over 1 ms with one busy process per core (docs/benchmarks.md).
+        names = list(worker.layer_names())
+        self._layer_names = frozenset(names)
+        self._last_layer = names[-1] if names else None
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -556,15 +564,35 @@ class KvbmConnector(*_BASES):
         self._streams.before_loads()
         worker.start_load_kv()
 
+    def _known_layer(self, op: str, name: str) -> bool:
+        """True when ``name`` is a registered layer other than the last (nothing to do in
+        Rust); raises ``invalid_argument`` for a name never registered; False for the last
+        layer, or before the caches are registered (Rust then answers)."""
+        known = getattr(self, "_layer_names", None)
+        if known is None:
+            return False
+        if name not in known:
+            raise error("invalid_argument", f"unknown layer {name!r}", op=op, layer=name)
+        return name != self._last_layer
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._work("wait_for_layer_load").wait_for_layer_load(str(layer_name))
+        # Loads complete before vLLM schedules their request: nothing to wait for per layer.
+        worker = self._work("wait_for_layer_load")
+        name = str(layer_name)
+        if getattr(self, "_layer_names", None) is not None:
+            self._known_layer("wait_for_layer_load", name)
+            return
+        worker.wait_for_layer_load(name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
         worker = self._work("save_kv_layer")
+        name = str(layer_name)
+        if self._known_layer("save_kv_layer", name):
+            return
         self._streams.before_stores()
-        worker.save_kv_layer(str(layer_name))
+        worker.save_kv_layer(name)
 
     def wait_for_save(self) -> None:
         worker = self._work("wait_for_save")

@@ -945,6 +945,11 @@ impl PyVllmWorker {
             .call(py, "set_layer_names", move |w| w.set_layer_names(&names))
     }
 
+    /// Every registered layer's name in model order.
+    fn layer_names(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.inner.call(py, "layer_names", |w| Ok(w.layer_names()))
+    }
+
     /// Request ids whose load failed since the last call (`failed_recving`).
     fn take_failed_loads(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         self.inner
