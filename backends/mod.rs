@@ -3,6 +3,8 @@
 //! * [`memory`] — page-aligned host RAM (always built);
 //! * [`disk`] — one preallocated file per tier, O_DIRECT where possible (always built);
 //! * `nixl` — disk I/O through NIXL's POSIX plugin and remote host tiers over UCX (feature `nixl`);
+//! * [`remote`] — the remote (G4) tier's backends, chosen by `remote.url`'s scheme: an in-process
+//!   `memory://` store (always built) and `redis` (below);
 //! * `redis` — the remote (G4) tier on Redis / Valkey, standalone or cluster (feature `redis`);
 //! * [`faults`] — a wrapper tier that fails, stalls or corrupts on a schedule (tests, the replay);
 //! * [`standard`] — the [`TierFactory`](crate::connector::worker::TierFactory) that builds a
@@ -20,6 +22,7 @@ pub mod memory;
 pub mod nixl;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod remote;
 mod slot_file;
 pub mod standard;
 

@@ -86,37 +86,16 @@ impl TierFactory for StandardTiers {
         })
     }
 
-    /// The Redis / Valkey store `remote.url` names (feature `redis`), with the deployment secret
-    /// (`remote.secret_file` / `KVBM_REMOTE_SECRET`), `remote.ttl_secs` and `remote.io_timeout_ms`
-    /// as its connection deadline. A server that is down is not an error here (the store starts
-    /// unavailable and reconnects in the background); a bad URL or refused credentials are.
+    /// The shared store `remote.url` names, by its scheme ([`super::remote`]): `memory://`, or
+    /// Redis / Valkey (feature `redis`). A server that is down is not an error here (the store
+    /// starts unavailable and reconnects in the background); a bad URL, a scheme this build
+    /// cannot serve or refused credentials are.
     fn remote_store(
         &self,
         config: &Config,
         scope: &RemoteScope,
     ) -> Result<Option<Arc<dyn RemoteStore>>> {
-        let Some(url) = config.remote.url.as_deref() else {
-            return Ok(None);
-        };
-        #[cfg(feature = "redis")]
-        {
-            use super::redis::{RedisOptions, RedisStore, RedisUrl};
-            let options = RedisOptions {
-                secret: config.remote.secret()?,
-                ttl: config.remote.ttl(),
-                connect_timeout: config.remote.io_timeout(),
-                tls: config.remote.tls_files()?,
-            };
-            let store = RedisStore::connect(&RedisUrl::parse(url)?, scope.clone(), options)?;
-            Ok(Some(Arc::new(store)))
-        }
-        #[cfg(not(feature = "redis"))]
-        {
-            let _ = (url, scope);
-            Err(crate::error::Error::unsupported(
-                "remote.url (KVBM_REMOTE_URL) needs kvbm-connector built with the `redis` feature",
-            ))
-        }
+        super::remote::connect(config, scope)
     }
 }
 

@@ -26,6 +26,7 @@ pub struct ConfigArgs {
 /// Runs `kvbm config`.
 pub fn run(a: &ConfigArgs) -> Result<ExitCode> {
     let config = Config::load(a.config.as_deref())?;
+    kvbm_connector::backends::remote::check(&config)?;
     let bpb = match a.bytes_per_block {
         Some(0) => {
             return Err(Error::invalid_argument(

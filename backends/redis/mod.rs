@@ -21,3 +21,59 @@ pub mod value;
 
 pub use store::{RedisOptions, RedisStore};
 pub use url::{redact, RedisUrl, DEFAULT_PORT};
+
+use std::sync::Arc;
+
+use crate::config::{Config, RemoteConfig};
+use crate::connector::remote::{RemoteScope, RemoteStore};
+use crate::error::{Error, Result};
+
+/// Redis / Valkey as a [`RemoteBackend`](super::remote::RemoteBackend): `redis://`,
+/// `rediss://` (TLS), `redis+cluster://` and `rediss+cluster://` URLs ([`RedisUrl`]); the TLS
+/// files (`remote.tls_*_file`) with a TLS URL only; the deployment secret, `remote.ttl_secs` and
+/// `remote.io_timeout_ms` (the connection deadline).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RedisBackend;
+
+/// The URL schemes Redis / Valkey serves.
+pub const SCHEMES: &[&str] = &["redis", "rediss", "redis+cluster", "rediss+cluster"];
+
+impl super::remote::RemoteBackend for RedisBackend {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn schemes(&self) -> &'static [&'static str] {
+        SCHEMES
+    }
+
+    fn check(&self, remote: &RemoteConfig) -> Result<()> {
+        let Some(url) = remote.url.as_deref() else {
+            return Ok(());
+        };
+        let parsed = RedisUrl::parse(url)?;
+        // With a plain URL the TLS files would be silently ignored.
+        if !parsed.tls {
+            if let Some((key, path)) = remote.tls_file_settings().into_iter().next() {
+                return Err(Error::invalid_config(
+                    key,
+                    path.display(),
+                    "TLS files need a TLS remote.url (rediss:// or rediss+cluster://)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn connect(&self, config: &Config, scope: &RemoteScope) -> Result<Arc<dyn RemoteStore>> {
+        let url = config.remote.url.as_deref().unwrap_or_default();
+        let options = RedisOptions {
+            secret: config.remote.secret()?,
+            ttl: config.remote.ttl(),
+            connect_timeout: config.remote.io_timeout(),
+            tls: config.remote.tls_files()?,
+        };
+        let store = RedisStore::connect(&RedisUrl::parse(url)?, scope.clone(), options)?;
+        Ok(Arc::new(store))
+    }
+}

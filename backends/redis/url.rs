@@ -10,6 +10,9 @@ const SETTING: &str = "remote.url";
 /// Redis's default port.
 pub const DEFAULT_PORT: u16 = 6379;
 
+/// The longest host name in a Redis URL (a DNS name's limit).
+pub const MAX_HOST_LEN: usize = 253;
+
 /// A parsed Redis / Valkey URL:
 ///
 /// * `redis://[user:pass@]host[:port][/db]` — one server (standalone or a primary);
@@ -226,6 +229,13 @@ fn parse_node(node: &str) -> std::result::Result<(String, u16), String> {
     };
     if host.is_empty() {
         return Err(format!("`{node}`: no host name"));
+    }
+    if host.len() > MAX_HOST_LEN {
+        // A DNS name has at most 253 characters (an IPv6 literal fewer); not quoted whole.
+        return Err(format!(
+            "a host name has at most {MAX_HOST_LEN} characters; this one has {}",
+            host.len()
+        ));
     }
     if !host.contains(':')
         && !host

@@ -124,14 +124,6 @@ impl std::fmt::Debug for RemoteConfig {
     }
 }
 
-/// The schemes `remote.url` accepts.
-pub const REMOTE_URL_SCHEMES: [&str; 4] = [
-    "redis://",
-    "rediss://",
-    "redis+cluster://",
-    "rediss+cluster://",
-];
-
 impl RemoteConfig {
     /// [`RemoteConfig::lookup_timeout_ms`] when unset.
     pub const DEFAULT_LOOKUP_TIMEOUT_MS: u64 = 5;
@@ -265,10 +257,10 @@ impl RemoteConfig {
         Ok(Some(RemoteTlsFiles { ca, client }))
     }
 
-    /// Checks the settings that constrain each other: TLS files are refused with a plain
-    /// `redis` URL, and a client certificate and its key come together.
-    pub(super) fn validate_relations(&self) -> Result<()> {
-        let first_tls_file = [
+    /// The `remote.tls_*_file` settings that are set, each with its setting's name (and its
+    /// variable), in the order CA, certificate, key: for a store to refuse those it cannot use.
+    pub fn tls_file_settings(&self) -> Vec<(&'static str, &PathBuf)> {
+        [
             (
                 "remote.tls_ca_file (KVBM_REMOTE_TLS_CA_FILE)",
                 &self.tls_ca_file,
@@ -283,26 +275,18 @@ impl RemoteConfig {
             ),
         ]
         .into_iter()
-        .find_map(|(k, p)| p.as_ref().map(|p| (k, p)));
-        if let Some((key, path)) = first_tls_file {
-            // Without a URL the remote tier is off and the files unused (a tool's flag may set
-            // the URL later); with a plain one they would be silently ignored.
-            let plain = self
-                .url
-                .as_deref()
-                .is_some_and(|u| !u.trim().to_ascii_lowercase().starts_with("rediss"));
-            if plain {
-                return Err(Error::invalid_config(
-                    key,
-                    path.display(),
-                    "TLS files need a TLS remote.url (rediss:// or rediss+cluster://)",
-                ));
-            }
-            if let Some(e) = self.client_pair_error() {
-                return Err(e);
-            }
+        .filter_map(|(k, p)| p.as_ref().map(|p| (k, p)))
+        .collect()
+    }
+
+    /// Checks the settings that constrain each other whatever the store: a client certificate
+    /// and its key come together. (Whether the store named by `url` takes TLS files at all is
+    /// its backend's check.)
+    pub(super) fn validate_relations(&self) -> Result<()> {
+        match self.client_pair_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// A client certificate without its key, or a key without its certificate.
@@ -322,8 +306,8 @@ impl RemoteConfig {
         }
     }
 
-    /// Checks the settings' forms and ranges (the URL's scheme and shape; the store parses the
-    /// rest when it connects).
+    /// Checks the settings' forms and ranges (the URL's general form; its store checks the
+    /// rest, through the remote-backend registry of the storage backends).
     pub(super) fn validate(&self) -> Result<()> {
         if let Some(url) = &self.url {
             validate_url(url)?;
@@ -429,14 +413,14 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-/// The longest host name in `remote.url` (a DNS name's limit).
-pub const MAX_HOST_LEN: usize = 253;
 /// The longest `remote.url` (a cluster of many nodes fits well within it).
 pub const MAX_URL_LEN: usize = 16 * 1024;
 
-/// Checks `remote.url`'s scheme and that it names at least one `host:port` (one for
-/// `redis://` / `rediss://`, one or more comma-separated for the cluster forms). Errors name
-/// `remote.url` and show it redacted.
+/// Checks the form every `remote.url` has, whatever the store: `scheme://rest`, the scheme
+/// letters, digits, `+`, `-` or `.`, no whitespace or control character, at most
+/// [`MAX_URL_LEN`] characters. Which schemes exist and how the rest reads is the store's
+/// (the storage backends' remote-backend registry). Errors name `remote.url` and show it
+/// redacted.
 pub fn validate_url(url: &str) -> Result<()> {
     if url.len() > MAX_URL_LEN {
         return Err(Error::invalid_config(
@@ -449,53 +433,21 @@ pub fn validate_url(url: &str) -> Result<()> {
         ));
     }
     let bad = |why: &str| Error::invalid_config("remote.url", redact_url(url), why.to_string());
-    let Some(scheme) = REMOTE_URL_SCHEMES.iter().find(|s| url.starts_with(*s)) else {
-        return Err(bad(
-            "expected redis://, rediss://, redis+cluster:// or rediss+cluster://",
-        ));
+    let url = url.trim();
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(bad("expected scheme://…, e.g. redis://host:6379"));
     };
-    let rest = &url[scheme.len()..];
-    let authority = rest.split('/').next().unwrap_or("");
-    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    let cluster = scheme.contains("+cluster");
-    let nodes: Vec<&str> = hosts.split(',').collect();
-    if !cluster && nodes.len() > 1 {
+    if scheme.is_empty()
+        || !scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+    {
         return Err(bad(
-            "several nodes need the cluster form redis+cluster://h1:p1,h2:p2",
+            "the scheme before :// is letters, digits, '+', '-' or '.'",
         ));
     }
-    for node in nodes {
-        let (host, port) = match node.rsplit_once(':') {
-            Some((h, p)) => (h, Some(p)),
-            None => (node, None),
-        };
-        if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(bad("expected host:port for every node"));
-        }
-        // A DNS name has at most 253 characters (an IPv6 literal in brackets fewer).
-        if host.len() > MAX_HOST_LEN {
-            return Err(bad(&format!(
-                "a host name has at most {MAX_HOST_LEN} characters; this one has {}",
-                host.len()
-            )));
-        }
-        if let Some(p) = port {
-            if p.parse::<u16>().map_or(true, |p| p == 0) {
-                return Err(bad("a node's port must be a number from 1 to 65535"));
-            }
-        }
-    }
-    if !cluster {
-        if let Some(db) = rest
-            .split_once('/')
-            .map(|(_, d)| d)
-            .filter(|d| !d.is_empty())
-        {
-            let db = db.split('?').next().unwrap_or("");
-            if !db.is_empty() && db.parse::<u32>().is_err() {
-                return Err(bad("the database after '/' must be a number"));
-            }
-        }
+    if rest.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(bad("no whitespace or control characters"));
     }
     Ok(())
 }

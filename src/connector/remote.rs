@@ -1,5 +1,6 @@
-//! The remote (G4) tier: a shared block store beyond this machine (Redis / Valkey, standalone
-//! or cluster) that every instance of a deployment looks up, reads and writes.
+//! The remote (G4) tier: a shared block store beyond this machine that every instance of a
+//! deployment looks up, reads and writes (which store, from `remote.url`'s scheme, is the
+//! storage backends' choice: Redis / Valkey, or an in-process store).
 //!
 //! The core knows the store only through the [`RemoteStore`] trait (a storage backend provides
 //! it through [`TierFactory::remote_store`](super::worker::TierFactory::remote_store)); every call
@@ -221,6 +222,13 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
 
     /// Its counters.
     fn stats(&self) -> RemoteStoreStats;
+
+    /// True when its values leave this process (a server others can write to): the leader
+    /// then warns at start-up when no deployment secret authenticates them. An in-process
+    /// store says false.
+    fn leaves_the_process(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

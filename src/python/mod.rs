@@ -170,7 +170,10 @@ impl PyConfig {
     #[pyo3(signature = (path=None))]
     fn load(py: Python<'_>, path: Option<std::path::PathBuf>) -> PyResult<Self> {
         detached(py, "Config.load", move || {
-            Config::load(path.as_deref()).map(|inner| Self { inner })
+            let inner = Config::load(path.as_deref())?;
+            // The store `remote.url` names checks its own settings, before an engine starts.
+            crate::backends::remote::check(&inner)?;
+            Ok(Self { inner })
         })
     }
 

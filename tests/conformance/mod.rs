@@ -9,6 +9,8 @@
 //! Use: `#[macro_use] mod conformance;` and `use conformance::*;`, then define the fixtures (any
 //! struct with a `tier` field; the fields after it outlive the tier) and invoke `conformance!`.
 
+pub mod remote;
+
 use std::io::{IoSlice, IoSliceMut};
 
 use kvbm_connector::layout::BlockOrder;

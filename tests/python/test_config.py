@@ -58,6 +58,25 @@ def test_invalid_values_name_the_variable(monkeypatch):
     assert "KVBM_HASH" in str(ei.value) and "md5" in str(ei.value)
 
 
+def test_a_remote_url_is_checked_by_its_store_when_the_configuration_loads(monkeypatch):
+    """Issue 27 item 2: the core checks a URL's form; the store its scheme names checks the
+    rest (Redis: host, port, database; TLS files with rediss:// only), when the configuration
+    loads, before an engine starts; a scheme no store serves is refused naming what is known."""
+    monkeypatch.setenv("KVBM_REMOTE_URL", "http://kvbm:hunter2@10.0.0.5:6379")
+    with pytest.raises(KvbmError) as ei:
+        load_config()
+    assert ei.value.kind == "invalid_config"
+    text = str(ei.value)
+    assert "KVBM_REMOTE_URL" in text and "http://" in text and "redis://" in text, text
+    assert "hunter2" not in text
+    monkeypatch.setenv("KVBM_REMOTE_URL", "redis://h:99999")
+    with pytest.raises(KvbmError) as ei:
+        load_config()
+    assert ei.value.kind == "invalid_config" and "port" in str(ei.value)
+    monkeypatch.setenv("KVBM_REMOTE_URL", "memory://a-plan")
+    assert as_dict(load_config())["remote"]["url"] == "memory://a-plan"
+
+
 def test_invalid_file_is_refused(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text("[host]\ncache_blokcs = 3\n")

@@ -321,11 +321,24 @@ pub fn replay_config(a: &ReplayArgs) -> Result<Config> {
         config.disk.dir = d.clone();
     }
     if let Some(u) = &a.remote_url {
-        kvbm_connector::config::validate_url(u)
-            .map_err(|e| Error::invalid_argument(format!("--remote-url: {}", e.message())))?;
+        kvbm_connector::backends::remote::backend_for(u)
+            .map_err(|e| Error::new(e.kind(), format!("--remote-url: {}", e.message())))?;
         config.remote.url = Some(u.clone());
     }
     config.validate()?;
+    kvbm_connector::backends::remote::check(&config)?;
+    let in_process_store = config
+        .remote
+        .url
+        .as_deref()
+        .is_some_and(|u| u.trim().to_ascii_lowercase().starts_with("memory://"));
+    if in_process_store && a.tp > 1 {
+        // Each rank is a process of its own: they would not share the store.
+        return Err(Error::invalid_argument(
+            "a memory:// store lives in one process, and --tp 2 or more runs each rank in a process of its own: use a Redis URL",
+        )
+        .with("flag", "--remote-url"));
+    }
     Ok(config)
 }
 

@@ -488,7 +488,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                 if let Some(host) = self.tiers.as_ref().and_then(|t| t.host.as_ref()) {
                     store.bound_writes_to(host.num_blocks());
                 }
-                if matches!(self.config.remote.secret(), Ok(None)) {
+                if store.store.leaves_the_process() && matches!(self.config.remote.secret(), Ok(None)) {
                     // Said once per leader, at start-up (the workers' stores say nothing).
                     tracing::warn!(
                         remote = %store.store.describe(),

@@ -1,5 +1,6 @@
-//! [`MemoryRemoteStore`]: an in-process [`RemoteStore`] with injectable faults, the test double
-//! of the trait (and `kvbm replay --remote-url memory://`).
+//! [`MemoryRemoteStore`]: an in-process [`RemoteStore`] with injectable faults, the reference
+//! implementation and test double of the trait (as object_store keeps its `InMemory` beside its
+//! trait), and the store of `memory://NAME` URLs (e.g. `kvbm replay --remote-url memory://plan`).
 
 use super::*;
 
@@ -18,8 +19,8 @@ pub struct MemoryFaults {
 
 /// An in-process [`RemoteStore`]: values in a map under `(scope, rank, key)`, with injectable
 /// [`MemoryFaults`]. Cloning the `Arc` of its map lets several instances (in one process)
-/// share one store, as instances share a Redis. The test double of the trait; also what
-/// `kvbm replay` uses for `--remote-url memory://`.
+/// share one store, as instances share a Redis. The test double of the trait; also the store
+/// of `memory://NAME` URLs.
 #[derive(Debug, Clone)]
 pub struct MemoryRemoteStore {
     scope: RemoteScope,
@@ -158,6 +159,17 @@ impl RemoteStore for MemoryRemoteStore {
                 dst.len()
             )));
         }
+        if let Some((i, b)) = dst
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b.len() != self.scope.bytes_per_block)
+        {
+            return Err(Error::invalid_argument(format!(
+                "buffer {i} holds {} bytes; a block is {}",
+                b.len(),
+                self.scope.bytes_per_block
+            )));
+        }
         self.enter(deadline)?;
         let data = self.data.lock();
         let invalid = self.faults.invalid.load(Ordering::Relaxed);
@@ -219,5 +231,9 @@ impl RemoteStore for MemoryRemoteStore {
             reconnects: 0,
             invalid: self.counters.invalid.load(Ordering::Relaxed),
         }
+    }
+
+    fn leaves_the_process(&self) -> bool {
+        false
     }
 }
