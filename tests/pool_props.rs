@@ -645,8 +645,9 @@ proptest! {
     // the random sequences. At 256 cases a duel that gave a tied score to the credit went
     // unnoticed; at 2048 it is caught (a few seconds), as are miniatures keeping their own
     // clock and a lookup's keys past the first miss observed without the miniature-size cap.
-    // That keys past the miss are observed at all is checked by a unit test in src/pool.rs
-    // (`prefix_duel_sees_…`): random sequences this small rarely depend on it.
+    // That keys past the miss are observed at all is checked by a unit test in
+    // src/pool/eviction/prefix.rs (`prefix_duel_sees_…`): random sequences this small rarely
+    // depend on it.
     #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
 
     #[test]
