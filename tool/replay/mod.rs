@@ -248,7 +248,7 @@ pub fn workload_source(a: &ReplayArgs) -> Result<simulator::Source> {
 
 /// The KV-cache groups `--layer-groups` (or `--sliding-window`) asks for: `[full]` by default.
 /// Errors name the group and its text: more than
-/// [`MAX_KV_CACHE_GROUPS`](kvbm_connector::connector::groups::MAX_KV_CACHE_GROUPS) groups, or a
+/// [`MAX_KV_CACHE_GROUPS`] groups, or a
 /// kind other than `full` and `sliding:W`.
 pub fn layer_groups(a: &ReplayArgs) -> Result<Vec<AttentionKind>> {
     if let Some(tokens) = a.sliding_window {
