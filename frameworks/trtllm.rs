@@ -498,6 +498,12 @@ impl TrtllmWorker {
         self.worker.take_load_errors()
     }
 
+    /// The layers `save_kv_layer` counts (the model's, with several layer groups; else the
+    /// registered cache's): the last one's save submits the stores. 0 before registration.
+    pub fn num_layers(&self) -> usize {
+        self.layer_count()
+    }
+
     fn check_layer(&self, layer_idx: usize) -> Result<()> {
         if layer_idx >= self.layer_count() {
             return Err(Error::out_of_range("layer", layer_idx, self.layer_count()));

@@ -525,9 +525,13 @@ class KvbmConnectorWorker(_WorkerBase):
             self._config, self.tokens_per_block, self.world_size, transport
         )
         self._streams = StreamOrder(None)  # the engine's CUDA stream ordering (GPU caches)
+        # The layers save_kv_layer counts, once registered (the per-layer hooks of the layers
+        # before the last are answered here, without crossing into Rust: see _layer_hook).
+        self._num_layers = 0
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         self._streams = StreamOrder(self._inner.register_kv_caches(kv_cache_tensor))
+        self._num_layers = int(self._inner.num_layers())
 
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Newer TensorRT-LLM (``KvCacheLayout``, KV cache manager V2). One layer group — full
@@ -633,10 +637,30 @@ class KvbmConnectorWorker(_WorkerBase):
         self._streams.before_loads(stream)
         self._inner.start_load_kv()
 
+    def _layer_hook(self, op: str, layer_idx: Any) -> bool:
+        """True when ``layer_idx`` is a registered layer before the last (nothing to do in
+        Rust: loads finish before their request is scheduled, stores start after the last
+        layer); raises ``out_of_range`` for an index past the layers, as Rust does; False for
+        the last layer, or before registration (Rust then answers). Each call into Rust releases
+        and retakes the GIL, and on a busy host a thread that gives anything up may wait a time
+        slice to run again (docs/benchmarks.md, vLLM's per-layer hooks)."""
+        n = self._num_layers
+        if n <= 0:
+            return False
+        i = int(layer_idx)
+        if i < 0 or i >= n:
+            raise error("out_of_range", f"layer {i} out of range (0..{n})", op=op, layer=i)
+        return i + 1 < n
+
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        if self._num_layers > 0:
+            self._layer_hook("wait_for_layer_load", layer_idx)
+            return
         self._inner.wait_for_layer_load(int(layer_idx))
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        if self._layer_hook("save_kv_layer", layer_idx):
+            return
         self._streams.before_stores(stream)
         self._inner.save_kv_layer(int(layer_idx))
 

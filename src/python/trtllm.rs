@@ -302,6 +302,11 @@ impl PyTrtllmWorker {
         self.inner.call(py, "start_load_kv", |w| w.start_load_kv())
     }
 
+    /// The layers `save_kv_layer` counts (0 before registration).
+    fn num_layers(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.call(py, "num_layers", |w| Ok(w.num_layers()))
+    }
+
     /// Checks the layer index (loads finish before the engine schedules their request).
     fn wait_for_layer_load(&self, py: Python<'_>, layer_idx: usize) -> PyResult<()> {
         self.inner.call(py, "wait_for_layer_load", move |w| {
