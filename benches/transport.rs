@@ -1,4 +1,4 @@
-//! Per-iteration overhead of the network transport (`connector::tcp`) against the in-process
+//! Per-iteration overhead of the network transport (`kvbm_connector::tcp`) against the in-process
 //! transport (`transport::in_process`), with 2 ranks.
 //!
 //! The metadata of an iteration travels with the engine (the caller), never over the connector's
@@ -51,12 +51,12 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvbm_connector::connector::adapter::{ScheduledRequest, ScheduledTokens, SchedulerStep};
 use kvbm_connector::connector::leader::{Leader, RequestInfo};
 use kvbm_connector::connector::metadata::{ConnectorMetadata, OperationId};
-use kvbm_connector::connector::tcp::{Received, TcpLeader, TcpWorker};
 use kvbm_connector::connector::transport::{
     in_process, Completion, LeaderTransport, WorkerHello, WorkerMessage, WorkerTransport,
 };
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::frameworks::vllm::Vllm;
+use kvbm_connector::tcp::{Received, TcpLeader, TcpWorker};
 use kvbm_connector::{Config, LayoutDims, Token};
 
 /// Ranks.

@@ -13,7 +13,10 @@
 //! * [`transfer`] — async block copies between tiers with layout conversion and checksums;
 //! * [`config`] — one configuration struct from a TOML file and environment variables;
 //! * [`connector`] — the protocol: leader (scheduler side), worker (GPU side), request lifecycle,
-//!   per-iteration metadata, start-up barrier, transport, metrics;
+//!   per-iteration metadata, start-up barrier, the transport traits, metrics;
+//! * [`tcp`] — the network transport: leader and workers in separate processes (the wire
+//!   protocol, the rendezvous on one machine);
+//! * [`metrics_server`] — the counters over HTTP (`GET /metrics`);
 //! * [`error`] — the one error type.
 //!
 //! Storage lives in [`backends`] (memory and disk always built); engine adapters in `frameworks`
@@ -63,7 +66,9 @@ pub mod layout;
 #[cfg(any(feature = "cli", feature = "python"))]
 pub mod log;
 mod memcopy;
+pub mod metrics_server;
 pub mod pool;
+pub mod tcp;
 pub mod tier;
 pub mod transfer;
 

@@ -2,7 +2,7 @@
 //! installs nothing and leaves the choice to its host program).
 //!
 //! Both outputs share one filter, [`LOG_ENV`] (`KVBM_LOG`), in `RUST_LOG` syntax: `warn`,
-//! `kvbm_connector=info`, `info,kvbm_connector::connector::tcp=debug`. Unset or empty, it is
+//! `kvbm_connector=info`, `info,kvbm_connector::tcp=debug`. Unset or empty, it is
 //! [`DEFAULT_FILTER`] (`warn`): warnings and errors show, nothing else. A value that does not
 //! parse is not fatal: the default is used and a warning naming the variable says so.
 //!

@@ -28,7 +28,7 @@ use kvbm_connector::config::{AUTH_TOKEN_ENV, CONFIG_FILE_VAR, ENV_VARS, LEADER_A
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
-/// The wire protocol's version (`src/connector/tcp/mod.rs`; 4 since workers send their remote
+/// The wire protocol's version (`src/tcp/mod.rs`; 4 since workers send their remote
 /// store's counters).
 const PROTOCOL_VERSION: u16 = 4;
 const FRAMEWORKS: [&str; 2] = ["trtllm", "vllm"];
@@ -355,7 +355,7 @@ fn wait_for_listener(addr: SocketAddr, replay: &mut Proc, within: Duration) {
     }
 }
 
-/// One frame built by hand, per the wire format in `src/connector/tcp/mod.rs`: magic `KVBM`, version
+/// One frame built by hand, per the wire format in `src/tcp/mod.rs`: magic `KVBM`, version
 /// (u16 BE), kind, reserved 0, payload length (u32 BE), payload.
 fn hand_frame(version: u16, kind: u8, payload: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(12 + payload.len());
@@ -871,7 +871,7 @@ fn regression_vllm_replay_livelocks_under_device_pressure() {
     vllm_small_pool("128", "1");
 }
 
-/// src/connector/tcp/worker.rs `TcpWorker::connect`: `last` is recomputed every loop turn, and the turn
+/// src/tcp/worker.rs `TcpWorker::connect`: `last` is recomputed every loop turn, and the turn
 /// after the final sleep finds the deadline passed and sets it to `None`, so the timeout error
 /// says "last: no attempt made" after several failed attempts instead of the last error
 /// ("connect: Connection refused").

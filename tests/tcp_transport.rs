@@ -1,7 +1,7 @@
 //! The network transport through the public API on loopback: authentication, and the real leader
 //! and worker offloading and onboarding over TCP. The transport's own tests (frames, handshake
 //! refusals, the barrier over TCP, disconnects, round trips) reach crate-private frame and
-//! barrier functions and live in `src/connector/tcp/tests.rs`.
+//! barrier functions and live in `src/tcp/tests.rs`.
 //!
 //! Every wait is bounded; all traffic is on 127.0.0.1.
 
@@ -11,10 +11,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
 use kvbm_connector::connector::transport::LeaderTransport;
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::connector::{Blocking, NonBlocking};
+use kvbm_connector::tcp::{TcpLeader, TcpWorker};
 use kvbm_connector::ErrorKind;
 
 const LONG: Duration = Duration::from_secs(10);
@@ -344,4 +344,27 @@ fn a_worker_lost_with_completions_queued_fails_them_at_the_leader_without_a_hang
     r.device.open(N - 1);
     r.worker.get_finished(&[], None);
     r.worker.wait_idle(LONG).unwrap();
+}
+
+/// The transport and the metrics server moved out of `connector/` (issue 27); their old paths
+/// stay as re-exports of the same items, so code written against them still builds.
+#[test]
+fn the_old_paths_name_the_same_items() {
+    use kvbm_connector::connector;
+    let _: Option<kvbm_connector::tcp::TcpLeader> = None::<connector::tcp::TcpLeader>;
+    let _: Option<kvbm_connector::tcp::TcpWorker> = None::<connector::tcp::TcpWorker>;
+    let _: Option<kvbm_connector::tcp::Received> = None::<connector::tcp::Received>;
+    let _: Option<kvbm_connector::tcp::rendezvous::RendezvousLeader> =
+        None::<connector::tcp::rendezvous::RendezvousLeader>;
+    let _: Option<kvbm_connector::tcp::LazyTcpWorker> = None::<connector::tcp::LazyTcpWorker>;
+    let _: Option<kvbm_connector::metrics_server::MetricsServer> =
+        None::<connector::metrics_server::MetricsServer>;
+    assert_eq!(
+        kvbm_connector::tcp::HANDSHAKE_TIMEOUT,
+        connector::tcp::HANDSHAKE_TIMEOUT
+    );
+    assert_eq!(
+        kvbm_connector::metrics_server::IO_TIMEOUT,
+        connector::metrics_server::IO_TIMEOUT
+    );
 }

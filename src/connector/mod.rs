@@ -9,16 +9,20 @@
 //! * [`leader`] — the scheduler side (matching, offload, completion handling);
 //! * [`lifecycle`] — the request state machine;
 //! * [`metadata`] — the per-iteration metadata and its operations;
-//! * [`metrics`] — counters exposed in Prometheus text format; [`metrics_server`] serves them
-//!   over HTTP (`tcp.metrics_addr`);
+//! * [`metrics`] — counters exposed in Prometheus text format (served over HTTP by
+//!   [`metrics_server`], at `tcp.metrics_addr`);
 //! * [`remote`] — the remote (G4) tier: the [`RemoteStore`](remote::RemoteStore) trait of a block
 //!   store shared by several instances, and each load's and write's view of it; [`store_health`]
 //!   — the store's states (healthy, slow, unavailable) from a window of outcomes;
-//! * [`tcp`] — the network transport: leader and workers in separate processes (its frames are
-//!   crate-private; its settings are [`TcpConfig`](crate::config::TcpConfig));
-//! * [`transport`] — leader/worker messages and the in-process transport;
+//! * [`transport`] — leader/worker messages, the transport traits and the in-process transport
+//!   (the network one is [`tcp`], a module of its own);
 //! * [`worker`] — the GPU-process side (with two private parts: the load fence, which keeps an
 //!   abandoned load's late I/O off the device, and the outbox of completions to the leader).
+//!
+//! The TCP transport and the metrics server used to live here; they are top-level modules now
+//! ([`crate::tcp`], [`crate::metrics_server`]), and `connector::tcp` and
+//! `connector::metrics_server` stay as re-exports, so every path written against them still
+//! resolves.
 
 pub mod adapter;
 pub mod barrier;
@@ -28,13 +32,16 @@ pub mod leader;
 pub mod lifecycle;
 pub mod metadata;
 pub mod metrics;
-pub mod metrics_server;
 mod outbox;
 pub mod remote;
 pub mod store_health;
-pub mod tcp;
 pub mod transport;
 pub mod worker;
+
+/// The metrics server, now [`crate::metrics_server`]; this path stays for code written against it.
+pub use crate::metrics_server;
+/// The TCP transport, now [`crate::tcp`]; this path stays for code written against it.
+pub use crate::tcp;
 
 pub use adapter::{Engine, SchedulerAdapter};
 pub use barrier::{Blocking, InitMode, NonBlocking};

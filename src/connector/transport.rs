@@ -86,7 +86,7 @@ pub enum WorkerMessage {
     Goodbye,
     /// The connection to this rank was lost; the text says how (end of stream, I/O error,
     /// undecodable frame). Generated locally by a network transport (see
-    /// [`tcp`](crate::connector::tcp)); never sent on the wire: a leader that receives it from a
+    /// [`tcp`](crate::tcp)); never sent on the wire: a leader that receives it from a
     /// peer closes that connection. After it, nothing more arrives from this rank's connection.
     Disconnected(String),
 }

@@ -39,7 +39,6 @@ use crate::connector::barrier::{initialise, worker_barrier, InitCell, InitMode, 
 use crate::connector::fence::FencedDevice;
 use crate::connector::metadata::{ConnectorMetadata, Direction, Operation, OperationId};
 use crate::connector::metrics::{Metrics, WarnLimiter};
-use crate::connector::metrics_server::MetricsServer;
 use crate::connector::outbox::Outbox;
 use crate::connector::remote::{
     RemoteScope, RemoteSink, RemoteSource, RemoteStore, RemoteStoreStats,
@@ -50,6 +49,7 @@ use crate::connector::transport::{
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvLayout;
+use crate::metrics_server::MetricsServer;
 use crate::tier::{StorageTier, TierKind};
 use crate::transfer::{BlockFailure, TransferEngine, TransferOutcome};
 

@@ -187,18 +187,7 @@ impl TcpWorker {
             }
             Err(FrameError::Io(e)) => return Err(io("read the handshake answer", e)),
             Err(FrameError::BadVersion(theirs)) => {
-                return Err(Attempt::Fail(
-                    Error::new(
-                        ErrorKind::Unsupported,
-                        format!(
-                            "the kvbm leader at {addr} speaks wire protocol version {theirs} and rank {rank} speaks version {PROTOCOL_VERSION}: run the same kvbm-connector release on the leader and every worker"
-                        ),
-                    )
-                    .with("rank", rank)
-                    .with("leader", addr)
-                    .with("leader_protocol", theirs)
-                    .with("worker_protocol", PROTOCOL_VERSION),
-                ))
+                return Err(Attempt::Fail(version_mismatch(addr, rank, theirs)))
             }
             Err(e) => return Err(protocol(e.to_string())),
         };
@@ -482,4 +471,19 @@ impl WorkerTransport for TcpWorker {
             Err(RecvTimeoutError::Disconnected) => Err(self.gone("receive")),
         }
     }
+}
+
+/// A leader that answered in another wire protocol version: no retry helps, the two sides run
+/// different releases.
+fn version_mismatch(addr: SocketAddr, rank: Rank, theirs: u16) -> Error {
+    Error::new(
+        ErrorKind::Unsupported,
+        format!(
+            "the kvbm leader at {addr} speaks wire protocol version {theirs} and rank {rank} speaks version {PROTOCOL_VERSION}: run the same kvbm-connector release on the leader and every worker"
+        ),
+    )
+    .with("rank", rank)
+    .with("leader", addr)
+    .with("leader_protocol", theirs)
+    .with("worker_protocol", PROTOCOL_VERSION)
 }

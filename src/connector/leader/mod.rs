@@ -214,7 +214,7 @@ pub struct Leader<A: SchedulerAdapter> {
     next_op: u64,
     metrics: Arc<Metrics>,
     /// The HTTP endpoint of `metrics` (`tcp.metrics_addr`); stopped with the leader.
-    metrics_server: Option<crate::connector::metrics_server::MetricsServer>,
+    metrics_server: Option<crate::metrics_server::MetricsServer>,
     failure_logged: bool,
     /// Rate-limits the warning about failed stores (see `completion`).
     store_warn: crate::connector::metrics::WarnLimiter,
@@ -306,7 +306,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             window_keys: groups::SeenKeys::new(groups::SEEN_KEYS),
         };
         if let Some(addr) = leader.config.tcp.metrics_addr {
-            leader.metrics_server = Some(crate::connector::metrics_server::MetricsServer::start(
+            leader.metrics_server = Some(crate::metrics_server::MetricsServer::start(
                 addr,
                 &leader.config.tcp,
                 leader.metrics.clone(),

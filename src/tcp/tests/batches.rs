@@ -2,7 +2,7 @@
 //! bound and the wire limit, and a worker dying mid-batch delivers nothing of it.
 
 use super::*;
-use crate::connector::tcp::frame;
+use crate::tcp::frame;
 
 /// Every `Completed` list the leader receives within `within`, until `want` completions came.
 fn completed_lists(leader: &TcpLeader, want: usize, within: Duration) -> Vec<Vec<Completion>> {
