@@ -13,9 +13,9 @@ use super::{detached, to_py_err};
 use crate::config::{
     auth_token_from_env, leader_addr_from, leader_addr_from_env, rendezvous_dir_from_env,
 };
-use crate::connector::tcp::{LazyTcpWorker, LeaderTarget, RendezvousLeader, TcpLeader};
 use crate::connector::transport::{in_process, LeaderTransport, WorkerTransport};
 use crate::error::{Error, Result};
+use crate::tcp::{LazyTcpWorker, LeaderTarget, RendezvousLeader, TcpLeader};
 
 /// The leader's end of a transport (pass it to a scheduler).
 #[pyclass(
@@ -229,7 +229,7 @@ fn rendezvous_dir(directory: Option<PathBuf>) -> Result<PathBuf> {
 /// on an ephemeral loopback port with a fresh token, and publishes both in the rendezvous file of
 /// `instance` in `directory` (default: `$KVBM_RENDEZVOUS_DIR`, else `$XDG_RUNTIME_DIR/kvbm-<uid>`,
 /// else `<temp dir>/kvbm-<uid>`; private, 0700). The file is removed when the transport is
-/// dropped. See `connector::tcp::rendezvous`.
+/// dropped. See `tcp::rendezvous`.
 #[pyfunction]
 #[pyo3(signature = (world_size, instance, directory=None))]
 fn rendezvous_leader(

@@ -122,7 +122,7 @@ const SLOW_SCRAPE_CLIENTS: usize = 100;
 /// a second.
 pub(super) fn metrics_scrape(rounds: usize) -> Result<PathResult> {
     use kvbm_connector::connector::metrics::Metrics;
-    use kvbm_connector::connector::metrics_server::MetricsServer;
+    use kvbm_connector::metrics_server::MetricsServer;
     use std::io::{Read, Write};
     use std::net::{Ipv4Addr, TcpStream};
 

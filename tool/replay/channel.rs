@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use kvbm_connector::config::CALL_TIMEOUT_ENV;
-use kvbm_connector::connector::tcp::TcpLeader;
 use kvbm_connector::error::{Error, ErrorKind, Result};
+use kvbm_connector::tcp::TcpLeader;
 
 use super::messages::{
     RankDriver, RankRequest, RankResponse, RankStats, StepCommand, StepReply, Verify,
@@ -465,8 +465,8 @@ pub fn serve(
 mod tests {
     use std::net::{SocketAddr, TcpListener};
 
-    use kvbm_connector::connector::tcp::TcpWorker;
     use kvbm_connector::connector::transport::{LeaderTransport, WorkerMessage};
+    use kvbm_connector::tcp::TcpWorker;
 
     use super::*;
 

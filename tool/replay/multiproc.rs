@@ -2,7 +2,7 @@
 //! process per tensor-parallel rank.
 //!
 //! Two channels connect them, both on loopback by default:
-//! * the connector's own transport ([`kvbm_connector::connector::tcp`]): barrier and completions;
+//! * the connector's own transport ([`kvbm_connector::tcp`]): barrier and completions;
 //! * the simulated engine's channel ([`super::channel`]): per-iteration commands, as a real engine
 //!   drives its GPU processes.
 //!
@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use kvbm_connector::config::auth_token_from_env;
 use kvbm_connector::config::{Config, TcpConfig};
-use kvbm_connector::connector::tcp::{TcpLeader, TcpWorker};
 use kvbm_connector::error::{Error, Result};
+use kvbm_connector::tcp::{TcpLeader, TcpWorker};
 
 use super::channel::{accept_ranks, serve, write_frame};
 use super::engines::engine_of;
