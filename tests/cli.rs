@@ -1766,6 +1766,45 @@ fn replay_with_a_sliding_window_loads_only_the_window() {
     }
 }
 
+/// Runs `kvbm replay` with `args` on a small windowed model's settings (16-token blocks, 120
+/// requests, 4,096 host blocks, no disk), checks it succeeded and its report's invariants, and
+/// returns the report's summary.
+fn windowed_replay(dir: &Path, name: &str, args: &[&str]) -> Value {
+    let report = dir.join(name);
+    let out = kvbm(dir)
+        .arg("replay")
+        .args(args)
+        .args([
+            "--block-size",
+            "16",
+            "--requests",
+            "120",
+            "--host-blocks",
+            "4096",
+            "--disk-blocks",
+            "0",
+            "--quiet",
+            "--report",
+        ])
+        .arg(&report)
+        .output()
+        .expect("run kvbm");
+    assert_ok(&out, name);
+    let r = read_report(&report);
+    check_report_invariants(&r, name);
+    r["summary"].clone()
+}
+
+/// Blocks a replay's summary says were stored device -> host.
+fn offloaded_to_host(s: &Value) -> usize {
+    s["offloaded"]
+        .as_array()
+        .expect("offloaded")
+        .iter()
+        .find(|t| t["path"] == "device->host")
+        .map_or(0, |t| u(&t["blocks"]))
+}
+
 /// The same model over two tensor-parallel ranks (worker processes): every onboarded block of
 /// both ranks is verified, none fails, and the window-aware stores cross fewer blocks device ->
 /// host than the same replay of a model without a window (a sliding-window group stores only the
@@ -1774,39 +1813,12 @@ fn replay_with_a_sliding_window_loads_only_the_window() {
 fn replay_with_a_sliding_window_over_two_ranks_stores_only_windows() {
     let dir = tmp();
     let offloaded = |window: Option<&str>, name: &str| -> (usize, Value) {
-        let report = dir.path().join(name);
-        let mut c = kvbm(dir.path());
-        c.args(["replay", "--framework", "vllm", "--tp", "2"]);
+        let mut args = vec!["--framework", "vllm", "--tp", "2"];
         if let Some(w) = window {
-            c.args(["--sliding-window", w]);
+            args.extend(["--sliding-window", w]);
         }
-        let out = c
-            .args([
-                "--block-size",
-                "16",
-                "--requests",
-                "120",
-                "--host-blocks",
-                "4096",
-                "--disk-blocks",
-                "0",
-                "--quiet",
-                "--report",
-            ])
-            .arg(&report)
-            .output()
-            .expect("run kvbm");
-        assert_ok(&out, name);
-        let r = read_report(&report);
-        check_report_invariants(&r, name);
-        let s = r["summary"].clone();
-        let blocks = s["offloaded"]
-            .as_array()
-            .expect("offloaded")
-            .iter()
-            .find(|t| t["path"] == "device->host")
-            .map_or(0, |t| u(&t["blocks"]));
-        (blocks, s)
+        let s = windowed_replay(dir.path(), name, &args);
+        (offloaded_to_host(&s), s)
     };
     let (windowed, s) = offloaded(Some("64"), "swa-tp2.json");
     assert_eq!(u(&s["tp"]), 2, "{s}");
@@ -1836,41 +1848,14 @@ fn replay_of_a_hybrid_model_serves_every_group_in_both_call_orders() {
             groups.replace([',', ':'], "_"),
             extra.len()
         );
-        let report = dir.path().join(&name);
-        let out = kvbm(dir.path())
-            .args(["replay", "--framework", framework, "--layer-groups", groups])
-            .args(extra)
-            .args([
-                "--block-size",
-                "16",
-                "--requests",
-                "120",
-                "--host-blocks",
-                "4096",
-                "--disk-blocks",
-                "0",
-                "--quiet",
-                "--report",
-            ])
-            .arg(&report)
-            .output()
-            .expect("run kvbm");
-        assert_ok(&out, &name);
-        let r = read_report(&report);
-        check_report_invariants(&r, &name);
-        let s = r["summary"].clone();
+        let mut args = vec!["--framework", framework, "--layer-groups", groups];
+        args.extend(extra);
+        let s = windowed_replay(dir.path(), &name, &args);
         assert_eq!(u(&s["integrity_errors"]), 0, "{name}: {s}");
         assert_eq!(u(&s["load_errors"]), 0, "{name}: {s}");
         s
     };
-    let offloaded = |s: &Value| -> usize {
-        s["offloaded"]
-            .as_array()
-            .expect("offloaded")
-            .iter()
-            .find(|t| t["path"] == "device->host")
-            .map_or(0, |t| u(&t["blocks"]))
-    };
+    let offloaded = offloaded_to_host;
     for framework in ["vllm", "trtllm"] {
         let hybrid = run(framework, "full,sliding:64", &[]);
         let what = format!("{framework} full,sliding:64");

@@ -445,28 +445,7 @@ fn a_hybrid_requests_metadata() {
         .unwrap(),
     );
     let a: Vec<u32> = (100..112).collect();
-    let blocks_a = vec![vec![1, 2, 3], vec![4, 5, 6]];
-    r.sched
-        .get_num_new_matched_tokens(&req("a", &a, 0), 0)
-        .unwrap();
-    r.sched
-        .update_state_after_alloc(&req("a", &a, 0), &blocks_a, 0)
-        .unwrap();
-    let mut out = SchedulerOutput::default();
-    out.scheduled_new_reqs.push(NewRequestData {
-        req_id: "a".into(),
-        prompt_token_ids: a.clone(),
-        first_token_index: 0,
-        block_ids: blocks_a.clone(),
-        num_computed_tokens: 0,
-    });
-    out.num_scheduled_tokens.insert("a".into(), a.len());
-    r.step(&out);
-    r.sched.request_finished(&req("a", &a, 12), &[]).unwrap();
-    let mut out = SchedulerOutput::default();
-    out.finished_req_ids.insert("a".into());
-    r.step(&out);
-
+    compute(&mut r, "a", &a, &[vec![1, 2, 3], vec![4, 5, 6]], image);
     let mut b: Vec<u32> = a[..8].to_vec();
     b.extend(900..903);
     let (ext, _) = r
@@ -474,11 +453,7 @@ fn a_hybrid_requests_metadata() {
         .get_num_new_matched_tokens(&req("b", &b, 0), 0)
         .unwrap();
     assert_eq!(ext, Some(8));
-    r.sched
-        .update_state_after_alloc(&req("b", &b, 8), &[vec![0, 11, 12], vec![13, 14, 15]], 8)
-        .unwrap();
-    r.step(&SchedulerOutput::default());
-    assert!(r.worker.get_block_ids_with_load_errors().is_empty());
+    load(&mut r, "b", &b, &[vec![0, 11, 12], vec![13, 14, 15]], 8);
     let mut settings = insta::Settings::clone_current();
     settings.set_snapshot_path("../snapshots");
     settings.set_prepend_module_to_snapshot(false);
