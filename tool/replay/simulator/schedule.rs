@@ -49,21 +49,8 @@ impl Simulator {
             // Blocks needed now: vLLM the prompt; TensorRT-LLM prompt and output (no evict).
             let need = self.sched.blocks_at_admission(r, bs);
             let groups = self.opts.n_groups();
-            // The device prefix cache's hit: the prefix every group holds (each group looks up
-            // its own keys; what one group holds past the shortest goes back, still cached).
-            let mut found: Vec<Vec<usize>> = Vec::with_capacity(groups);
-            for g in 0..groups {
-                let keys = self.keys(i, g, n.saturating_sub(1) / bs);
-                found.push(self.pool.lookup(&keys));
-            }
-            let hit = found.iter().map(Vec::len).min().unwrap_or(0);
-            for (g, f) in found.iter_mut().enumerate() {
-                if f.len() > hit {
-                    let keys = self.keys(i, g, f.len());
-                    self.pool.release(&f[hit..], &keys[hit..]);
-                    f.truncate(hit);
-                }
-            }
+            let found = self.device_hit(i, n.saturating_sub(1) / bs);
+            let hit = found.first().map_or(0, Vec::len);
             let fresh = need.saturating_sub(hit);
             if self.pool.available() < fresh * groups {
                 for f in &found {
@@ -87,31 +74,7 @@ impl Simulator {
                 still.push_back(i);
                 continue;
             };
-            // A sliding-window group's table holds the null block before the window of what is
-            // computed once the load is in (vLLM's `SlidingWindowManager`): its local blocks
-            // there go back to the pool (still cached), and none is allocated there.
-            let mut tables = Vec::with_capacity(groups);
-            for (g, mut blocks) in found.into_iter().enumerate() {
-                let skip = self.opts.skipped_blocks(g, local + m.0);
-                let early = skip.min(blocks.len());
-                if early > 0 {
-                    let keys = self.keys(i, g, early);
-                    let gone: Vec<usize> = blocks[..early].to_vec();
-                    self.pool.release(&gone, &keys);
-                    blocks[..early].fill(NULL_BLOCK);
-                }
-                for k in blocks.len()..blocks.len() + fresh {
-                    if k < skip {
-                        blocks.push(NULL_BLOCK);
-                        continue;
-                    }
-                    match self.pool.alloc() {
-                        Some(b) => blocks.push(b),
-                        None => return Err(Error::internal("device pool ran out after checking")),
-                    }
-                }
-                tables.push(blocks);
-            }
+            let tables = self.admission_tables(i, found, local + m.0, fresh)?;
             let r = &mut self.reqs[i];
             r.blocks = tables;
             r.report.device_hit_tokens += local;
@@ -134,6 +97,63 @@ impl Simulator {
         }
         self.waiting = still;
         Ok(admitted)
+    }
+
+    /// The device prefix cache's hit for request `i` (its first `blocks` blocks): the prefix
+    /// every KV-cache group holds, one referenced block list per group, all as long (each group
+    /// looks up its own keys; what one holds past the shortest goes back, still cached).
+    fn device_hit(&mut self, i: usize, blocks: usize) -> Vec<Vec<usize>> {
+        let mut found: Vec<Vec<usize>> = Vec::with_capacity(self.opts.n_groups());
+        for g in 0..self.opts.n_groups() {
+            let keys = self.keys(i, g, blocks);
+            found.push(self.pool.lookup(&keys));
+        }
+        let hit = found.iter().map(Vec::len).min().unwrap_or(0);
+        for (g, f) in found.iter_mut().enumerate() {
+            if f.len() > hit {
+                let keys = self.keys(i, g, f.len());
+                self.pool.release(&f[hit..], &keys[hit..]);
+                f.truncate(hit);
+            }
+        }
+        found
+    }
+
+    /// Every group's block table at admission: its device hit `found`, then `fresh` more
+    /// positions. A sliding-window group's table holds the null block before the window of the
+    /// `computed` tokens it will hold once the load is in (vLLM's `SlidingWindowManager`): its
+    /// local blocks there go back to the pool (still cached), and none is allocated there.
+    /// The caller checked the pool has the blocks.
+    fn admission_tables(
+        &mut self,
+        i: usize,
+        found: Vec<Vec<usize>>,
+        computed: usize,
+        fresh: usize,
+    ) -> Result<Vec<Vec<usize>>> {
+        let mut tables = Vec::with_capacity(found.len());
+        for (g, mut blocks) in found.into_iter().enumerate() {
+            let skip = self.opts.skipped_blocks(g, computed);
+            let early = skip.min(blocks.len());
+            if early > 0 {
+                let keys = self.keys(i, g, early);
+                let gone: Vec<usize> = blocks[..early].to_vec();
+                self.pool.release(&gone, &keys);
+                blocks[..early].fill(NULL_BLOCK);
+            }
+            for k in blocks.len()..blocks.len() + fresh {
+                if k < skip {
+                    blocks.push(NULL_BLOCK);
+                    continue;
+                }
+                match self.pool.alloc() {
+                    Some(b) => blocks.push(b),
+                    None => return Err(Error::internal("device pool ran out after checking")),
+                }
+            }
+            tables.push(blocks);
+        }
+        Ok(tables)
     }
 
     /// A request whose load finished joins the running set (vLLM: second alloc call with 0).
