@@ -18,8 +18,8 @@
 //! its duel: the model runs two miniature models of its own (credit on, credit off; a pool this
 //! small samples every key, and they keep the pool's clock) on every key a match asks for (past
 //! the first miss too; a stored key enters a miniature that lacks it without counting) and
-//! applies the credit while the credited one has been right more often (a score saturating at
-//! ±32, starting at 0 with the credit off).
+//! applies the credit while the credited one has been right more often by a margin (a score
+//! saturating at ±32, starting at 0 with the credit off, the credit on while it is above 8).
 
 use std::cmp::Reverse;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -209,7 +209,8 @@ impl Model {
             _ => return,
         };
         d.score = (d.score + step).clamp(-32, 32);
-        self.credit_on = d.score > 0;
+        // The credit needs a lead of more than a quarter of the score's range.
+        self.credit_on = d.score > 8;
     }
 
     /// A miniature's use of `h`: a hit is reused and released; a miss takes a free or evicted

@@ -648,3 +648,34 @@ fn unregister_withdraws_a_block_and_frees_it_on_release() {
     drop(again);
     assert_eq!(pool.stats().inactive, 1);
 }
+
+#[test]
+fn prefix_duel_wants_a_margin_before_it_credits() {
+    // A few rounds of the pattern where the credit pays (four keys used every round, ten
+    // one-offs between rounds) give the credited miniature a small lead; then the traffic
+    // turns: a stream of new keys each used once more three keys later, which the credit
+    // defeats (the four keys, reused four times, hold half of the 8 blocks). On a lead of a
+    // few uses the credit stays off and every reuse hits, as with LRU; applied on any lead
+    // (score above 0) it lost 9 of the 37 reuses before the duel turned it off.
+    let run = |policy| {
+        let p = BlockPool::with_policy(TierKind::Host, 8, policy).unwrap();
+        for round in 0..4u64 {
+            for k in 1..=4 {
+                use_key(&p, h(k));
+            }
+            for j in 0..10 {
+                use_key(&p, h(1000 + round * 10 + j));
+            }
+        }
+        let mut hits = 0;
+        for i in 0..40 {
+            use_key(&p, h(2000 + i));
+            if i >= 3 && use_key(&p, h(2000 + i - 3)) {
+                hits += 1;
+            }
+        }
+        hits
+    };
+    assert_eq!(run(EvictionPolicy::Lru), 37);
+    assert_eq!(run(EvictionPolicy::Prefix), 37);
+}

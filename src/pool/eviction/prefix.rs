@@ -141,9 +141,11 @@ impl Eviction for Prefix {
 /// first miss too, so that what the miniatures see does not depend on what the pool itself
 /// kept; a stored key enters a miniature that lacks it without counting as a use. Each use
 /// that one miniature holds and the other does not moves a saturating score one step, and
-/// the full pool applies the credit only while the score favours it strictly: with no
-/// evidence (a fresh pool, a tie) it evicts in prefix order alone, which is never far from
-/// LRU. Credit pays where reuse predicts reuse (long-lived chat traffic) and costs where it
+/// the full pool applies the credit only while the score leads by more than
+/// [`DUEL_CREDIT_MARGIN`]: with no evidence (a fresh pool, a tie) or too little (a lead a
+/// sample's noise reaches on its own) it evicts in prefix order alone, which is never far from
+/// LRU, whereas a credit applied on a chance lead can keep dead chains for up to eight
+/// turnovers of the pool. Credit pays where reuse predicts reuse (long-lived chat traffic) and costs where it
 /// does not (conversations of a fixed length keep their past reuses after their last turn):
 /// the duel measures which on the traffic at hand instead of guessing.
 #[derive(Debug)]
@@ -154,7 +156,7 @@ struct Duel {
     credited: State,
     plain: State,
     /// In `-DUEL_SCORE_MAX..=DUEL_SCORE_MAX`: up when only `credited` holds a used key, down when
-    /// only `plain` does. The credit applies while it is above 0.
+    /// only `plain` does. The credit applies while it is above [`DUEL_CREDIT_MARGIN`].
     score: i32,
 }
 
@@ -169,6 +171,15 @@ const DUEL_MIN_BLOCKS: u32 = 128;
 /// The duel's score saturates here: after a long run one way, this many uses going the other
 /// way turn the credit over.
 const DUEL_SCORE_MAX: i32 = 32;
+
+/// The credit applies only while the duel's score is above this (a quarter of its range): the
+/// credited miniature must have held this many more of the recent uses than the plain one, not
+/// merely more. The miniatures see one key in `rate`, so at a few hundred blocks each their
+/// verdict on a short trace rests on a few dozen disagreements, and a lead of a few steps is
+/// noise: on Mooncake's synthetic trace at 3M tokens of host cache, a credit kept on leads of a
+/// few uses while the traffic had turned against it lost 1.4 points to LRU (docs/benchmarks.md,
+/// "The duel's margin").
+const DUEL_CREDIT_MARGIN: i32 = DUEL_SCORE_MAX / 4;
 
 impl Duel {
     fn new(num_blocks: u32) -> Result<Self> {
@@ -243,7 +254,7 @@ impl Duel {
             _ => return None,
         };
         self.score = (self.score + step).clamp(-DUEL_SCORE_MAX, DUEL_SCORE_MAX);
-        Some(self.score > 0)
+        Some(self.score > DUEL_CREDIT_MARGIN)
     }
 }
 
