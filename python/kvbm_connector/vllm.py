@@ -377,6 +377,10 @@ class KvbmConnector(*_BASES):
         self._worker = None
         self._worker_ready = False
         self._streams = StreamOrder(None)  # the engine's CUDA stream ordering (GPU caches)
+        # The registered layer names and the last of them (register_kv_caches sets them): the
+        # per-layer hooks of the layers before the last are answered here (_known_layer).
+        self._layer_names: Optional[frozenset] = None
+        self._last_layer: Optional[str] = None
         self._stats_last: dict = {}  # the counters at the last get_kv_connector_stats
         if self._kvbm_role == "SCHEDULER":
             warning = self._config.tier_warning()
@@ -568,7 +572,7 @@ class KvbmConnector(*_BASES):
         """True when ``name`` is a registered layer other than the last (nothing to do in
         Rust); raises ``invalid_argument`` for a name never registered; False for the last
         layer, or before the caches are registered (Rust then answers)."""
-        known = getattr(self, "_layer_names", None)
+        known = self._layer_names
         if known is None:
             return False
         if name not in known:
@@ -579,10 +583,10 @@ class KvbmConnector(*_BASES):
         # Loads complete before vLLM schedules their request: nothing to wait for per layer.
         worker = self._work("wait_for_layer_load")
         name = str(layer_name)
-        if getattr(self, "_layer_names", None) is not None:
+        if self._layer_names is None:
+            worker.wait_for_layer_load(name)
+        else:
             self._known_layer("wait_for_layer_load", name)
-            return
-        worker.wait_for_layer_load(name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
