@@ -22,6 +22,7 @@ use crate::connector::transport::TierCounts;
 use crate::connector::worker::{TierFactory, WorkerTiers};
 use crate::error::Result;
 use crate::layout::{KvLayout, Layout, LayoutDims};
+use crate::page_store::{PageStore, PageStoreOptions, PageStoreTiers};
 use crate::tier::{StorageTier, TierKind};
 
 /// The standard [`TierFactory`]; see the [module docs](self).
@@ -97,6 +98,64 @@ impl TierFactory for StandardTiers {
     ) -> Result<Option<Arc<dyn RemoteStore>>> {
         super::remote::connect(config, scope)
     }
+}
+
+/// A [`PageStore`] of `page_bytes`-byte pages named within `namespace`, over the tiers the
+/// configuration sizes (in pages: `host.cache_gb` / `host.cache_blocks`, `disk.*`, with the
+/// same default as an engine's connector) and the shared store `remote.url` names, whose scope
+/// is the namespace and `remote.namespace`. What SGLang's storage backend is built on.
+///
+/// Errors: a size that cannot be allocated or a disk directory that cannot be used (as for
+/// the worker's tiers); a bad remote URL; every tier sized 0 and no remote store.
+pub fn page_store(config: &Config, namespace: &str, page_bytes: usize) -> Result<PageStore> {
+    let dims = LayoutDims {
+        num_layers: 1,
+        outer_dim: 1,
+        page_size: 1,
+        inner_dim: page_bytes,
+        dtype_bytes: 1,
+    };
+    dims.validate()?;
+    let (host_pages, disk_pages) = config.block_counts(page_bytes)?;
+    let host: Option<Arc<dyn StorageTier>> = if host_pages > 0 {
+        Some(Arc::new(MemoryTier::host(Layout::fully_contiguous(
+            dims, host_pages,
+        )?)?))
+    } else {
+        None
+    };
+    let disk: Option<Arc<dyn StorageTier>> = if disk_pages > 0 {
+        let opts = DiskTierOptions {
+            dir: config.disk.dir.clone(),
+            direct_io: config.disk.direct_io,
+            persist: config.disk.persist,
+            max_in_flight: config.disk.max_in_flight,
+        };
+        Some(Arc::new(DiskTier::create(
+            TierKind::Disk,
+            dims,
+            disk_pages,
+            opts,
+        )?))
+    } else {
+        None
+    };
+    let description = format!(
+        "kvbm-page-v1;ns={:?};pages={namespace:?}",
+        config.remote.namespace.as_deref().unwrap_or("")
+    );
+    let scope = RemoteScope::new(&description, 1, 1, page_bytes, config.hash)?;
+    let remote = super::remote::connect(config, &scope)?;
+    PageStore::new(
+        namespace,
+        page_bytes,
+        PageStoreTiers { host, disk, remote },
+        PageStoreOptions {
+            eviction: config.eviction,
+            lookup_timeout: config.remote.lookup_timeout(),
+            io_timeout: config.remote.io_timeout(),
+        },
+    )
 }
 
 /// The host (G2) tier: pinned memory on the device tier's GPU when the device tier is a CUDA

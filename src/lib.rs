@@ -67,6 +67,7 @@ pub mod layout;
 pub mod log;
 mod memcopy;
 pub mod metrics_server;
+pub mod page_store;
 pub mod pool;
 pub mod tcp;
 pub mod tier;

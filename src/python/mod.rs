@@ -23,6 +23,7 @@ mod common;
 mod cuda;
 mod error;
 mod log;
+mod sglang;
 mod tensor;
 mod transport;
 mod trtllm;
@@ -177,6 +178,39 @@ impl PyConfig {
         })
     }
 
+    /// `Config.load_with(overrides, path=None)`: as [`PyConfig::load`], with `overrides`
+    /// (environment variable name → value, e.g. `{"KVBM_DISK_CACHE_GB": "8"}`) read before the
+    /// environment: an engine's own configuration of the connector (SGLang's extra config)
+    /// wins over the process environment. A name that is not a `KVBM_*` setting is refused.
+    #[staticmethod]
+    #[pyo3(signature = (overrides, path=None))]
+    fn load_with(
+        py: Python<'_>,
+        overrides: std::collections::HashMap<String, String>,
+        path: Option<std::path::PathBuf>,
+    ) -> PyResult<Self> {
+        detached(py, "Config.load_with", move || {
+            if let Some(name) = overrides
+                .keys()
+                .find(|k| !ENV_VARS.iter().any(|v| v.name == k.as_str()))
+            {
+                return Err(Error::invalid_config(
+                    name,
+                    &overrides[name],
+                    "not a KVBM setting",
+                ));
+            }
+            let inner = Config::load_with(path.as_deref(), |name| {
+                overrides
+                    .get(name)
+                    .cloned()
+                    .or_else(|| std::env::var(name).ok())
+            })?;
+            crate::backends::remote::check(&inner)?;
+            Ok(Self { inner })
+        })
+    }
+
     /// `Config.from_toml(text)`: the file format alone, without the environment.
     #[staticmethod]
     fn from_toml(py: Python<'_>, text: String) -> PyResult<Self> {
@@ -314,6 +348,7 @@ fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     m.add("ERROR_KINDS", error::kind_names())?;
     m.add_class::<PyConfig>()?;
+    m.add_class::<sglang::PyPageStore>()?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
     #[cfg(feature = "python-test-hooks")]
     {

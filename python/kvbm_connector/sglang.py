@@ -1,0 +1,316 @@
+"""SGLang: kvbm's tiers as HiCache's storage backend (L3), loaded by SGLang unmodified.
+
+Launch SGLang with::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvbm",
+        "module_path": "kvbm_connector.sglang", "class_name": "KvbmHiCacheStorage",
+        "interface_v1": 1, "disk_cache_gb": 64, "remote_url": "redis://cache:6379"}'
+
+SGLang's factory builds :class:`KvbmHiCacheStorage` as ``cls(storage_config, kwargs)``; the host
+pool arrives later (``register_mem_pool_host``), and the page store over our tiers is built then,
+when the page size and layout are known. Keys are SGLang's page hashes; a page is stored as the
+bytes of one page of the host pool in its layout, named in a namespace of the model, the rank's
+share (``tp_rank``/``tp_size``; MLA pages are shared by all ranks), the pipeline and context
+shards, the layout, the dtype and the page size, so different models or shards never share one.
+
+Our keys in the extra config are the ``KVBM_*`` settings in lower case without the prefix
+(``host_cache_gb``, ``disk_cache_gb``, ``disk_cache_dir``, ``remote_url``, ``eviction``...), plus
+``config`` (a kvbm TOML file); they win over the environment. Any other key that SGLang does not
+itself read is refused with a :class:`~kvbm_connector.KvbmError` naming it. See docs/sglang.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, List, Optional
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolName,
+    PoolTransferResult,
+)
+
+from . import _kvbm
+from ._kvbm import Config
+from ._wiring import error as _error
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KvbmHiCacheStorage"]
+
+# Keys of the extra config that SGLang itself (or its factory) reads.
+SGLANG_KEYS = frozenset(
+    {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
+)
+# Pools whose pages we serve through the *_v2 calls: the KV pool only.
+KV_POOLS = frozenset({str(PoolName.KV)})
+
+
+def _overrides(extra: dict) -> tuple[dict, Optional[str]]:
+    """The extra config's own keys as ``KVBM_*`` settings (and the config file path)."""
+    known = {name for name, _key, _secret in _kvbm.env_vars()}
+    out: dict = {}
+    path = None
+    for key, value in extra.items():
+        if key in SGLANG_KEYS:
+            continue
+        if key == "config":
+            path = str(value)
+            continue
+        name = "KVBM_" + str(key).upper()
+        if not isinstance(key, str) or name not in known:
+            raise _error(
+                "invalid_config",
+                f"unknown key {key!r} in --hicache-storage-backend-extra-config (kvbm's keys "
+                "are the KVBM_* settings in lower case without the prefix, e.g. disk_cache_gb)",
+                field=key,
+            )
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        out[name] = str(value)
+    return out, path
+
+
+def _namespace(cfg: HiCacheStorageConfig, pool: Any, page_bytes: int) -> str:
+    """What makes two instances' pages the same bytes (see the module docs)."""
+    shard = "mla" if cfg.is_mla_model else f"tp{cfg.tp_rank}/{cfg.tp_size}"
+    parts = {
+        "engine": "sglang",
+        "model": cfg.model_name or "",
+        "shard": shard,
+        "pp": f"{cfg.pp_rank}/{cfg.pp_size}",
+        "cp": f"{cfg.attn_cp_rank}/{cfg.attn_cp_size}",
+        "layout": str(getattr(pool, "layout", "")),
+        "dtype": str(getattr(pool, "dtype", "")),
+        "page_size": int(getattr(pool, "page_size", 0) or 0),
+        "page_bytes": page_bytes,
+    }
+    if getattr(cfg, "dcp_size", 1) > 1:
+        parts["dcp"] = f"{cfg.dcp_rank}/{cfg.dcp_size}/{cfg.logical_page_size}"
+    return json.dumps(parts, sort_keys=True)
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size())
+
+
+class KvbmHiCacheStorage(HiCacheStorage):
+    """HiCache's storage backend over kvbm's host, disk and shared tiers."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        if storage_config is None:
+            raise _error("invalid_argument", "storage_config is required", field="storage_config")
+        self.storage_config = storage_config
+        extra = dict(storage_config.extra_config or {})
+        overrides, path = _overrides(extra)
+        # Settings are checked now, when SGLang builds the backend; the store itself needs the
+        # host pool's page size, and is built when the pool is registered.
+        self._config = Config.load_with(overrides, path)
+        self.mem_pool_host = (kwargs or {}).get("mem_pool_host") if isinstance(kwargs, dict) else None
+        self._store: Optional[Any] = None
+        self._metrics_lock = threading.Lock()
+        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        if self.mem_pool_host is not None:
+            self.register_mem_pool_host(self.mem_pool_host)
+
+    # --- the pool -----------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        if mem_pool_host is None:
+            return
+        page_bytes = _nbytes(mem_pool_host.get_dummy_flat_data_page())
+        self._open(page_bytes, mem_pool_host)
+        for attr in ("kv_buffer", "k_buffer", "v_buffer"):
+            buf = getattr(mem_pool_host, attr, None)
+            if buf is not None and hasattr(buf, "data_ptr"):
+                self._store.register_region(buf, attr)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        if str(host_pool_name) not in KV_POOLS:
+            raise _error(
+                "unsupported",
+                f"kvbm stores the KV pool's pages only; the {host_pool_name} pool is not supported",
+                pool=host_pool_name,
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if host_pool is not self.mem_pool_host:
+            self.register_mem_pool_host(host_pool)
+
+    def _open(self, page_bytes: int, pool: Any) -> None:
+        if self._store is not None:
+            if self._store.page_bytes != page_bytes:
+                raise _error(
+                    "invalid_argument",
+                    f"the host pool's pages are {page_bytes} bytes but this backend stores "
+                    f"{self._store.page_bytes}-byte pages",
+                    field="mem_pool_host",
+                )
+            if pool is None or getattr(self, "_pool_named", False):
+                return
+        ns = _namespace(self.storage_config, pool, page_bytes)
+        self._store = _kvbm.PageStore(self._config, ns, page_bytes)
+        self._pool_named = pool is not None
+        logger.info("kvbm page store: %s-byte pages on %s", page_bytes, self._store.tiers)
+
+    def _need_store(self, first_value: Any = None) -> Any:
+        if self._store is None:
+            if first_value is None:
+                raise _error(
+                    "invalid_argument",
+                    "no host pool registered and no page to size the store from",
+                    field="mem_pool_host",
+                )
+            self._open(_nbytes(first_value), None)
+        return self._store
+
+    # --- classic calls (tensors) --------------------------------------------------------------
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        keys, values = list(keys), list(values or [])
+        if not keys:
+            return True
+        store = self._need_store(values[0] if values else None)
+        started = time.perf_counter()
+        held = store.put_tensors(keys, values)
+        self._record("backup", sum(held), started)
+        return all(held)
+
+    def get(self, key, target_location=None, target_sizes=None):
+        out = self.batch_get([key], [target_location])
+        return out[0]
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        keys = list(keys)
+        targets = list(target_locations or [])
+        if len(targets) != len(keys) or any(t is None for t in targets):
+            raise _error(
+                "invalid_argument",
+                "kvbm reads into the caller's tensors: give one target location per key",
+                field="target_locations",
+            )
+        if not keys:
+            return []
+        store = self._need_store(targets[0])
+        started = time.perf_counter()
+        served = store.get_tensors(keys, targets)
+        self._record("prefetch", sum(x is not None for x in served), started)
+        return [t if s is not None else None for t, s in zip(targets, served)]
+
+    def exists(self, key) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys, extra_info=None) -> int:
+        keys = list(keys)
+        if not keys or self._store is None:
+            return 0
+        return self._store.prefix_len(keys)
+
+    # --- zero-copy calls (host indices into the registered pool) -----------------------------
+
+    def _runs(self, pool: Any, keys: List[str], host_indices: Any):
+        page_size = int(pool.page_size)
+        if host_indices is None or int(host_indices.numel()) != len(keys) * page_size:
+            raise _error(
+                "invalid_argument",
+                f"{len(keys)} keys need {len(keys) * page_size} host indices, got "
+                f"{0 if host_indices is None else int(host_indices.numel())}",
+                field="host_indices",
+            )
+        return pool.get_page_buffer_meta(host_indices)
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None) -> List[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+        pool = self.mem_pool_host
+        store = self._need_store()
+        ptrs, sizes = self._runs(pool, keys, host_indices)
+        started = time.perf_counter()
+        held = store.put_runs(keys, ptrs, sizes)
+        self._record("backup", sum(held), started)
+        return held
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None) -> List[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+        pool = self.mem_pool_host
+        store = self._need_store()
+        ptrs, sizes = self._runs(pool, keys, host_indices)
+        started = time.perf_counter()
+        ok = [s is not None for s in store.get_runs(keys, ptrs, sizes)]
+        self._record("prefetch", sum(ok), started)
+        return ok
+
+    # --- multi-pool calls: the KV pool only ---------------------------------------------------
+
+    def _check_pools(self, transfers) -> None:
+        for t in transfers or []:
+            if str(t.name) not in KV_POOLS:
+                raise _error(
+                    "unsupported",
+                    f"kvbm stores the KV pool's pages only; the {t.name} pool is not supported",
+                    pool=t.name,
+                )
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
+        self._check_pools(pool_transfers)
+        n = self.batch_exists(keys, extra_info)
+        return PoolTransferResult(n, {str(PoolName.KV): n} if n else {}, list(range(1, n + 1)))
+
+    def _v2(self, transfers, op) -> dict:
+        self._check_pools(transfers)
+        return {
+            t.name: op(list(t.keys or []), t.host_indices) if t.keys else []
+            for t in transfers or []
+        }
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        return self._v2(transfers, self.batch_get_v1)
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        return self._v2(transfers, self.batch_set_v1)
+
+    # --- the rest ----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        if self._store is not None:
+            self._store.clear()
+
+    def _record(self, kind: str, pages: int, started: float) -> None:
+        """Pages and GB/s of one read (``prefetch``) or write (``backup``), for get_stats."""
+        if not getattr(self.storage_config, "enable_storage_metrics", False) or pages == 0:
+            return
+        secs = max(time.perf_counter() - started, 1e-9)
+        gb = pages * (self._store.page_bytes if self._store is not None else 0) / 1e9
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(gb / secs)
+
+    def get_stats(self):
+        """SGLang's own ``StorageMetrics`` (pages and GB/s per read and write since the last
+        call), as its other backends return them."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._metrics_lock:
+            taken = self._metrics
+            self._metrics = {k: [] for k in taken}
+        return StorageMetrics(**taken)
+
+    def stats(self) -> dict:
+        """Our counters (pages put/stored/read, hits per tier, misses, corrupt pages...)."""
+        if self._store is None:
+            return {}
+        return json.loads(self._store.stats_json())
+
+    def close(self) -> None:
+        self._store = None

@@ -1,0 +1,524 @@
+//! A key-value store of fixed-size pages over the connector's tiers, for engines that keep their
+//! own prefix tree and host pool and want only a storage backend (SGLang's HiCache L3).
+//!
+//! An engine names a page by its own key (SGLang: a page hash, as text); [`PageStore::key`] turns
+//! it into a 128-bit block key under the store's *namespace* (the model, the rank's share, the
+//! page layout — whatever makes two instances' pages different bytes), so two namespaces never
+//! share a page. Pages go to every configured level: the host tier (optional), the disk tier
+//! (checksummed), and the shared remote store; a read tries them in that order.
+//!
+//! Invariants:
+//! * a page is served only from a tier that verified it (the disk tier's checksum, the remote
+//!   store's key/length/checksum check): a corrupt or truncated page is a miss, and its local
+//!   copy is withdrawn so it is not tried again; never wrong bytes;
+//! * every page of a call is checked for its size before anything is written or read: a wrong
+//!   size is an [`ErrorKind::InvalidArgument`] naming the page, and nothing changes;
+//! * a local tier that is full evicts by its pool's policy; a page being read is held, so it is
+//!   never evicted or rewritten under a reader;
+//! * the remote store is bounded by its deadlines: a slow or failing store costs its own hits
+//!   (its pages are misses, its writes are dropped and counted), never an error of the call.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::connector::remote::{RemoteRead, RemoteStore};
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::SequenceHash;
+use crate::pool::{BlockPool, EvictionPolicy};
+use crate::tier::{StorageTier, TierKind};
+
+/// The most pages one call may name (bounds the work and the buffers of one call).
+pub const MAX_PAGES_PER_CALL: usize = 65_536;
+
+/// The tiers a [`PageStore`] is built over (what a storage backend factory hands it). Every
+/// local tier's blocks are exactly one page.
+#[derive(Debug, Default, Clone)]
+pub struct PageStoreTiers {
+    /// Host memory (G2), if any.
+    pub host: Option<Arc<dyn StorageTier>>,
+    /// Local disk (G3), if any.
+    pub disk: Option<Arc<dyn StorageTier>>,
+    /// The shared store (G4), if any; its scope's `bytes_per_block` must be the page size.
+    pub remote: Option<Arc<dyn RemoteStore>>,
+}
+
+/// How a [`PageStore`] talks to its remote store.
+#[derive(Debug, Clone, Copy)]
+pub struct PageStoreOptions {
+    /// The eviction policy of each local tier.
+    pub eviction: EvictionPolicy,
+    /// Deadline of one remote lookup.
+    pub lookup_timeout: Duration,
+    /// Deadline of one remote read or write batch.
+    pub io_timeout: Duration,
+}
+
+/// Counters of a [`PageStore`] since it was built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PageStoreStats {
+    /// Pages asked to be stored.
+    pub put_pages: u64,
+    /// Of those, pages that at least one level now holds.
+    pub put_stored: u64,
+    /// Pages asked to be read.
+    pub get_pages: u64,
+    /// Pages served from the host tier.
+    pub host_hits: u64,
+    /// Pages served from the disk tier.
+    pub disk_hits: u64,
+    /// Pages served from the remote store.
+    pub remote_hits: u64,
+    /// Pages found nowhere (or found only damaged).
+    pub misses: u64,
+    /// Local copies that failed verification (withdrawn, not served).
+    pub corrupt: u64,
+    /// Remote values that failed verification (not served).
+    pub remote_invalid: u64,
+    /// Remote calls that failed or missed their deadline.
+    pub remote_errors: u64,
+    /// Pages the host tier holds now.
+    pub host_pages: u64,
+    /// Pages the disk tier holds now.
+    pub disk_pages: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    put_pages: AtomicU64,
+    put_stored: AtomicU64,
+    get_pages: AtomicU64,
+    host_hits: AtomicU64,
+    disk_hits: AtomicU64,
+    remote_hits: AtomicU64,
+    misses: AtomicU64,
+    corrupt: AtomicU64,
+    remote_invalid: AtomicU64,
+    remote_errors: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, n: usize) {
+    c.fetch_add(n as u64, Ordering::Relaxed);
+}
+
+/// One local level: a tier and the pool that says which of its blocks holds which page.
+struct Level {
+    tier: Arc<dyn StorageTier>,
+    pool: BlockPool,
+}
+
+/// A key-value store of fixed-size pages; see the [module docs](self). Shared between threads
+/// (`&self` everywhere).
+pub struct PageStore {
+    namespace: String,
+    page_bytes: usize,
+    levels: Vec<Level>,
+    remote: Option<Arc<dyn RemoteStore>>,
+    options: PageStoreOptions,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for PageStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageStore")
+            .field("namespace", &self.namespace)
+            .field("page_bytes", &self.page_bytes)
+            .field(
+                "levels",
+                &self
+                    .levels
+                    .iter()
+                    .map(|l| l.tier.kind())
+                    .collect::<Vec<_>>(),
+            )
+            .field("remote", &self.remote.as_ref().map(|r| r.describe()))
+            .finish()
+    }
+}
+
+impl PageStore {
+    /// A store of `page_bytes`-byte pages named within `namespace`, over `tiers`.
+    ///
+    /// Errors: `page_bytes` is 0; a local tier whose blocks are not `page_bytes` long; a remote
+    /// store whose values are not (invalid argument, naming the tier); no tier at all
+    /// (invalid config: nothing would be stored).
+    pub fn new(
+        namespace: impl Into<String>,
+        page_bytes: usize,
+        tiers: PageStoreTiers,
+        options: PageStoreOptions,
+    ) -> Result<Self> {
+        if page_bytes == 0 {
+            return Err(Error::invalid_argument(
+                "a page store needs pages of at least one byte",
+            ));
+        }
+        let mut levels = Vec::new();
+        for tier in [tiers.host, tiers.disk].into_iter().flatten() {
+            if tier.bytes_per_block() != page_bytes {
+                return Err(Error::invalid_argument(format!(
+                    "the {} tier's blocks are {} bytes but a page is {page_bytes}",
+                    tier.kind(),
+                    tier.bytes_per_block()
+                ))
+                .with("tier", tier.kind()));
+            }
+            let pool = BlockPool::with_policy(tier.kind(), tier.num_blocks(), options.eviction)?;
+            levels.push(Level { tier, pool });
+        }
+        if let Some(remote) = &tiers.remote {
+            let bytes = remote.scope().bytes_per_block;
+            if bytes != page_bytes || remote.scope().world_size != 1 {
+                return Err(Error::invalid_argument(format!(
+                    "the remote store's values are {bytes} bytes over {} ranks but a page is \
+                     {page_bytes} bytes of one rank",
+                    remote.scope().world_size
+                ))
+                .with("tier", TierKind::Remote));
+            }
+        }
+        if levels.is_empty() && tiers.remote.is_none() {
+            return Err(Error::invalid_config(
+                "host.cache_gb / disk.cache_gb / remote.url",
+                "unset",
+                "a page store needs a host tier, a disk tier or a remote store",
+            ));
+        }
+        Ok(Self {
+            namespace: namespace.into(),
+            page_bytes,
+            levels,
+            remote: tiers.remote,
+            options,
+            counters: Counters::default(),
+        })
+    }
+
+    /// Bytes of one page.
+    pub fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// The namespace pages are named in.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The tiers that hold pages, in the order a read tries them.
+    pub fn tiers(&self) -> Vec<TierKind> {
+        let mut v: Vec<TierKind> = self.levels.iter().map(|l| l.tier.kind()).collect();
+        if self.remote.is_some() {
+            v.push(TierKind::Remote);
+        }
+        v
+    }
+
+    /// The block key of the engine's page key `name` in this store's namespace: the first 16
+    /// bytes (little-endian) of SHA-256 over the length-prefixed namespace and name, so no
+    /// choice of names makes two namespaces' keys meet.
+    pub fn key(&self, name: &[u8]) -> SequenceHash {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(b"kvbm-page-v1");
+        for part in [self.namespace.as_bytes(), name] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part);
+        }
+        let d = h.finalize();
+        let mut b = [0u8; 16];
+        b.copy_from_slice(&d[..16]);
+        SequenceHash(u128::from_le_bytes(b))
+    }
+
+    fn check_call(&self, op: &'static str, keys: usize, pages: &[usize]) -> Result<()> {
+        if keys > MAX_PAGES_PER_CALL {
+            return Err(Error::invalid_argument(format!(
+                "{keys} pages in one call; at most {MAX_PAGES_PER_CALL}"
+            ))
+            .with("op", op));
+        }
+        if pages.len() != keys {
+            return Err(
+                Error::invalid_argument(format!("{keys} keys but {} pages", pages.len()))
+                    .with("op", op),
+            );
+        }
+        if let Some((i, len)) = pages
+            .iter()
+            .enumerate()
+            .find(|(_, &len)| len != self.page_bytes)
+        {
+            return Err(Error::invalid_argument(format!(
+                "page {i} is {len} bytes but this store's pages are {}",
+                self.page_bytes
+            ))
+            .with("op", op)
+            .with("page", i));
+        }
+        Ok(())
+    }
+
+    /// Stores each page under its key in every level that does not hold it yet. `pages[i]` is
+    /// the page of `keys[i]` as segments adding up to the page size. Returns, per page, whether
+    /// some level holds it now.
+    ///
+    /// Errors (nothing stored): more than [`MAX_PAGES_PER_CALL`] pages, a page of the wrong
+    /// size, or a different number of keys and pages (invalid argument).
+    pub fn put(&self, keys: &[SequenceHash], pages: &[Vec<IoSlice<'_>>]) -> Result<Vec<bool>> {
+        let lens: Vec<usize> = pages
+            .iter()
+            .map(|p| p.iter().map(|s| s.len()).sum())
+            .collect();
+        self.check_call("put", keys.len(), &lens)?;
+        bump(&self.counters.put_pages, keys.len());
+        let mut held = vec![false; keys.len()];
+        for level in &self.levels {
+            self.put_level(level, keys, pages, &mut held);
+        }
+        if let Some(remote) = &self.remote {
+            self.put_remote(remote.as_ref(), keys, pages, &mut held);
+        }
+        bump(
+            &self.counters.put_stored,
+            held.iter().filter(|h| **h).count(),
+        );
+        Ok(held)
+    }
+
+    fn put_level(
+        &self,
+        level: &Level,
+        keys: &[SequenceHash],
+        pages: &[Vec<IoSlice<'_>>],
+        held: &mut [bool],
+    ) {
+        // Pages the level holds already count as held; the others (first occurrence of a key)
+        // are written into blocks taken (evicting) from its pool.
+        let mut todo: Vec<usize> = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            if level.pool.contains(*key) {
+                held[i] = true;
+            } else if !keys[..i].contains(key) {
+                todo.push(i);
+            }
+        }
+        let blocks = level.pool.allocate_up_to(todo.len());
+        let mut written = Vec::with_capacity(blocks.len());
+        for (block, &i) in blocks.into_iter().zip(&todo) {
+            match level.tier.write_block(block.block_id(), &pages[i]) {
+                Ok(()) => written.push((block, keys[i])),
+                // The block goes back to the free list when dropped here.
+                Err(e) => tracing::warn!(
+                    tier = %level.tier.kind(), error = %e, "page store: a page write failed"
+                ),
+            }
+        }
+        let (_, errors) = level.pool.register_all(written);
+        for e in errors {
+            tracing::warn!(tier = %level.tier.kind(), error = %e, "page store: a page was not registered");
+        }
+        // A key is held wherever a copy of it is (duplicates within the call included).
+        for (i, key) in keys.iter().enumerate() {
+            if !held[i] && level.pool.contains(*key) {
+                held[i] = true;
+            }
+        }
+    }
+
+    fn put_remote(
+        &self,
+        remote: &dyn RemoteStore,
+        keys: &[SequenceHash],
+        pages: &[Vec<IoSlice<'_>>],
+        held: &mut [bool],
+    ) {
+        let bufs: Vec<Vec<u8>> = pages
+            .iter()
+            .map(|p| {
+                let mut b = Vec::with_capacity(self.page_bytes);
+                p.iter().for_each(|s| b.extend_from_slice(s));
+                b
+            })
+            .collect();
+        let blocks: Vec<(u128, &[u8])> = keys
+            .iter()
+            .zip(&bufs)
+            .map(|(k, b)| (k.0, b.as_slice()))
+            .collect();
+        match remote.put(0, &blocks, Instant::now() + self.options.io_timeout) {
+            Ok(_) => held.iter_mut().for_each(|h| *h = true),
+            Err(e) => {
+                bump(&self.counters.remote_errors, 1);
+                tracing::debug!(store = %remote.describe(), error = %e, "page store: remote write dropped");
+            }
+        }
+    }
+
+    /// Reads each page of `keys` into its destination (`pages[i]`: segments adding up to the
+    /// page size), from the first level that holds a verified copy. Returns, per page, the tier
+    /// that served it, or `None` (a miss: its destination bytes must not be used).
+    ///
+    /// Errors (nothing read): as [`PageStore::put`].
+    pub fn get(
+        &self,
+        keys: &[SequenceHash],
+        pages: &mut [Vec<IoSliceMut<'_>>],
+    ) -> Result<Vec<Option<TierKind>>> {
+        let lens: Vec<usize> = pages
+            .iter()
+            .map(|p| p.iter().map(|s| s.len()).sum())
+            .collect();
+        self.check_call("get", keys.len(), &lens)?;
+        bump(&self.counters.get_pages, keys.len());
+        let mut served: Vec<Option<TierKind>> = vec![None; keys.len()];
+        for (i, key) in keys.iter().enumerate() {
+            for level in &self.levels {
+                if self.read_level(level, *key, &mut pages[i]) {
+                    served[i] = Some(level.tier.kind());
+                    break;
+                }
+            }
+        }
+        if let Some(remote) = &self.remote {
+            self.get_remote(remote.as_ref(), keys, pages, &mut served);
+        }
+        for s in &served {
+            match s {
+                Some(TierKind::Host) => bump(&self.counters.host_hits, 1),
+                Some(TierKind::Disk) => bump(&self.counters.disk_hits, 1),
+                Some(_) => bump(&self.counters.remote_hits, 1),
+                None => bump(&self.counters.misses, 1),
+            }
+        }
+        Ok(served)
+    }
+
+    /// One page from one level: held while it is read; a copy that fails verification (or that
+    /// the tier no longer has) is withdrawn.
+    fn read_level(&self, level: &Level, key: SequenceHash, dst: &mut [IoSliceMut<'_>]) -> bool {
+        let Some(block) = level.pool.match_prefix(&[key]).pop() else {
+            return false;
+        };
+        match level.tier.read_block(block.block_id(), dst) {
+            Ok(()) => true,
+            Err(e) => {
+                if e.kind() == ErrorKind::Corrupt {
+                    bump(&self.counters.corrupt, 1);
+                }
+                tracing::warn!(tier = %level.tier.kind(), block = block.block_id(), error = %e,
+                    "page store: a stored page was not served and is withdrawn");
+                level.pool.unregister(&block);
+                false
+            }
+        }
+    }
+
+    fn get_remote(
+        &self,
+        remote: &dyn RemoteStore,
+        keys: &[SequenceHash],
+        pages: &mut [Vec<IoSliceMut<'_>>],
+        served: &mut [Option<TierKind>],
+    ) {
+        let missing: Vec<usize> = (0..keys.len()).filter(|&i| served[i].is_none()).collect();
+        if missing.is_empty() {
+            return;
+        }
+        let ks: Vec<u128> = missing.iter().map(|&i| keys[i].0).collect();
+        let mut bufs: Vec<Vec<u8>> = missing.iter().map(|_| vec![0u8; self.page_bytes]).collect();
+        let outcomes = {
+            let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            remote.get(0, &ks, &mut dst, Instant::now() + self.options.io_timeout)
+        };
+        let outcomes = match outcomes {
+            Ok(o) if o.len() == missing.len() => o,
+            Ok(_) | Err(_) => {
+                bump(&self.counters.remote_errors, 1);
+                return;
+            }
+        };
+        for ((&i, outcome), buf) in missing.iter().zip(outcomes).zip(&bufs) {
+            match outcome {
+                RemoteRead::Hit => {
+                    crate::tier::copy_segments(&[IoSlice::new(buf)], &mut pages[i]);
+                    served[i] = Some(TierKind::Remote);
+                }
+                RemoteRead::Missing => {}
+                RemoteRead::Invalid(why) => {
+                    bump(&self.counters.remote_invalid, 1);
+                    tracing::warn!(store = %remote.describe(), %why, "page store: remote page not served");
+                }
+            }
+        }
+    }
+
+    /// How many of `keys`, from the first, some level holds (SGLang's `batch_exists`). The
+    /// remote store is asked only for what the local levels lack, within its lookup deadline;
+    /// a store that does not answer in time counts as holding nothing.
+    pub fn prefix_len(&self, keys: &[SequenceHash]) -> Result<usize> {
+        if keys.len() > MAX_PAGES_PER_CALL {
+            return Err(Error::invalid_argument(format!(
+                "{} pages in one call; at most {MAX_PAGES_PER_CALL}",
+                keys.len()
+            ))
+            .with("op", "exists"));
+        }
+        let local = |k: &SequenceHash| self.levels.iter().any(|l| l.pool.contains(*k));
+        let mut n = keys.iter().take_while(|k| local(k)).count();
+        if let Some(remote) = &self.remote {
+            let deadline = Instant::now() + self.options.lookup_timeout;
+            while n < keys.len() {
+                let rest: Vec<u128> = keys[n..].iter().map(|k| k.0).collect();
+                match remote.lookup_prefix(&rest, deadline) {
+                    Ok(0) => break,
+                    Ok(r) => n += r.min(rest.len()),
+                    Err(_) => {
+                        bump(&self.counters.remote_errors, 1);
+                        break;
+                    }
+                }
+                n += keys[n..].iter().take_while(|k| local(k)).count();
+            }
+        }
+        Ok(n)
+    }
+
+    /// Forgets every page of the local levels (their blocks are reused); pages being read finish
+    /// first. The shared store is not cleared: other instances use it.
+    pub fn clear(&self) {
+        for level in &self.levels {
+            for (key, _) in level.pool.registered() {
+                if let Some(block) = level.pool.match_prefix(&[key]).pop() {
+                    level.pool.unregister(&block);
+                }
+            }
+        }
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> PageStoreStats {
+        let c = &self.counters;
+        let held = |kind| {
+            self.levels
+                .iter()
+                .filter(|l| l.tier.kind() == kind)
+                .map(|l| l.pool.registered().len() as u64)
+                .sum()
+        };
+        PageStoreStats {
+            put_pages: c.put_pages.load(Ordering::Relaxed),
+            put_stored: c.put_stored.load(Ordering::Relaxed),
+            get_pages: c.get_pages.load(Ordering::Relaxed),
+            host_hits: c.host_hits.load(Ordering::Relaxed),
+            disk_hits: c.disk_hits.load(Ordering::Relaxed),
+            remote_hits: c.remote_hits.load(Ordering::Relaxed),
+            misses: c.misses.load(Ordering::Relaxed),
+            corrupt: c.corrupt.load(Ordering::Relaxed),
+            remote_invalid: c.remote_invalid.load(Ordering::Relaxed),
+            remote_errors: c.remote_errors.load(Ordering::Relaxed),
+            host_pages: held(TierKind::Host),
+            disk_pages: held(TierKind::Disk),
+        }
+    }
+}

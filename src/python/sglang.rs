@@ -1,0 +1,380 @@
+//! `PageStore`: the page store SGLang's storage backend (`kvbm_connector.sglang`) is built on,
+//! over [`crate::page_store::PageStore`] and the standard tiers.
+//!
+//! Pages reach it two ways. As tensors (SGLang's classic `set`/`get`): each tensor is read as a
+//! cache tensor is (CPU, contiguous, its size), and kept by the call while its bytes are used.
+//! As segments of the registered host pool (the zero-copy `*_v1`/`*_v2` calls): a page is a list
+//! of `(address, length)` runs, and every run must lie inside a buffer registered with
+//! [`PyPageStore::register_region`] (the pool's tensors, kept alive by the store), so an address
+//! from Python is never used unless it is inside memory the store holds a reference to.
+//! Destinations of one read never overlap. Calls run without the GIL and in parallel (SGLang's
+//! prefetch and backup threads), panics caught.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+use super::tensor::{read_tensor, TensorDevice};
+use super::{detached, to_py_err, PyConfig};
+use crate::error::{Error, Result};
+use crate::identity::SequenceHash;
+use crate::page_store::{PageStore, MAX_PAGES_PER_CALL};
+
+/// A buffer pages may be read from and written to: `[start, start + len)`, its owner kept.
+struct Region {
+    name: String,
+    start: usize,
+    len: usize,
+    _owner: Py<PyAny>,
+}
+
+/// SGLang's page store; see the module docs.
+#[pyclass(module = "kvbm_connector._kvbm", name = "PageStore", frozen)]
+pub(crate) struct PyPageStore {
+    store: Arc<PageStore>,
+    regions: Mutex<Vec<Region>>,
+}
+
+fn keys_of(
+    py: Python<'_>,
+    store: &PageStore,
+    keys: &Bound<'_, PyAny>,
+) -> PyResult<Vec<SequenceHash>> {
+    let mut out = Vec::new();
+    let it = keys.try_iter().map_err(|_| {
+        to_py_err(
+            py,
+            Error::invalid_argument("keys must be a list of strings").with("field", "keys"),
+        )
+    })?;
+    for (i, k) in it.enumerate() {
+        let k = k?;
+        if out.len() >= MAX_PAGES_PER_CALL {
+            return Err(to_py_err(
+                py,
+                Error::invalid_argument(format!("more than {MAX_PAGES_PER_CALL} keys in one call"))
+                    .with("field", "keys"),
+            ));
+        }
+        let s = k.cast::<PyString>().map_err(|_| {
+            let ty = k
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
+            to_py_err(
+                py,
+                Error::invalid_argument(format!("keys[{i}] is a {ty}, not a string"))
+                    .with("field", "keys"),
+            )
+        })?;
+        out.push(store.key(s.to_cow()?.as_bytes()));
+    }
+    Ok(out)
+}
+
+/// The `(address, length)` runs of each page: `ptrs`/`sizes` hold `keys` pages' runs, the same
+/// number per page, each run inside a registered region.
+fn page_runs(
+    regions: &[Region],
+    n_pages: usize,
+    ptrs: &[usize],
+    sizes: &[usize],
+) -> Result<Vec<Vec<(usize, usize)>>> {
+    if ptrs.len() != sizes.len() {
+        return Err(Error::invalid_argument(format!(
+            "{} addresses but {} sizes",
+            ptrs.len(),
+            sizes.len()
+        ))
+        .with("field", "sizes"));
+    }
+    if n_pages == 0 {
+        return if ptrs.is_empty() {
+            Ok(Vec::new())
+        } else {
+            Err(Error::invalid_argument("runs given for no page").with("field", "ptrs"))
+        };
+    }
+    if ptrs.is_empty() || ptrs.len() % n_pages != 0 {
+        return Err(Error::invalid_argument(format!(
+            "{} runs do not divide into {n_pages} pages",
+            ptrs.len()
+        ))
+        .with("field", "ptrs"));
+    }
+    let per = ptrs.len() / n_pages;
+    for (j, (&p, &s)) in ptrs.iter().zip(sizes).enumerate() {
+        let inside = regions
+            .iter()
+            .any(|r| p >= r.start && p.checked_add(s).is_some_and(|end| end <= r.start + r.len));
+        if !inside {
+            let known: Vec<String> = regions
+                .iter()
+                .map(|r| format!("{} [{:#x}, +{})", r.name, r.start, r.len))
+                .collect();
+            return Err(Error::invalid_argument(format!(
+                "run {j} ({p:#x}, {s} bytes) is not inside a registered buffer (registered: {})",
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.join(", ")
+                }
+            ))
+            .with("field", "ptrs"));
+        }
+    }
+    Ok((0..n_pages)
+        .map(|i| {
+            (i * per..(i + 1) * per)
+                .map(|j| (ptrs[j], sizes[j]))
+                .collect()
+        })
+        .collect())
+}
+
+/// Refuses destinations that overlap (two pages, or two runs of one, writing the same bytes).
+fn check_disjoint(pages: &[Vec<(usize, usize)>]) -> Result<()> {
+    let mut runs: Vec<(usize, usize)> = pages
+        .iter()
+        .flatten()
+        .copied()
+        .filter(|r| r.1 > 0)
+        .collect();
+    runs.sort_unstable();
+    for w in runs.windows(2) {
+        if w[0].0 + w[0].1 > w[1].0 {
+            return Err(Error::invalid_argument(format!(
+                "destinations overlap: {:#x} (+{}) and {:#x}",
+                w[0].0, w[0].1, w[1].0
+            ))
+            .with("field", "destinations"));
+        }
+    }
+    Ok(())
+}
+
+/// Reads page tensors: CPU, contiguous; their runs and the objects that keep them alive.
+fn tensor_runs(
+    py: Python<'_>,
+    tensors: &Bound<'_, PyAny>,
+    what: &str,
+) -> PyResult<(Vec<Vec<(usize, usize)>>, Vec<Py<PyAny>>)> {
+    let mut runs = Vec::new();
+    let mut owners = Vec::new();
+    for (i, t) in tensors.try_iter()?.enumerate() {
+        let t = t?;
+        let name = format!("{what}[{i}]");
+        let info = read_tensor(py, &t, &name)?;
+        if info.device != TensorDevice::Cpu {
+            return Err(to_py_err(
+                py,
+                Error::unsupported(format!(
+                    "{name} is on {}; SGLang's host pool pages are CPU tensors",
+                    info.device
+                ))
+                .with("field", what),
+            ));
+        }
+        runs.push(vec![(info.ptr, info.nbytes)]);
+        owners.push(info.owner);
+    }
+    Ok((runs, owners))
+}
+
+fn put_runs(
+    store: &PageStore,
+    keys: &[SequenceHash],
+    runs: &[Vec<(usize, usize)>],
+) -> Result<Vec<bool>> {
+    // SAFETY: every run lies in memory the caller keeps alive for this call (a registered
+    // region, whose owner the store holds, or a tensor argument of the call); SGLang does not
+    // free or reuse a page while it is being backed up.
+    let pages: Vec<Vec<IoSlice<'_>>> = runs
+        .iter()
+        .map(|p| {
+            p.iter()
+                .map(|&(ptr, len)| {
+                    IoSlice::new(unsafe { std::slice::from_raw_parts(ptr as *const u8, len) })
+                })
+                .collect()
+        })
+        .collect();
+    store.put(keys, &pages)
+}
+
+fn get_runs(
+    store: &PageStore,
+    keys: &[SequenceHash],
+    runs: &[Vec<(usize, usize)>],
+) -> Result<Vec<Option<String>>> {
+    check_disjoint(runs)?;
+    // SAFETY: as in `put_runs`, and the runs are disjoint (checked above), so no two mutable
+    // slices alias.
+    let mut pages: Vec<Vec<IoSliceMut<'_>>> = runs
+        .iter()
+        .map(|p| {
+            p.iter()
+                .map(|&(ptr, len)| {
+                    IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
+                })
+                .collect()
+        })
+        .collect();
+    Ok(store
+        .get(keys, &mut pages)?
+        .into_iter()
+        .map(|t| t.map(|k| k.to_string()))
+        .collect())
+}
+
+#[pymethods]
+impl PyPageStore {
+    /// A store of `page_bytes`-byte pages named in `namespace`, over the tiers `config` sizes
+    /// (in pages) and the remote store `config` names.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        config: &PyConfig,
+        namespace: String,
+        page_bytes: usize,
+    ) -> PyResult<Self> {
+        let config = config.inner.clone();
+        let store = detached(py, "PageStore", move || {
+            crate::backends::remote::check(&config)?;
+            crate::backends::standard::page_store(&config, &namespace, page_bytes)
+        })?;
+        Ok(Self {
+            store: Arc::new(store),
+            regions: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Bytes of one page.
+    #[getter]
+    fn page_bytes(&self) -> usize {
+        self.store.page_bytes()
+    }
+
+    /// The namespace.
+    #[getter]
+    fn namespace(&self) -> String {
+        self.store.namespace().to_string()
+    }
+
+    /// The tiers that hold pages, in read order (`host`, `disk`, `remote`).
+    #[getter]
+    fn tiers(&self) -> Vec<String> {
+        self.store.tiers().iter().map(|t| t.to_string()).collect()
+    }
+
+    /// Registers a CPU tensor (the host pool's buffer) whose memory page runs may name; the
+    /// store keeps a reference to it.
+    fn register_region(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        name: &str,
+    ) -> PyResult<()> {
+        let info = read_tensor(py, tensor, name)?;
+        if info.device != TensorDevice::Cpu {
+            return Err(to_py_err(
+                py,
+                Error::unsupported(format!(
+                    "host buffer {name} is on {}, not the CPU",
+                    info.device
+                ))
+                .with("field", name),
+            ));
+        }
+        self.regions.lock().push(Region {
+            name: info.name,
+            start: info.ptr,
+            len: info.nbytes,
+            _owner: info.owner,
+        });
+        Ok(())
+    }
+
+    /// Stores page tensors (`tensors[i]` the page of `keys[i]`). Per page, whether it is held.
+    fn put_tensors(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        tensors: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<bool>> {
+        let ks = keys_of(py, &self.store, keys)?;
+        let (runs, _owners) = tensor_runs(py, tensors, "values")?;
+        let store = Arc::clone(&self.store);
+        detached(py, "put", move || put_runs(&store, &ks, &runs))
+    }
+
+    /// Reads pages into tensors. Per page, the tier that served it or `None`.
+    fn get_tensors(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        tensors: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Option<String>>> {
+        let ks = keys_of(py, &self.store, keys)?;
+        let (runs, _owners) = tensor_runs(py, tensors, "target_locations")?;
+        let store = Arc::clone(&self.store);
+        detached(py, "get", move || get_runs(&store, &ks, &runs))
+    }
+
+    /// Stores pages given as runs of registered buffers (`ptrs`/`sizes`: the same number of runs
+    /// per page, pages in key order).
+    fn put_runs(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        let ks = keys_of(py, &self.store, keys)?;
+        let runs = page_runs(&self.regions.lock(), ks.len(), &ptrs, &sizes)
+            .map_err(|e| to_py_err(py, e))?;
+        let store = Arc::clone(&self.store);
+        detached(py, "put", move || put_runs(&store, &ks, &runs))
+    }
+
+    /// Reads pages into runs of registered buffers. Per page, the tier or `None`.
+    fn get_runs(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<Option<String>>> {
+        let ks = keys_of(py, &self.store, keys)?;
+        let runs = page_runs(&self.regions.lock(), ks.len(), &ptrs, &sizes)
+            .map_err(|e| to_py_err(py, e))?;
+        let store = Arc::clone(&self.store);
+        detached(py, "get", move || get_runs(&store, &ks, &runs))
+    }
+
+    /// How many of `keys`, from the first, the store holds.
+    fn prefix_len(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let ks = keys_of(py, &self.store, keys)?;
+        let store = Arc::clone(&self.store);
+        detached(py, "exists", move || store.prefix_len(&ks))
+    }
+
+    /// Forgets every page of the local tiers (the shared store is not cleared).
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        let store = Arc::clone(&self.store);
+        detached(py, "clear", move || {
+            store.clear();
+            Ok(())
+        })
+    }
+
+    /// The counters, as JSON.
+    fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
+        serde_json::to_string(&self.store.stats())
+            .map_err(|e| to_py_err(py, Error::internal(format!("stats: {e}"))))
+    }
+}
