@@ -1,0 +1,355 @@
+//! The page store (`kvbm_connector::page_store`, what SGLang's storage backend is built on) over
+//! real tiers: the host memory tier, the disk tier in a temporary directory, and the in-process
+//! remote store with its injectable faults. Every read's bytes are compared with what was put.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvbm_connector::backends::disk::{DiskTier, DiskTierOptions};
+use kvbm_connector::backends::memory::MemoryTier;
+use kvbm_connector::connector::remote::{MemoryRemoteStore, RemoteScope, RemoteStore};
+use kvbm_connector::page_store::{PageStore, PageStoreOptions, PageStoreTiers, MAX_PAGES_PER_CALL};
+use kvbm_connector::pool::EvictionPolicy;
+use kvbm_connector::{
+    ErrorKind, HashAlgorithm, Layout, LayoutDims, SequenceHash, StorageTier, TierKind,
+};
+
+const PAGE: usize = 6000; // not a multiple of 4096: the disk tier bounces and pads
+
+fn dims() -> LayoutDims {
+    LayoutDims {
+        num_layers: 1,
+        outer_dim: 1,
+        page_size: 1,
+        inner_dim: PAGE,
+        dtype_bytes: 1,
+    }
+}
+
+fn options() -> PageStoreOptions {
+    PageStoreOptions {
+        eviction: EvictionPolicy::default(),
+        lookup_timeout: Duration::from_millis(200),
+        io_timeout: Duration::from_millis(500),
+    }
+}
+
+fn host(pages: usize) -> Arc<dyn StorageTier> {
+    Arc::new(MemoryTier::host(Layout::fully_contiguous(dims(), pages).unwrap()).unwrap())
+}
+
+fn disk(dir: &std::path::Path, pages: usize) -> Arc<DiskTier> {
+    Arc::new(DiskTier::create(TierKind::Disk, dims(), pages, DiskTierOptions::new(dir)).unwrap())
+}
+
+fn remote() -> MemoryRemoteStore {
+    MemoryRemoteStore::new(RemoteScope::new("pages", 1, 1, PAGE, HashAlgorithm::Sha256).unwrap())
+}
+
+/// A page whose bytes name its seed at every position (two pages never agree on a byte run).
+fn page(seed: u64) -> Vec<u8> {
+    (0..PAGE)
+        .map(|i| (seed.wrapping_mul(131).wrapping_add(i as u64 * 7) % 251) as u8)
+        .collect()
+}
+
+fn keys(store: &PageStore, names: &[&str]) -> Vec<SequenceHash> {
+    names.iter().map(|n| store.key(n.as_bytes())).collect()
+}
+
+fn put(store: &PageStore, names: &[&str], seeds: &[u64]) -> Vec<bool> {
+    let pages: Vec<Vec<u8>> = seeds.iter().map(|&s| page(s)).collect();
+    let segs: Vec<Vec<IoSlice<'_>>> = pages.iter().map(|p| vec![IoSlice::new(p)]).collect();
+    store.put(&keys(store, names), &segs).unwrap()
+}
+
+/// Reads `names`; per page the tier and the bytes (zeros where missed).
+fn get(store: &PageStore, names: &[&str]) -> Vec<(Option<TierKind>, Vec<u8>)> {
+    let mut bufs: Vec<Vec<u8>> = names.iter().map(|_| vec![0u8; PAGE]).collect();
+    let served = {
+        let mut segs: Vec<Vec<IoSliceMut<'_>>> =
+            bufs.iter_mut().map(|b| vec![IoSliceMut::new(b)]).collect();
+        store.get(&keys(store, names), &mut segs).unwrap()
+    };
+    served.into_iter().zip(bufs).collect()
+}
+
+#[test]
+fn pages_round_trip_through_host_and_disk_and_the_host_evicts_into_disk_copies() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PageStore::new(
+        "ns",
+        PAGE,
+        PageStoreTiers {
+            host: Some(host(4)),
+            disk: Some(disk(dir.path(), 16)),
+            remote: None,
+        },
+        options(),
+    )
+    .unwrap();
+    let names: Vec<String> = (0..10).map(|i| format!("page-{i}")).collect();
+    let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+    let seeds: Vec<u64> = (0..10).collect();
+    assert_eq!(put(&store, &names, &seeds), vec![true; 10]);
+    let stats = store.stats();
+    assert_eq!((stats.host_pages, stats.disk_pages), (4, 10));
+    let got = get(&store, &names);
+    for (i, (tier, bytes)) in got.iter().enumerate() {
+        assert!(tier.is_some(), "page {i} missed");
+        assert_eq!(bytes, &page(i as u64), "page {i} bytes");
+    }
+    let from_host = got
+        .iter()
+        .filter(|(t, _)| *t == Some(TierKind::Host))
+        .count();
+    assert_eq!(
+        from_host,
+        4,
+        "the host tier holds 4 pages: {got:?}",
+        got = got.iter().map(|g| g.0).collect::<Vec<_>>()
+    );
+    // SGLang's batch_exists: the leading run present.
+    let mut probe = keys(&store, &names[..3]);
+    probe.push(store.key(b"absent"));
+    probe.extend(keys(&store, &names[3..5]));
+    assert_eq!(store.prefix_len(&probe).unwrap(), 3);
+    // Putting what is held changes nothing and says held.
+    assert_eq!(put(&store, &names[..2], &[0, 1]), vec![true, true]);
+}
+
+#[test]
+fn a_page_in_segments_reads_back_into_other_segments() {
+    let store = PageStore::new(
+        "ns",
+        PAGE,
+        PageStoreTiers {
+            host: Some(host(2)),
+            ..Default::default()
+        },
+        options(),
+    )
+    .unwrap();
+    let p = page(9);
+    let src = vec![
+        IoSlice::new(&p[..100]),
+        IoSlice::new(&p[100..4000]),
+        IoSlice::new(&p[4000..]),
+    ];
+    assert_eq!(store.put(&[store.key(b"k")], &[src]).unwrap(), vec![true]);
+    let (mut a, mut b) = (vec![0u8; 3333], vec![0u8; PAGE - 3333]);
+    let served = store
+        .get(
+            &[store.key(b"k")],
+            &mut [vec![IoSliceMut::new(&mut a), IoSliceMut::new(&mut b)]],
+        )
+        .unwrap();
+    assert_eq!(served, vec![Some(TierKind::Host)]);
+    assert_eq!([a, b].concat(), p);
+}
+
+#[test]
+fn bad_calls_are_refused_by_name_and_store_nothing() {
+    let store = PageStore::new(
+        "ns",
+        PAGE,
+        PageStoreTiers {
+            host: Some(host(4)),
+            ..Default::default()
+        },
+        options(),
+    )
+    .unwrap();
+    let ok = page(1);
+    let short = vec![0u8; PAGE - 1];
+    let err = store
+        .put(
+            &keys(&store, &["a", "b"]),
+            &[vec![IoSlice::new(&ok)], vec![IoSlice::new(&short)]],
+        )
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert_eq!(err.context_value("page"), Some("1"), "{err}");
+    assert!(err.to_string().contains(&format!("{}", PAGE - 1)), "{err}");
+    assert_eq!(
+        store.prefix_len(&keys(&store, &["a"])).unwrap(),
+        0,
+        "nothing stored"
+    );
+    let err = store
+        .put(&keys(&store, &["a", "b"]), &[vec![IoSlice::new(&ok)]])
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    let many = vec![SequenceHash(1); MAX_PAGES_PER_CALL + 1];
+    assert_eq!(
+        store.prefix_len(&many).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    // A store with nothing to store into, and a tier of the wrong block size.
+    let err = PageStore::new("ns", PAGE, PageStoreTiers::default(), options()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
+    let err = PageStore::new(
+        "ns",
+        PAGE + 1,
+        PageStoreTiers {
+            host: Some(host(2)),
+            ..Default::default()
+        },
+        options(),
+    )
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert_eq!(err.context_value("tier"), Some("host"), "{err}");
+}
+
+#[test]
+fn a_corrupt_disk_page_is_a_miss_never_wrong_bytes_and_is_withdrawn() {
+    use std::io::{Seek, SeekFrom, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let d = disk(dir.path(), 4);
+    let store = PageStore::new(
+        "ns",
+        PAGE,
+        PageStoreTiers {
+            disk: Some(d.clone()),
+            ..Default::default()
+        },
+        options(),
+    )
+    .unwrap();
+    assert_eq!(put(&store, &["a", "b"], &[1, 2]), vec![true, true]);
+    // Damage a few bytes in the middle of every slot.
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.path())
+            .unwrap();
+        for slot in 0..4u64 {
+            f.seek(SeekFrom::Start(slot * d.slot_bytes() as u64 + 1000))
+                .unwrap();
+            f.write_all(&[0xAB, 0xCD, 0xEF]).unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+    let got = get(&store, &["a", "b"]);
+    assert_eq!(
+        got.iter().map(|g| g.0).collect::<Vec<_>>(),
+        vec![None, None]
+    );
+    assert_eq!(store.stats().corrupt, 2);
+    assert_eq!(
+        store.prefix_len(&keys(&store, &["a"])).unwrap(),
+        0,
+        "withdrawn"
+    );
+    // Stored again, it is served again.
+    assert_eq!(put(&store, &["a"], &[1]), vec![true]);
+    assert_eq!(get(&store, &["a"])[0], (Some(TierKind::Disk), page(1)));
+}
+
+#[test]
+fn namespaces_never_share_a_page_and_the_remote_store_shares_within_one() {
+    let shared = Arc::new(remote());
+    let make = |ns: &str| {
+        PageStore::new(
+            ns,
+            PAGE,
+            PageStoreTiers {
+                host: Some(host(2)),
+                disk: None,
+                remote: Some(shared.clone() as Arc<dyn RemoteStore>),
+            },
+            options(),
+        )
+        .unwrap()
+    };
+    let a = make("model-x;tp0/2");
+    let b = make("model-x;tp1/2");
+    let a2 = make("model-x;tp0/2");
+    assert_ne!(a.key(b"p"), b.key(b"p"));
+    assert_eq!(a.key(b"p"), a2.key(b"p"));
+    assert_eq!(put(&a, &["p", "q"], &[5, 6]), vec![true, true]);
+    // The other shard: nothing, not even through the shared store.
+    assert_eq!(b.prefix_len(&keys(&b, &["p"])).unwrap(), 0);
+    assert_eq!(get(&b, &["p"])[0].0, None);
+    // A second instance of the same shard: from the shared store, byte for byte.
+    assert_eq!(a2.prefix_len(&keys(&a2, &["p", "q", "r"])).unwrap(), 2);
+    let got = get(&a2, &["p", "q"]);
+    assert_eq!(got[0], (Some(TierKind::Remote), page(5)));
+    assert_eq!(got[1], (Some(TierKind::Remote), page(6)));
+    assert_eq!(a2.stats().remote_hits, 2);
+}
+
+#[test]
+fn a_failing_or_lying_remote_store_costs_its_own_hits_only() {
+    let shared = Arc::new(remote());
+    let store = PageStore::new(
+        "ns",
+        PAGE,
+        PageStoreTiers {
+            host: Some(host(2)),
+            disk: None,
+            remote: Some(shared.clone() as Arc<dyn RemoteStore>),
+        },
+        options(),
+    )
+    .unwrap();
+    // Down: writes still land locally, reads of what only the store had are misses.
+    shared.faults.down.store(true, Ordering::SeqCst);
+    assert_eq!(put(&store, &["a"], &[1]), vec![true]);
+    assert_eq!(get(&store, &["a"])[0], (Some(TierKind::Host), page(1)));
+    assert_eq!(get(&store, &["elsewhere"])[0].0, None);
+    assert_eq!(
+        store
+            .prefix_len(&keys(&store, &["a", "elsewhere"]))
+            .unwrap(),
+        1
+    );
+    assert!(store.stats().remote_errors >= 2, "{:?}", store.stats());
+    // Up again, but its values fail verification: never served.
+    shared.faults.down.store(false, Ordering::SeqCst);
+    assert_eq!(put(&store, &["b", "c", "d"], &[2, 3, 4]), vec![true; 3]);
+    shared.faults.invalid.store(true, Ordering::SeqCst);
+    let got = get(&store, &["b", "c", "d"]);
+    // The host tier holds two pages; the third was only in the store.
+    assert_eq!(
+        got.iter().filter(|g| g.0.is_none()).count(),
+        1,
+        "{:?}",
+        got.iter().map(|g| g.0).collect::<Vec<_>>()
+    );
+    for (i, (tier, bytes)) in got.iter().enumerate() {
+        if tier.is_some() {
+            assert_eq!(bytes, &page(2 + i as u64));
+        }
+    }
+    assert_eq!(store.stats().remote_invalid, 1);
+}
+
+#[test]
+fn clear_forgets_local_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PageStore::new(
+        "ns",
+        PAGE,
+        PageStoreTiers {
+            host: Some(host(2)),
+            disk: Some(disk(dir.path(), 4)),
+            remote: None,
+        },
+        options(),
+    )
+    .unwrap();
+    put(&store, &["a", "b", "c"], &[1, 2, 3]);
+    assert_eq!(
+        store.prefix_len(&keys(&store, &["a", "b", "c"])).unwrap(),
+        3
+    );
+    store.clear();
+    assert_eq!(store.prefix_len(&keys(&store, &["a"])).unwrap(), 0);
+    assert_eq!((store.stats().host_pages, store.stats().disk_pages), (0, 0));
+    assert_eq!(put(&store, &["a"], &[7]), vec![true]);
+    assert_eq!(get(&store, &["a"])[0].1, page(7));
+}
