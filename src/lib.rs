@@ -17,7 +17,9 @@
 //! * [`tcp`] — the network transport: leader and workers in separate processes (the wire
 //!   protocol, the rendezvous on one machine);
 //! * [`metrics_server`] — the counters over HTTP (`GET /metrics`);
-//! * [`error`] — the one error type.
+//! * [`error`] — the one error type;
+//! * [`harness`] — one leader and one worker in one process, a scratch directory, stand-in KV
+//!   and its byte-for-byte check: what an adapter's example or test needs besides the adapter.
 //!
 //! Storage lives in [`backends`] (memory and disk always built); engine adapters in `frameworks`
 //! (behind features). The `kvbm` tool (`tool/`) is a separate binary built on this public API
@@ -61,6 +63,7 @@
 pub mod config;
 pub mod connector;
 pub mod error;
+pub mod harness;
 pub mod identity;
 pub mod layout;
 #[cfg(any(feature = "cli", feature = "python"))]

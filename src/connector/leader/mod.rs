@@ -76,6 +76,19 @@ pub struct RequestInfo<'a> {
     pub lora_name: Option<&'a str>,
 }
 
+impl<'a> RequestInfo<'a> {
+    /// A request with no cache salt and no LoRA adapter (salt 0: the keys every such request
+    /// shares).
+    pub fn new(id: &'a RequestId, tokens: &'a [Token]) -> Self {
+        Self {
+            id,
+            tokens,
+            cache_salt: None,
+            lora_name: None,
+        }
+    }
+}
+
 /// The answer to a match.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MatchResult {

@@ -189,6 +189,15 @@ impl<A: SchedulerAdapter> Leader<A> {
         self.slots.get(id).map(|s| s.seq.total_tokens())
     }
 
+    /// How many of the request's tokens the leader counts as computed: the largest count its
+    /// adapter gave in an accepted step, capped at the tokens it knows (`None`: it does not track
+    /// the request). An engine that reports progress relatively (tokens finished since the last
+    /// iteration) passes this as [`ScheduledRequest::num_computed_tokens`], so its adapter keeps
+    /// no running total of its own (`examples/toy_engine.rs`).
+    pub fn computed_tokens(&self, id: &RequestId) -> Option<usize> {
+        self.slots.get(id).map(|s| s.computed)
+    }
+
     /// Appends the request's tokens from index `first_token` on (those the leader holds are
     /// skipped; a gap is ignored with a warning, as the keys after it would shift). Untracked
     /// requests are ignored.
