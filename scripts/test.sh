@@ -109,3 +109,31 @@ if [ "$pytest_rc" -eq 5 ]; then
 elif [ "$pytest_rc" -ne 0 ]; then
   exit "$pytest_rc"
 fi
+
+echo "=== Python package against the real SGLang (sglang 0.5.23, cached in \$HOME/.cache/kvbm/sglang-0.5.23)"
+# SGLang's wheel pins a CUDA torch stack; its HiCache storage modules need only torch (the vLLM
+# venv's 2.13) and a few pure-Python packages. So it goes, with --no-deps, into a target
+# directory of its own beside that venv (no second 6 GB venv, and the vLLM venv stays exactly
+# what vLLM pinned): sglang, torchvision 0.28.0 (matching torch 2.13), orjson and gguf; IPython
+# with its dependencies in a subdirectory the tests append to sys.path after the venv's own
+# packages. tests/python/test_sglang.py puts the directory on sys.path (KVBM_SGLANG_PATH). See
+# docs/sglang.md.
+SGLANG_DIR="$HOME/.cache/kvbm/sglang-0.5.23"
+sglang_want="sglang==0.5.23 torchvision==0.28.0 orjson gguf IPython"
+if [ "$(cat "$SGLANG_DIR/.kvbm-stamp" 2>/dev/null)" != "$sglang_want" ]; then
+  rm -rf "$SGLANG_DIR"
+  "$VLLM_VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+    --target "$SGLANG_DIR" sglang==0.5.23 torchvision==0.28.0 orjson gguf
+  "$VLLM_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+    --target "$SGLANG_DIR/_ipy" IPython
+  echo "$sglang_want" > "$SGLANG_DIR/.kvbm-stamp"
+fi
+pytest_rc=0
+KVBM_SGLANG_PATH="$SGLANG_DIR" CI="${CI:-true}" "$VLLM_VENV/bin/python" -m pytest \
+  tests/python/test_sglang.py -q -p no:cacheprovider || pytest_rc=$?
+if [ "$pytest_rc" -eq 5 ]; then
+  echo "pytest collected no tests: the SGLang tests did not run" >&2
+  exit 1
+elif [ "$pytest_rc" -ne 0 ]; then
+  exit "$pytest_rc"
+fi

@@ -113,6 +113,12 @@ class KvbmHiCacheStorage(HiCacheStorage):
         self._config = Config.load_with(overrides, path)
         self.mem_pool_host = (kwargs or {}).get("mem_pool_host") if isinstance(kwargs, dict) else None
         self._store: Optional[Any] = None
+        # SGLang moves a page in one of two forms: the flat page tensor of the classic calls
+        # (get_data_page) or the pool's runs of the zero-copy calls (get_page_buffer_meta). In
+        # the layer-first layout their byte orders differ, so the flat form's pages get keys of
+        # their own (``flat/``): a page is only ever read back in the form it was written in.
+        self._form = "runs" if extra.get("interface_v1") else "flat"
+        self._flat_differs = False
         self._metrics_lock = threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         if self.mem_pool_host is not None:
@@ -125,6 +131,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
         if mem_pool_host is None:
             return
         page_bytes = _nbytes(mem_pool_host.get_dummy_flat_data_page())
+        self._flat_differs = str(getattr(mem_pool_host, "layout", "")) == "layer_first"
         self._open(page_bytes, mem_pool_host)
         for attr in ("kv_buffer", "k_buffer", "v_buffer"):
             buf = getattr(mem_pool_host, attr, None)
@@ -158,6 +165,11 @@ class KvbmHiCacheStorage(HiCacheStorage):
         self._pool_named = pool is not None
         logger.info("kvbm page store: %s-byte pages on %s", page_bytes, self._store.tiers)
 
+    def _names(self, keys: List[Any], form: str) -> List[Any]:
+        if form == "flat" and self._flat_differs:
+            return [("flat/" + k) if isinstance(k, str) else k for k in keys]
+        return keys
+
     def _need_store(self, first_value: Any = None) -> Any:
         if self._store is None:
             if first_value is None:
@@ -180,7 +192,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
             return True
         store = self._need_store(values[0] if values else None)
         started = time.perf_counter()
-        held = store.put_tensors(keys, values)
+        held = store.put_tensors(self._names(keys, "flat"), values)
         self._record("backup", sum(held), started)
         return all(held)
 
@@ -201,7 +213,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
             return []
         store = self._need_store(targets[0])
         started = time.perf_counter()
-        served = store.get_tensors(keys, targets)
+        served = store.get_tensors(self._names(keys, "flat"), targets)
         self._record("prefetch", sum(x is not None for x in served), started)
         return [t if s is not None else None for t, s in zip(targets, served)]
 
@@ -212,7 +224,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
         keys = list(keys)
         if not keys or self._store is None:
             return 0
-        return self._store.prefix_len(keys)
+        return self._store.prefix_len(self._names(keys, self._form))
 
     # --- zero-copy calls (host indices into the registered pool) -----------------------------
 

@@ -1,0 +1,296 @@
+"""kvbm_connector.sglang against the real SGLang package (sglang 0.5.23, installed by
+scripts/test.sh into a cached target directory beside the vLLM venv's torch: ``KVBM_SGLANG_PATH``).
+
+The backend is built by SGLang's own ``StorageBackendFactory`` from the dynamic extra config, over
+a real ``MHATokenToKVPoolHost`` on CPU tensors (SGLang's host pool class, built here from CPU
+K/V buffers standing in for the device pool), and driven through the calls SGLang's cache
+controller makes: the zero-copy ``batch_set_v1``/``batch_get_v1`` (``interface_v1``), the classic
+``batch_set``/``batch_get`` with the pool's own page tensors, ``batch_exists`` and the KV pool of
+the ``*_v2`` calls. Every page read is compared byte for byte with the page written. Under
+``CI=true`` a missing SGLang fails the module instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+import warnings
+
+import pytest
+
+SGLANG_PATH = os.environ.get("KVBM_SGLANG_PATH")
+# Read at import: the autouse fixture clears every KVBM_* variable before each test.
+REDIS_URL = os.environ.get("KVBM_TEST_REDIS_URL")
+if SGLANG_PATH:
+    sys.path.insert(0, SGLANG_PATH)
+    # IPython's own dependencies go after the venv's packages, never shadowing them.
+    sys.path.append(os.path.join(SGLANG_PATH, "_ipy"))
+
+try:
+    warnings.filterwarnings("ignore", category=UserWarning)
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorageConfig,
+        HiCacheStorageFailureInjector,
+        PoolName,
+        PoolTransfer,
+    )
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        raise
+    pytest.skip(f"sglang is not importable ({e}); scripts/test.sh installs it", allow_module_level=True)
+
+from kvbm_connector import KvbmError
+from kvbm_connector.sglang import KvbmHiCacheStorage
+
+LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 4, 64
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def host_pool(layout: str) -> MHATokenToKVPoolHost:
+    k = tuple(torch.zeros(TOKENS, HEADS, DIM) for _ in range(LAYERS))
+    v = tuple(torch.zeros(TOKENS, HEADS, DIM) for _ in range(LAYERS))
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=DIM,
+        v_head_dim=DIM,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    pool = MHATokenToKVPoolHost(
+        info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+        device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS,
+    )
+    pool._keep = (k, v)
+    return pool
+
+
+def storage_config(extra: dict, *, tp_rank=0, tp_size=1, mla=False, model="kvbm-test") -> HiCacheStorageConfig:
+    base = {
+        "backend_name": "kvbm",
+        "module_path": "kvbm_connector.sglang",
+        "class_name": "KvbmHiCacheStorage",
+        "interface_v1": 1,
+    }
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=True, is_page_first_layout=True,
+        model_name=model, extra_config={**base, **extra},
+    )
+
+
+def backend(extra: dict, pool, **kw):
+    """Built by SGLang's factory and given the pool as its cache controller does."""
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra, **kw), pool)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def fill(pool, pages: int, seed: int):
+    """Allocates `pages` pages of the pool, fills them with seeded values; their host indices
+    and a copy of each page."""
+    idx = pool.alloc(pages * PAGE)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(pages):
+        page = pool.get_data_page(int(idx[i * PAGE]), flat=True)
+        pool.set_from_flat_data_page(int(idx[i * PAGE]), torch.randn(page.shape, generator=g))
+    return idx, [pool.get_data_page(int(idx[i * PAGE])).clone() for i in range(pages)]
+
+
+def page_of(pool, idx, i):
+    return pool.get_data_page(int(idx[i * PAGE]))
+
+
+def disk_extra(tmp_path, name="disk") -> dict:
+    return {"host_cache_blocks": 0, "disk_cache_blocks": 64, "disk_cache_dir": str(tmp_path / name)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_built_by_sglangs_factory_and_pages_round_trip(tmp_path, layout):
+    pool = host_pool(layout)
+    b = backend(disk_extra(tmp_path), pool)
+    assert isinstance(b, KvbmHiCacheStorage)
+    keys = [f"k{i}" for i in range(3)]
+    idx, want = fill(pool, 3, seed=1)
+    assert b.batch_set_v1(keys, idx) == [True] * 3
+    assert b.batch_exists(keys + ["absent", "k0"]) == 3
+    assert b.exists("k1") and not b.exists("absent")
+    pool.kv_buffer.zero_()
+    assert b.batch_get_v1(keys, idx) == [True] * 3
+    for i in range(3):
+        assert torch.equal(page_of(pool, idx, i), want[i]), f"page {i} ({layout})"
+    # The classic calls with the pool's own flat page tensors, as SGLang's generic path makes
+    # them: read back byte for byte in that form.
+    flat = [pool.get_data_page(int(idx[i * PAGE]), flat=True).clone() for i in range(3)]
+    assert b.batch_set(["c0", "c1"], flat[:2]) is True
+    dst = [pool.get_dummy_flat_data_page() for _ in range(2)]
+    got = b.batch_get(["c0", "c1"], dst)
+    for i in range(2):
+        assert got[i] is dst[i] and torch.equal(got[i], flat[i])
+    assert b.batch_get(["absent"], [pool.get_dummy_flat_data_page()]) == [None]
+    # A page written in one form is never read in the other form with its bytes out of order:
+    # layer-first's two forms differ, so there it is a miss; elsewhere they are the same bytes.
+    got = b.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    for i in range(3):
+        if layout == "layer_first":
+            assert got[i] is None
+        else:
+            assert torch.equal(got[i], want[i].flatten())
+    # The KV pool of the multi-pool calls.
+    b.register_mem_host_pool_v2(pool, PoolName.KV)
+    pool.kv_buffer.zero_()
+    res = b.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=idx, keys=keys)])
+    assert res == {PoolName.KV: [True] * 3}
+    assert all(torch.equal(page_of(pool, idx, i), want[i]) for i in range(3))
+    assert b.batch_exists_v2(keys).kv_hit_pages == 3
+    stats = b.get_stats()
+    assert type(stats).__name__ == "StorageMetrics" and sum(stats.backup_pgs) == 5
+    assert b.stats()["disk_pages"] == 5
+
+
+def test_layouts_do_not_share_pages(tmp_path):
+    """A page-first page and a layer-first page of the same key are different bytes: the
+    layout is in the namespace, so one layout never reads the other's pages."""
+    url = f"memory://layouts-{uuid.uuid4().hex}"
+    a_pool, b_pool = host_pool("page_first"), host_pool("layer_first")
+    a = backend({"host_cache_blocks": 0, "disk_cache_blocks": 0, "remote_url": url}, a_pool)
+    b = backend({"host_cache_blocks": 0, "disk_cache_blocks": 0, "remote_url": url}, b_pool)
+    idx, _ = fill(a_pool, 1, seed=2)
+    assert a.batch_set_v1(["p"], idx) == [True]
+    assert b.batch_exists(["p"]) == 0
+
+
+def test_shared_through_a_real_redis_server_between_instances(tmp_path):
+    url = REDIS_URL
+    if not url:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("KVBM_TEST_REDIS_URL is not set (scripts/redis-servers.sh)")
+        pytest.skip("no Redis server (scripts/redis-servers.sh)")
+    model = f"shared-{uuid.uuid4().hex}"
+    extra = {"host_cache_blocks": 0, "disk_cache_blocks": 0, "remote_url": url, "remote_secret": "s3cret"}
+    writer_pool = host_pool("page_first")
+    writer = backend(extra, writer_pool, model=model)
+    assert writer._store.tiers == ["remote"]
+    keys = [f"r{i}" for i in range(4)]
+    idx, want = fill(writer_pool, 4, seed=3)
+    assert writer.batch_set_v1(keys, idx) == [True] * 4
+    reader_pool = host_pool("page_first")
+    reader = backend(extra, reader_pool, model=model)
+    assert reader.batch_exists(keys) == 4
+    ridx = reader_pool.alloc(4 * PAGE)
+    assert reader.batch_get_v1(keys, ridx) == [True] * 4
+    for i in range(4):
+        assert torch.equal(page_of(reader_pool, ridx, i), want[i])
+    assert reader.stats()["remote_hits"] == 4
+
+
+def test_tp_ranks_never_share_pages_and_mla_ranks_do():
+    url = f"memory://tp-{uuid.uuid4().hex}"
+    extra = {"host_cache_blocks": 0, "disk_cache_blocks": 0, "remote_url": url}
+    p0, p1 = host_pool("page_first"), host_pool("page_first")
+    r0 = backend(extra, p0, tp_rank=0, tp_size=2)
+    r1 = backend(extra, p1, tp_rank=1, tp_size=2)
+    idx, want = fill(p0, 2, seed=4)
+    assert r0.batch_set_v1(["a", "b"], idx) == [True, True]
+    assert r1.batch_exists(["a", "b"]) == 0
+    assert r1.batch_get_v1(["a"], p1.alloc(PAGE)) == [False]
+    # MLA: the latent is the same on every rank, so ranks share pages.
+    m0 = backend(extra, p0, tp_rank=0, tp_size=2, mla=True)
+    m1 = backend(extra, p1, tp_rank=1, tp_size=2, mla=True)
+    assert m0.batch_set_v1(["a", "b"], idx) == [True, True]
+    assert m1.batch_exists(["a", "b"]) == 2
+    dst = p1.alloc(2 * PAGE)
+    assert m1.batch_get_v1(["a", "b"], dst) == [True, True]
+    assert torch.equal(page_of(p1, dst, 1), want[1])
+
+
+def _disk_file(tmp_path):
+    files = [f for f in (tmp_path / "disk").iterdir() if f.is_file()]
+    assert len(files) == 1, files
+    return files[0]
+
+
+def test_corrupt_truncated_and_missing_pages_are_misses_never_wrong_bytes(tmp_path):
+    pool = host_pool("page_first")
+    b = backend(disk_extra(tmp_path), pool)
+    keys = ["x0", "x1", "x2"]
+    idx, want = fill(pool, 3, seed=5)
+    assert b.batch_set_v1(keys, idx) == [True] * 3
+    f = _disk_file(tmp_path)
+    slot = (pool.get_dummy_flat_data_page().numel() * 4 + 4095) // 4096 * 4096
+    with open(f, "r+b") as fh:  # damage every slot
+        for s in range(64):
+            fh.seek(s * slot + 100)
+            fh.write(b"\xab\xcd\xef")
+    pool.kv_buffer.zero_()
+    assert b.batch_get_v1(keys + ["never-set"], pool.alloc(4 * PAGE)) == [False] * 4
+    assert b.stats()["corrupt"] == 3
+    assert b.batch_exists(keys) == 0, "damaged pages are withdrawn"
+    # Written again, then the file cut short: reads of the lost slots are misses too.
+    idx, want = fill(pool, 3, seed=6)
+    assert b.batch_set_v1(keys, idx) == [True] * 3
+    os.truncate(f, 0)
+    out = pool.alloc(3 * PAGE)
+    assert b.batch_get_v1(keys, out) == [False] * 3
+
+
+def test_bad_input_is_a_typed_error_naming_the_field(tmp_path):
+    pool = host_pool("page_first")
+    with pytest.raises(KvbmError) as e:
+        StorageBackendFactory.create_backend("dynamic", storage_config({"disk_size": 3}), pool)
+    assert e.value.kind == "invalid_config" and "disk_size" in str(e.value)
+    with pytest.raises(KvbmError) as e:
+        StorageBackendFactory.create_backend("dynamic", storage_config({"eviction": "nope"}), pool)
+    assert e.value.kind == "invalid_config"
+    b = backend(disk_extra(tmp_path), pool)
+    with pytest.raises(KvbmError) as e:
+        b.batch_exists(["ok", 7])
+    assert e.value.kind == "invalid_argument" and "keys[1]" in str(e.value)
+    with pytest.raises(KvbmError) as e:
+        b.batch_set(["short"], [torch.zeros(3)])
+    assert e.value.kind == "invalid_argument" and "page 0" in str(e.value)
+    assert b.batch_exists(["short"]) == 0
+    with pytest.raises(KvbmError) as e:
+        b.batch_set_v1(["a", "b"], torch.arange(PAGE))
+    assert e.value.kind == "invalid_argument" and "host_indices" in str(e.value)
+    with pytest.raises(KvbmError) as e:
+        b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(PAGE), keys=["a"])])
+    assert e.value.kind == "unsupported" and "mamba" in str(e.value)
+    with pytest.raises(KvbmError) as e:
+        b.register_mem_host_pool_v2(pool, PoolName.SWA)
+    assert "swa" in str(e.value)
+    # An address outside the registered pool is refused before it is used.
+    with pytest.raises(KvbmError) as e:
+        b._store.get_runs(["a"], [16], [pool.get_dummy_flat_data_page().numel() * 4])
+    assert "not inside a registered buffer" in str(e.value)
+
+
+def test_sglangs_failure_injector_around_our_backend(tmp_path):
+    """SGLang's own injector fails calls at random: every page a read reports served is the
+    page that was written, whatever failed around it."""
+    pool = host_pool("page_first")
+    b = HiCacheStorageFailureInjector(backend(disk_extra(tmp_path), pool), 0.0, 0.4)
+    written = {}
+    for round_ in range(30):
+        keys = [f"f{round_}-{i}" for i in range(2)]
+        idx, want = fill(pool, 2, seed=100 + round_)
+        if b.batch_set_v1(keys, idx) == [True, True]:
+            written.update(zip(keys, want))
+        pool.free(idx)
+    assert written, "the injector failed every write"
+    keys = list(written)
+    out = pool.alloc(len(keys) * PAGE)
+    pool.kv_buffer.zero_()
+    ok = b.batch_get_v1(keys, out)
+    for i, k in enumerate(keys):
+        if ok[i]:
+            assert torch.equal(page_of(pool, out, i), written[k]), k
+    assert json.loads(json.dumps(b._backend.stats()))["corrupt"] == 0
