@@ -30,8 +30,12 @@
 //!   different blocks never share bytes of the file, so they need no mutual exclusion;
 //! * a bad block id or segment length is refused before any I/O: nothing on disk changes.
 //!
-//! Nothing is `fsync`ed: the tier is a cache whose checksums live in memory, so its contents do
-//! not outlive the process in any usable form (a persisted file is kept only for inspection).
+//! Nothing is `fsync`ed for a tier made by [`DiskTier::create`]: a cache whose checksums live in
+//! memory, so its contents do not outlive the process in any usable form. A tier opened with
+//! [`DiskTier::open_persistent`] outlives it: its owner saves which key each block holds
+//! ([`crate::tier::Persistent`]); the file's data is synced and the index (checksums included)
+//! written beside it (`persist.rs`), and the next process that opens it serves those blocks,
+//! each still verified on read.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::path::{Path, PathBuf};
@@ -58,9 +62,11 @@ pub struct DiskTierOptions {
     /// Use O_DIRECT when the filesystem accepts it. Default `true`; when refused the tier falls
     /// back to buffered I/O (see [`DiskTier::direct_io_fallback_reason`]).
     pub direct_io: bool,
-    /// Keep the file when the tier is dropped (or its process is killed). Default `false`. A kept
-    /// file is named `kvbm-<tier>-<pid>-<n>.persist.blocks`; it cannot be reopened as a tier (its
-    /// checksums were in memory) and is for inspection only.
+    /// Keep the file when the tier is dropped (or its process is killed). Default `false`. A file
+    /// kept by [`DiskTier::create`] is named `kvbm-<tier>-<pid>-<n>.persist.blocks` and is for
+    /// inspection only (its checksums were in memory); [`DiskTier::open_persistent`] (what the
+    /// page store uses with `disk.persist`) keeps a file a later process reopens, with an index
+    /// of its blocks and their checksums (`persist.rs`).
     pub persist: bool,
     /// Blocking calls the tier serves well in parallel, reported in [`Capability::max_in_flight`];
     /// also the number of bounce buffers kept for reuse. Default [`DEFAULT_MAX_IN_FLIGHT`] (4);
@@ -108,6 +114,8 @@ pub struct DiskTier {
     max_in_flight: usize,
     /// Reusable slot-sized bounce buffers (at most `max_in_flight` kept).
     bounce: Mutex<Vec<AlignedBuf>>,
+    /// What a persisted file's blocks are ([`DiskTier::open_persistent`]); `None` otherwise.
+    identity: Option<String>,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -157,7 +165,32 @@ impl DiskTier {
             slots,
             max_in_flight: opts.max_in_flight,
             bounce: Mutex::new(Vec::new()),
+            identity: None,
         })
+    }
+
+    /// Opens the tier's persisted file for `identity` (what its blocks are: a store's namespace)
+    /// in `opts.dir`, created when there is none, and returns the `(block, key)` pairs its saved
+    /// index names ([`crate::tier::Persistent::save_index`]); each of those blocks is verified
+    /// against its saved checksum when read, so a block rewritten after the save is
+    /// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt), never the old key's bytes. The file
+    /// outlives the tier. One process at a time holds it.
+    ///
+    /// Errors: as [`Self::create`]; the file held by another process, not a regular file of
+    /// this user, or saved for another identity, block size or block count
+    /// ([`ErrorKind::InvalidConfig`](crate::ErrorKind::InvalidConfig) naming the path and the
+    /// field).
+    pub fn open_persistent(
+        kind: TierKind,
+        dims: LayoutDims,
+        num_blocks: usize,
+        opts: DiskTierOptions,
+        identity: &str,
+    ) -> Result<(Self, Vec<(usize, u128)>)> {
+        let (slots, entries) = SlotFile::open_persistent(kind, dims, num_blocks, &opts, identity)?;
+        let mut tier = Self::from_slots(slots, &opts)?;
+        tier.identity = Some(identity.to_string());
+        Ok((tier, entries.iter().map(|e| (e.slot, e.key)).collect()))
     }
 
     /// The tier's file.
@@ -230,7 +263,24 @@ impl DiskTier {
     }
 }
 
+impl crate::tier::Persistent for DiskTier {
+    fn save_index(&self, keys: &[(usize, u128)]) -> Result<()> {
+        match &self.identity {
+            Some(identity) => self.slots.save_index(identity, keys),
+            None => Err(crate::error::Error::unsupported(
+                "this disk tier was not opened persisted (DiskTier::open_persistent)",
+            )),
+        }
+    }
+}
+
 impl StorageTier for DiskTier {
+    fn persistent(&self) -> Option<&dyn crate::tier::Persistent> {
+        self.identity
+            .as_ref()
+            .map(|_| self as &dyn crate::tier::Persistent)
+    }
+
     fn kind(&self) -> TierKind {
         self.slots.kind()
     }

@@ -20,6 +20,7 @@ pub mod faults;
 pub mod memory;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+pub mod persist;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod remote;

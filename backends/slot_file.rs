@@ -44,6 +44,7 @@ use parking_lot::RwLock;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::disk::DiskTierOptions;
+use super::persist::{IndexEntry, IndexHeader};
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::{KvLayout, Layout, LayoutDims};
 use crate::tier::{check_io, copy_segments, total_len, TierKind};
@@ -125,23 +126,7 @@ impl SlotFile {
                 Error::invalid_argument("max_in_flight must be non-zero").with("tier", kind)
             );
         }
-        let layout = Layout::fully_contiguous(dims, num_blocks)?;
-        let bytes_per_block = layout.bytes_per_block();
-        let slot_bytes = bytes_per_block
-            .checked_next_multiple_of(DISK_ALIGNMENT)
-            .ok_or_else(|| {
-                Error::invalid_layout("bytes_per_block rounded up to 4096 overflows usize")
-            })?;
-        let file_bytes = slot_bytes
-            .checked_mul(num_blocks)
-            .and_then(|n| u64::try_from(n).ok())
-            .filter(|&n| libc::off_t::try_from(n).is_ok())
-            .ok_or_else(|| {
-                Error::invalid_layout(format!(
-                    "{num_blocks} slots of {slot_bytes} bytes do not fit in one file"
-                ))
-                .with("tier", kind)
-            })?;
+        let (layout, slot_bytes, file_bytes) = geometry(kind, dims, num_blocks)?;
 
         prepare_dir(&opts.dir).map_err(|e| e.with("tier", kind))?;
         remove_stale_files(&opts.dir);
@@ -161,28 +146,14 @@ impl SlotFile {
             return Err(err.with("tier", kind).with("path", path.display()));
         }
 
-        let (direct_io, fallback_reason) = if opts.direct_io {
-            match open_direct(&file) {
-                Ok(()) => (true, None),
-                Err(reason) => {
-                    if let Err(e) = set_direct(&file, false) {
-                        remove_quietly(&path);
-                        return Err(Error::io("fcntl", e)
-                            .with("tier", kind)
-                            .with("path", path.display()));
-                    }
-                    tracing::warn!(
-                        tier = %kind,
-                        path = %path.display(),
-                        %reason,
-                        "O_DIRECT unavailable; disk tier falls back to buffered I/O"
-                    );
-                    (false, Some(reason))
+        let (direct_io, fallback_reason) =
+            match direct_setup(kind, &path, &file, opts.direct_io, open_direct) {
+                Ok(v) => v,
+                Err(e) => {
+                    remove_quietly(&path);
+                    return Err(e);
                 }
-            }
-        } else {
-            (false, None)
-        };
+            };
         tracing::debug!(
             tier = %kind,
             path = %path.display(),
@@ -203,6 +174,161 @@ impl SlotFile {
             slot_bytes,
             checksums: (0..num_blocks).map(|_| RwLock::new(None)).collect(),
         })
+    }
+
+    /// Opens the persisted slot file for `identity` in `opts.dir` (`kvbm-<tier>-<hash of
+    /// identity>.persist.blocks`), creating it when there is none, and returns the entries of its
+    /// index that this file can serve (their checksums restored: each is verified on read). See
+    /// `persist.rs`.
+    ///
+    /// Errors: as [`Self::create`]; the file held by another live process, not a regular file of
+    /// this user, or of another size than this tier's with no index to say why
+    /// ([`ErrorKind::InvalidConfig`] naming the path); an index written for another identity,
+    /// block size or block count ([`ErrorKind::InvalidConfig`] naming the field).
+    pub(crate) fn open_persistent(
+        kind: TierKind,
+        dims: LayoutDims,
+        num_blocks: usize,
+        opts: &DiskTierOptions,
+        identity: &str,
+    ) -> Result<(Self, Vec<IndexEntry>)> {
+        if opts.max_in_flight == 0 {
+            return Err(
+                Error::invalid_argument("max_in_flight must be non-zero").with("tier", kind)
+            );
+        }
+        let (layout, slot_bytes, file_bytes) = geometry(kind, dims, num_blocks)?;
+        prepare_dir(&opts.dir).map_err(|e| e.with("tier", kind))?;
+        remove_stale_files(&opts.dir);
+        let name = format!(
+            "kvbm-{kind}-{:016x}.persist.blocks",
+            xxhash_rust::xxh3::xxh3_64(identity.as_bytes())
+        );
+        let path = opts.dir.join(name);
+        let refuse = |why: String| {
+            Error::new(
+                ErrorKind::InvalidConfig,
+                format!("persisted disk file {}: {why}", path.display()),
+            )
+            .with("tier", kind)
+            .with("path", path.display())
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(|e| {
+                Error::io("open", e)
+                    .with("tier", kind)
+                    .with("path", path.display())
+            })?;
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io("stat", e).with("path", path.display()))?;
+        {
+            use std::os::unix::fs::MetadataExt;
+            // SAFETY: plain syscall, no arguments.
+            let me = unsafe { libc::geteuid() };
+            if !meta.is_file() || meta.uid() != me {
+                return Err(refuse("not a regular file of this user".into()));
+            }
+        }
+        match lock(&file, true) {
+            Ok(true) => {}
+            Ok(false) => return Err(refuse("in use by another process".into())),
+            Err(e) => return Err(Error::io("flock", e).with("path", path.display())),
+        }
+        let want = IndexHeader {
+            identity: identity.to_string(),
+            kind: kind.to_string(),
+            bytes_per_block: layout.bytes_per_block(),
+            slot_bytes,
+            num_blocks,
+        };
+        let entries = match super::persist::load(&path, num_blocks) {
+            Some((found, entries)) => {
+                want.check(&found, &path)?;
+                entries
+            }
+            None if meta.len() != 0 && meta.len() != file_bytes => {
+                return Err(refuse(format!(
+                    "{} bytes with no usable index; this tier needs {file_bytes}: remove it to \
+                     start empty",
+                    meta.len()
+                )))
+            }
+            None => Vec::new(),
+        };
+        if meta.len() != file_bytes {
+            preallocate(&file, file_bytes).map_err(|e| {
+                Error::io("fallocate", e)
+                    .with("tier", kind)
+                    .with("path", path.display())
+            })?;
+        }
+        let (direct_io, fallback_reason) =
+            direct_setup(kind, &path, &file, opts.direct_io, open_direct_preserving)?;
+        let checksums: Box<[RwLock<Option<u64>>]> =
+            (0..num_blocks).map(|_| RwLock::new(None)).collect();
+        for e in &entries {
+            *checksums[e.slot].write() = Some(e.checksum);
+        }
+        tracing::info!(
+            tier = %kind,
+            path = %path.display(),
+            blocks = entries.len(),
+            "persisted disk tier reopened"
+        );
+        Ok((
+            Self {
+                kind,
+                layout,
+                path,
+                file,
+                direct_io,
+                fallback_reason,
+                persist: true,
+                slot_bytes,
+                checksums,
+            },
+            entries,
+        ))
+    }
+
+    /// Saves the index of a persisted file: `keys` are `(block, key)` of the blocks the owner
+    /// holds; blocks never (completely) written are left out. Syncs the file's data first.
+    pub(crate) fn save_index(&self, identity: &str, keys: &[(usize, u128)]) -> Result<()> {
+        if !self.persist {
+            return Err(Error::unsupported(
+                "the disk tier is not persisted (disk.persist)",
+            ));
+        }
+        self.file
+            .sync_data()
+            .map_err(|e| Error::io("fsync", e).with("path", self.path.display()))?;
+        let entries: Vec<IndexEntry> = keys
+            .iter()
+            .filter_map(|&(slot, key)| {
+                let checksum = (*self.checksums.get(slot)?.read())?;
+                Some(IndexEntry {
+                    slot,
+                    key,
+                    checksum,
+                })
+            })
+            .collect();
+        let header = IndexHeader {
+            identity: identity.to_string(),
+            kind: self.kind.to_string(),
+            bytes_per_block: self.layout.bytes_per_block(),
+            slot_bytes: self.slot_bytes,
+            num_blocks: self.layout.num_blocks(),
+        };
+        super::persist::save(&self.path, &header, &entries)
     }
 
     /// The file.
@@ -342,6 +468,60 @@ impl SlotFile {
         let (image, padding) = slot.split_at_mut(bytes_per_block);
         copy_segments(src, &mut [IoSliceMut::new(image)]);
         padding.fill(0);
+    }
+}
+
+/// A slot file's layout, slot size and file size for `num_blocks` blocks of `dims`.
+fn geometry(kind: TierKind, dims: LayoutDims, num_blocks: usize) -> Result<(Layout, usize, u64)> {
+    let layout = Layout::fully_contiguous(dims, num_blocks)?;
+    let bytes_per_block = layout.bytes_per_block();
+    let slot_bytes = bytes_per_block
+        .checked_next_multiple_of(DISK_ALIGNMENT)
+        .ok_or_else(|| {
+            Error::invalid_layout("bytes_per_block rounded up to 4096 overflows usize")
+        })?;
+    let file_bytes = slot_bytes
+        .checked_mul(num_blocks)
+        .and_then(|n| u64::try_from(n).ok())
+        .filter(|&n| libc::off_t::try_from(n).is_ok())
+        .ok_or_else(|| {
+            Error::invalid_layout(format!(
+                "{num_blocks} slots of {slot_bytes} bytes do not fit in one file"
+            ))
+            .with("tier", kind)
+        })?;
+
+    Ok((layout, slot_bytes, file_bytes))
+}
+
+/// Turns O_DIRECT on for `file` when asked and accepted (`open_direct` sets and probes it),
+/// else leaves buffered I/O on and says why.
+fn direct_setup(
+    kind: TierKind,
+    path: &Path,
+    file: &File,
+    wanted: bool,
+    open_direct: impl FnOnce(&File) -> std::result::Result<(), String>,
+) -> Result<(bool, Option<String>)> {
+    if !wanted {
+        return Ok((false, None));
+    }
+    match open_direct(file) {
+        Ok(()) => Ok((true, None)),
+        Err(reason) => {
+            set_direct(file, false).map_err(|e| {
+                Error::io("fcntl", e)
+                    .with("tier", kind)
+                    .with("path", path.display())
+            })?;
+            tracing::warn!(
+                tier = %kind,
+                path = %path.display(),
+                %reason,
+                "O_DIRECT unavailable; disk tier falls back to buffered I/O"
+            );
+            Ok((false, Some(reason)))
+        }
     }
 }
 
@@ -735,6 +915,33 @@ pub(crate) fn open_direct(file: &File) -> std::result::Result<(), String> {
         preadv_all(file, &mut [IoSliceMut::new(back.as_mut_slice())], 0)
             .map_err(|e| format!("O_DIRECT probe read failed: {e}"))?;
         if out.as_slice() != back.as_slice() {
+            return Err("O_DIRECT probe read back different bytes".to_owned());
+        }
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = file;
+        Err("O_DIRECT is only used on Linux".to_owned())
+    }
+}
+
+/// As [`open_direct`], for a file whose first slot may hold data (a persisted file): the probe
+/// reads the first [`DISK_ALIGNMENT`] bytes with O_DIRECT, writes the same bytes back and reads
+/// them again, so what was there stays.
+pub(crate) fn open_direct_preserving(file: &File) -> std::result::Result<(), String> {
+    #[cfg(target_os = "linux")]
+    {
+        set_direct(file, true).map_err(|e| format!("setting O_DIRECT failed: {e}"))?;
+        let mut first = AlignedBuf::new(DISK_ALIGNMENT).map_err(|e| e.to_string())?;
+        preadv_all(file, &mut [IoSliceMut::new(first.as_mut_slice())], 0)
+            .map_err(|e| format!("O_DIRECT probe read failed: {e}"))?;
+        pwritev_all(file, &[IoSlice::new(first.as_slice())], 0)
+            .map_err(|e| format!("O_DIRECT probe write failed: {e}"))?;
+        let mut back = AlignedBuf::new(DISK_ALIGNMENT).map_err(|e| e.to_string())?;
+        preadv_all(file, &mut [IoSliceMut::new(back.as_mut_slice())], 0)
+            .map_err(|e| format!("O_DIRECT probe read failed: {e}"))?;
+        if first.as_slice() != back.as_slice() {
             return Err("O_DIRECT probe read back different bytes".to_owned());
         }
         Ok(())

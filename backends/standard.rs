@@ -124,6 +124,7 @@ pub fn page_store(config: &Config, namespace: &str, page_bytes: usize) -> Result
     } else {
         None
     };
+    let mut disk_index = Vec::new();
     let disk: Option<Arc<dyn StorageTier>> = if disk_pages > 0 {
         let opts = DiskTierOptions {
             dir: config.disk.dir.clone(),
@@ -131,12 +132,21 @@ pub fn page_store(config: &Config, namespace: &str, page_bytes: usize) -> Result
             persist: config.disk.persist,
             max_in_flight: config.disk.max_in_flight,
         };
-        Some(Arc::new(DiskTier::create(
-            TierKind::Disk,
-            dims,
-            disk_pages,
-            opts,
-        )?))
+        if config.disk.persist {
+            // The pages outlive the process: reopened when the namespace, the page size and
+            // the page count match (else refused, naming what differs).
+            let (tier, index) =
+                DiskTier::open_persistent(TierKind::Disk, dims, disk_pages, opts, namespace)?;
+            disk_index = index;
+            Some(Arc::new(tier))
+        } else {
+            Some(Arc::new(DiskTier::create(
+                TierKind::Disk,
+                dims,
+                disk_pages,
+                opts,
+            )?))
+        }
     } else {
         None
     };
@@ -149,7 +159,12 @@ pub fn page_store(config: &Config, namespace: &str, page_bytes: usize) -> Result
     PageStore::new(
         namespace,
         page_bytes,
-        PageStoreTiers { host, disk, remote },
+        PageStoreTiers {
+            host,
+            disk,
+            remote,
+            disk_index,
+        },
         PageStoreOptions {
             eviction: config.eviction,
             lookup_timeout: config.remote.lookup_timeout(),

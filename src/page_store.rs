@@ -42,7 +42,14 @@ pub struct PageStoreTiers {
     pub disk: Option<Arc<dyn StorageTier>>,
     /// The shared store (G4), if any; its scope's `bytes_per_block` must be the page size.
     pub remote: Option<Arc<dyn RemoteStore>>,
+    /// `(block, key)` of the pages a persisted disk tier already holds (what it was reopened
+    /// with): the store serves them again. Blocks out of range are ignored.
+    pub disk_index: Vec<(usize, u128)>,
 }
+
+/// How often a put saves a persisted tier's index (also saved by [`PageStore::flush`] and when
+/// the store is dropped).
+pub const SAVE_EVERY: Duration = Duration::from_secs(5);
 
 /// How a [`PageStore`] talks to its remote store.
 #[derive(Debug, Clone, Copy)]
@@ -117,6 +124,44 @@ pub struct PageStore {
     remote: Option<Arc<dyn RemoteStore>>,
     options: PageStoreOptions,
     counters: Counters,
+    /// When a persisted tier's index was last saved.
+    last_save: parking_lot::Mutex<Instant>,
+}
+
+impl Drop for PageStore {
+    /// Saves the persisted tiers' indexes, so a clean shutdown keeps every page.
+    fn drop(&mut self) {
+        if self.levels.iter().any(|l| l.tier.persistent().is_some()) {
+            if let Err(e) = self.flush() {
+                tracing::warn!(error = %e, "page store: the persisted index was not saved");
+            }
+        }
+    }
+}
+
+/// Registers the pages a reopened tier holds (`(block, key)`) in its fresh pool: every block is
+/// taken once, those named are registered under their key (released: inactive, matchable,
+/// evictable), the rest go back to the free list.
+fn adopt(pool: &BlockPool, index: &[(usize, u128)]) {
+    let mut by_block = std::collections::HashMap::with_capacity(index.len());
+    for &(block, key) in index {
+        by_block.insert(block, SequenceHash(key));
+    }
+    let blocks = pool.allocate_up_to(pool.num_blocks());
+    let mut named = Vec::with_capacity(index.len());
+    for b in blocks {
+        if let Some(&key) = by_block.get(&b.block_id()) {
+            named.push((b, key));
+        }
+    }
+    let (n, errors) = pool.register_all(named);
+    if !errors.is_empty() {
+        tracing::warn!(
+            registered = n,
+            refused = errors.len(),
+            "page store: some reopened pages were not adopted"
+        );
+    }
 }
 
 impl std::fmt::Debug for PageStore {
@@ -155,6 +200,7 @@ impl PageStore {
             ));
         }
         let mut levels = Vec::new();
+        let disk_index = tiers.disk_index;
         for tier in [tiers.host, tiers.disk].into_iter().flatten() {
             if tier.bytes_per_block() != page_bytes {
                 return Err(Error::invalid_argument(format!(
@@ -165,6 +211,9 @@ impl PageStore {
                 .with("tier", tier.kind()));
             }
             let pool = BlockPool::with_policy(tier.kind(), tier.num_blocks(), options.eviction)?;
+            if tier.kind() == TierKind::Disk && !disk_index.is_empty() {
+                adopt(&pool, &disk_index);
+            }
             levels.push(Level { tier, pool });
         }
         if let Some(remote) = &tiers.remote {
@@ -192,7 +241,42 @@ impl PageStore {
             remote: tiers.remote,
             options,
             counters: Counters::default(),
+            last_save: parking_lot::Mutex::new(Instant::now()),
         })
+    }
+
+    /// Saves the index of every persisted tier now (see [`crate::tier::Persistent`]): the pages
+    /// they hold are found again by the next process that opens them.
+    pub fn flush(&self) -> Result<()> {
+        *self.last_save.lock() = Instant::now();
+        for level in &self.levels {
+            if let Some(p) = level.tier.persistent() {
+                // Held while the index is written: no block changes key meanwhile.
+                let held = level.pool.hold_registered();
+                let keys: Vec<(usize, u128)> = held
+                    .iter()
+                    .map(|b| (b.block_id(), b.sequence_hash().0))
+                    .collect();
+                p.save_index(&keys)
+                    .map_err(|e| e.with("tier", level.tier.kind()))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn maybe_save(&self) {
+        if !self.levels.iter().any(|l| l.tier.persistent().is_some()) {
+            return;
+        }
+        {
+            let last = self.last_save.lock();
+            if last.elapsed() < SAVE_EVERY {
+                return;
+            }
+        }
+        if let Err(e) = self.flush() {
+            tracing::warn!(error = %e, "page store: the persisted index was not saved");
+        }
     }
 
     /// Bytes of one page.
@@ -283,6 +367,7 @@ impl PageStore {
             &self.counters.put_stored,
             held.iter().filter(|h| **h).count(),
         );
+        self.maybe_save();
         Ok(held)
     }
 

@@ -154,6 +154,22 @@ pub trait StorageTier: Send + Sync + Debug {
     fn batch_copy(&self) -> Option<&dyn BatchCopy> {
         None
     }
+
+    /// The tier's persistence, if its blocks outlive the process (see [`Persistent`]); `None`
+    /// (the default): they do not.
+    fn persistent(&self) -> Option<&dyn Persistent> {
+        None
+    }
+}
+
+/// A tier whose blocks outlive the process (the optional capability behind
+/// [`StorageTier::persistent`]): its owner, who knows which key each block holds, saves that
+/// map with it, and gets it back when a later process reopens the tier (how is the backend's
+/// business). Saving is a point in time: blocks written afterwards are found by a later
+/// process only after the next save; a block rewritten since is caught by its checksum.
+pub trait Persistent: Send + Sync {
+    /// Records `(block, key)` for every block the owner holds.
+    fn save_index(&self, keys: &[(usize, u128)]) -> Result<()>;
 }
 
 /// A tier's fast path for a whole batch of blocks between itself and another tier (the optional

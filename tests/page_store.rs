@@ -86,6 +86,7 @@ fn pages_round_trip_through_host_and_disk_and_the_host_evicts_into_disk_copies()
             host: Some(host(4)),
             disk: Some(disk(dir.path(), 16)),
             remote: None,
+            disk_index: vec![],
         },
         options(),
     )
@@ -260,6 +261,7 @@ fn namespaces_never_share_a_page_and_the_remote_store_shares_within_one() {
                 host: Some(host(2)),
                 disk: None,
                 remote: Some(shared.clone() as Arc<dyn RemoteStore>),
+                ..Default::default()
             },
             options(),
         )
@@ -292,6 +294,7 @@ fn a_failing_or_lying_remote_store_costs_its_own_hits_only() {
             host: Some(host(2)),
             disk: None,
             remote: Some(shared.clone() as Arc<dyn RemoteStore>),
+            disk_index: vec![],
         },
         options(),
     )
@@ -338,6 +341,7 @@ fn clear_forgets_local_pages() {
             host: Some(host(2)),
             disk: Some(disk(dir.path(), 4)),
             remote: None,
+            disk_index: vec![],
         },
         options(),
     )
@@ -352,4 +356,87 @@ fn clear_forgets_local_pages() {
     assert_eq!((store.stats().host_pages, store.stats().disk_pages), (0, 0));
     assert_eq!(put(&store, &["a"], &[7]), vec![true]);
     assert_eq!(get(&store, &["a"])[0].1, page(7));
+}
+
+fn persisted_config(dir: &std::path::Path, pages: usize) -> kvbm_connector::Config {
+    let mut c = kvbm_connector::Config::default();
+    c.host.cache_blocks = Some(0);
+    c.disk.cache_blocks = Some(pages);
+    c.disk.dir = dir.to_path_buf();
+    c.disk.persist = true;
+    c
+}
+
+#[test]
+fn a_persisted_disk_tier_survives_a_restart_and_refuses_another_shape() {
+    use kvbm_connector::backends::standard::page_store;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = persisted_config(dir.path(), 8);
+    {
+        let first = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
+        assert_eq!(first.tiers(), vec![TierKind::Disk]);
+        assert_eq!(put(&first, &["a", "b", "c"], &[1, 2, 3]), vec![true; 3]);
+        // A second process (here: a second store) cannot take the file while it is held.
+        let err = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
+        assert!(err.to_string().contains("in use"), "{err}");
+    } // dropped: the index is saved
+    let again = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
+    assert_eq!(
+        again
+            .prefix_len(&keys(&again, &["a", "b", "c", "d"]))
+            .unwrap(),
+        3
+    );
+    let got = get(&again, &["a", "b", "c"]);
+    for (i, (tier, bytes)) in got.iter().enumerate() {
+        assert_eq!(*tier, Some(TierKind::Disk));
+        assert_eq!(bytes, &page(1 + i as u64), "page {i} after the restart");
+    }
+    // It keeps storing (the reopened pages are evictable like any other).
+    let more: Vec<String> = (0..8).map(|i| format!("m{i}")).collect();
+    let more: Vec<&str> = more.iter().map(|s| s.as_str()).collect();
+    assert_eq!(
+        put(&again, &more, &[10, 11, 12, 13, 14, 15, 16, 17]),
+        vec![true; 8]
+    );
+    drop(again);
+    // Another namespace: its own file, empty.
+    let other = page_store(&cfg, "model-b;tp0/1", PAGE).unwrap();
+    assert_eq!(other.prefix_len(&keys(&other, &["m0"])).unwrap(), 0);
+    drop(other);
+    // The same namespace with another page count: refused, naming the field.
+    let err = page_store(&persisted_config(dir.path(), 16), "model-a;tp0/1", PAGE).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
+    assert_eq!(err.context_value("field"), Some("num_blocks"), "{err}");
+    // And it still opens with the shape it was written with.
+    let back = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
+    assert_eq!(get(&back, &["m7"])[0], (Some(TierKind::Disk), page(17)));
+}
+
+#[test]
+fn a_block_rewritten_after_the_index_was_saved_is_never_served_as_the_old_key() {
+    use kvbm_connector::tier::StorageTierExt;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = DiskTierOptions::new(dir.path());
+    {
+        let (tier, index) =
+            DiskTier::open_persistent(TierKind::Disk, dims(), 2, opts.clone(), "ns").unwrap();
+        assert!(index.is_empty());
+        tier.write_block_from_slice(0, &page(1)).unwrap();
+        tier.write_block_from_slice(1, &page(2)).unwrap();
+        tier.persistent()
+            .unwrap()
+            .save_index(&[(0, 100), (1, 200)])
+            .unwrap();
+        // After the save, block 0 gets other bytes; the process then ends without saving.
+        tier.write_block_from_slice(0, &page(3)).unwrap();
+    }
+    let (tier, mut index) =
+        DiskTier::open_persistent(TierKind::Disk, dims(), 2, opts, "ns").unwrap();
+    index.sort();
+    assert_eq!(index, vec![(0, 100), (1, 200)]);
+    let err = tier.read_block_to_vec(0).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert_eq!(tier.read_block_to_vec(1).unwrap(), page(2));
 }

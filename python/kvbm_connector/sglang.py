@@ -22,10 +22,12 @@ itself read is refused with a :class:`~kvbm_connector.KvbmError` naming it. See 
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
 import time
+import weakref
 from typing import Any, List, Optional
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -40,6 +42,20 @@ from ._kvbm import Config
 from ._wiring import error as _error
 
 logger = logging.getLogger(__name__)
+
+# Every live backend, so the persisted disk tiers' indexes are saved when the process exits
+# normally (SGLang does not close its storage backend at shutdown; a put also saves every few
+# seconds, so a killed process loses only the last few seconds of pages).
+_LIVE: "weakref.WeakSet[KvbmHiCacheStorage]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    for backend in list(_LIVE):
+        try:
+            backend.flush()
+        except Exception as e:  # noqa: BLE001 - at exit, a failure is only reported
+            logger.warning("kvbm: saving the disk index at exit failed: %s", e)
 
 __all__ = ["KvbmHiCacheStorage"]
 
@@ -113,6 +129,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
         self._config = Config.load_with(overrides, path)
         self.mem_pool_host = (kwargs or {}).get("mem_pool_host") if isinstance(kwargs, dict) else None
         self._store: Optional[Any] = None
+        _LIVE.add(self)
         # SGLang moves a page in one of two forms: the flat page tensor of the classic calls
         # (get_data_page) or the pool's runs of the zero-copy calls (get_page_buffer_meta). In
         # the layer-first layout their byte orders differ, so the flat form's pages get keys of
@@ -324,5 +341,13 @@ class KvbmHiCacheStorage(HiCacheStorage):
             return {}
         return json.loads(self._store.stats_json())
 
+    def flush(self) -> None:
+        """Saves the persisted disk tier's index (``disk_persist``) now."""
+        if self._store is not None:
+            self._store.flush()
+
     def close(self) -> None:
-        self._store = None
+        """Saves the index and lets the tiers go (the disk file is unlocked)."""
+        store, self._store = self._store, None
+        if store is not None:
+            store.flush()

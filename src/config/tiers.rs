@@ -109,7 +109,9 @@ pub struct DiskConfig {
     pub min_frequency: u32,
     /// Use O_DIRECT where the filesystem allows it. Default: true.
     pub direct_io: bool,
-    /// Keep the file after shutdown (for inspection; its contents are not reloaded). Default: false.
+    /// Keep the file after shutdown. SGLang's page store reopens it at the next start (same
+    /// namespace, page size and page count; else refused naming the difference); the vLLM and
+    /// TensorRT-LLM workers keep it for inspection only (not reloaded yet). Default: false.
     pub persist: bool,
     /// Parallel I/O requests the tier keeps in flight. Default: 4.
     pub max_in_flight: usize,

@@ -257,6 +257,27 @@ impl BlockPool {
         out
     }
 
+    /// A handle on every registered block, under one lock, as an internal hold (not a reuse:
+    /// released, each block keeps its place in the eviction order): while held, no block
+    /// changes key, so a snapshot of which block holds which key stays true (a persisted tier's
+    /// index is saved so).
+    pub fn hold_registered(&self) -> Vec<ImmutableBlock> {
+        let mut st = self.inner.state.lock();
+        let held: Vec<(SequenceHash, u32)> = st.registered().collect();
+        let mut out = Vec::with_capacity(held.len());
+        for (hash, id) in held {
+            if st.acquire(id, false) {
+                out.push(ImmutableBlock {
+                    inner: Arc::clone(&self.inner),
+                    id,
+                    hash,
+                });
+            }
+        }
+        drop(st);
+        out
+    }
+
     /// Length of the registered prefix of `hashes`, without taking handles or touching LRU order.
     pub fn prefix_len(&self, hashes: &[SequenceHash]) -> usize {
         let st = self.inner.state.lock();

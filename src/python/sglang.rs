@@ -23,6 +23,9 @@ use crate::error::{Error, Result};
 use crate::identity::SequenceHash;
 use crate::page_store::{PageStore, MAX_PAGES_PER_CALL};
 
+/// Each page's `(address, length)` runs.
+type PageRuns = Vec<Vec<(usize, usize)>>;
+
 /// A buffer pages may be read from and written to: `[start, start + len)`, its owner kept.
 struct Region {
     name: String,
@@ -83,7 +86,7 @@ fn page_runs(
     n_pages: usize,
     ptrs: &[usize],
     sizes: &[usize],
-) -> Result<Vec<Vec<(usize, usize)>>> {
+) -> Result<PageRuns> {
     if ptrs.len() != sizes.len() {
         return Err(Error::invalid_argument(format!(
             "{} addresses but {} sizes",
@@ -162,7 +165,7 @@ fn tensor_runs(
     py: Python<'_>,
     tensors: &Bound<'_, PyAny>,
     what: &str,
-) -> PyResult<(Vec<Vec<(usize, usize)>>, Vec<Py<PyAny>>)> {
+) -> PyResult<(PageRuns, Vec<Py<PyAny>>)> {
     let mut runs = Vec::new();
     let mut owners = Vec::new();
     for (i, t) in tensors.try_iter()?.enumerate() {
@@ -370,6 +373,13 @@ impl PyPageStore {
             store.clear();
             Ok(())
         })
+    }
+
+    /// Saves the persisted disk tier's index now (`disk.persist`): its pages are found again
+    /// by the next process. A no-op without a persisted tier.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let store = Arc::clone(&self.store);
+        detached(py, "flush", move || store.flush())
     }
 
     /// The counters, as JSON.
