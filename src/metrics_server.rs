@@ -42,6 +42,19 @@ pub const MAX_REQUEST: usize = 8 * 1024;
 /// How often the idle listener checks whether it should stop.
 pub const POLL: Duration = Duration::from_millis(100);
 
+/// What a metrics endpoint serves: anything that renders its counters in Prometheus text format
+/// (the connector's [`Metrics`], a page store's counters).
+pub trait Exposition: Send + Sync {
+    /// The counters, Prometheus text format, ending with a newline.
+    fn render_prometheus(&self) -> String;
+}
+
+impl Exposition for Metrics {
+    fn render_prometheus(&self) -> String {
+        Metrics::render_prometheus(self)
+    }
+}
+
 /// A running metrics endpoint; dropping it stops the thread (within [`POLL`] plus a request in
 /// progress) and closes the port.
 #[derive(Debug)]
@@ -58,11 +71,20 @@ impl MetricsServer {
         Self::start_with(addr, tcp, metrics, IO_TIMEOUT)
     }
 
+    /// As [`MetricsServer::start`], serving any [`Exposition`].
+    pub fn serve_exposition(
+        addr: SocketAddr,
+        tcp: &TcpConfig,
+        source: Arc<dyn Exposition>,
+    ) -> Result<Self> {
+        Self::start_with(addr, tcp, source, IO_TIMEOUT)
+    }
+
     /// [`MetricsServer::start`] with another per-connection deadline (tests).
     pub fn start_with(
         addr: SocketAddr,
         tcp: &TcpConfig,
-        metrics: Arc<Metrics>,
+        metrics: Arc<dyn Exposition>,
         io_timeout: Duration,
     ) -> Result<Self> {
         tcp.check_listen("kvbm metrics endpoint", addr, false)?;
@@ -80,7 +102,7 @@ impl MetricsServer {
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
             .name("kvbm-metrics".into())
-            .spawn(move || serve(&listener, &flag, &metrics, io_timeout))
+            .spawn(move || serve(&listener, &flag, metrics.as_ref(), io_timeout))
             .map_err(|e| Error::internal(format!("cannot start the metrics thread: {e}")))?;
         Ok(Self {
             addr,
@@ -119,7 +141,12 @@ enum Next {
     Close,
 }
 
-fn serve(listener: &TcpListener, stop: &AtomicBool, metrics: &Metrics, io_timeout: Duration) {
+fn serve(
+    listener: &TcpListener,
+    stop: &AtomicBool,
+    metrics: &dyn Exposition,
+    io_timeout: Duration,
+) {
     let mut conns: Vec<Conn> = Vec::new();
     while !stop.load(Ordering::Acquire) {
         let mut busy = false;
@@ -180,7 +207,7 @@ fn serve(listener: &TcpListener, stop: &AtomicBool, metrics: &Metrics, io_timeou
 
 /// Reads what arrived, or writes what the socket takes, without blocking. Returns whether the
 /// connection stays open and whether anything moved.
-fn step(c: &mut Conn, metrics: &Metrics) -> std::io::Result<(Next, bool)> {
+fn step(c: &mut Conn, metrics: &dyn Exposition) -> std::io::Result<(Next, bool)> {
     let mut progressed = false;
     if c.out.is_none() {
         let mut buf = [0u8; 1024];
@@ -248,7 +275,7 @@ fn step(c: &mut Conn, metrics: &Metrics) -> std::io::Result<(Next, bool)> {
 }
 
 /// The status and body for a request head.
-fn route(head: &[u8], metrics: &Metrics) -> (&'static str, String) {
+fn route(head: &[u8], metrics: &dyn Exposition) -> (&'static str, String) {
     let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = String::from_utf8_lossy(line);
     let mut parts = line.split_whitespace();

@@ -128,6 +128,90 @@ pub struct PageStore {
     last_save: parking_lot::Mutex<Instant>,
 }
 
+impl PageStore {
+    /// Its counters in Prometheus text format, every sample labelled `engine="<engine>"`
+    /// (`kvbm_page_store_*`: pages put and stored, pages read, hits by tier, misses, corrupt
+    /// pages, remote errors and invalid values; gauges: pages held by tier).
+    pub fn render_prometheus(&self, engine: &str) -> String {
+        use std::fmt::Write;
+        let s = self.stats();
+        let engine: String = engine
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-')
+            .collect();
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, u64)]| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            for (extra, v) in samples {
+                let _ = writeln!(out, "{name}{{engine=\"{engine}\"{extra}}} {v}");
+            }
+        };
+        metric(
+            "kvbm_page_store_put_pages_total",
+            "counter",
+            "Pages asked to be stored.",
+            &[("", s.put_pages)],
+        );
+        metric(
+            "kvbm_page_store_stored_pages_total",
+            "counter",
+            "Pages some tier held after a put.",
+            &[("", s.put_stored)],
+        );
+        metric(
+            "kvbm_page_store_get_pages_total",
+            "counter",
+            "Pages asked to be read.",
+            &[("", s.get_pages)],
+        );
+        metric(
+            "kvbm_page_store_hits_total",
+            "counter",
+            "Pages served, by the tier that served them.",
+            &[
+                (",tier=\"host\"", s.host_hits),
+                (",tier=\"disk\"", s.disk_hits),
+                (",tier=\"remote\"", s.remote_hits),
+            ],
+        );
+        metric(
+            "kvbm_page_store_misses_total",
+            "counter",
+            "Pages found nowhere (or only damaged).",
+            &[("", s.misses)],
+        );
+        metric(
+            "kvbm_page_store_corrupt_total",
+            "counter",
+            "Local pages that failed verification (not served, withdrawn).",
+            &[("", s.corrupt)],
+        );
+        metric(
+            "kvbm_page_store_remote_invalid_total",
+            "counter",
+            "Remote values that failed verification (not served).",
+            &[("", s.remote_invalid)],
+        );
+        metric(
+            "kvbm_page_store_remote_errors_total",
+            "counter",
+            "Remote calls that failed or missed their deadline.",
+            &[("", s.remote_errors)],
+        );
+        metric(
+            "kvbm_page_store_pages",
+            "gauge",
+            "Pages a local tier holds now.",
+            &[
+                (",tier=\"host\"", s.host_pages),
+                (",tier=\"disk\"", s.disk_pages),
+            ],
+        );
+        out
+    }
+}
+
 impl Drop for PageStore {
     /// Saves the persisted tiers' indexes, so a clean shutdown keeps every page.
     fn drop(&mut self) {

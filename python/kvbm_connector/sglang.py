@@ -178,7 +178,10 @@ class KvbmHiCacheStorage(HiCacheStorage):
             if pool is None or getattr(self, "_pool_named", False):
                 return
         ns = _namespace(self.storage_config, pool, page_bytes)
-        self._store = _kvbm.PageStore(self._config, ns, page_bytes)
+        cfg = self.storage_config
+        # One metrics port per rank (tcp.metrics_addr's port + this rank's index).
+        offset = (cfg.dp_rank * cfg.pp_size + cfg.pp_rank) * cfg.tp_size + cfg.tp_rank
+        self._store = _kvbm.PageStore(self._config, ns, page_bytes, "sglang", offset)
         self._pool_named = pool is not None
         logger.info("kvbm page store: %s-byte pages on %s", page_bytes, self._store.tiers)
 
@@ -334,6 +337,12 @@ class KvbmHiCacheStorage(HiCacheStorage):
             taken = self._metrics
             self._metrics = {k: [] for k in taken}
         return StorageMetrics(**taken)
+
+    @property
+    def metrics_addr(self) -> Optional[str]:
+        """Where our counters are served over HTTP (``metrics_addr`` in the extra config or
+        ``KVBM_METRICS_ADDR``; its port + the rank's index), labelled ``engine="sglang"``."""
+        return None if self._store is None else self._store.metrics_addr
 
     def stats(self) -> dict:
         """Our counters (pages put/stored/read, hits per tier, misses, corrupt pages...)."""

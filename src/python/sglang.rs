@@ -21,6 +21,7 @@ use super::tensor::{read_tensor, TensorDevice};
 use super::{detached, to_py_err, PyConfig};
 use crate::error::{Error, Result};
 use crate::identity::SequenceHash;
+use crate::metrics_server::{Exposition, MetricsServer};
 use crate::page_store::{PageStore, MAX_PAGES_PER_CALL};
 
 /// Each page's `(address, length)` runs.
@@ -39,6 +40,20 @@ struct Region {
 pub(crate) struct PyPageStore {
     store: Arc<PageStore>,
     regions: Mutex<Vec<Region>>,
+    /// The counters over HTTP (`tcp.metrics_addr`, its port + `metrics_offset`), if set.
+    metrics: Option<MetricsServer>,
+}
+
+/// A page store's counters labelled with the engine that uses it.
+struct Labelled {
+    store: Arc<PageStore>,
+    engine: String,
+}
+
+impl Exposition for Labelled {
+    fn render_prometheus(&self) -> String {
+        self.store.render_prometheus(&self.engine)
+    }
 }
 
 fn keys_of(
@@ -238,22 +253,59 @@ fn get_runs(
 impl PyPageStore {
     /// A store of `page_bytes`-byte pages named in `namespace`, over the tiers `config` sizes
     /// (in pages) and the remote store `config` names.
+    /// (in pages) and the remote store `config` names. With `tcp.metrics_addr` set, its counters
+    /// are served over HTTP at that address's port + `metrics_offset` (one port per rank),
+    /// labelled `engine`.
     #[new]
+    #[pyo3(signature = (config, namespace, page_bytes, engine="sglang", metrics_offset=0))]
     fn new(
         py: Python<'_>,
         config: &PyConfig,
         namespace: String,
         page_bytes: usize,
+        engine: &str,
+        metrics_offset: u16,
     ) -> PyResult<Self> {
         let config = config.inner.clone();
-        let store = detached(py, "PageStore", move || {
+        let engine = engine.to_string();
+        let (store, metrics) = detached(py, "PageStore", move || {
             crate::backends::remote::check(&config)?;
-            crate::backends::standard::page_store(&config, &namespace, page_bytes)
+            let store = Arc::new(crate::backends::standard::page_store(
+                &config, &namespace, page_bytes,
+            )?);
+            let metrics = match config.tcp.metrics_addr {
+                Some(mut addr) => {
+                    let port = addr.port().checked_add(metrics_offset).ok_or_else(|| {
+                        Error::invalid_config(
+                            "tcp.metrics_addr",
+                            addr,
+                            format!("its port + {metrics_offset} (this rank's) is above 65535"),
+                        )
+                    })?;
+                    if addr.port() != 0 {
+                        addr.set_port(port);
+                    }
+                    let source = Arc::new(Labelled {
+                        store: Arc::clone(&store),
+                        engine,
+                    });
+                    Some(MetricsServer::serve_exposition(addr, &config.tcp, source)?)
+                }
+                None => None,
+            };
+            Ok((store, metrics))
         })?;
         Ok(Self {
-            store: Arc::new(store),
+            store,
             regions: Mutex::new(Vec::new()),
+            metrics,
         })
+    }
+
+    /// Where the counters are served (`host:port`), or `None`.
+    #[getter]
+    fn metrics_addr(&self) -> Option<String> {
+        self.metrics.as_ref().map(|m| m.addr().to_string())
     }
 
     /// Bytes of one page.

@@ -154,6 +154,23 @@ def test_built_by_sglangs_factory_and_pages_round_trip(tmp_path, layout):
     stats = b.get_stats()
     assert type(stats).__name__ == "StorageMetrics" and sum(stats.backup_pgs) == 5
     assert b.stats()["disk_pages"] == 5
+    assert b.metrics_addr is None
+
+
+def test_our_counters_are_served_over_http_with_the_engine_label(tmp_path):
+    import urllib.request
+
+    pool = host_pool("page_first")
+    b = backend({**disk_extra(tmp_path), "metrics_addr": "127.0.0.1:0"}, pool)
+    idx, _ = fill(pool, 2, seed=9)
+    assert b.batch_set_v1(["m0", "m1"], idx) == [True, True]
+    assert b.batch_get_v1(["m0", "m1", "none"], pool.alloc(3 * PAGE)) == [True, True, False]
+    with urllib.request.urlopen(f"http://{b.metrics_addr}/metrics", timeout=30) as r:
+        page = r.read().decode()
+    assert 'kvbm_page_store_hits_total{engine="sglang",tier="disk"} 2' in page, page
+    assert 'kvbm_page_store_misses_total{engine="sglang"} 1' in page, page
+    assert 'kvbm_page_store_pages{engine="sglang",tier="disk"} 2' in page, page
+    b.close()
 
 
 def test_layouts_do_not_share_pages(tmp_path):
