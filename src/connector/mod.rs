@@ -6,14 +6,17 @@
 //! * [`barrier`] — [`InitMode`] ([`Blocking`], [`NonBlocking`]) and the two-step start-up
 //!   barrier (run by the leader's and the worker's constructors; its functions are crate-private);
 //! * [`groups`] — KV-cache groups (sliding-window and full layers) and their attention kinds;
-//! * [`leader`] — the scheduler side (matching, offload, completion handling);
+//! * [`leader`] — the scheduler side: matching (across KV-cache groups too), offload (each
+//!   iteration's metadata and its stores), completion handling, and the remote store's lookups
+//!   and write-behind;
 //! * [`lifecycle`] — the request state machine;
 //! * [`metadata`] — the per-iteration metadata and its operations;
 //! * [`metrics`] — counters exposed in Prometheus text format (served over HTTP by
 //!   [`metrics_server`], at `tcp.metrics_addr`);
 //! * [`remote`] — the remote (G4) tier: the [`RemoteStore`](remote::RemoteStore) trait of a block
-//!   store shared by several instances, and each load's and write's view of it; [`store_health`]
-//!   — the store's states (healthy, slow, unavailable) from a window of outcomes;
+//!   store shared by several instances, each load's and write's view of it, the leader's lookup
+//!   thread and the in-process `memory://` store; [`store_health`] — the store's states
+//!   (healthy, slow, unavailable) from a window of outcomes;
 //! * [`transport`] — leader/worker messages, the transport traits and the in-process transport
 //!   (the network one is [`tcp`], a module of its own);
 //! * [`worker`] — the GPU-process side (with two private parts: the load fence, which keeps an
