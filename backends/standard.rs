@@ -169,6 +169,10 @@ pub fn page_store(config: &Config, namespace: &str, page_bytes: usize) -> Result
             eviction: config.eviction,
             lookup_timeout: config.remote.lookup_timeout(),
             io_timeout: config.remote.io_timeout(),
+            slow: config.remote.slow(),
+            backoff: config.remote.backoff(),
+            disk_min_frequency: config.disk.min_frequency,
+            remote_min_frequency: config.remote.min_frequency(),
         },
     )
 }

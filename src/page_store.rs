@@ -23,10 +23,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::connector::remote::{RemoteRead, RemoteStore};
+use crate::connector::remote::{
+    log_state_change, CallKind, CallOutcome, RemoteRead, RemoteStore, StoreHealth, StoreState,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::SequenceHash;
-use crate::pool::{BlockPool, EvictionPolicy};
+use crate::pool::{BlockPool, EvictionPolicy, FrequencyFilter};
 use crate::tier::{StorageTier, TierKind};
 
 /// The most pages one call may name (bounds the work and the buffers of one call).
@@ -60,6 +62,30 @@ pub struct PageStoreOptions {
     pub lookup_timeout: Duration,
     /// Deadline of one remote read or write batch.
     pub io_timeout: Duration,
+    /// The remote store's median latency above which it is slow (`remote.slow_ms`): a slow or
+    /// failing store is left alone for its back-off (see [`StoreHealth`]).
+    pub slow: Duration,
+    /// The first back-off of a slow or failing remote store (`remote.backoff_secs`).
+    pub backoff: Duration,
+    /// Sightings (puts and lookups) of a page before it is written to the disk tier
+    /// (`disk.min_frequency`; 1 admits every page).
+    pub disk_min_frequency: u32,
+    /// Sightings of a page before it is written to the remote store (`remote.min_frequency`).
+    pub remote_min_frequency: u32,
+}
+
+impl Default for PageStoreOptions {
+    fn default() -> Self {
+        Self {
+            eviction: EvictionPolicy::default(),
+            lookup_timeout: Duration::from_millis(5),
+            io_timeout: Duration::from_secs(2),
+            slow: Duration::from_millis(50),
+            backoff: Duration::from_secs(1),
+            disk_min_frequency: 1,
+            remote_min_frequency: 1,
+        }
+    }
 }
 
 /// Counters of a [`PageStore`] since it was built.
@@ -85,6 +111,12 @@ pub struct PageStoreStats {
     pub remote_invalid: u64,
     /// Remote calls that failed or missed their deadline.
     pub remote_errors: u64,
+    /// Remote calls not made: the store was out of the path (slow or unavailable, backing off).
+    pub remote_skipped: u64,
+    /// Pages the admission filter kept off the disk tier (not seen often enough yet).
+    pub disk_not_admitted: u64,
+    /// The remote store's verdict (healthy, slow, unavailable), if there is one.
+    pub remote_state: Option<StoreState>,
     /// Pages the host tier holds now.
     pub host_pages: u64,
     /// Pages the disk tier holds now.
@@ -103,6 +135,8 @@ struct Counters {
     corrupt: AtomicU64,
     remote_invalid: AtomicU64,
     remote_errors: AtomicU64,
+    remote_skipped: AtomicU64,
+    disk_not_admitted: AtomicU64,
 }
 
 fn bump(c: &AtomicU64, n: usize) {
@@ -115,14 +149,46 @@ struct Level {
     pool: BlockPool,
 }
 
+/// The remote store and its health verdict.
+struct Remote {
+    store: Arc<dyn RemoteStore>,
+    health: StoreHealth,
+}
+
+impl Remote {
+    /// Runs one call unless the store is out of the path (then `None`), recording its outcome.
+    fn call<T>(
+        &self,
+        kind: CallKind,
+        f: impl FnOnce(&dyn RemoteStore) -> Result<T>,
+    ) -> Option<Result<T>> {
+        if !self.health.in_path() {
+            return None;
+        }
+        let started = Instant::now();
+        let out = f(self.store.as_ref());
+        let outcome = if out.is_ok() {
+            CallOutcome::Answered
+        } else {
+            CallOutcome::Failed
+        };
+        if let Some((from, to)) = self.health.record(kind, started.elapsed(), outcome) {
+            log_state_change(&self.store.describe(), from, to, self.health.slow());
+        }
+        Some(out)
+    }
+}
+
 /// A key-value store of fixed-size pages; see the [module docs](self). Shared between threads
 /// (`&self` everywhere).
 pub struct PageStore {
     namespace: String,
     page_bytes: usize,
     levels: Vec<Level>,
-    remote: Option<Arc<dyn RemoteStore>>,
+    remote: Option<Remote>,
     options: PageStoreOptions,
+    /// Sightings of pages, for the disk and remote admission.
+    filter: parking_lot::Mutex<FrequencyFilter>,
     counters: Counters,
     /// When a persisted tier's index was last saved.
     last_save: parking_lot::Mutex<Instant>,
@@ -199,6 +265,26 @@ impl PageStore {
             "Remote calls that failed or missed their deadline.",
             &[("", s.remote_errors)],
         );
+        metric("kvbm_page_store_remote_skipped_total", "counter", "Remote calls not made: the store was out of the path (slow or unavailable, backing off).", &[("", s.remote_skipped)]);
+        metric(
+            "kvbm_page_store_disk_not_admitted_total",
+            "counter",
+            "Pages kept off the disk tier by its admission filter.",
+            &[("", s.disk_not_admitted)],
+        );
+        if let Some(state) = s.remote_state {
+            let one = |st: StoreState| u64::from(state == st);
+            metric(
+                "kvbm_page_store_remote_state",
+                "gauge",
+                "The remote store's verdict: 1 for the current state.",
+                &[
+                    (",state=\"healthy\"", one(StoreState::Healthy)),
+                    (",state=\"slow\"", one(StoreState::Slow)),
+                    (",state=\"unavailable\"", one(StoreState::Unavailable)),
+                ],
+            );
+        }
         metric(
             "kvbm_page_store_pages",
             "gauge",
@@ -261,7 +347,7 @@ impl std::fmt::Debug for PageStore {
                     .map(|l| l.tier.kind())
                     .collect::<Vec<_>>(),
             )
-            .field("remote", &self.remote.as_ref().map(|r| r.describe()))
+            .field("remote", &self.remote.as_ref().map(|r| r.store.describe()))
             .finish()
     }
 }
@@ -318,11 +404,27 @@ impl PageStore {
                 "a page store needs a host tier, a disk tier or a remote store",
             ));
         }
+        let disk_pages = levels
+            .iter()
+            .filter(|l| l.tier.kind() == TierKind::Disk)
+            .map(|l| l.tier.num_blocks())
+            .sum::<usize>();
+        let filter = FrequencyFilter::new(
+            options
+                .disk_min_frequency
+                .min(options.remote_min_frequency)
+                .max(1),
+            disk_pages.saturating_mul(4).max(1024),
+        )?;
         Ok(Self {
             namespace: namespace.into(),
             page_bytes,
             levels,
-            remote: tiers.remote,
+            remote: tiers.remote.map(|store| Remote {
+                store,
+                health: StoreHealth::new(options.slow, options.backoff),
+            }),
+            filter: parking_lot::Mutex::new(filter),
             options,
             counters: Counters::default(),
             last_save: parking_lot::Mutex::new(Instant::now()),
@@ -440,12 +542,28 @@ impl PageStore {
             .collect();
         self.check_call("put", keys.len(), &lens)?;
         bump(&self.counters.put_pages, keys.len());
+        let seen: Vec<u32> = {
+            let mut f = self.filter.lock();
+            keys.iter().map(|k| f.record(*k)).collect()
+        };
         let mut held = vec![false; keys.len()];
         for level in &self.levels {
-            self.put_level(level, keys, pages, &mut held);
+            let admit: Vec<bool> = if level.tier.kind() == TierKind::Disk {
+                seen.iter()
+                    .map(|&n| n >= self.options.disk_min_frequency)
+                    .collect()
+            } else {
+                vec![true; keys.len()]
+            };
+            let refused = admit.iter().filter(|a| !**a).count();
+            bump(&self.counters.disk_not_admitted, refused);
+            self.put_level(level, keys, pages, &admit, &mut held);
         }
         if let Some(remote) = &self.remote {
-            self.put_remote(remote.as_ref(), keys, pages, &mut held);
+            let admit: Vec<usize> = (0..keys.len())
+                .filter(|&i| seen[i] >= self.options.remote_min_frequency)
+                .collect();
+            self.put_remote(remote, keys, pages, &admit, &mut held);
         }
         bump(
             &self.counters.put_stored,
@@ -460,15 +578,16 @@ impl PageStore {
         level: &Level,
         keys: &[SequenceHash],
         pages: &[Vec<IoSlice<'_>>],
+        admit: &[bool],
         held: &mut [bool],
     ) {
-        // Pages the level holds already count as held; the others (first occurrence of a key)
-        // are written into blocks taken (evicting) from its pool.
+        // Pages the level holds already count as held; the others (first occurrence of a key,
+        // admitted) are written into blocks taken (evicting) from its pool.
         let mut todo: Vec<usize> = Vec::new();
         for (i, key) in keys.iter().enumerate() {
             if level.pool.contains(*key) {
                 held[i] = true;
-            } else if !keys[..i].contains(key) {
+            } else if admit[i] && !keys[..i].contains(key) {
                 todo.push(i);
             }
         }
@@ -497,30 +616,36 @@ impl PageStore {
 
     fn put_remote(
         &self,
-        remote: &dyn RemoteStore,
+        remote: &Remote,
         keys: &[SequenceHash],
         pages: &[Vec<IoSlice<'_>>],
+        admit: &[usize],
         held: &mut [bool],
     ) {
-        let bufs: Vec<Vec<u8>> = pages
+        if admit.is_empty() {
+            return;
+        }
+        let bufs: Vec<Vec<u8>> = admit
             .iter()
-            .map(|p| {
+            .map(|&i| {
                 let mut b = Vec::with_capacity(self.page_bytes);
-                p.iter().for_each(|s| b.extend_from_slice(s));
+                pages[i].iter().for_each(|s| b.extend_from_slice(s));
                 b
             })
             .collect();
-        let blocks: Vec<(u128, &[u8])> = keys
+        let blocks: Vec<(u128, &[u8])> = admit
             .iter()
             .zip(&bufs)
-            .map(|(k, b)| (k.0, b.as_slice()))
+            .map(|(&i, b)| (keys[i].0, b.as_slice()))
             .collect();
-        match remote.put(0, &blocks, Instant::now() + self.options.io_timeout) {
-            Ok(_) => held.iter_mut().for_each(|h| *h = true),
-            Err(e) => {
+        let deadline = Instant::now() + self.options.io_timeout;
+        match remote.call(CallKind::Write, |r| r.put(0, &blocks, deadline)) {
+            Some(Ok(_)) => admit.iter().for_each(|&i| held[i] = true),
+            Some(Err(e)) => {
                 bump(&self.counters.remote_errors, 1);
-                tracing::debug!(store = %remote.describe(), error = %e, "page store: remote write dropped");
+                tracing::debug!(store = %remote.store.describe(), error = %e, "page store: remote write dropped");
             }
+            None => bump(&self.counters.remote_skipped, 1),
         }
     }
 
@@ -550,7 +675,7 @@ impl PageStore {
             }
         }
         if let Some(remote) = &self.remote {
-            self.get_remote(remote.as_ref(), keys, pages, &mut served);
+            self.get_remote(remote, keys, pages, &mut served);
         }
         for s in &served {
             match s {
@@ -585,7 +710,7 @@ impl PageStore {
 
     fn get_remote(
         &self,
-        remote: &dyn RemoteStore,
+        remote: &Remote,
         keys: &[SequenceHash],
         pages: &mut [Vec<IoSliceMut<'_>>],
         served: &mut [Option<TierKind>],
@@ -598,12 +723,17 @@ impl PageStore {
         let mut bufs: Vec<Vec<u8>> = missing.iter().map(|_| vec![0u8; self.page_bytes]).collect();
         let outcomes = {
             let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-            remote.get(0, &ks, &mut dst, Instant::now() + self.options.io_timeout)
+            let deadline = Instant::now() + self.options.io_timeout;
+            remote.call(CallKind::Load, |r| r.get(0, &ks, &mut dst, deadline))
         };
         let outcomes = match outcomes {
-            Ok(o) if o.len() == missing.len() => o,
-            Ok(_) | Err(_) => {
+            Some(Ok(o)) if o.len() == missing.len() => o,
+            Some(_) => {
                 bump(&self.counters.remote_errors, 1);
+                return;
+            }
+            None => {
+                bump(&self.counters.remote_skipped, 1);
                 return;
             }
         };
@@ -616,7 +746,7 @@ impl PageStore {
                 RemoteRead::Missing => {}
                 RemoteRead::Invalid(why) => {
                     bump(&self.counters.remote_invalid, 1);
-                    tracing::warn!(store = %remote.describe(), %why, "page store: remote page not served");
+                    tracing::warn!(store = %remote.store.describe(), %why, "page store: remote page not served");
                 }
             }
         }
@@ -633,17 +763,28 @@ impl PageStore {
             ))
             .with("op", "exists"));
         }
+        {
+            // A lookup is demand: it counts toward the pages' admission.
+            let mut f = self.filter.lock();
+            keys.iter().for_each(|k| {
+                f.record(*k);
+            });
+        }
         let local = |k: &SequenceHash| self.levels.iter().any(|l| l.pool.contains(*k));
         let mut n = keys.iter().take_while(|k| local(k)).count();
         if let Some(remote) = &self.remote {
             let deadline = Instant::now() + self.options.lookup_timeout;
             while n < keys.len() {
                 let rest: Vec<u128> = keys[n..].iter().map(|k| k.0).collect();
-                match remote.lookup_prefix(&rest, deadline) {
-                    Ok(0) => break,
-                    Ok(r) => n += r.min(rest.len()),
-                    Err(_) => {
+                match remote.call(CallKind::Lookup, |r| r.lookup_prefix(&rest, deadline)) {
+                    Some(Ok(0)) => break,
+                    Some(Ok(r)) => n += r.min(rest.len()),
+                    Some(Err(_)) => {
                         bump(&self.counters.remote_errors, 1);
+                        break;
+                    }
+                    None => {
+                        bump(&self.counters.remote_skipped, 1);
                         break;
                     }
                 }
@@ -686,6 +827,9 @@ impl PageStore {
             corrupt: c.corrupt.load(Ordering::Relaxed),
             remote_invalid: c.remote_invalid.load(Ordering::Relaxed),
             remote_errors: c.remote_errors.load(Ordering::Relaxed),
+            remote_skipped: c.remote_skipped.load(Ordering::Relaxed),
+            disk_not_admitted: c.disk_not_admitted.load(Ordering::Relaxed),
+            remote_state: self.remote.as_ref().map(|r| r.health.state()),
             host_pages: held(TierKind::Host),
             disk_pages: held(TierKind::Disk),
         }

@@ -11,7 +11,6 @@ use kvbm_connector::backends::disk::{DiskTier, DiskTierOptions};
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::connector::remote::{MemoryRemoteStore, RemoteScope, RemoteStore};
 use kvbm_connector::page_store::{PageStore, PageStoreOptions, PageStoreTiers, MAX_PAGES_PER_CALL};
-use kvbm_connector::pool::EvictionPolicy;
 use kvbm_connector::{
     ErrorKind, HashAlgorithm, Layout, LayoutDims, SequenceHash, StorageTier, TierKind,
 };
@@ -30,9 +29,9 @@ fn dims() -> LayoutDims {
 
 fn options() -> PageStoreOptions {
     PageStoreOptions {
-        eviction: EvictionPolicy::default(),
         lookup_timeout: Duration::from_millis(200),
         io_timeout: Duration::from_millis(500),
+        ..Default::default()
     }
 }
 
@@ -439,4 +438,78 @@ fn a_block_rewritten_after_the_index_was_saved_is_never_served_as_the_old_key() 
     let err = tier.read_block_to_vec(0).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
     assert_eq!(tier.read_block_to_vec(1).unwrap(), page(2));
+}
+
+#[test]
+fn the_disk_admits_a_page_only_once_it_was_seen_often_enough() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PageStore::new(
+        "ns",
+        PAGE,
+        PageStoreTiers {
+            disk: Some(disk(dir.path(), 4)),
+            ..Default::default()
+        },
+        PageStoreOptions {
+            disk_min_frequency: 2,
+            ..options()
+        },
+    )
+    .unwrap();
+    // First sighting: not admitted, so not held anywhere.
+    assert_eq!(put(&store, &["a"], &[1]), vec![false]);
+    assert_eq!(store.stats().disk_not_admitted, 1);
+    assert_eq!(store.prefix_len(&keys(&store, &["b"])).unwrap(), 0); // a lookup is a sighting
+                                                                     // Second sighting of each: admitted.
+    assert_eq!(put(&store, &["a", "b"], &[1, 2]), vec![true, true]);
+    assert_eq!(get(&store, &["a", "b"])[1], (Some(TierKind::Disk), page(2)));
+}
+
+#[test]
+fn a_slow_remote_store_is_taken_out_of_the_path_and_its_calls_skipped() {
+    let shared = Arc::new(remote());
+    shared.faults.delay_ms.store(30, Ordering::SeqCst);
+    let store = PageStore::new(
+        "ns",
+        PAGE,
+        PageStoreTiers {
+            host: Some(host(2)),
+            remote: Some(shared.clone() as Arc<dyn RemoteStore>),
+            ..Default::default()
+        },
+        PageStoreOptions {
+            lookup_timeout: Duration::from_secs(5),
+            slow: Duration::from_millis(5),
+            backoff: Duration::from_secs(600),
+            ..options()
+        },
+    )
+    .unwrap();
+    // Every lookup answers, each 30 ms late against a 5 ms threshold: after the window's
+    // minimum of samples the store is slow and left alone for its back-off.
+    for _ in 0..12 {
+        let _ = store.prefix_len(&keys(&store, &["x"])).unwrap();
+    }
+    let stats = store.stats();
+    assert_eq!(
+        stats.remote_state,
+        Some(kvbm_connector::connector::remote::StoreState::Slow),
+        "{stats:?}"
+    );
+    assert!(stats.remote_skipped >= 1, "{stats:?}");
+    let before = shared.calls();
+    assert_eq!(
+        put(&store, &["y"], &[3]),
+        vec![true],
+        "held by the host tier"
+    );
+    assert_eq!(get(&store, &["z"])[0].0, None);
+    assert_eq!(
+        shared.calls(),
+        before,
+        "no call reached the store while out"
+    );
+    assert!(store
+        .render_prometheus("sglang")
+        .contains("kvbm_page_store_remote_state{engine=\"sglang\",state=\"slow\"} 1"));
 }
