@@ -902,12 +902,29 @@ fn set_direct(file: &File, on: bool) -> io::Result<()> {
 /// Turns O_DIRECT on for `file` and checks that an aligned write and read at slot 0 work. `Err`
 /// carries the reason to report (the caller clears O_DIRECT again).
 pub(crate) fn open_direct(file: &File) -> std::result::Result<(), String> {
+    probe_direct(file, false)
+}
+
+/// As [`open_direct`], for a file whose first slot may hold data (a persisted file): the probe
+/// writes back the bytes it read there, so what was there stays.
+pub(crate) fn open_direct_preserving(file: &File) -> std::result::Result<(), String> {
+    probe_direct(file, true)
+}
+
+/// Sets O_DIRECT and checks it with an aligned write and read of the first
+/// [`DISK_ALIGNMENT`] bytes: a fixed pattern, or (`keep`) the bytes read there first.
+fn probe_direct(file: &File, keep: bool) -> std::result::Result<(), String> {
     #[cfg(target_os = "linux")]
     {
         set_direct(file, true).map_err(|e| format!("setting O_DIRECT failed: {e}"))?;
         let mut out = AlignedBuf::new(DISK_ALIGNMENT).map_err(|e| e.to_string())?;
-        for (i, b) in out.as_mut_slice().iter_mut().enumerate() {
-            *b = (i % 251) as u8;
+        if keep {
+            preadv_all(file, &mut [IoSliceMut::new(out.as_mut_slice())], 0)
+                .map_err(|e| format!("O_DIRECT probe read failed: {e}"))?;
+        } else {
+            for (i, b) in out.as_mut_slice().iter_mut().enumerate() {
+                *b = (i % 251) as u8;
+            }
         }
         let mut back = AlignedBuf::new(DISK_ALIGNMENT).map_err(|e| e.to_string())?;
         pwritev_all(file, &[IoSlice::new(out.as_slice())], 0)
@@ -921,34 +938,7 @@ pub(crate) fn open_direct(file: &File) -> std::result::Result<(), String> {
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = file;
-        Err("O_DIRECT is only used on Linux".to_owned())
-    }
-}
-
-/// As [`open_direct`], for a file whose first slot may hold data (a persisted file): the probe
-/// reads the first [`DISK_ALIGNMENT`] bytes with O_DIRECT, writes the same bytes back and reads
-/// them again, so what was there stays.
-pub(crate) fn open_direct_preserving(file: &File) -> std::result::Result<(), String> {
-    #[cfg(target_os = "linux")]
-    {
-        set_direct(file, true).map_err(|e| format!("setting O_DIRECT failed: {e}"))?;
-        let mut first = AlignedBuf::new(DISK_ALIGNMENT).map_err(|e| e.to_string())?;
-        preadv_all(file, &mut [IoSliceMut::new(first.as_mut_slice())], 0)
-            .map_err(|e| format!("O_DIRECT probe read failed: {e}"))?;
-        pwritev_all(file, &[IoSlice::new(first.as_slice())], 0)
-            .map_err(|e| format!("O_DIRECT probe write failed: {e}"))?;
-        let mut back = AlignedBuf::new(DISK_ALIGNMENT).map_err(|e| e.to_string())?;
-        preadv_all(file, &mut [IoSliceMut::new(back.as_mut_slice())], 0)
-            .map_err(|e| format!("O_DIRECT probe read failed: {e}"))?;
-        if first.as_slice() != back.as_slice() {
-            return Err("O_DIRECT probe read back different bytes".to_owned());
-        }
-        Ok(())
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = file;
+        let _ = (file, keep);
         Err("O_DIRECT is only used on Linux".to_owned())
     }
 }

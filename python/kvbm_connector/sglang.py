@@ -259,29 +259,27 @@ class KvbmHiCacheStorage(HiCacheStorage):
             )
         return pool.get_page_buffer_meta(host_indices)
 
-    def batch_set_v1(self, keys, host_indices, extra_info=None) -> List[bool]:
+    def _zero_copy(self, kind: str, keys, host_indices) -> List[bool]:
+        """One zero-copy batch: the pages' runs in the registered pool, written (``backup``) or
+        read (``prefetch``) in place; per page, whether it was."""
         keys = list(keys)
         if not keys:
             return []
-        pool = self.mem_pool_host
         store = self._need_store()
-        ptrs, sizes = self._runs(pool, keys, host_indices)
+        ptrs, sizes = self._runs(self.mem_pool_host, keys, host_indices)
         started = time.perf_counter()
-        held = store.put_runs(keys, ptrs, sizes)
-        self._record("backup", sum(held), started)
-        return held
+        if kind == "backup":
+            ok = list(store.put_runs(keys, ptrs, sizes))
+        else:
+            ok = [s is not None for s in store.get_runs(keys, ptrs, sizes)]
+        self._record(kind, sum(ok), started)
+        return ok
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None) -> List[bool]:
+        return self._zero_copy("backup", keys, host_indices)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> List[bool]:
-        keys = list(keys)
-        if not keys:
-            return []
-        pool = self.mem_pool_host
-        store = self._need_store()
-        ptrs, sizes = self._runs(pool, keys, host_indices)
-        started = time.perf_counter()
-        ok = [s is not None for s in store.get_runs(keys, ptrs, sizes)]
-        self._record("prefetch", sum(ok), started)
-        return ok
+        return self._zero_copy("prefetch", keys, host_indices)
 
     # --- multi-pool calls: the KV pool only ---------------------------------------------------
 
