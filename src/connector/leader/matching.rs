@@ -66,6 +66,61 @@ impl Staged {
             pending: false,
         }
     }
+
+    /// Refuses an allocation that cannot take these blocks: the engine asking to load another
+    /// number of tokens than were matched (`num_external_tokens`), fewer device blocks than the
+    /// load reaches, a real device block before a sliding window (nothing is loaded there: the
+    /// engine would read it as computed), or only placeholder blocks. Nothing changes.
+    fn check_allocation(
+        &self,
+        id: &RequestId,
+        block_ids: &[usize],
+        num_external_tokens: usize,
+        bs: usize,
+        placeholder: Option<usize>,
+    ) -> Result<()> {
+        if num_external_tokens != self.tokens_blocks() * bs {
+            return Err(Error::invalid_argument(format!(
+                "request {id}: the engine asks to load {num_external_tokens} tokens but {} were matched",
+                self.tokens_blocks() * bs
+            ))
+            .with("request", id));
+        }
+        let needed = self.start + self.tokens_blocks();
+        if block_ids.len() < needed {
+            return Err(Error::invalid_argument(format!(
+                "request {id}: {} device blocks allocated but the load needs {needed}",
+                block_ids.len()
+            ))
+            .with("request", id));
+        }
+        // The engine's placeholder is a block a sliding-window layer does not keep.
+        let real = |d: usize| Some(d) != placeholder;
+        let window_from = self.start + self.skip;
+        if let Some(k) = block_ids[self.start..window_from]
+            .iter()
+            .position(|&d| real(d))
+        {
+            // Nothing is loaded before a sliding window (its blocks were never stored): an
+            // engine that keeps a real block there would read it as computed.
+            return Err(Error::invalid_argument(format!(
+                "request {id}: device block {} at block position {} lies before the sliding window of the {num_external_tokens} matched tokens, where the engine keeps its placeholder block",
+                block_ids[self.start + k],
+                self.start + k
+            ))
+            .with("request", id)
+            .with("op", "update_state_after_alloc"));
+        }
+        if !block_ids[self.start..needed].iter().any(|&d| real(d)) {
+            // The block holding the last matched token is inside any window, so an engine always
+            // lists a real one there: placeholders only are refused before anything is loaded.
+            return Err(Error::invalid_argument(format!(
+                "request {id}: every device block allocated for the {num_external_tokens} matched tokens is the placeholder block"
+            ))
+            .with("request", id));
+        }
+        Ok(())
+    }
 }
 
 /// How a match looks: every block before the hit (full attention), or only a sliding window's;
@@ -91,6 +146,9 @@ impl Scope {
 
 /// Most marked window ends a request keeps (the oldest is dropped).
 const MAX_WINDOW_ENDS: usize = 8;
+
+/// A match whose remote lookup is still running: the engine is to ask again ([`ask_again`]).
+struct AskAgain;
 
 /// "Ask again later" (a remote lookup is running): nothing staged, nothing counted yet.
 fn ask_again(life: &mut Lifecycle, last_match: &mut MatchResult) -> Result<MatchResult> {
@@ -224,6 +282,69 @@ impl<A: SchedulerAdapter> Leader<A> {
         // here, its blocks and progress from the next calls) and matches nothing, so once ready
         // its computed blocks are stored like any other's. Below, no tiers: no match.
         self.ensure_ready();
+        if !self.prepare_match_slot(request, first_token, fresh)? {
+            return Ok(MatchResult::NONE);
+        }
+        let bs = self.page_size;
+        let Some(slot) = self.slots.get_mut(request.id) else {
+            return Ok(MatchResult::NONE);
+        };
+        slot.staged = None;
+        slot.window = scope.window;
+        slot.window_tokens = scope.window_tokens;
+        let n = slot.seq.total_tokens();
+        let aligned = num_computed_tokens % bs == 0;
+        let start = num_computed_tokens / bs;
+        // The engine must compute at least one token: never match the block holding the last one.
+        let mut limit = n.saturating_sub(1) / bs;
+        if let Some(cap) = scope.cap_tokens {
+            limit = limit.min(start + cap / bs);
+        }
+        if self.tiers.is_none() {
+            return Ok(MatchResult::NONE);
+        }
+        let found = if !aligned || start >= limit || self.dead.iter().any(|d| *d) {
+            Ok(None)
+        } else if let Some(w) = scope.window {
+            self.stage_window(request.id, start, limit, w)
+        } else {
+            self.stage_full(request.id, start, limit)
+        };
+        let Some(slot) = self.slots.get_mut(request.id) else {
+            return Ok(MatchResult::NONE);
+        };
+        let staged = match found {
+            Ok(staged) => staged,
+            Err(AskAgain) => return ask_again(&mut slot.life, &mut self.last_match),
+        };
+        let matched_blocks = staged.as_ref().map_or(0, Staged::tokens_blocks);
+        if self.count_lookups {
+            self.metrics
+                .record_lookup(n as u64, (matched_blocks * bs) as u64);
+        }
+        if matched_blocks == 0 {
+            slot.life.unstage()?;
+            return Ok(MatchResult::NONE);
+        }
+        slot.life.stage_onboard()?;
+        let m = staged.as_ref().map_or(MatchResult::NONE, |s| s.result(bs));
+        slot.staged = staged;
+        self.last_match = m;
+        Ok(m)
+    }
+
+    /// The slot a match works on, made ready for it: created for a request seen the first time
+    /// (`fresh`: its tokens hashed, announced to the workers), its loads awaited while it is
+    /// onboarding (matched again with loads still in flight is refused), re-admitted when the
+    /// engine preempted it (its device blocks gone), the tokens after `first_token` it does not
+    /// hold yet appended; and for a fresh request one of whose keys a store in flight writes,
+    /// the completions that arrived applied. `false`: the slot went away meanwhile (no match).
+    fn prepare_match_slot(
+        &mut self,
+        request: RequestInfo<'_>,
+        first_token: usize,
+        fresh: bool,
+    ) -> Result<bool> {
         let bs = self.page_size;
         let algorithm = self.config.hash;
         let mut slot = match self.slots.get_mut(request.id) {
@@ -254,7 +375,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             self.await_loads(request.id);
             slot = match self.slots.get_mut(request.id) {
                 Some(s) => s,
-                None => return Ok(MatchResult::NONE),
+                None => return Ok(false),
             };
         }
         if slot.life.state() == RequestState::Onboarding && slot.loads_in_flight > 0 {
@@ -291,116 +412,109 @@ impl<A: SchedulerAdapter> Leader<A> {
         {
             // A store of one of its keys is in flight: its completion may have arrived.
             self.poll_completions();
-            slot = match self.slots.get_mut(request.id) {
-                Some(s) => s,
-                None => return Ok(MatchResult::NONE),
-            };
+            return Ok(self.slots.contains_key(request.id));
         }
-        slot.staged = None;
-        slot.window = scope.window;
-        slot.window_tokens = scope.window_tokens;
-        let n = slot.seq.total_tokens();
-        let aligned = num_computed_tokens % bs == 0;
-        let start = num_computed_tokens / bs;
-        // The engine must compute at least one token: never match the block holding the last one.
-        let mut limit = n.saturating_sub(1) / bs;
-        if let Some(cap) = scope.cap_tokens {
-            limit = limit.min(start + cap / bs);
-        }
-        let Some(tiers) = self.tiers.as_ref() else {
-            return Ok(MatchResult::NONE);
+        Ok(true)
+    }
+
+    /// The full-attention match of blocks `start..limit` of request `id`: every block from
+    /// `start` on, from host, then disk, then the remote store where they stopped. `Ok(None)`:
+    /// nothing matched.
+    fn stage_full(
+        &mut self,
+        id: &RequestId,
+        start: usize,
+        limit: usize,
+    ) -> std::result::Result<Option<Staged>, AskAgain> {
+        let (Some(slot), Some(tiers)) = (self.slots.get(id), self.tiers.as_ref()) else {
+            return Ok(None);
         };
-        let mut staged = None;
-        if let Some(w) = scope.window {
-            if aligned && start < limit && !self.dead.iter().any(|d| *d) {
-                let hashes = &slot.seq.hashes()[..limit.min(slot.seq.num_full_blocks())];
-                let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
-                staged = match_window(&pools, hashes, start, w);
-                let end = hashes.len();
-                let got = staged
-                    .as_ref()
-                    .map_or(start, |s| s.start + s.tokens_blocks());
-                if got < end {
-                    if let Some(r) = self.remote.as_mut() {
-                        // The store may hold the window before the longest hit: host and disk
-                        // first, the store for the rest of it.
-                        let from = end.saturating_sub(w).max(start);
-                        let (host, disk) = by_tier(match_across(&pools, &hashes[from..end]));
-                        let local = from + host.len() + disk.len();
-                        let rest = &hashes[local..end];
-                        match r.lookup(request.id, local, rest, &self.metrics) {
-                            RemoteAnswer::Found(n) if n >= rest.len() => {
-                                staged = Some(Staged {
-                                    start,
-                                    skip: from - start,
-                                    host,
-                                    disk,
-                                    remote: rest.to_vec(),
-                                });
-                            }
-                            RemoteAnswer::Found(_) => {}
-                            RemoteAnswer::Pending => {
-                                return ask_again(&mut slot.life, &mut self.last_match);
-                            }
-                        }
-                    }
-                }
-                // A prefix computed before whose window is not here: mark its end, so this
-                // request stores the window before it for the requests after it.
-                let got = staged
-                    .as_ref()
-                    .map_or(start, |s| s.start + s.tokens_blocks());
-                let rest = hashes.get(start..).unwrap_or_default();
-                if let Some(end) = self.window_keys.longest_prefix(rest) {
-                    let end = start + end;
-                    if end > got && !slot.window_ends.contains(&end) {
-                        if slot.window_ends.len() >= MAX_WINDOW_ENDS {
-                            slot.window_ends.remove(0);
-                        }
-                        slot.window_ends.push(end);
-                    }
-                }
+        let hashes = &slot.seq.hashes()[start..limit.min(slot.seq.num_full_blocks())];
+        let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
+        let (host, disk) = by_tier(match_across(&pools, hashes));
+        // The remote store continues where host and disk stopped.
+        let mut remote = Vec::new();
+        if let Some(r) = self.remote.as_mut() {
+            let local = host.len() + disk.len();
+            let rest = &hashes[local..];
+            match r.lookup(id, start + local, rest, &self.metrics) {
+                RemoteAnswer::Found(n) => remote = rest[..n.min(rest.len())].to_vec(),
+                RemoteAnswer::Pending => return Err(AskAgain),
             }
-        } else if aligned && start < limit && !self.dead.iter().any(|d| *d) {
-            let hashes = &slot.seq.hashes()[start..limit.min(slot.seq.num_full_blocks())];
-            let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
-            let (host, disk) = by_tier(match_across(&pools, hashes));
-            // The remote store continues where host and disk stopped.
-            let mut remote = Vec::new();
+        }
+        if host.is_empty() && disk.is_empty() && remote.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Staged {
+            start,
+            skip: 0,
+            host,
+            disk,
+            remote,
+        }))
+    }
+
+    /// The sliding-window match (window of `w` blocks) of blocks `start..limit` of request `id`:
+    /// the longest hit whose window host and disk hold ([`match_window`]), or whose window the
+    /// remote store holds the rest of; then, where an earlier request's prefix ended beyond that
+    /// hit with no window there, that end marked (`Slot::window_ends`), so this request stores
+    /// the window before it for the requests after it. `Ok(None)`: nothing matched.
+    fn stage_window(
+        &mut self,
+        id: &RequestId,
+        start: usize,
+        limit: usize,
+        w: usize,
+    ) -> std::result::Result<Option<Staged>, AskAgain> {
+        let (Some(slot), Some(tiers)) = (self.slots.get_mut(id), self.tiers.as_ref()) else {
+            return Ok(None);
+        };
+        let hashes = &slot.seq.hashes()[..limit.min(slot.seq.num_full_blocks())];
+        let pools: Vec<&BlockPool> = tiers.host.iter().chain(tiers.disk.iter()).collect();
+        let mut staged = match_window(&pools, hashes, start, w);
+        let end = hashes.len();
+        let got = staged
+            .as_ref()
+            .map_or(start, |s| s.start + s.tokens_blocks());
+        if got < end {
             if let Some(r) = self.remote.as_mut() {
-                let local = host.len() + disk.len();
-                let rest = &hashes[local..];
-                match r.lookup(request.id, start + local, rest, &self.metrics) {
-                    RemoteAnswer::Found(n) => remote = rest[..n.min(rest.len())].to_vec(),
-                    RemoteAnswer::Pending => {
-                        return ask_again(&mut slot.life, &mut self.last_match);
+                // The store may hold the window before the longest hit: host and disk first,
+                // the store for the rest of it.
+                let from = end.saturating_sub(w).max(start);
+                let (host, disk) = by_tier(match_across(&pools, &hashes[from..end]));
+                let local = from + host.len() + disk.len();
+                let rest = &hashes[local..end];
+                match r.lookup(id, local, rest, &self.metrics) {
+                    RemoteAnswer::Found(n) if n >= rest.len() => {
+                        staged = Some(Staged {
+                            start,
+                            skip: from - start,
+                            host,
+                            disk,
+                            remote: rest.to_vec(),
+                        });
                     }
+                    RemoteAnswer::Found(_) => {}
+                    RemoteAnswer::Pending => return Err(AskAgain),
                 }
             }
-            if !host.is_empty() || !disk.is_empty() || !remote.is_empty() {
-                staged = Some(Staged {
-                    start,
-                    skip: 0,
-                    host,
-                    disk,
-                    remote,
-                });
+        }
+        // A prefix computed before whose window is not here: mark its end, so this request
+        // stores the window before it for the requests after it.
+        let got = staged
+            .as_ref()
+            .map_or(start, |s| s.start + s.tokens_blocks());
+        let rest = hashes.get(start..).unwrap_or_default();
+        if let Some(end) = self.window_keys.longest_prefix(rest) {
+            let end = start + end;
+            if end > got && !slot.window_ends.contains(&end) {
+                if slot.window_ends.len() >= MAX_WINDOW_ENDS {
+                    slot.window_ends.remove(0);
+                }
+                slot.window_ends.push(end);
             }
         }
-        let matched_blocks = staged.as_ref().map_or(0, Staged::tokens_blocks);
-        if self.count_lookups {
-            self.metrics
-                .record_lookup(n as u64, (matched_blocks * bs) as u64);
-        }
-        if matched_blocks == 0 {
-            slot.life.unstage()?;
-            return Ok(MatchResult::NONE);
-        }
-        slot.life.stage_onboard()?;
-        let m = staged.as_ref().map_or(MatchResult::NONE, |s| s.result(bs));
-        slot.staged = staged;
-        self.last_match = m;
-        Ok(m)
+        Ok(staged)
     }
 
     /// [`Leader::get_num_new_matched_tokens_from`] without counting the lookup in the metrics
@@ -514,51 +628,28 @@ impl<A: SchedulerAdapter> Leader<A> {
             ))
             .with("request", id));
         };
-        if num_external_tokens != staged.tokens_blocks() * bs {
-            return Err(Error::invalid_argument(format!(
-                "request {id}: the engine asks to load {num_external_tokens} tokens but {} were matched",
-                staged.tokens_blocks() * bs
-            ))
-            .with("request", id));
-        }
-        let needed = staged.start + staged.tokens_blocks();
-        if block_ids.len() < needed {
-            return Err(Error::invalid_argument(format!(
-                "request {id}: {} device blocks allocated but the load needs {needed}",
-                block_ids.len()
-            ))
-            .with("request", id));
-        }
-        // A destination that is the engine's placeholder (a block a sliding-window layer does
-        // not keep) is not loaded: its source is released here, and its tokens stay matched.
-        let real = |d: usize| Some(d) != placeholder;
-        let window_from = staged.start + staged.skip;
-        if let Some(k) = block_ids[staged.start..window_from]
-            .iter()
-            .position(|&d| real(d))
-        {
-            // Nothing is loaded before a sliding window (its blocks were never stored): an
-            // engine that keeps a real block there would read it as computed.
-            return Err(Error::invalid_argument(format!(
-                "request {id}: device block {} at block position {} lies before the sliding window of the {num_external_tokens} matched tokens, where the engine keeps its placeholder block",
-                block_ids[staged.start + k],
-                staged.start + k
-            ))
-            .with("request", id)
-            .with("op", "update_state_after_alloc"));
-        }
-        if !block_ids[staged.start..needed].iter().any(|&d| real(d)) {
-            // The block holding the last matched token is inside any window, so an engine always
-            // lists a real one there: placeholders only are refused before anything is loaded.
-            return Err(Error::invalid_argument(format!(
-                "request {id}: every device block allocated for the {num_external_tokens} matched tokens is the placeholder block"
-            ))
-            .with("request", id));
-        }
+        staged.check_allocation(id, block_ids, num_external_tokens, bs, placeholder)?;
         slot.life.start_onboard()?;
         let Some(staged) = slot.staged.take() else {
             return Err(Error::internal("staging vanished"));
         };
+        self.queue_loads(id, staged, block_ids, placeholder);
+        Ok(())
+    }
+
+    /// The loads of `staged` (just taken from request `id`'s slot) into the device blocks
+    /// `block_ids` the engine allocated, in the next metadata: one [`Load`] per local tier that
+    /// serves any block and one [`RemoteLoad`] for the remote store's, each tracked until every
+    /// rank completed it. A destination that is the engine's placeholder is not loaded: its
+    /// source is released here (its tokens stay matched).
+    fn queue_loads(
+        &mut self,
+        id: &RequestId,
+        staged: Staged,
+        block_ids: &[usize],
+        placeholder: Option<usize>,
+    ) {
+        let real = |d: usize| Some(d) != placeholder;
         let Staged {
             start,
             skip,
@@ -630,7 +721,6 @@ impl<A: SchedulerAdapter> Leader<A> {
                 slot.loads_in_flight += 1;
             }
         }
-        Ok(())
     }
 }
 
