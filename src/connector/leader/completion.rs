@@ -253,189 +253,256 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
     }
 
+    /// An operation every rank completed (`track.failed`: the blocks that failed on any rank):
+    /// counted, then what it changes by kind — a load's hits, errors and withdrawn blocks, a
+    /// store's registered blocks, a remote load's or write's keys and the store's health.
     fn finish_op(&mut self, track: OpTrack) {
-        let bs = self.page_size as u64;
-        let bpb = self
-            .tiers
-            .as_ref()
-            .map_or(0, |t| t.readiness.total_bytes_per_block()) as u64;
-        let ok_all = track.failed.is_empty();
-        self.metrics.record_operation_completed(ok_all);
-        match track.holds {
+        self.metrics
+            .record_operation_completed(track.failed.is_empty());
+        let OpTrack {
+            request,
+            failed,
+            holds,
+            since,
+            ..
+        } = track;
+        let request = request.as_ref();
+        match holds {
             Holds::Remote { keys, dst } => {
-                let total = keys.len() as u64;
-                let failed = (track.failed.len() as u64).min(total);
-                let ok = total - failed;
-                if failed > 0 {
-                    // Evicted since the lookup, or failed verification: recomputed.
-                    tracing::debug!(failed, "remote blocks failed to load");
-                }
-                if let Some(r) = self.remote.as_mut() {
-                    for (k, d) in keys.iter().zip(&dst) {
-                        if !track.failed.contains(d) {
-                            r.remember(*k);
-                        }
-                    }
-                    r.record_transfer(
-                        CallKind::Load,
-                        keys.len(),
-                        failed as usize,
-                        track.since.elapsed(),
-                    );
-                    r.publish_state(&self.metrics);
-                }
-                self.metrics.record_hit(TierKind::Remote, ok * bs);
-                self.metrics
-                    .record_transfer(TierKind::Remote, TierKind::Device, ok, ok * bpb);
-                if failed > 0 {
-                    self.metrics.record_load_error(failed);
-                }
-                self.request_op_done(track.request.as_ref(), true);
+                self.finish_remote_load(request, &failed, since, &keys, &dst)
             }
             Holds::RemoteWrite { keys, src } => {
-                let bpb_rank = bpb;
-                let mut written = 0u64;
-                let mut failed = 0u64;
-                for (k, hash) in keys.iter().enumerate() {
-                    self.pending_keys.remove(&(TierKind::Remote, *hash));
-                    if track.failed.contains(&k) {
-                        failed += 1;
-                    } else {
-                        written += 1;
-                        if let Some(r) = self.remote.as_mut() {
-                            r.remember(*hash);
-                        }
-                    }
+                self.finish_remote_write(&failed, since, &keys, src)
+            }
+            Holds::Load { tier, src, dst } => self.finish_load(request, &failed, tier, src, &dst),
+            Holds::Store { tier, dst, src } => self.finish_store(request, &failed, tier, dst, src),
+        }
+    }
+
+    /// Bytes of one block over all ranks (0 before the tiers exist): what the transfer
+    /// counters add per block.
+    fn bytes_per_block_all_ranks(&self) -> u64 {
+        self.tiers
+            .as_ref()
+            .map_or(0, |t| t.readiness.total_bytes_per_block()) as u64
+    }
+
+    /// A finished load from the remote store of `keys` into device blocks `dst`: the keys that
+    /// loaded remembered as in the store, the store's health told, the hits, bytes and load
+    /// errors (a block evicted since the lookup or failing verification, recomputed) counted.
+    fn finish_remote_load(
+        &mut self,
+        request: Option<&RequestId>,
+        failed_dst: &HashSet<usize>,
+        since: std::time::Instant,
+        keys: &[SequenceHash],
+        dst: &[usize],
+    ) {
+        let bs = self.page_size as u64;
+        let bpb = self.bytes_per_block_all_ranks();
+        let total = keys.len() as u64;
+        let failed = (failed_dst.len() as u64).min(total);
+        let ok = total - failed;
+        if failed > 0 {
+            // Evicted since the lookup, or failed verification: recomputed.
+            tracing::debug!(failed, "remote blocks failed to load");
+        }
+        if let Some(r) = self.remote.as_mut() {
+            for (k, d) in keys.iter().zip(dst) {
+                if !failed_dst.contains(d) {
+                    r.remember(*k);
                 }
-                self.metrics.record_transfer(
-                    TierKind::Host,
-                    TierKind::Remote,
-                    written,
-                    written * bpb_rank,
-                );
-                if let Some(r) = self.remote.as_ref() {
-                    r.record_transfer(
-                        CallKind::Write,
-                        keys.len(),
-                        failed as usize,
-                        track.since.elapsed(),
-                    );
-                    r.publish_state(&self.metrics);
-                }
-                if failed > 0 {
-                    self.metrics.record_store_error(TierKind::Remote, failed);
-                    if let Some(r) = self.remote.as_mut() {
-                        r.write_failed(failed);
-                    }
-                }
+            }
+            r.record_transfer(CallKind::Load, keys.len(), failed as usize, since.elapsed());
+            r.publish_state(&self.metrics);
+        }
+        self.metrics.record_hit(TierKind::Remote, ok * bs);
+        self.metrics
+            .record_transfer(TierKind::Remote, TierKind::Device, ok, ok * bpb);
+        if failed > 0 {
+            self.metrics.record_load_error(failed);
+        }
+        self.request_op_done(request, true);
+    }
+
+    /// A finished write of host blocks `src` to the remote store as `keys` (`failed_pairs`: the
+    /// pairs `k` that failed): the keys no longer pending, those written remembered as in the
+    /// store, the store's health told, the bytes and store errors counted, and the host blocks
+    /// released.
+    fn finish_remote_write(
+        &mut self,
+        failed_pairs: &HashSet<usize>,
+        since: std::time::Instant,
+        keys: &[SequenceHash],
+        src: Vec<ImmutableBlock>,
+    ) {
+        let bpb_rank = self.bytes_per_block_all_ranks();
+        let mut written = 0u64;
+        let mut failed = 0u64;
+        for (k, hash) in keys.iter().enumerate() {
+            self.pending_keys.remove(&(TierKind::Remote, *hash));
+            if failed_pairs.contains(&k) {
+                failed += 1;
+            } else {
+                written += 1;
                 if let Some(r) = self.remote.as_mut() {
-                    r.writing = r.writing.saturating_sub(src.len());
+                    r.remember(*hash);
                 }
-                drop(src);
-            }
-            Holds::Load { tier, src, dst } => {
-                let total = src.len() as u64;
-                let failed = (track.failed.len() as u64).min(total);
-                let ok = total - failed;
-                // A block that failed to load (e.g. its checksum) is withdrawn: no later match
-                // may serve it, and a recomputed copy can be stored under its key again.
-                if failed > 0 {
-                    let pool = self.tiers.as_ref().and_then(|t| match tier {
-                        TierKind::Host => t.host.clone(),
-                        TierKind::Disk => t.disk.clone(),
-                        _ => None,
-                    });
-                    for (b, d) in src.iter().zip(&dst) {
-                        if track.failed.contains(d) {
-                            if let Some(p) = &pool {
-                                p.unregister(b);
-                            }
-                            tracing::warn!(tier = %tier, block = b.block_id(), key = %b.sequence_hash(), "withdrew a block whose load failed");
-                        }
-                    }
-                }
-                self.metrics.record_hit(tier, ok * bs);
-                self.metrics
-                    .record_transfer(tier, TierKind::Device, ok, ok * bpb);
-                if failed > 0 {
-                    self.metrics.record_load_error(failed);
-                }
-                // A block read from host was just reused: count the sighting for disk admission.
-                if tier == TierKind::Host && failed == 0 {
-                    for b in src {
-                        self.consider_for_remote(&b);
-                        self.consider_for_disk(b);
-                    }
-                }
-                self.request_op_done(track.request.as_ref(), true);
-            }
-            Holds::Store { tier, dst, src } => {
-                let src_tier = if src.is_empty() {
-                    TierKind::Device
-                } else {
-                    TierKind::Host
-                };
-                let mut stored = 0u64;
-                let mut failed = 0u64;
-                let pool = self.tiers.as_ref().and_then(|t| match tier {
-                    TierKind::Host => t.host.clone(),
-                    TierKind::Disk => t.disk.clone(),
-                    _ => None,
-                });
-                let mut written = Vec::with_capacity(dst.len());
-                for (block, hash) in dst {
-                    self.pending_keys.remove(&(tier, hash));
-                    if track.failed.contains(&block.block_id()) {
-                        failed += 1;
-                        continue; // dropped: back to the free list, never matchable
-                    }
-                    written.push((block, hash));
-                }
-                // A host block may go on to disk or the remote store: each is considered with
-                // its handle. Otherwise nothing keeps one: all are registered under one lock.
-                let onward = tier == TierKind::Host
-                    && (self.remote.is_some()
-                        || self.tiers.as_ref().is_some_and(|t| t.disk.is_some()));
-                match pool {
-                    None => {} // dropped: back to the free list
-                    Some(pool) if !onward => {
-                        let (n, errors) = pool.register_all(written);
-                        stored += n as u64;
-                        for e in errors {
-                            tracing::warn!(error = %e, "cannot register a stored block");
-                        }
-                    }
-                    Some(pool) => {
-                        for (block, hash) in written {
-                            match pool.register(block, hash) {
-                                Ok(registered) => {
-                                    stored += 1;
-                                    self.consider_for_remote(&registered);
-                                    self.consider_for_disk(registered);
-                                }
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "cannot register a stored block")
-                                }
-                            }
-                        }
-                    }
-                }
-                self.metrics
-                    .record_transfer(src_tier, tier, stored, stored * bpb);
-                if failed > 0 {
-                    self.metrics.record_store_error(tier, failed);
-                    if let Some(n) = self.store_warn.event(failed) {
-                        tracing::warn!(
-                            src = %src_tier, dst = %tier, blocks = n,
-                            total = self.metrics.snapshot().store_error_blocks(),
-                            "kvbm: blocks failed to store (not cached; see kvbm_store_error_blocks_total)"
-                        );
-                    }
-                }
-                drop(src);
-                self.request_op_done(track.request.as_ref(), false);
             }
         }
+        self.metrics.record_transfer(
+            TierKind::Host,
+            TierKind::Remote,
+            written,
+            written * bpb_rank,
+        );
+        if let Some(r) = self.remote.as_ref() {
+            r.record_transfer(
+                CallKind::Write,
+                keys.len(),
+                failed as usize,
+                since.elapsed(),
+            );
+            r.publish_state(&self.metrics);
+        }
+        if failed > 0 {
+            self.metrics.record_store_error(TierKind::Remote, failed);
+            if let Some(r) = self.remote.as_mut() {
+                r.write_failed(failed);
+            }
+        }
+        if let Some(r) = self.remote.as_mut() {
+            r.writing = r.writing.saturating_sub(src.len());
+        }
+        drop(src);
+    }
+
+    /// A finished load of `tier`'s blocks `src` into device blocks `dst`: a block that failed
+    /// withdrawn from its pool, the hits, bytes and load errors counted, and host blocks read
+    /// without a failure considered again for disk and the remote store (they were just reused).
+    fn finish_load(
+        &mut self,
+        request: Option<&RequestId>,
+        failed_dst: &HashSet<usize>,
+        tier: TierKind,
+        src: Vec<ImmutableBlock>,
+        dst: &[usize],
+    ) {
+        let bs = self.page_size as u64;
+        let bpb = self.bytes_per_block_all_ranks();
+        let total = src.len() as u64;
+        let failed = (failed_dst.len() as u64).min(total);
+        let ok = total - failed;
+        // A block that failed to load (e.g. its checksum) is withdrawn: no later match may serve
+        // it, and a recomputed copy can be stored under its key again.
+        if failed > 0 {
+            let pool = self.tiers.as_ref().and_then(|t| match tier {
+                TierKind::Host => t.host.clone(),
+                TierKind::Disk => t.disk.clone(),
+                _ => None,
+            });
+            for (b, d) in src.iter().zip(dst) {
+                if failed_dst.contains(d) {
+                    if let Some(p) = &pool {
+                        p.unregister(b);
+                    }
+                    tracing::warn!(tier = %tier, block = b.block_id(), key = %b.sequence_hash(), "withdrew a block whose load failed");
+                }
+            }
+        }
+        self.metrics.record_hit(tier, ok * bs);
+        self.metrics
+            .record_transfer(tier, TierKind::Device, ok, ok * bpb);
+        if failed > 0 {
+            self.metrics.record_load_error(failed);
+        }
+        // A block read from host was just reused: count the sighting for disk admission.
+        if tier == TierKind::Host && failed == 0 {
+            for b in src {
+                self.consider_for_remote(&b);
+                self.consider_for_disk(b);
+            }
+        }
+        self.request_op_done(request, true);
+    }
+
+    /// A finished store into `tier`'s blocks `dst` (from the device, or from the host blocks
+    /// `src`): the keys no longer pending, the blocks that did not fail on any rank registered
+    /// (matchable; a host block then considered for disk and the remote store), the others
+    /// back to the free list, the bytes and store errors counted (warned about, rate-limited),
+    /// and the host sources released.
+    fn finish_store(
+        &mut self,
+        request: Option<&RequestId>,
+        failed_dst: &HashSet<usize>,
+        tier: TierKind,
+        dst: Vec<(MutableBlock, SequenceHash)>,
+        src: Vec<ImmutableBlock>,
+    ) {
+        let bpb = self.bytes_per_block_all_ranks();
+        let src_tier = if src.is_empty() {
+            TierKind::Device
+        } else {
+            TierKind::Host
+        };
+        let mut stored = 0u64;
+        let mut failed = 0u64;
+        let pool = self.tiers.as_ref().and_then(|t| match tier {
+            TierKind::Host => t.host.clone(),
+            TierKind::Disk => t.disk.clone(),
+            _ => None,
+        });
+        let mut written = Vec::with_capacity(dst.len());
+        for (block, hash) in dst {
+            self.pending_keys.remove(&(tier, hash));
+            if failed_dst.contains(&block.block_id()) {
+                failed += 1;
+                continue; // dropped: back to the free list, never matchable
+            }
+            written.push((block, hash));
+        }
+        // A host block may go on to disk or the remote store: each is considered with its
+        // handle. Otherwise nothing keeps one: all are registered under one lock.
+        let onward = tier == TierKind::Host
+            && (self.remote.is_some() || self.tiers.as_ref().is_some_and(|t| t.disk.is_some()));
+        match pool {
+            None => {} // dropped: back to the free list
+            Some(pool) if !onward => {
+                let (n, errors) = pool.register_all(written);
+                stored += n as u64;
+                for e in errors {
+                    tracing::warn!(error = %e, "cannot register a stored block");
+                }
+            }
+            Some(pool) => {
+                for (block, hash) in written {
+                    match pool.register(block, hash) {
+                        Ok(registered) => {
+                            stored += 1;
+                            self.consider_for_remote(&registered);
+                            self.consider_for_disk(registered);
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot register a stored block")
+                        }
+                    }
+                }
+            }
+        }
+        self.metrics
+            .record_transfer(src_tier, tier, stored, stored * bpb);
+        if failed > 0 {
+            self.metrics.record_store_error(tier, failed);
+            if let Some(n) = self.store_warn.event(failed) {
+                tracing::warn!(
+                    src = %src_tier, dst = %tier, blocks = n,
+                    total = self.metrics.snapshot().store_error_blocks(),
+                    "kvbm: blocks failed to store (not cached; see kvbm_store_error_blocks_total)"
+                );
+            }
+        }
+        drop(src);
+        self.request_op_done(request, false);
     }
 
     fn request_op_done(&mut self, request: Option<&RequestId>, load: bool) {
