@@ -178,53 +178,6 @@ impl PyTrtllmScheduler {
             s.request_finished(&req(request_id, &tokens), &cache_block_ids)
         })
     }
-
-    /// True once the start-up barrier completed; raises its error if it failed.
-    fn is_ready(&self, py: Python<'_>) -> PyResult<bool> {
-        self.inner
-            .call(py, "is_ready", |s| common::leader_ready(s.leader_mut()))
-    }
-
-    /// Waits (GIL released) until the barrier completed; raises on failure or at the deadline.
-    fn wait_ready(&self, py: Python<'_>, timeout_secs: f64) -> PyResult<()> {
-        self.inner.call(py, "wait_ready", move |s| {
-            common::wait_until(timeout_secs, "the scheduler's start-up barrier", || {
-                common::leader_ready(s.leader_mut())
-            })
-        })
-    }
-
-    /// Applies operation completions that arrived.
-    fn process_completions(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.call(py, "process_completions", |s| {
-            s.leader_mut().process_completions();
-            Ok(())
-        })
-    }
-
-    /// True while operations are in flight or queued.
-    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
-        self.inner.call(py, "has_pending_work", |s| {
-            Ok(s.leader().has_pending_work())
-        })
-    }
-
-    /// The counters as JSON text, after applying the completions workers already reported
-    /// (an idle engine makes no other leader call that would).
-    fn metrics_json(&self, py: Python<'_>) -> PyResult<String> {
-        self.inner.call(py, "metrics_json", |s| {
-            s.leader_mut().process_completions();
-            common::metrics_json(s.leader().metrics())
-        })
-    }
-
-    /// The counters in Prometheus text format.
-    fn metrics_prometheus(&self, py: Python<'_>) -> PyResult<String> {
-        self.inner.call(py, "metrics_prometheus", |s| {
-            s.leader_mut().process_completions();
-            Ok(s.leader().metrics().render_prometheus())
-        })
-    }
 }
 
 /// The worker side (`KvCacheConnectorWorker`), one per rank. Its barrier runs inside
@@ -343,29 +296,10 @@ impl PyTrtllmWorker {
             Ok(w.get_block_ids_with_load_errors())
         })
     }
-
-    /// True once the barrier completed; raises its error if it failed.
-    fn is_ready(&self, py: Python<'_>) -> PyResult<bool> {
-        self.inner
-            .call(py, "is_ready", |w| common::worker_ready(w.worker()))
-    }
-
-    /// Waits (GIL released) until the barrier completed; raises on failure or at the deadline.
-    fn wait_ready(&self, py: Python<'_>, timeout_secs: f64) -> PyResult<()> {
-        self.inner.call(py, "wait_ready", move |w| {
-            common::wait_until(timeout_secs, "the worker's start-up barrier", || {
-                common::worker_ready(w.worker())
-            })
-        })
-    }
-
-    /// Waits (GIL released) until every submitted operation completed.
-    fn wait_idle(&self, py: Python<'_>, timeout_secs: f64) -> PyResult<()> {
-        self.inner.call(py, "wait_idle", move |w| {
-            w.worker().wait_idle(common::secs(timeout_secs)?)
-        })
-    }
 }
+
+common::scheduler_methods!(PyTrtllmScheduler);
+common::worker_methods!(PyTrtllmWorker);
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTrtllmScheduler>()?;

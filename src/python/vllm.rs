@@ -480,45 +480,6 @@ impl PyVllmScheduler {
         })
     }
 
-    /// True once the start-up barrier completed; raises its error if it failed.
-    fn is_ready(&self, py: Python<'_>) -> PyResult<bool> {
-        self.inner
-            .call(py, "is_ready", |s| common::leader_ready(s.leader_mut()))
-    }
-
-    /// Waits (GIL released) until the barrier completed; raises on failure or at the deadline.
-    fn wait_ready(&self, py: Python<'_>, timeout_secs: f64) -> PyResult<()> {
-        self.inner.call(py, "wait_ready", move |s| {
-            common::wait_until(timeout_secs, "the scheduler's start-up barrier", || {
-                common::leader_ready(s.leader_mut())
-            })
-        })
-    }
-
-    /// True while operations are in flight or queued.
-    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
-        self.inner.call(py, "has_pending_work", |s| {
-            Ok(s.leader().has_pending_work())
-        })
-    }
-
-    /// The counters as JSON text, after applying the completions workers already reported
-    /// (an idle engine makes no other leader call that would).
-    fn metrics_json(&self, py: Python<'_>) -> PyResult<String> {
-        self.inner.call(py, "metrics_json", |s| {
-            s.leader_mut().process_completions();
-            common::metrics_json(s.leader().metrics())
-        })
-    }
-
-    /// The counters in Prometheus text format.
-    fn metrics_prometheus(&self, py: Python<'_>) -> PyResult<String> {
-        self.inner.call(py, "metrics_prometheus", |s| {
-            s.leader_mut().process_completions();
-            Ok(s.leader().metrics().render_prometheus())
-        })
-    }
-
     /// The host and disk pools' block counts (`free`, `mutable`: being written, `active`: held,
     /// `inactive`, `registered`, `evictions`) as JSON text: `{"host": {...} | null, "disk": ...}`;
     /// `null` before the tiers exist.
@@ -533,6 +494,8 @@ impl PyVllmScheduler {
         })
     }
 }
+
+common::scheduler_methods!(PyVllmScheduler);
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyVllmScheduler>()?;

@@ -152,29 +152,9 @@ impl PyVllmWorker {
         self.inner
             .call(py, "take_failed_loads", |w| Ok(w.take_failed_loads()))
     }
-
-    /// True once the barrier completed; raises its error if it failed.
-    fn is_ready(&self, py: Python<'_>) -> PyResult<bool> {
-        self.inner
-            .call(py, "is_ready", |w| common::worker_ready(w.worker()))
-    }
-
-    /// Waits (GIL released) until the barrier completed; raises on failure or at the deadline.
-    fn wait_ready(&self, py: Python<'_>, timeout_secs: f64) -> PyResult<()> {
-        self.inner.call(py, "wait_ready", move |w| {
-            common::wait_until(timeout_secs, "the worker's start-up barrier", || {
-                common::worker_ready(w.worker())
-            })
-        })
-    }
-
-    /// Waits (GIL released) until every submitted operation completed.
-    fn wait_idle(&self, py: Python<'_>, timeout_secs: f64) -> PyResult<()> {
-        self.inner.call(py, "wait_idle", move |w| {
-            w.worker().wait_idle(common::secs(timeout_secs)?)
-        })
-    }
 }
+
+common::worker_methods!(PyVllmWorker);
 
 /// Test wheels only (feature `python-test-hooks`): with `KVBM_TEST_FAULTS` set to a fault plan
 /// (`backends::faults::FaultPlan::parse`, e.g. `host.read:fail`), the worker's host and disk tiers
