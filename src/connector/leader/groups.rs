@@ -10,6 +10,7 @@ use std::collections::{HashSet, VecDeque};
 
 use crate::connector::adapter::SchedulerAdapter;
 use crate::connector::groups::{AttentionKind, KvCacheGroups};
+use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::SequenceHash;
 use crate::pool::BuildSeqHasher;
@@ -105,57 +106,84 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         let real = request.id.as_str();
         groups.check_request_id(real)?;
-        if self.placeholder.is_none() {
-            if let Some(g) = groups
-                .kinds()
-                .iter()
-                .position(|k| *k != AttentionKind::Full)
-            {
-                // Nothing is loaded before a window: the engine must mark those blocks.
-                return Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "KV-cache group {g} is {}: a sliding-window group needs an engine that keeps a placeholder block before the window, and this one declares none",
-                        groups.kinds()[g]
-                    ),
-                )
-                .with("group", g));
-            }
-        }
-        let bs = self.page_size;
+        self.check_windows_supported(groups)?;
         let ids: Vec<_> = (0..groups.len())
             .map(|g| KvCacheGroups::request_id(real, g))
             .collect();
         let salts: Vec<Option<String>> = (0..groups.len())
             .map(|g| KvCacheGroups::salt(request.cache_salt, g))
             .collect();
-        let info = |g: usize| RequestInfo {
-            id: &ids[g],
-            tokens: request.tokens,
-            cache_salt: salts[g].as_deref().or(request.cache_salt),
-            lora_name: request.lora_name,
-        };
+        let infos: Vec<RequestInfo<'_>> = (0..groups.len())
+            .map(|g| RequestInfo {
+                id: &ids[g],
+                tokens: request.tokens,
+                cache_salt: salts[g].as_deref().or(request.cache_salt),
+                lora_name: request.lora_name,
+            })
+            .collect();
         self.count_lookups = false;
+        let agreed = self.agree_on_hit(groups, &infos, first_token, num_computed_tokens);
+        self.count_lookups = true;
+        let (mut hit, pending) = agreed?;
+        if pending || hit == usize::MAX {
+            hit = 0;
+        }
+        let mut out = self.trim_groups_to(&ids, hit)?;
+        let total = request.tokens.len() + first_token;
+        self.metrics
+            .record_lookup(total as u64, out.external_tokens as u64);
+        out.pending = pending;
+        self.last_match = out;
+        Ok(out)
+    }
+
+    /// Refuses a sliding-window group on an engine without a placeholder block: nothing is
+    /// loaded before a window, so the engine must mark those blocks.
+    fn check_windows_supported(&self, groups: &KvCacheGroups) -> Result<()> {
+        if self.placeholder.is_some() {
+            return Ok(());
+        }
+        match groups
+            .kinds()
+            .iter()
+            .position(|k| *k != AttentionKind::Full)
+        {
+            Some(g) => Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "KV-cache group {g} is {}: a sliding-window group needs an engine that keeps a placeholder block before the window, and this one declares none",
+                    groups.kinds()[g]
+                ),
+            )
+            .with("group", g)),
+            None => Ok(()),
+        }
+    }
+
+    /// Matches each group (`infos[g]`, its id and salt): the full-attention groups first, whose
+    /// smallest hit caps the sliding-window groups', then the windowed groups again at the
+    /// lowest hit until they agree. Returns the hit in tokens (`usize::MAX`: no group set one)
+    /// and whether a remote lookup is pending (then matching stopped). The first error stops it.
+    fn agree_on_hit(
+        &mut self,
+        groups: &KvCacheGroups,
+        infos: &[RequestInfo<'_>],
+        first_token: usize,
+        num_computed_tokens: usize,
+    ) -> Result<(usize, bool)> {
+        let bs = self.page_size;
         let mut pending = false;
         let mut hit = usize::MAX;
-        let mut answer = Ok(());
         for (g, kind) in groups.kinds().iter().enumerate() {
             if *kind != AttentionKind::Full {
                 continue;
             }
-            match self.match_scoped(info(g), first_token, num_computed_tokens, Scope::FULL) {
-                Ok(m) => {
-                    pending |= m.pending;
-                    hit = hit.min(m.external_tokens);
-                }
-                Err(e) => {
-                    answer = Err(e);
-                    break;
-                }
-            }
+            let m = self.match_scoped(infos[g], first_token, num_computed_tokens, Scope::FULL)?;
+            pending |= m.pending;
+            hit = hit.min(m.external_tokens);
         }
         // The windowed groups: each hit at most the others', until all agree.
-        while answer.is_ok() && !pending {
+        while !pending {
             let cap = (hit != usize::MAX).then_some(hit);
             let mut lowest = hit;
             let mut agree = true;
@@ -171,38 +199,33 @@ impl<A: SchedulerAdapter> Leader<A> {
                     window_tokens: Some(tokens),
                     cap_tokens: cap,
                 };
-                match self.match_scoped(info(g), first_token, num_computed_tokens, scope) {
-                    Ok(m) => {
-                        pending |= m.pending;
-                        agree &= lowest == usize::MAX || m.external_tokens == lowest;
-                        lowest = lowest.min(m.external_tokens);
-                    }
-                    Err(e) => {
-                        answer = Err(e);
-                        break;
-                    }
-                }
+                let m = self.match_scoped(infos[g], first_token, num_computed_tokens, scope)?;
+                pending |= m.pending;
+                agree &= lowest == usize::MAX || m.external_tokens == lowest;
+                lowest = lowest.min(m.external_tokens);
             }
             hit = lowest;
             if agree || pending {
                 break;
             }
         }
-        self.count_lookups = true;
-        answer?;
-        if pending || hit == usize::MAX {
-            hit = 0;
-        }
-        // Every group was matched to `hit` or beyond it (full groups); trimmed, all serve it. A
-        // group that serves less than the others (none does) would set the hit for all.
+        Ok((hit, pending))
+    }
+
+    /// Every group's staging (request ids `ids`) trimmed to `hit` tokens (all were matched to
+    /// it or beyond), so all serve it (a group that serves less than the others, which none
+    /// does, would set the hit for all), and the groups' answers as one: the hit, and its
+    /// tokens split across host, disk and the remote store in the proportion the groups load
+    /// from each ([`split_tokens`]). Not `pending`, not counted.
+    fn trim_groups_to(&mut self, ids: &[RequestId], hit: usize) -> Result<MatchResult> {
         let mut got: Vec<MatchResult> = Vec::with_capacity(ids.len());
-        for id in &ids {
+        for id in ids {
             got.push(self.trim_staged(id, hit)?);
         }
         let least = got.iter().map(|m| m.external_tokens).min().unwrap_or(0);
         if got.iter().any(|m| m.external_tokens != least) {
             got.clear();
-            for id in &ids {
+            for id in ids {
                 got.push(self.trim_staged(id, least)?);
             }
         }
@@ -217,11 +240,6 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         [out.host_tokens, out.disk_tokens, out.remote_tokens] =
             split_tokens(out.external_tokens, loads);
-        let total = request.tokens.len() + first_token;
-        self.metrics
-            .record_lookup(total as u64, out.external_tokens as u64);
-        out.pending = pending;
-        self.last_match = out;
         Ok(out)
     }
 }
