@@ -201,8 +201,50 @@ pub(crate) fn leader_barrier(
     if world == 0 {
         return Err(Error::invalid_argument("world_size must be at least 1"));
     }
-    let mut hellos: Vec<Option<WorkerHello>> = vec![None; world];
     // Step 1: every rank's bytes_per_block and device block count.
+    let hellos = collect_hellos(transport, world, page_size, deadline, timeout)?;
+    let bytes_per_block: Vec<usize> = hellos.iter().map(|h| h.bytes_per_block).collect();
+    let total: usize = bytes_per_block
+        .iter()
+        .try_fold(0usize, |a, b| a.checked_add(*b))
+        .ok_or_else(|| Error::invalid_argument("sum of bytes_per_block overflows"))?;
+    let counts = tier_counts(transport, world, config, &hellos, total)?;
+    // Step 2: every rank allocates the same counts.
+    for rank in 0..world {
+        transport.send(rank, LeaderMessage::Allocate(counts))?;
+    }
+    await_allocations(transport, world, deadline, timeout)?;
+    let dims = hellos
+        .first()
+        .map(|h| h.dims)
+        .ok_or_else(|| Error::internal("barrier finished without any rank"))?;
+    tracing::info!(
+        world,
+        host_blocks = counts.num_host_blocks,
+        disk_blocks = counts.num_disk_blocks,
+        device_blocks = counts.num_device_blocks,
+        bytes_per_block = total,
+        "kvbm leader ready"
+    );
+    Ok(Readiness {
+        counts,
+        dims,
+        bytes_per_block,
+    })
+}
+
+/// Barrier step 1 on the leader: each of the `world` ranks' hello (its `bytes_per_block`, device block count
+/// and dimensions), in rank order, by `deadline` (`timeout` is named in the error). A rank whose
+/// hello disagrees with the world, the first hello or the leader's `page_size` is refused (and
+/// told why); one that disconnects is forgotten until it says hello again.
+fn collect_hellos(
+    transport: &dyn LeaderTransport,
+    world: usize,
+    page_size: Option<usize>,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Vec<WorkerHello>> {
+    let mut hellos: Vec<Option<WorkerHello>> = vec![None; world];
     while hellos.iter().any(Option::is_none) {
         let have: Vec<bool> = hellos.iter().map(Option::is_some).collect();
         let left = deadline.saturating_duration_since(Instant::now());
@@ -249,17 +291,23 @@ pub(crate) fn leader_barrier(
             other => tracing::warn!(rank, ?other, "unexpected message during barrier step 1"),
         }
     }
-    let hellos: Vec<WorkerHello> = hellos.into_iter().flatten().collect();
-    let bytes_per_block: Vec<usize> = hellos.iter().map(|h| h.bytes_per_block).collect();
-    let total: usize = bytes_per_block
-        .iter()
-        .try_fold(0usize, |a, b| a.checked_add(*b))
-        .ok_or_else(|| Error::invalid_argument("sum of bytes_per_block overflows"))?;
+    Ok(hellos.into_iter().flatten().collect())
+}
+
+/// The tier block counts every rank allocates: host and disk from the configuration over the
+/// ranks' summed `bytes_per_block` (`total`), the device count the smallest any rank has. A size
+/// that cannot be allocated is refused to every rank, so none waits for its counts until the
+/// deadline; the error names the setting.
+fn tier_counts(
+    transport: &dyn LeaderTransport,
+    world: usize,
+    config: &Config,
+    hellos: &[WorkerHello],
+    total: usize,
+) -> Result<TierCounts> {
     if let Some(warning) = config.tier_warning() {
         tracing::warn!("kvbm: {warning}");
     }
-    // A size that cannot be allocated is refused to every rank, so none waits for its counts
-    // until the deadline; the error names the setting.
     let (num_host_blocks, num_disk_blocks) = match config.block_counts(total) {
         Ok(counts) => counts,
         Err(e) => {
@@ -274,15 +322,21 @@ pub(crate) fn leader_barrier(
         .map(|h| h.num_device_blocks)
         .min()
         .unwrap_or(0);
-    let counts = TierCounts {
+    Ok(TierCounts {
         num_host_blocks,
         num_disk_blocks,
         num_device_blocks,
-    };
-    // Step 2: every rank allocates the same counts.
-    for rank in 0..world {
-        transport.send(rank, LeaderMessage::Allocate(counts))?;
-    }
+    })
+}
+
+/// Barrier step 2 on the leader: each of the `world` ranks' confirmation that it allocated its tiers, by
+/// `deadline`. A rank that could not allocate, or that disconnects, fails the barrier.
+fn await_allocations(
+    transport: &dyn LeaderTransport,
+    world: usize,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<()> {
     let mut ready = vec![false; world];
     while ready.iter().any(|r| !r) {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -319,23 +373,7 @@ pub(crate) fn leader_barrier(
             other => tracing::warn!(rank, ?other, "unexpected message during barrier step 2"),
         }
     }
-    let dims = hellos
-        .first()
-        .map(|h| h.dims)
-        .ok_or_else(|| Error::internal("barrier finished without any rank"))?;
-    tracing::info!(
-        world,
-        host_blocks = num_host_blocks,
-        disk_blocks = num_disk_blocks,
-        device_blocks = num_device_blocks,
-        bytes_per_block = total,
-        "kvbm leader ready"
-    );
-    Ok(Readiness {
-        counts,
-        dims,
-        bytes_per_block,
-    })
+    Ok(())
 }
 
 fn check_hello(
