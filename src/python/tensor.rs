@@ -106,128 +106,16 @@ pub(crate) fn read_tensor(
         .name()
         .map(|n| n.to_string())
         .unwrap_or_default();
-    let device = match device_type(obj).map_err(|e| bad_value(py, &format!("{name}.device"), e))? {
-        None => TensorDevice::Cpu,
-        Some((d, _)) if d == "cpu" => TensorDevice::Cpu,
-        Some((d, Some(i))) if d == "cuda" => TensorDevice::Cuda(i),
-        Some((d, None)) if d == "cuda" => {
-            return Err(invalid(
-                py,
-                name,
-                format!("cache tensor {name} is on device cuda without an index; register tensors whose device.index names their GPU"),
-            ))
-        }
-        Some((d, _)) => {
-            return Err(to_py_err(
-                py,
-                Error::unsupported(format!(
-                    "cache tensor {name} is on device {d}; only CPU and CUDA tensors are supported"
-                ))
-                .with("tensor", name)
-                .with("device", d),
-            ))
-        }
-    };
-
-    let shape_obj = obj.getattr("shape").map_err(|_| {
-        invalid(
-            py,
-            name,
-            format!("cache tensor {name} ({ty}) has no shape attribute"),
-        )
-    })?;
-    let shape: Vec<usize> = shape_obj
-        .try_iter()
-        .and_then(|it| it.map(|d| d.and_then(|d| d.extract::<usize>())).collect())
-        .map_err(|e| {
-            invalid(
-                py,
-                name,
-                format!(
-                    "cache tensor {name}: shape must be a sequence of non-negative integers ({e})"
-                ),
-            )
-        })?;
-
-    let itemsize: usize = if obj.hasattr("element_size")? {
-        obj.call_method0("element_size")
-            .and_then(|v| v.extract())
-            .map_err(|e| bad_value(py, &format!("{name}.element_size()"), e))?
-    } else if obj.hasattr("dtype")? {
-        obj.getattr("dtype")
-            .and_then(|d| d.getattr("itemsize"))
-            .and_then(|v| v.extract())
-            .map_err(|e| {
-                invalid(
-                    py,
-                    name,
-                    format!("cache tensor {name}: cannot read the element size from dtype.itemsize ({e})"),
-                )
-            })?
-    } else {
-        return Err(invalid(
-            py,
-            name,
-            format!("cache tensor {name} ({ty}) has neither element_size() nor dtype"),
-        ));
-    };
-
+    let device = read_device(py, obj, name)?;
+    let shape = read_shape(py, obj, name, &ty)?;
+    let itemsize = read_itemsize(py, obj, name, &ty)?;
     let array_interface = if obj.hasattr("__array_interface__")? {
         Some(obj.getattr("__array_interface__")?)
     } else {
         None
     };
-    let ptr: usize = if obj.hasattr("data_ptr")? {
-        obj.call_method0("data_ptr")
-            .and_then(|v| v.extract())
-            .map_err(|e| bad_value(py, &format!("{name}.data_ptr()"), e))?
-    } else if let Some(ai) = &array_interface {
-        ai.get_item("data")
-            .and_then(|d| d.get_item(0))
-            .and_then(|v| v.extract())
-            .map_err(|e| bad_value(py, &format!("{name}.__array_interface__['data']"), e))?
-    } else {
-        return Err(invalid(
-            py,
-            name,
-            format!("cache tensor {name} ({ty}) has neither data_ptr() nor __array_interface__"),
-        ));
-    };
-
-    // Contiguity: the tensor's own answer when it has one, else torch's element strides
-    // (`stride()`), else numpy's byte strides.
-    let contiguous = if obj.hasattr("is_contiguous")? {
-        obj.call_method0("is_contiguous")
-            .and_then(|v| v.is_truthy())
-            .map_err(|e| bad_value(py, &format!("{name}.is_contiguous()"), e))?
-    } else if obj.hasattr("stride")? {
-        let strides: Vec<isize> = obj
-            .call_method0("stride")
-            .and_then(|v| v.extract())
-            .map_err(|e| bad_value(py, &format!("{name}.stride()"), e))?;
-        c_strides(&shape, 1) == strides
-    } else if let Some(ai) = &array_interface {
-        let strides = ai.get_item("strides")?;
-        if strides.is_none() {
-            true
-        } else {
-            let strides: Vec<isize> = strides
-                .extract()
-                .map_err(|e| bad_value(py, &format!("{name}.__array_interface__['strides']"), e))?;
-            c_strides(&shape, itemsize) == strides
-        }
-    } else {
-        true
-    };
-    if !contiguous {
-        return Err(to_py_err(
-            py,
-            Error::invalid_layout(format!(
-                "cache tensor {name} of shape {shape:?} is not contiguous; register the engine's contiguous cache tensor, not a view of it"
-            ))
-            .with("tensor", name),
-        ));
-    }
+    let ptr = read_data_ptr(py, obj, name, &ty, array_interface.as_ref())?;
+    check_contiguous(py, obj, name, &shape, itemsize, array_interface.as_ref())?;
     if let Some(ai) = &array_interface {
         let readonly = ai
             .get_item("data")
@@ -271,6 +159,158 @@ pub(crate) fn read_tensor(
         device,
         owner: obj.clone().unbind(),
     })
+}
+
+/// Where cache tensor `name` (`obj`) lives: the CPU (also without a `device` attribute) or a
+/// CUDA device with its index. Refused: CUDA without an index, any other device type.
+fn read_device(py: Python<'_>, obj: &Bound<'_, PyAny>, name: &str) -> PyResult<TensorDevice> {
+    match device_type(obj).map_err(|e| bad_value(py, &format!("{name}.device"), e))? {
+        None => Ok(TensorDevice::Cpu),
+        Some((d, _)) if d == "cpu" => Ok(TensorDevice::Cpu),
+        Some((d, Some(i))) if d == "cuda" => Ok(TensorDevice::Cuda(i)),
+        Some((d, None)) if d == "cuda" => Err(invalid(
+            py,
+            name,
+            format!("cache tensor {name} is on device cuda without an index; register tensors whose device.index names their GPU"),
+        )),
+        Some((d, _)) => Err(to_py_err(
+            py,
+            Error::unsupported(format!(
+                "cache tensor {name} is on device {d}; only CPU and CUDA tensors are supported"
+            ))
+            .with("tensor", name)
+            .with("device", d),
+        )),
+    }
+}
+
+/// `obj.shape` of cache tensor `name` (of Python type `ty`), a sequence of non-negative
+/// integers.
+fn read_shape(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    ty: &str,
+) -> PyResult<Vec<usize>> {
+    let shape_obj = obj.getattr("shape").map_err(|_| {
+        invalid(
+            py,
+            name,
+            format!("cache tensor {name} ({ty}) has no shape attribute"),
+        )
+    })?;
+    shape_obj
+        .try_iter()
+        .and_then(|it| it.map(|d| d.and_then(|d| d.extract::<usize>())).collect())
+        .map_err(|e| {
+            invalid(
+                py,
+                name,
+                format!(
+                    "cache tensor {name}: shape must be a sequence of non-negative integers ({e})"
+                ),
+            )
+        })
+}
+
+/// Bytes per element of cache tensor `name`: `element_size()` (torch), else `dtype.itemsize`
+/// (numpy).
+fn read_itemsize(py: Python<'_>, obj: &Bound<'_, PyAny>, name: &str, ty: &str) -> PyResult<usize> {
+    if obj.hasattr("element_size")? {
+        obj.call_method0("element_size")
+            .and_then(|v| v.extract())
+            .map_err(|e| bad_value(py, &format!("{name}.element_size()"), e))
+    } else if obj.hasattr("dtype")? {
+        obj.getattr("dtype")
+            .and_then(|d| d.getattr("itemsize"))
+            .and_then(|v| v.extract())
+            .map_err(|e| {
+                invalid(
+                    py,
+                    name,
+                    format!("cache tensor {name}: cannot read the element size from dtype.itemsize ({e})"),
+                )
+            })
+    } else {
+        Err(invalid(
+            py,
+            name,
+            format!("cache tensor {name} ({ty}) has neither element_size() nor dtype"),
+        ))
+    }
+}
+
+/// The address of cache tensor `name`'s first element: `data_ptr()` (torch), else the first
+/// item of `__array_interface__['data']` (numpy).
+fn read_data_ptr(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    ty: &str,
+    array_interface: Option<&Bound<'_, PyAny>>,
+) -> PyResult<usize> {
+    if obj.hasattr("data_ptr")? {
+        obj.call_method0("data_ptr")
+            .and_then(|v| v.extract())
+            .map_err(|e| bad_value(py, &format!("{name}.data_ptr()"), e))
+    } else if let Some(ai) = array_interface {
+        ai.get_item("data")
+            .and_then(|d| d.get_item(0))
+            .and_then(|v| v.extract())
+            .map_err(|e| bad_value(py, &format!("{name}.__array_interface__['data']"), e))
+    } else {
+        Err(invalid(
+            py,
+            name,
+            format!("cache tensor {name} ({ty}) has neither data_ptr() nor __array_interface__"),
+        ))
+    }
+}
+
+/// Refuses cache tensor `name` unless it is contiguous: the tensor's own answer when it has one
+/// (`is_contiguous()`), else torch's element strides (`stride()`), else numpy's byte strides
+/// (none: contiguous); a tensor that says nothing is taken as contiguous.
+fn check_contiguous(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    shape: &[usize],
+    itemsize: usize,
+    array_interface: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let contiguous = if obj.hasattr("is_contiguous")? {
+        obj.call_method0("is_contiguous")
+            .and_then(|v| v.is_truthy())
+            .map_err(|e| bad_value(py, &format!("{name}.is_contiguous()"), e))?
+    } else if obj.hasattr("stride")? {
+        let strides: Vec<isize> = obj
+            .call_method0("stride")
+            .and_then(|v| v.extract())
+            .map_err(|e| bad_value(py, &format!("{name}.stride()"), e))?;
+        c_strides(shape, 1) == strides
+    } else if let Some(ai) = array_interface {
+        let strides = ai.get_item("strides")?;
+        if strides.is_none() {
+            true
+        } else {
+            let strides: Vec<isize> = strides
+                .extract()
+                .map_err(|e| bad_value(py, &format!("{name}.__array_interface__['strides']"), e))?;
+            c_strides(shape, itemsize) == strides
+        }
+    } else {
+        true
+    };
+    if !contiguous {
+        return Err(to_py_err(
+            py,
+            Error::invalid_layout(format!(
+                "cache tensor {name} of shape {shape:?} is not contiguous; register the engine's contiguous cache tensor, not a view of it"
+            ))
+            .with("tensor", name),
+        ));
+    }
+    Ok(())
 }
 
 fn c_strides(shape: &[usize], itemsize: usize) -> Vec<isize> {
