@@ -282,16 +282,6 @@ impl PyVllmScheduler {
         let cached = so.getattr(intern!(py, "scheduled_cached_reqs"))?;
         let counts = so.getattr(intern!(py, "num_scheduled_tokens"))?;
         let mut output = SchedulerOutput::default();
-        let scheduled = |id: &Bound<'py, PyAny>, key: &str, out: &mut HashMap<String, usize>| {
-            let n = match counts.cast::<PyDict>() {
-                Ok(d) => d.get_item(id)?,
-                Err(_) => counts.get_item(id).ok(),
-            };
-            if let Some(n) = n {
-                out.insert(key.to_owned(), n.extract()?);
-            }
-            PyResult::Ok(())
-        };
         // The cached requests' lists (read before the lock: no token list is read but the
         // new_token_ids vLLM sends with pipeline parallelism).
         let c = &mut output.scheduled_cached_reqs;
@@ -299,34 +289,11 @@ impl PyVllmScheduler {
         for id in ids.try_iter()? {
             let id = id?;
             let key = text(&id)?;
-            scheduled(&id, &key, &mut output.num_scheduled_tokens)?;
+            scheduled_count(&counts, &id, &key, &mut output.num_scheduled_tokens)?;
             c.req_ids.push(key);
         }
         let n = c.req_ids.len();
-        // Newer vLLM (0.11+) names the resumed requests in `resumed_req_ids`; older versions
-        // have one flag per request in `resumed_from_preemption`. The newer name is asked first:
-        // asking an object for an attribute it lacks raises (and swallows) an AttributeError.
-        let resumed = cached
-            .getattr_opt(intern!(py, "resumed_req_ids"))?
-            .filter(|r| !r.is_none());
-        let flags = match resumed {
-            Some(_) => None,
-            None => cached.getattr_opt(intern!(py, "resumed_from_preemption"))?,
-        };
-        if let Some(flags) = flags.filter(|f| !f.is_none()) {
-            for f in flags.try_iter()? {
-                c.resumed_from_preemption.push(f?.is_truthy()?);
-            }
-        } else {
-            match resumed.filter(|r| r.len().map_or(true, |l| l > 0)) {
-                Some(set) => {
-                    for id in ids.try_iter()? {
-                        c.resumed_from_preemption.push(set.contains(id?)?);
-                    }
-                }
-                None => c.resumed_from_preemption.resize(n, false),
-            }
-        }
+        c.resumed_from_preemption = resumed_flags(py, &cached, &ids, n)?;
         let new_tokens = cached.getattr_opt(intern!(py, "new_token_ids"))?;
         let new_tokens = new_tokens.filter(|t| !t.is_none() && t.len().ok() == Some(n) && n > 0);
         // vLLM fills new_token_ids only with pipeline parallelism; otherwise a running request's
@@ -350,20 +317,7 @@ impl PyVllmScheduler {
                 }
             }
         }
-        for b in cached.getattr(intern!(py, "new_block_ids"))?.try_iter()? {
-            let b = b?;
-            c.new_block_ids.push(if b.is_none() {
-                None
-            } else {
-                Some(groups(py, &b, "new_block_ids")?)
-            });
-        }
-        for v in cached
-            .getattr(intern!(py, "num_computed_tokens"))?
-            .try_iter()?
-        {
-            c.num_computed_tokens.push(v?.extract()?);
-        }
+        read_cached_blocks(py, &cached, c)?;
         if let Some(p) = so.getattr_opt(intern!(py, "preempted_req_ids"))? {
             if !p.is_none() {
                 for id in p.try_iter()? {
@@ -371,50 +325,9 @@ impl PyVllmScheduler {
                 }
             }
         }
-        let news: Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = new_reqs
-            .try_iter()?
-            .map(|r| {
-                let r = r?;
-                let id = r.getattr(intern!(py, "req_id"))?;
-                Ok((r, id))
-            })
-            .collect::<PyResult<_>>()?;
-        for (r, id) in &news {
-            let key = text(id)?;
-            scheduled(id, &key, &mut output.num_scheduled_tokens)?;
-            output.scheduled_new_reqs.push(NewRequestData {
-                req_id: key,
-                prompt_token_ids: Vec::new(),
-                first_token_index: 0,
-                block_ids: groups(py, &r.getattr(intern!(py, "block_ids"))?, "block_ids")?,
-                num_computed_tokens: r.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
-            });
-        }
+        let news = read_new_requests(py, &new_reqs, &counts, &mut output)?;
         let bytes = self.inner.call_attached(py, op, |s| {
-            let c = &mut output.scheduled_cached_reqs;
-            if from_requests.iter().any(Option::is_some) {
-                c.new_token_index = vec![None; c.req_ids.len()];
-                for (i, r) in from_requests.iter().enumerate() {
-                    let Some(r) = r else { continue };
-                    let first = s.known_tokens(&c.req_ids[i]);
-                    if first == 0 {
-                        // Not tracked by the leader (a tracked request holds its prompt):
-                        // nothing to append, and its whole list is not read every step.
-                        continue;
-                    }
-                    let all = r.getattr(intern!(py, "all_token_ids"))?;
-                    c.new_token_ids[i] = tokens_from(py, &all, first, "request.all_token_ids")?;
-                    c.new_token_index[i] = Some(first);
-                }
-            }
-            let mut total = 0;
-            for ((r, _), d) in news.iter().zip(output.scheduled_new_reqs.iter_mut()) {
-                let first = s.known_tokens(&d.req_id);
-                let prompt = r.getattr(intern!(py, "prompt_token_ids"))?;
-                d.prompt_token_ids = tokens_from(py, &prompt, first, "prompt_token_ids")?;
-                d.first_token_index = first;
-                total += d.prompt_token_ids.len();
-            }
+            let total = read_unknown_tokens(py, s, &from_requests, &news, &mut output)?;
             if total > DETACH_TOKENS {
                 py.detach(|| s.build_connector_meta(&output))
             } else {

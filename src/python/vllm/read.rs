@@ -264,6 +264,154 @@ pub(super) fn groups(
     };
     read().map_err(|e| bad_input(py, what, e))
 }
+/// Whether each of the `n` cached requests (`ids`: `cached.req_ids`) resumed from preemption:
+/// from `resumed_req_ids` (vLLM 0.11+: the set of resumed ids) or, in older versions, the
+/// per-request flags `resumed_from_preemption`; none of them: none resumed.
+pub(super) fn resumed_flags<'py>(
+    py: Python<'py>,
+    cached: &Bound<'py, PyAny>,
+    ids: &Bound<'py, PyAny>,
+    n: usize,
+) -> PyResult<Vec<bool>> {
+    let mut out = Vec::with_capacity(n);
+    // Newer vLLM (0.11+) names the resumed requests in `resumed_req_ids`; older versions
+    // have one flag per request in `resumed_from_preemption`. The newer name is asked first:
+    // asking an object for an attribute it lacks raises (and swallows) an AttributeError.
+    let resumed = cached
+        .getattr_opt(intern!(py, "resumed_req_ids"))?
+        .filter(|r| !r.is_none());
+    let flags = match resumed {
+        Some(_) => None,
+        None => cached.getattr_opt(intern!(py, "resumed_from_preemption"))?,
+    };
+    if let Some(flags) = flags.filter(|f| !f.is_none()) {
+        for f in flags.try_iter()? {
+            out.push(f?.is_truthy()?);
+        }
+    } else {
+        match resumed.filter(|r| r.len().map_or(true, |l| l > 0)) {
+            Some(set) => {
+                for id in ids.try_iter()? {
+                    out.push(set.contains(id?)?);
+                }
+            }
+            None => out.resize(n, false),
+        }
+    }
+    Ok(out)
+}
+
+/// The cached requests' `new_block_ids` (per KV-cache group; `None` where vLLM sends none) and
+/// `num_computed_tokens`, appended to `c`.
+pub(super) fn read_cached_blocks<'py>(
+    py: Python<'py>,
+    cached: &Bound<'py, PyAny>,
+    c: &mut CachedRequestData,
+) -> PyResult<()> {
+    for b in cached.getattr(intern!(py, "new_block_ids"))?.try_iter()? {
+        let b = b?;
+        c.new_block_ids.push(if b.is_none() {
+            None
+        } else {
+            Some(groups(py, &b, "new_block_ids")?)
+        });
+    }
+    for v in cached
+        .getattr(intern!(py, "num_computed_tokens"))?
+        .try_iter()?
+    {
+        c.num_computed_tokens.push(v?.extract()?);
+    }
+    Ok(())
+}
+
+/// The number of tokens `scheduler_output.num_scheduled_tokens` (`counts`: a dict, or any
+/// mapping) schedules for request `id`, into `out` under `key`; nothing when it names none.
+pub(super) fn scheduled_count(
+    counts: &Bound<'_, PyAny>,
+    id: &Bound<'_, PyAny>,
+    key: &str,
+    out: &mut HashMap<String, usize>,
+) -> PyResult<()> {
+    let n = match counts.cast::<PyDict>() {
+        Ok(d) => d.get_item(id)?,
+        Err(_) => counts.get_item(id).ok(),
+    };
+    if let Some(n) = n {
+        out.insert(key.to_owned(), n.extract()?);
+    }
+    Ok(())
+}
+
+/// The new requests of `scheduler_output.scheduled_new_reqs` (`new_reqs`), each into `output`
+/// (its scheduled count from `counts`, its block ids and computed tokens; its prompt is read
+/// later, under the lock, from the first token the leader does not hold); returned with their
+/// `req_id` objects for that.
+pub(super) fn read_new_requests<'py>(
+    py: Python<'py>,
+    new_reqs: &Bound<'py, PyAny>,
+    counts: &Bound<'py, PyAny>,
+    output: &mut SchedulerOutput,
+) -> PyResult<Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+    let news: Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = new_reqs
+        .try_iter()?
+        .map(|r| {
+            let r = r?;
+            let id = r.getattr(intern!(py, "req_id"))?;
+            Ok((r, id))
+        })
+        .collect::<PyResult<_>>()?;
+    for (r, id) in &news {
+        let key = text(id)?;
+        scheduled_count(counts, id, &key, &mut output.num_scheduled_tokens)?;
+        output.scheduled_new_reqs.push(NewRequestData {
+            req_id: key,
+            prompt_token_ids: Vec::new(),
+            first_token_index: 0,
+            block_ids: groups(py, &r.getattr(intern!(py, "block_ids"))?, "block_ids")?,
+            num_computed_tokens: r.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
+        });
+    }
+    Ok(news)
+}
+
+/// Under the scheduler's lock (`s`), the tokens the leader does not hold yet: of each running
+/// request read from its `Request` (`from_requests`, parallel to the cached requests), the
+/// generated tokens after those the leader holds; of each new request (`news`, parallel to
+/// `output.scheduled_new_reqs`), its prompt after those. Returns the new requests' token count.
+pub(super) fn read_unknown_tokens<'py>(
+    py: Python<'py>,
+    s: &VllmScheduler,
+    from_requests: &[Option<Bound<'py, PyAny>>],
+    news: &[(Bound<'py, PyAny>, Bound<'py, PyAny>)],
+    output: &mut SchedulerOutput,
+) -> PyResult<usize> {
+    let c = &mut output.scheduled_cached_reqs;
+    if from_requests.iter().any(Option::is_some) {
+        c.new_token_index = vec![None; c.req_ids.len()];
+        for (i, r) in from_requests.iter().enumerate() {
+            let Some(r) = r else { continue };
+            let first = s.known_tokens(&c.req_ids[i]);
+            if first == 0 {
+                // Not tracked by the leader (a tracked request holds its prompt): nothing to
+                // append, and its whole list is not read every step.
+                continue;
+            }
+            let all = r.getattr(intern!(py, "all_token_ids"))?;
+            c.new_token_ids[i] = tokens_from(py, &all, first, "request.all_token_ids")?;
+            c.new_token_index[i] = Some(first);
+        }
+    }
+    let mut total = 0;
+    for ((r, _), d) in news.iter().zip(output.scheduled_new_reqs.iter_mut()) {
+        let first = s.known_tokens(&d.req_id);
+        let prompt = r.getattr(intern!(py, "prompt_token_ids"))?;
+        d.prompt_token_ids = tokens_from(py, &prompt, first, "prompt_token_ids")?;
+        d.first_token_index = first;
+        total += d.prompt_token_ids.len();
+    }
+    Ok(total)
+}
 
 /// `request.cache_salt` and `request.lora_request.lora_name`, when present.
 pub(super) fn salt_and_lora(
