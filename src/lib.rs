@@ -84,7 +84,7 @@ pub mod backends;
 pub mod frameworks;
 
 #[cfg(feature = "python")]
-mod python;
+pub mod python;
 
 pub use config::Config;
 pub use connector::adapter::{Engine, SchedulerAdapter};

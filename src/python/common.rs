@@ -9,7 +9,7 @@ use crate::connector::worker::Worker;
 use crate::error::{Error, ErrorKind, Result};
 
 /// A timeout given in seconds from Python.
-pub(crate) fn secs(v: f64) -> Result<Duration> {
+pub fn secs(v: f64) -> Result<Duration> {
     if !v.is_finite() || v < 0.0 {
         return Err(Error::invalid_argument(format!(
             "timeout must be a finite number of seconds >= 0, got {v}"
@@ -19,7 +19,7 @@ pub(crate) fn secs(v: f64) -> Result<Duration> {
 }
 
 /// Polls `ready` until it says true, fails, or `timeout_secs` passed.
-pub(crate) fn wait_until(
+pub fn wait_until(
     timeout_secs: f64,
     what: &str,
     mut ready: impl FnMut() -> Result<bool>,
@@ -40,7 +40,7 @@ pub(crate) fn wait_until(
 }
 
 /// True once the leader's barrier completed; its error if it failed.
-pub(crate) fn leader_ready<A: SchedulerAdapter>(leader: &mut Leader<A>) -> Result<bool> {
+pub fn leader_ready<A: SchedulerAdapter>(leader: &mut Leader<A>) -> Result<bool> {
     if leader.is_ready() {
         return Ok(true);
     }
@@ -51,7 +51,7 @@ pub(crate) fn leader_ready<A: SchedulerAdapter>(leader: &mut Leader<A>) -> Resul
 }
 
 /// True once the worker's barrier completed; its error if it failed.
-pub(crate) fn worker_ready(worker: &Worker) -> Result<bool> {
+pub fn worker_ready(worker: &Worker) -> Result<bool> {
     if worker.is_ready() {
         return Ok(true);
     }
@@ -62,7 +62,7 @@ pub(crate) fn worker_ready(worker: &Worker) -> Result<bool> {
 }
 
 /// The counters as JSON text.
-pub(crate) fn metrics_json(metrics: &Metrics) -> Result<String> {
+pub fn metrics_json(metrics: &Metrics) -> Result<String> {
     serde_json::to_string(&metrics.snapshot())
         .map_err(|e| Error::internal(format!("cannot encode the metrics: {e}")))
 }

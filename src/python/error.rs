@@ -52,7 +52,7 @@ pub(crate) fn kind_from_name(name: &str) -> Option<ErrorKind> {
 }
 
 /// A `KvbmError` carrying `e`'s text, kind, message and context.
-pub(crate) fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
+pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
     let err = KvbmError::new_err(e.to_string());
     let value = err.value(py);
     let kind: &'static str = e.kind().into();

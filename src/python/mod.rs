@@ -6,14 +6,23 @@
 //! into calls on the Rust adapters in `frameworks/`. It owns the boundary rules:
 //!
 //! * every error is a `kvbm_connector.KvbmError` carrying the message, the [`ErrorKind`] name
-//!   (`.kind`) and the key/value context (`.context`) ([`error`]);
+//!   (`.kind`) and the key/value context (`.context`) (`error.rs`);
 //! * every call into the core runs with the GIL released (`Python::detach`), so a blocking
 //!   start-up barrier, a wait for a previous iteration's stores, or a TCP connect never stalls
 //!   other Python threads; and inside `catch_unwind`, so a panic becomes a `KvbmError` of kind
 //!   `internal` and the object that panicked refuses further calls ([`Guarded`]);
 //! * cache tensors are read from any object with `data_ptr()`, `shape`, `dtype` and `device`
-//!   (torch tensors, or numpy-backed stand-ins) ([`tensor`]); CPU tensors become a tier over
-//!   their memory, CUDA tensors (feature `cuda`) the CUDA device tier ([`cache`], `cuda`).
+//!   (torch tensors, or numpy-backed stand-ins) (`tensor.rs`); CPU tensors become a tier over
+//!   their memory, CUDA tensors (feature `cuda`) the CUDA device tier (`cache.rs`, `cuda.rs`).
+//!
+//! The building blocks are public, so an engine binding outside this module — another module of
+//! the crate, or a crate of one's own that builds its own extension module over this library —
+//! keeps the same rules without copying them: [`Guarded`] (one call at a time, GIL released,
+//! panics caught), [`detached`], [`to_py_err`] / [`KvbmError`], the readiness helpers
+//! ([`leader_ready`], [`worker_ready`], [`wait_until`], [`secs`]), [`metrics_json`], and
+//! [`PyConfig`] (`kvbm_connector.Config`: take it as an argument and read it with
+//! [`PyConfig::config`]). Inside the crate, `scheduler_methods!` / `worker_methods!`
+//! (`common.rs`) add the calls every engine's scheduler and worker share to a class.
 //!
 //! [`ErrorKind`]: crate::ErrorKind
 
@@ -39,18 +48,20 @@ use pyo3::prelude::*;
 use crate::config::{Config, ENV_VARS};
 use crate::error::{Error, Result};
 
-pub(crate) use error::{to_py_err, KvbmError};
+pub use common::{leader_ready, metrics_json, secs, wait_until, worker_ready};
+pub use error::{to_py_err, KvbmError};
 
 /// A Rust object shared with Python: one call at a time, each with the GIL released and panics
 /// caught. After a panic the object is left unusable (its state may be half-updated).
-pub(crate) struct Guarded<T> {
+pub struct Guarded<T> {
     what: &'static str,
     inner: Mutex<T>,
     poisoned: AtomicBool,
 }
 
 impl<T: Send> Guarded<T> {
-    pub(crate) fn new(what: &'static str, inner: T) -> Self {
+    /// `inner`, shared with Python; `what` names it in errors (`"VllmScheduler"`).
+    pub fn new(what: &'static str, inner: T) -> Self {
         Self {
             what,
             inner: Mutex::new(inner),
@@ -59,7 +70,7 @@ impl<T: Send> Guarded<T> {
     }
 
     /// Runs `f` on the object without the GIL; errors and panics become `KvbmError`.
-    pub(crate) fn call<R: Send>(
+    pub fn call<R: Send>(
         &self,
         py: Python<'_>,
         op: &'static str,
@@ -97,7 +108,7 @@ impl<T: Send> Guarded<T> {
     /// lock is awaited with the GIL released (another thread may hold it while it works without
     /// the GIL; nothing run under the lock takes the GIL, so neither waits on the other). Errors
     /// of `f` are Python errors already; panics poison the object as in [`Guarded::call`].
-    pub(crate) fn call_attached<R>(
+    pub fn call_attached<R>(
         &self,
         py: Python<'_>,
         op: &'static str,
@@ -133,7 +144,7 @@ impl<T: Send> Guarded<T> {
 }
 
 /// Runs `f` without the GIL and with panics caught, for calls that need no shared object.
-pub(crate) fn detached<R: Send>(
+pub fn detached<R: Send>(
     py: Python<'_>,
     op: &'static str,
     f: impl FnOnce() -> Result<R> + Send,
@@ -159,8 +170,15 @@ fn panic_error(what: &str, op: &str, panic: &(dyn std::any::Any + Send)) -> Erro
 /// `Config::load` the Rust side and the `kvbm` CLI use.
 #[pyclass(module = "kvbm_connector._kvbm", name = "Config", frozen)]
 #[derive(Clone)]
-pub(crate) struct PyConfig {
+pub struct PyConfig {
     pub(crate) inner: Config,
+}
+
+impl PyConfig {
+    /// The configuration it carries (for an engine binding built on these blocks).
+    pub fn config(&self) -> &Config {
+        &self.inner
+    }
 }
 
 #[pymethods]
