@@ -6,6 +6,7 @@
 //! counts in flight — and queues its completion for the leader.
 
 use super::*;
+use crate::connector::metadata::BlockTransfer;
 
 impl Worker {
     pub(super) fn submit_where(&mut self, pick: impl Fn(&dyn Operation) -> bool) -> Result<()> {
@@ -75,36 +76,8 @@ impl Worker {
     ) -> Option<Job> {
         let t = op.transfer().clone();
         let direction = op.direction();
-        let touches_device = t.reads_device() || t.writes_device();
-        let behind = !touches_device && t.dst == TierKind::Remote;
-        let remote_load = direction == Direction::Load && t.src == TierKind::Remote;
-        // Counted until `complete` (every path below ends there).
-        {
-            let mut active = self.shared.active.lock();
-            active.all += 1;
-            if behind {
-                active.behind += 1;
-            } else if remote_load {
-                active.remote_loads += 1;
-            } else if !touches_device {
-                active.off_device.insert(t.id, Instant::now());
-            }
-        }
-        if t.reads_device() {
-            *self.shared.device_reads.lock() += 1;
-        }
-        let done = OpDone {
-            op: t.id,
-            request: t.request_id.clone(),
-            direction,
-            touches_device,
-            off_device: !touches_device && !behind,
-            behind,
-            remote_load,
-            reads_device: t.reads_device(),
-            writes_device: t.writes_device(),
-            dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
-        };
+        let done = self.count_started(&t, direction);
+        let touches_device = done.touches_device;
         let shared = self.shared.clone();
         let outbox = self.outbox.clone();
         if orphan {
@@ -124,34 +97,14 @@ impl Worker {
             complete(&shared, &outbox, done, Err(e));
             return None;
         }
-        let deadlines = (
-            self.config.remote.load_timeout(),
-            self.config.remote.io_timeout(),
-        );
-        let rank = self.rank();
-        let (src, dst) = match remote_sides(tiers, op.as_ref(), rank, deadlines) {
+        let (src, dst) = match self.endpoints(tiers, op.as_ref()) {
             Ok(sides) => sides,
             Err(e) => {
-                complete(&shared, &outbox, done, Err(e.with("op", t.id)));
-                return None;
-            }
-        };
-        let (src, dst) = match (src, dst) {
-            (Some(s), Some(d)) => (s, d.clone()),
-            _ => {
-                let e =
-                    Error::unsupported(format!("{} → {} has no tier on this worker", t.src, t.dst))
-                        .with("op", t.id);
                 complete(&shared, &outbox, done, Err(e));
                 return None;
             }
         };
-        let does_io = |k: TierKind| matches!(k, TierKind::Disk | TierKind::Remote);
-        let engine = if does_io(t.src) || does_io(t.dst) {
-            &self.io_engine
-        } else {
-            &self.engine
-        };
+        let engine = self.engine_for(t.src, t.dst);
         let bytes_per_block = dst.bytes_per_block();
         // A load from a tier doing I/O writes the device through a fence, and has a deadline.
         let fence = (direction == Direction::Load
@@ -194,6 +147,78 @@ impl Worker {
             deadline: self.config.transfer.load_timeout(),
             done,
         })
+    }
+
+    /// The transfer engine a copy between tiers `src` and `dst` runs on: the I/O engine when
+    /// either does I/O (disk, remote), so a stuck disk never takes the memory copies' permits.
+    fn engine_for(&self, src: TierKind, dst: TierKind) -> &TransferEngine {
+        let does_io = |k: TierKind| matches!(k, TierKind::Disk | TierKind::Remote);
+        if does_io(src) || does_io(dst) {
+            &self.io_engine
+        } else {
+            &self.engine
+        }
+    }
+
+    /// Counts operation `t` as started (in the worker's active counts, by kind, and as a device
+    /// read), until [`complete`] counts it done: every path after this ends there. Returns what
+    /// completing it needs.
+    fn count_started(&self, t: &BlockTransfer, direction: Direction) -> OpDone {
+        let touches_device = t.reads_device() || t.writes_device();
+        let behind = !touches_device && t.dst == TierKind::Remote;
+        let remote_load = direction == Direction::Load && t.src == TierKind::Remote;
+        {
+            let mut active = self.shared.active.lock();
+            active.all += 1;
+            if behind {
+                active.behind += 1;
+            } else if remote_load {
+                active.remote_loads += 1;
+            } else if !touches_device {
+                active.off_device.insert(t.id, Instant::now());
+            }
+        }
+        if t.reads_device() {
+            *self.shared.device_reads.lock() += 1;
+        }
+        OpDone {
+            op: t.id,
+            request: t.request_id.clone(),
+            direction,
+            touches_device,
+            off_device: !touches_device && !behind,
+            behind,
+            remote_load,
+            reads_device: t.reads_device(),
+            writes_device: t.writes_device(),
+            dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
+        }
+    }
+
+    /// The source and destination tiers of `op` on this worker: its own tiers, or a view of the
+    /// remote store (with the store's load and I/O deadlines) for a remote load or write. Errors
+    /// name the operation: a remote view that cannot be built, or a tier this worker lacks.
+    fn endpoints(
+        &self,
+        tiers: &WorkerTiers,
+        op: &dyn Operation,
+    ) -> Result<(Arc<dyn StorageTier>, Arc<dyn StorageTier>)> {
+        let t = op.transfer();
+        let deadlines = (
+            self.config.remote.load_timeout(),
+            self.config.remote.io_timeout(),
+        );
+        let rank = self.rank();
+        let (src, dst) =
+            remote_sides(tiers, op, rank, deadlines).map_err(|e| e.with("op", t.id))?;
+        match (src, dst) {
+            (Some(s), Some(d)) => Ok((s, d.clone())),
+            _ => Err(Error::unsupported(format!(
+                "{} → {} has no tier on this worker",
+                t.src, t.dst
+            ))
+            .with("op", t.id)),
+        }
     }
 }
 
