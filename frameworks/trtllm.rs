@@ -3,8 +3,8 @@
 //!
 //! What differs from vLLM, and how it is handled:
 //! * request ids are integers (`u64`);
-//! * `update_state_after_alloc(request, block_ids)` carries no external-token count: the scheduler
-//!   remembers, per request, the count it returned from `get_num_new_matched_tokens`;
+//! * `update_state_after_alloc(request, block_ids)` carries no external-token count: the count
+//!   loaded is the leader's staged match of the request ([`Leader::staged_match`]);
 //! * a `num_computed_tokens` that is not block-aligned (partial device reuse) matches nothing:
 //!   `(0, false)`;
 //! * the scheduler output has no scheduled-token count, only `computed_position`: offload is by
@@ -103,9 +103,6 @@ pub struct TrtllmScheduler {
     leader: Leader<ComputedPosition>,
     /// The model's one layer group: full attention, or a sliding window on every layer.
     groups: KvCacheGroups,
-    /// External-token counts returned by `get_num_new_matched_tokens`, consumed by
-    /// `update_state_after_alloc`.
-    external: HashMap<u64, usize>,
     /// Tokens the engine has reported per request through the scheduler output.
     reported: HashMap<u64, usize>,
     /// Prompt length per request, from its first match.
@@ -125,7 +122,6 @@ impl TrtllmScheduler {
         Ok(Self {
             leader,
             groups: KvCacheGroups::default(),
-            external: HashMap::new(),
             reported: HashMap::new(),
             prompt_len: HashMap::new(),
         })
@@ -188,7 +184,6 @@ impl TrtllmScheduler {
         request: &LlmRequest<'_>,
         num_computed_tokens: usize,
     ) -> Result<(usize, bool)> {
-        self.external.remove(&request.request_id);
         self.prompt_len
             .entry(request.request_id)
             .or_insert(request.tokens.len());
@@ -206,9 +201,6 @@ impl TrtllmScheduler {
             0,
             num_computed_tokens,
         )?;
-        if m.external_tokens > 0 {
-            self.external.insert(request.request_id, m.external_tokens);
-        }
         Ok((m.external_tokens, m.load_async))
     }
 
@@ -231,14 +223,14 @@ impl TrtllmScheduler {
         lists: &[Vec<usize>],
     ) -> Result<()> {
         self.check_lists(request.request_id, "block_ids_by_layer_group", lists)?;
-        let external = self.external.get(&request.request_id).copied().unwrap_or(0);
         let real = request.request_id.to_string();
         for (g, blocks) in lists.iter().enumerate() {
             let id = KvCacheGroups::request_id(&real, g);
+            // What the match staged for this group (every group was trimmed to one count).
+            let external = self.leader.staged_match(&id).external_tokens;
             self.leader
                 .update_state_after_alloc(&id, blocks, external)?;
         }
-        self.external.remove(&request.request_id);
         Ok(())
     }
 
@@ -318,7 +310,6 @@ impl TrtllmScheduler {
         lists: &[Vec<usize>],
     ) -> Result<bool> {
         self.check_lists(request.request_id, "cache_block_ids_by_layer_group", lists)?;
-        self.external.remove(&request.request_id);
         self.reported.remove(&request.request_id);
         let prompt_len = self.prompt_len.remove(&request.request_id);
         // Once a token was generated, every token but the last has its KV computed. A request

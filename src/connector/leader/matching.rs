@@ -534,6 +534,17 @@ impl<A: SchedulerAdapter> Leader<A> {
         m
     }
 
+    /// Request `id`'s staged match (what its last match promised the engine and the allocation
+    /// will load), [`MatchResult::NONE`] when nothing is staged or the request is unknown: an
+    /// engine whose allocation call does not repeat the matched count (TensorRT-LLM) reads it
+    /// here instead of keeping its own copy.
+    pub fn staged_match(&self, id: &RequestId) -> MatchResult {
+        self.slots
+            .get(id)
+            .and_then(|s| s.staged.as_ref())
+            .map_or(MatchResult::NONE, |s| s.result(self.page_size))
+    }
+
     /// Keeps at most `tokens` (rounded down to whole blocks) of request `id`'s staged match and
     /// releases the blocks after them: the engine will load fewer (another KV-cache group of
     /// the same request matched less). Returns the match as it stands now (also
