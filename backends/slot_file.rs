@@ -205,43 +205,7 @@ impl SlotFile {
             xxhash_rust::xxh3::xxh3_64(identity.as_bytes())
         );
         let path = opts.dir.join(name);
-        let refuse = |why: String| {
-            Error::new(
-                ErrorKind::InvalidConfig,
-                format!("persisted disk file {}: {why}", path.display()),
-            )
-            .with("tier", kind)
-            .with("path", path.display())
-        };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(|e| {
-                Error::io("open", e)
-                    .with("tier", kind)
-                    .with("path", path.display())
-            })?;
-        let meta = file
-            .metadata()
-            .map_err(|e| Error::io("stat", e).with("path", path.display()))?;
-        {
-            use std::os::unix::fs::MetadataExt;
-            // SAFETY: plain syscall, no arguments.
-            let me = unsafe { libc::geteuid() };
-            if !meta.is_file() || meta.uid() != me {
-                return Err(refuse("not a regular file of this user".into()));
-            }
-        }
-        match lock(&file, true) {
-            Ok(true) => {}
-            Ok(false) => return Err(refuse("in use by another process".into())),
-            Err(e) => return Err(Error::io("flock", e).with("path", path.display())),
-        }
+        let (file, len) = open_owned(kind, &path)?;
         let want = IndexHeader {
             identity: identity.to_string(),
             kind: kind.to_string(),
@@ -249,21 +213,8 @@ impl SlotFile {
             slot_bytes,
             num_blocks,
         };
-        let entries = match super::persist::load(&path, num_blocks) {
-            Some((found, entries)) => {
-                want.check(&found, &path)?;
-                entries
-            }
-            None if meta.len() != 0 && meta.len() != file_bytes => {
-                return Err(refuse(format!(
-                    "{} bytes with no usable index; this tier needs {file_bytes}: remove it to \
-                     start empty",
-                    meta.len()
-                )))
-            }
-            None => Vec::new(),
-        };
-        if meta.len() != file_bytes {
+        let entries = checked_index(kind, &want, &path, len, file_bytes)?;
+        if len != file_bytes {
             preallocate(&file, file_bytes).map_err(|e| {
                 Error::io("fallocate", e)
                     .with("tier", kind)
@@ -468,6 +419,85 @@ impl SlotFile {
         let (image, padding) = slot.split_at_mut(bytes_per_block);
         copy_segments(src, &mut [IoSliceMut::new(image)]);
         padding.fill(0);
+    }
+}
+
+/// The error for a persisted file this tier cannot use.
+fn refuse_persisted(kind: TierKind, path: &Path, why: String) -> Error {
+    Error::new(
+        ErrorKind::InvalidConfig,
+        format!("persisted disk file {}: {why}", path.display()),
+    )
+    .with("tier", kind)
+    .with("path", path.display())
+}
+
+/// Opens (creating when missing) the persisted file at `path` — `O_NOFOLLOW`, mode 0600 — checks
+/// it is a regular file of this user and takes its exclusive lock; returns it and its length.
+fn open_owned(kind: TierKind, path: &Path) -> Result<(File, u64)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| {
+            Error::io("open", e)
+                .with("tier", kind)
+                .with("path", path.display())
+        })?;
+    let meta = file
+        .metadata()
+        .map_err(|e| Error::io("stat", e).with("path", path.display()))?;
+    {
+        use std::os::unix::fs::MetadataExt;
+        // SAFETY: plain syscall, no arguments.
+        let me = unsafe { libc::geteuid() };
+        if !meta.is_file() || meta.uid() != me {
+            return Err(refuse_persisted(
+                kind,
+                path,
+                "not a regular file of this user".into(),
+            ));
+        }
+    }
+    match lock(&file, true) {
+        Ok(true) => Ok((file, meta.len())),
+        Ok(false) => Err(refuse_persisted(
+            kind,
+            path,
+            "in use by another process".into(),
+        )),
+        Err(e) => Err(Error::io("flock", e).with("path", path.display())),
+    }
+}
+
+/// The entries of the persisted file's index when it was written for `want` (else the
+/// difference, named); none when there is no usable index — unless the file has data of
+/// another size, which nothing then explains (refused).
+fn checked_index(
+    kind: TierKind,
+    want: &IndexHeader,
+    path: &Path,
+    len: u64,
+    file_bytes: u64,
+) -> Result<Vec<IndexEntry>> {
+    match super::persist::load(path, want.num_blocks) {
+        Some((found, entries)) => {
+            want.check(&found, path)?;
+            Ok(entries)
+        }
+        None if len != 0 && len != file_bytes => Err(refuse_persisted(
+            kind,
+            path,
+            format!(
+                "{len} bytes with no usable index; this tier needs {file_bytes}: remove it to \
+                 start empty"
+            ),
+        )),
+        None => Ok(Vec::new()),
     }
 }
 

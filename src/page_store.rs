@@ -205,95 +205,49 @@ impl PageStore {
             .chars()
             .filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-')
             .collect();
-        let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, u64)]| {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            for (extra, v) in samples {
-                let _ = writeln!(out, "{name}{{engine=\"{engine}\"{extra}}} {v}");
-            }
+        let one = |st: StoreState| u64::from(s.remote_state == Some(st));
+        let tiers = |h, d, r: Option<u64>| {
+            let mut v = vec![(",tier=\"host\"", h), (",tier=\"disk\"", d)];
+            v.extend(r.map(|r| (",tier=\"remote\"", r)));
+            v
         };
-        metric(
-            "kvbm_page_store_put_pages_total",
-            "counter",
-            "Pages asked to be stored.",
-            &[("", s.put_pages)],
-        );
-        metric(
-            "kvbm_page_store_stored_pages_total",
-            "counter",
-            "Pages some tier held after a put.",
-            &[("", s.put_stored)],
-        );
-        metric(
-            "kvbm_page_store_get_pages_total",
-            "counter",
-            "Pages asked to be read.",
-            &[("", s.get_pages)],
-        );
-        metric(
-            "kvbm_page_store_hits_total",
-            "counter",
-            "Pages served, by the tier that served them.",
-            &[
-                (",tier=\"host\"", s.host_hits),
-                (",tier=\"disk\"", s.disk_hits),
-                (",tier=\"remote\"", s.remote_hits),
-            ],
-        );
-        metric(
-            "kvbm_page_store_misses_total",
-            "counter",
-            "Pages found nowhere (or only damaged).",
-            &[("", s.misses)],
-        );
-        metric(
-            "kvbm_page_store_corrupt_total",
-            "counter",
-            "Local pages that failed verification (not served, withdrawn).",
-            &[("", s.corrupt)],
-        );
-        metric(
-            "kvbm_page_store_remote_invalid_total",
-            "counter",
-            "Remote values that failed verification (not served).",
-            &[("", s.remote_invalid)],
-        );
-        metric(
-            "kvbm_page_store_remote_errors_total",
-            "counter",
-            "Remote calls that failed or missed their deadline.",
-            &[("", s.remote_errors)],
-        );
-        metric("kvbm_page_store_remote_skipped_total", "counter", "Remote calls not made: the store was out of the path (slow or unavailable, backing off).", &[("", s.remote_skipped)]);
-        metric(
-            "kvbm_page_store_disk_not_admitted_total",
-            "counter",
-            "Pages kept off the disk tier by its admission filter.",
-            &[("", s.disk_not_admitted)],
-        );
-        if let Some(state) = s.remote_state {
-            let one = |st: StoreState| u64::from(state == st);
-            metric(
-                "kvbm_page_store_remote_state",
+        type Metric<'a> = (&'a str, &'a str, &'a str, Vec<(&'a str, u64)>);
+        let mut table: Vec<Metric<'_>> = vec![
+            ("put_pages_total", "counter", "Pages asked to be stored.", vec![("", s.put_pages)]),
+            ("stored_pages_total", "counter", "Pages some tier held after a put.", vec![("", s.put_stored)]),
+            ("get_pages_total", "counter", "Pages asked to be read.", vec![("", s.get_pages)]),
+            ("hits_total", "counter", "Pages served, by the tier that served them.", tiers(s.host_hits, s.disk_hits, Some(s.remote_hits))),
+            ("misses_total", "counter", "Pages found nowhere (or only damaged).", vec![("", s.misses)]),
+            ("corrupt_total", "counter", "Local pages that failed verification (not served, withdrawn).", vec![("", s.corrupt)]),
+            ("remote_invalid_total", "counter", "Remote values that failed verification (not served).", vec![("", s.remote_invalid)]),
+            ("remote_errors_total", "counter", "Remote calls that failed or missed their deadline.", vec![("", s.remote_errors)]),
+            ("remote_skipped_total", "counter", "Remote calls not made: the store was out of the path (slow or unavailable, backing off).", vec![("", s.remote_skipped)]),
+            ("disk_not_admitted_total", "counter", "Pages kept off the disk tier by its admission filter.", vec![("", s.disk_not_admitted)]),
+            ("pages", "gauge", "Pages a local tier holds now.", tiers(s.host_pages, s.disk_pages, None)),
+        ];
+        if s.remote_state.is_some() {
+            table.push((
+                "remote_state",
                 "gauge",
                 "The remote store's verdict: 1 for the current state.",
-                &[
+                vec![
                     (",state=\"healthy\"", one(StoreState::Healthy)),
                     (",state=\"slow\"", one(StoreState::Slow)),
                     (",state=\"unavailable\"", one(StoreState::Unavailable)),
                 ],
-            );
+            ));
         }
-        metric(
-            "kvbm_page_store_pages",
-            "gauge",
-            "Pages a local tier holds now.",
-            &[
-                (",tier=\"host\"", s.host_pages),
-                (",tier=\"disk\"", s.disk_pages),
-            ],
-        );
+        let mut out = String::new();
+        for (name, kind, help, samples) in table {
+            let _ = writeln!(out, "# HELP kvbm_page_store_{name} {help}");
+            let _ = writeln!(out, "# TYPE kvbm_page_store_{name} {kind}");
+            for (extra, v) in samples {
+                let _ = writeln!(
+                    out,
+                    "kvbm_page_store_{name}{{engine=\"{engine}\"{extra}}} {v}"
+                );
+            }
+        }
         out
     }
 }
