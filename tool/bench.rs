@@ -425,7 +425,54 @@ fn raw_direct(
 /// Most rounds per path `kvbm bench` runs.
 pub const MAX_ROUNDS: usize = 1000;
 
+/// The groups of paths `--only` may name.
+const GROUPS: [&str; 7] = [
+    "memory", "disk", "nixl", "cuda", "leader", "metrics", "redis",
+];
+
 pub fn run(a: &BenchArgs) -> Result<ExitCode> {
+    check_counts(a)?;
+    let config = Config::load(None)?;
+    let dir = a.dir.clone().unwrap_or(config.disk.dir);
+    let progress = !a.json && std::io::stderr().is_terminal();
+    check_only(a)?;
+    let policy = a.copy_method.unwrap_or(config.transfer.copy_method);
+    let calibration_json = calibrate_copies(a, policy);
+    if a.curve {
+        return run_curve(a, policy, calibration_json);
+    }
+    let measured = measure_paths(a, dir, policy, progress)?;
+    if a.json {
+        #[cfg_attr(not(feature = "nixl"), expect(unused_mut))]
+        let mut v = serde_json::json!({
+            "paths": measured.results,
+            "disk_note": measured.note,
+            "copy_policy": policy,
+            "copy_calibration": calibration_json,
+        });
+        #[cfg(feature = "nixl")]
+        if let Some(obj) = v.as_object_mut() {
+            obj.insert("nixl_note".into(), serde_json::json!(measured.nixl_note));
+        }
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).map_err(|e| Error::internal(e.to_string()))?
+        );
+    } else {
+        print_table(&measured.results);
+        if let Some(n) = measured.note {
+            println!("note: the disk tier runs without O_DIRECT here: {n}");
+        }
+        #[cfg(feature = "nixl")]
+        if let Some(n) = measured.nixl_note {
+            println!("note: {n}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses zero blocks, rounds or requests in flight, and more than [`MAX_ROUNDS`] rounds.
+fn check_counts(a: &BenchArgs) -> Result<()> {
     if a.blocks == 0 || a.rounds == 0 || a.in_flight == 0 {
         return Err(Error::invalid_argument(
             "--blocks, --rounds and --in-flight must be at least 1",
@@ -439,31 +486,35 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         ))
         .with("flag", "--rounds"));
     }
-    let config = Config::load(None)?;
-    let dir = a.dir.clone().unwrap_or(config.disk.dir);
-    let progress = !a.json && std::io::stderr().is_terminal();
-    let groups = [
-        "memory", "disk", "nixl", "cuda", "leader", "metrics", "redis",
-    ];
+    Ok(())
+}
+
+/// Refuses an `--only` that names a group not in [`GROUPS`].
+fn check_only(a: &BenchArgs) -> Result<()> {
     if let Some(only) = &a.only {
-        if let Some(bad) = only.split(',').find(|g| !groups.contains(&g.trim())) {
+        if let Some(bad) = only.split(',').find(|g| !GROUPS.contains(&g.trim())) {
             return Err(Error::invalid_argument(format!(
                 "--only: unknown group `{bad}` (groups: {})",
-                groups.join(", ")
+                GROUPS.join(", ")
             )));
         }
     }
-    let want = |g: &str| {
-        a.only
-            .as_ref()
-            .is_none_or(|o| o.split(',').any(|x| x.trim() == g))
-    };
-    let mut results = Vec::new();
-    let policy = a.copy_method.unwrap_or(config.transfer.copy_method);
-    // Under auto, the calibration runs before anything is timed (a transfer engine would start
-    // it in the background; here the figures should not depend on when it ends).
+    Ok(())
+}
+
+/// Whether group `g` runs: every group without `--only`, else those it names.
+fn wanted(a: &BenchArgs, g: &str) -> bool {
+    a.only
+        .as_ref()
+        .is_none_or(|o| o.split(',').any(|x| x.trim() == g))
+}
+
+/// Under `auto`, runs the copy calibration before anything is timed (a transfer engine would
+/// start it in the background; here the figures should not depend on when it ends), prints its
+/// figures unless `--json`, and returns them for the JSON report (`None` when it did not run).
+fn calibrate_copies(a: &BenchArgs, policy: CopyPolicy) -> Option<serde_json::Value> {
     let calibration =
-        (policy == CopyPolicy::Auto && (a.curve || want("memory"))).then(transfer::calibrate);
+        (policy == CopyPolicy::Auto && (a.curve || wanted(a, "memory"))).then(transfer::calibrate);
     if let (Some(c), false) = (calibration, a.json) {
         println!(
             "copy calibration: ordinary stores {:.2} GB/s, streaming stores {:.2} GB/s, streaming to four pages in turn {:.2} GB/s ({} MiB, caches flushed, fastest of 7, {:.0} ms in all) -> {} for transfers of at least {} MiB",
@@ -476,7 +527,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
             transfer::STREAM_MIN_BYTES >> 20,
         );
     }
-    let calibration_json = calibration.map(|c| {
+    calibration.map(|c| {
         serde_json::json!({
             "method": c.method,
             "plain_bytes_per_sec": c.plain_bytes_per_sec,
@@ -485,39 +536,68 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
             "bytes": c.bytes,
             "elapsed_secs": c.elapsed.as_secs_f64(),
         })
-    });
-    if a.curve {
-        let peak = memory_paths_peak_bytes(a.blocks);
-        if !a.json {
-            println!(
-                "memory paths at 1..={} blocks of {} MiB; peak memory {:.1} GiB (source + destination)",
-                a.blocks,
-                dims().bytes_per_block() >> 20,
-                peak as f64 / f64::from(1u32 << 30)
-            );
-        }
-        if !a.json {
-            print_header();
-        }
-        let results = memory_curve(a.blocks, a.rounds, policy, |rows| {
-            if !a.json {
-                rows.iter().for_each(print_row);
-            }
-        })?;
-        if a.json {
-            let v = serde_json::json!({
-                "paths": results,
-                "peak_bytes": peak,
-                "copy_policy": policy,
-                "copy_calibration": calibration_json,
-            });
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&v).map_err(|e| Error::internal(e.to_string()))?
-            );
-        }
-        return Ok(ExitCode::SUCCESS);
+    })
+}
+
+/// `--curve`: the memory paths at 1, 2, 4, … blocks up to `--blocks`, each size's rows printed
+/// as it ends (or one JSON report at the end).
+fn run_curve(
+    a: &BenchArgs,
+    policy: CopyPolicy,
+    calibration_json: Option<serde_json::Value>,
+) -> Result<ExitCode> {
+    let peak = memory_paths_peak_bytes(a.blocks);
+    if !a.json {
+        println!(
+            "memory paths at 1..={} blocks of {} MiB; peak memory {:.1} GiB (source + destination)",
+            a.blocks,
+            dims().bytes_per_block() >> 20,
+            peak as f64 / f64::from(1u32 << 30)
+        );
     }
+    if !a.json {
+        print_header();
+    }
+    let results = memory_curve(a.blocks, a.rounds, policy, |rows| {
+        if !a.json {
+            rows.iter().for_each(print_row);
+        }
+    })?;
+    if a.json {
+        let v = serde_json::json!({
+            "paths": results,
+            "peak_bytes": peak,
+            "copy_policy": policy,
+            "copy_calibration": calibration_json,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).map_err(|e| Error::internal(e.to_string()))?
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What [`measure_paths`] measured: the rows, and why the disk tier ran without O_DIRECT or the
+/// NIXL paths were skipped (when they were).
+struct Measured {
+    results: Vec<PathResult>,
+    note: Option<String>,
+    #[cfg(feature = "nixl")]
+    nixl_note: Option<String>,
+}
+
+/// Measures each wanted group in turn (memory, disk, NIXL, CUDA, the leader, metrics, Redis),
+/// saying which on stderr when `progress`. A NIXL that is not installed skips its paths with a
+/// note; every other error ends the run.
+fn measure_paths(
+    a: &BenchArgs,
+    dir: PathBuf,
+    policy: CopyPolicy,
+    progress: bool,
+) -> Result<Measured> {
+    let want = |g: &str| wanted(a, g);
+    let mut results = Vec::new();
     if want("memory") {
         if progress {
             eprintln!("bench: memory paths…");
@@ -577,33 +657,12 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         }
         results.extend(redis_paths(url, a.redis_blocks, a.rounds)?);
     }
-    if a.json {
-        #[cfg_attr(not(feature = "nixl"), expect(unused_mut))]
-        let mut v = serde_json::json!({
-            "paths": results,
-            "disk_note": note,
-            "copy_policy": policy,
-            "copy_calibration": calibration_json,
-        });
+    Ok(Measured {
+        results,
+        note,
         #[cfg(feature = "nixl")]
-        if let Some(obj) = v.as_object_mut() {
-            obj.insert("nixl_note".into(), serde_json::json!(nixl_note));
-        }
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&v).map_err(|e| Error::internal(e.to_string()))?
-        );
-    } else {
-        print_table(&results);
-        if let Some(n) = note {
-            println!("note: the disk tier runs without O_DIRECT here: {n}");
-        }
-        #[cfg(feature = "nixl")]
-        if let Some(n) = nixl_note {
-            println!("note: {n}");
-        }
-    }
-    Ok(ExitCode::SUCCESS)
+        nixl_note,
+    })
 }
 
 fn print_header() {
