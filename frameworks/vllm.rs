@@ -656,99 +656,17 @@ pub fn detect_vllm(
     num_blocks: Option<usize>,
     override_kind: Option<LayoutKind>,
 ) -> Result<Layout> {
-    let Some(first) = layer_shapes.first() else {
-        return Err(Error::invalid_layout(
-            "no per-layer cache tensors registered",
-        ));
-    };
-    for (i, s) in layer_shapes.iter().enumerate() {
-        if s != first {
-            return Err(Error::invalid_layout(format!(
-                "layer {i} has shape {} but layer 0 has {}",
-                fmt_shape(s),
-                fmt_shape(first)
-            ))
-            .with("layer", i));
-        }
-    }
-    let shape = first.as_slice();
-    if shape.len() < 3 {
-        return Err(Error::invalid_layout(format!(
-            "per-layer cache tensor must have at least 3 dims, got {}",
-            fmt_shape(shape)
-        )));
-    }
+    let shape = common_shape(layer_shapes)?;
     let num_layers = layer_shapes.len();
-
-    // Every reading that fits the shape: (kind, num_blocks, outer_dim, tail start).
-    let mut candidates: Vec<(LayoutKind, usize, usize, usize)> = Vec::with_capacity(3);
-    let fits_blocks = |n: usize| num_blocks.is_none_or(|want| want == n);
-    // Outer-major: [outer, N, ...]
-    if matches!(shape[0], 1 | 2) && fits_blocks(shape[1]) {
-        candidates.push((LayoutKind::LayerSeparateOuterMajor, shape[1], shape[0], 2));
-    }
-    // Block-major with explicit outer dim: [N, outer, ...]
-    if matches!(shape[1], 1 | 2) && fits_blocks(shape[0]) && shape[1] != page_size {
-        candidates.push((LayoutKind::LayerSeparateBlockMajor, shape[0], shape[1], 2));
-    }
-    // MLA: [N, page_size, ...] with outer_dim 1.
-    if shape[1] == page_size && fits_blocks(shape[0]) {
-        candidates.push((LayoutKind::LayerSeparateBlockMajor, shape[0], 1, 1));
-    }
-    // Outer-major with outer 1 is the same bytes as block-major with outer 1; keep one reading.
-    candidates.retain(|c| {
-        !(c.0 == LayoutKind::LayerSeparateOuterMajor && c.2 == 1 && shape[1] == page_size)
-    });
-    // Head-major (CPU attention): [N, heads, page, 2 × head_dim].
-    if shape.len() == 4 && shape[2] == page_size && shape[3] % 2 == 0 && fits_blocks(shape[0]) {
-        candidates.push((LayoutKind::LayerSeparateHeadMajor, shape[0], 2, 1));
-    }
-
-    let chosen = match override_kind {
-        Some(LayoutKind::FullyContiguous) => {
-            return Err(Error::invalid_layout(format!(
-                "layout override fully_contiguous contradicts {num_layers} per-layer tensors of shape {}",
-                fmt_shape(shape)
-            )))
-        }
-        Some(k) => {
-            let fitting: Vec<_> = candidates.iter().filter(|c| c.0 == k).collect();
-            match fitting.as_slice() {
-                [one] => **one,
-                [] => {
-                    return Err(Error::invalid_layout(format!(
-                        "layout override {k} contradicts per-layer shape {}{}",
-                        fmt_shape(shape),
-                        num_blocks.map_or(String::new(), |n| format!(" with num_blocks {n}"))
-                    )))
-                }
-                _ => {
-                    return Err(Error::invalid_layout(format!(
-                        "per-layer shape {} is ambiguous even with override {k}",
-                        fmt_shape(shape)
-                    )))
-                }
-            }
-        }
-        None => match candidates.as_slice() {
-            [one] => *one,
-            [] => {
-                return Err(Error::invalid_layout(format!(
-                    "cannot read per-layer shape {} as [outer, blocks, ...], [blocks, outer, ...], [blocks, page_size, ...] or [blocks, heads, page_size, 2 × head_dim]{}",
-                    fmt_shape(shape),
-                    num_blocks.map_or(String::new(), |n| format!(" with num_blocks {n} and page_size {page_size}"))
-                )))
-            }
-            _ => {
-                let kinds: Vec<String> = candidates.iter().map(|c| c.0.to_string()).collect();
-                return Err(Error::invalid_layout(format!(
-                    "per-layer shape {} is ambiguous ({}); pass num_blocks or a layout override (layer_separate_head_major for vLLM's CPU attention backend)",
-                    fmt_shape(shape),
-                    kinds.join(" or ")
-                )))
-            }
-        },
-    };
+    let candidates = shape_readings(shape, page_size, num_blocks);
+    let chosen = choose_reading(
+        &candidates,
+        shape,
+        num_layers,
+        page_size,
+        num_blocks,
+        override_kind,
+    )?;
     let (kind, n, outer_dim, tail) = chosen;
     if kind == LayoutKind::LayerSeparateHeadMajor {
         let (heads, head_dim) = (shape[1], shape[3] / 2);
@@ -784,4 +702,127 @@ pub fn detect_vllm(
         BlockOrder::BlockMajor
     };
     Layout::layer_separate(dims, n, order)
+}
+
+/// One reading of a per-layer shape: (kind, num_blocks, outer_dim, the dim where the page
+/// starts).
+type ShapeReading = (LayoutKind, usize, usize, usize);
+
+/// The one shape every layer's tensor shares: refused when there are no layers, when a layer's
+/// shape differs from layer 0's (naming it), or when it has fewer than 3 dims.
+fn common_shape(layer_shapes: &[Vec<usize>]) -> Result<&[usize]> {
+    let Some(first) = layer_shapes.first() else {
+        return Err(Error::invalid_layout(
+            "no per-layer cache tensors registered",
+        ));
+    };
+    for (i, s) in layer_shapes.iter().enumerate() {
+        if s != first {
+            return Err(Error::invalid_layout(format!(
+                "layer {i} has shape {} but layer 0 has {}",
+                fmt_shape(s),
+                fmt_shape(first)
+            ))
+            .with("layer", i));
+        }
+    }
+    let shape = first.as_slice();
+    if shape.len() < 3 {
+        return Err(Error::invalid_layout(format!(
+            "per-layer cache tensor must have at least 3 dims, got {}",
+            fmt_shape(shape)
+        )));
+    }
+    Ok(shape)
+}
+
+/// Every reading that fits the shape (and `num_blocks`, when given), in the order outer-major,
+/// block-major, MLA, head-major; an outer-major reading with outer dim 1 is dropped where the MLA
+/// reading covers the same bytes.
+fn shape_readings(
+    shape: &[usize],
+    page_size: usize,
+    num_blocks: Option<usize>,
+) -> Vec<ShapeReading> {
+    let mut candidates: Vec<ShapeReading> = Vec::with_capacity(3);
+    let fits_blocks = |n: usize| num_blocks.is_none_or(|want| want == n);
+    // Outer-major: [outer, N, ...]
+    if matches!(shape[0], 1 | 2) && fits_blocks(shape[1]) {
+        candidates.push((LayoutKind::LayerSeparateOuterMajor, shape[1], shape[0], 2));
+    }
+    // Block-major with explicit outer dim: [N, outer, ...]
+    if matches!(shape[1], 1 | 2) && fits_blocks(shape[0]) && shape[1] != page_size {
+        candidates.push((LayoutKind::LayerSeparateBlockMajor, shape[0], shape[1], 2));
+    }
+    // MLA: [N, page_size, ...] with outer_dim 1.
+    if shape[1] == page_size && fits_blocks(shape[0]) {
+        candidates.push((LayoutKind::LayerSeparateBlockMajor, shape[0], 1, 1));
+    }
+    // Outer-major with outer 1 is the same bytes as block-major with outer 1; keep one reading.
+    candidates.retain(|c| {
+        !(c.0 == LayoutKind::LayerSeparateOuterMajor && c.2 == 1 && shape[1] == page_size)
+    });
+    // Head-major (CPU attention): [N, heads, page, 2 × head_dim].
+    if shape.len() == 4 && shape[2] == page_size && shape[3] % 2 == 0 && fits_blocks(shape[0]) {
+        candidates.push((LayoutKind::LayerSeparateHeadMajor, shape[0], 2, 1));
+    }
+    candidates
+}
+
+/// The one reading to use: the override's, when it names one that fits (fully contiguous, none
+/// or several fitting are refused); without an override, the only reading, refused when none or
+/// several fit.
+fn choose_reading(
+    candidates: &[ShapeReading],
+    shape: &[usize],
+    num_layers: usize,
+    page_size: usize,
+    num_blocks: Option<usize>,
+    override_kind: Option<LayoutKind>,
+) -> Result<ShapeReading> {
+    match override_kind {
+        Some(LayoutKind::FullyContiguous) => {
+            Err(Error::invalid_layout(format!(
+                "layout override fully_contiguous contradicts {num_layers} per-layer tensors of shape {}",
+                fmt_shape(shape)
+            )))
+        }
+        Some(k) => {
+            let fitting: Vec<_> = candidates.iter().filter(|c| c.0 == k).collect();
+            match fitting.as_slice() {
+                [one] => Ok(**one),
+                [] => {
+                    Err(Error::invalid_layout(format!(
+                        "layout override {k} contradicts per-layer shape {}{}",
+                        fmt_shape(shape),
+                        num_blocks.map_or(String::new(), |n| format!(" with num_blocks {n}"))
+                    )))
+                }
+                _ => {
+                    Err(Error::invalid_layout(format!(
+                        "per-layer shape {} is ambiguous even with override {k}",
+                        fmt_shape(shape)
+                    )))
+                }
+            }
+        }
+        None => match candidates {
+            [one] => Ok(*one),
+            [] => {
+                Err(Error::invalid_layout(format!(
+                    "cannot read per-layer shape {} as [outer, blocks, ...], [blocks, outer, ...], [blocks, page_size, ...] or [blocks, heads, page_size, 2 × head_dim]{}",
+                    fmt_shape(shape),
+                    num_blocks.map_or(String::new(), |n| format!(" with num_blocks {n} and page_size {page_size}"))
+                )))
+            }
+            _ => {
+                let kinds: Vec<String> = candidates.iter().map(|c| c.0.to_string()).collect();
+                Err(Error::invalid_layout(format!(
+                    "per-layer shape {} is ambiguous ({}); pass num_blocks or a layout override (layer_separate_head_major for vLLM's CPU attention backend)",
+                    fmt_shape(shape),
+                    kinds.join(" or ")
+                )))
+            }
+        },
+    }
 }
