@@ -34,103 +34,10 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRequest>> {
         if line.trim().is_empty() {
             continue;
         }
-        let bad = |what: &str| -> Result<Vec<TraceRequest>> {
-            Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("trace line {n}: {what}"),
-            )
-            .with("line", n))
-        };
-        // Check each field's presence and type first, so the error names the field.
-        let value: serde_json::Value = match serde_json::from_str(line) {
-            Ok(v) => v,
-            Err(e) => return bad(&format!("not JSON: {e}")),
-        };
-        let Some(obj) = value.as_object() else {
-            return bad("expected a JSON object");
-        };
-        for key in obj.keys() {
-            if !matches!(key.as_str(), "id" | "arrival" | "prompt" | "max_tokens") {
-                return bad(&format!(
-                    "unknown field {key:?} (expected id, arrival, prompt, max_tokens)"
-                ));
-            }
-        }
-        match obj.get("id") {
-            Some(serde_json::Value::String(_)) => {}
-            Some(other) => return bad(&format!("field \"id\" must be a string, got {other}")),
-            None => return bad("missing field \"id\""),
-        }
-        if out.len() == MAX_REQUESTS {
-            return bad(&format!(
-                "more than {MAX_REQUESTS} requests (the most one replay takes)"
-            ));
-        }
-        for key in ["arrival", "max_tokens"] {
-            match obj.get(key) {
-                Some(v) if key == "max_tokens" && v.as_u64().is_some_and(|m| m > MAX_REQUEST_TOKENS as u64) => {
-                    return bad(&format!(
-                        "field \"max_tokens\" is {v}; at most {MAX_REQUEST_TOKENS} tokens per request"
-                    ))
-                }
-                Some(v) if key == "arrival" && v.as_u64().is_some_and(|a| a > MAX_ARRIVAL) => {
-                    return bad(&format!(
-                        "field \"arrival\" is {v}; at most {MAX_ARRIVAL} (engine steps)"
-                    ))
-                }
-                Some(v) if v.as_u64().is_some() => {}
-                Some(v) => {
-                    return bad(&format!(
-                        "field {key:?} must be a non-negative integer, got {v}"
-                    ))
-                }
-                None => return bad(&format!("missing field {key:?}")),
-            }
-        }
-        match obj.get("prompt") {
-            Some(serde_json::Value::Array(items)) => {
-                if let Some((k, v)) = items
-                    .iter()
-                    .enumerate()
-                    .find(|(_, v)| v.as_u64().is_none_or(|t| t > u64::from(u32::MAX)))
-                {
-                    return bad(&format!(
-                        "field \"prompt\"[{k}] must be a token id (0..=4294967295), got {v}"
-                    ));
-                }
-            }
-            Some(other) => {
-                return bad(&format!(
-                    "field \"prompt\" must be an array of token ids, got {other}"
-                ))
-            }
-            None => return bad("missing field \"prompt\""),
-        }
-        let r: TraceRequest = match serde_json::from_value(value) {
-            Ok(r) => r,
-            Err(e) => return bad(&e.to_string()),
-        };
-        let bad = |what: &str| {
-            Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("trace line {n}: {what}"),
-            )
-            .with("line", n))
-        };
-        if r.id.is_empty() {
-            return bad("empty id");
-        }
-        if r.prompt.is_empty() {
-            return bad("empty prompt");
-        }
-        if r.max_tokens == 0 {
-            return bad("max_tokens must be at least 1");
-        }
-        if let Err(e) = request_tokens(r.prompt.len(), r.max_tokens) {
-            return bad(&format!("fields \"prompt\" and \"max_tokens\": {e}"));
-        }
+        let r =
+            parse_request(line, out.len() == MAX_REQUESTS).map_err(|what| line_error(n, &what))?;
         if !ids.insert(r.id.clone()) {
-            return bad(&format!("duplicate id {:?}", r.id));
+            return Err(line_error(n, &format!("duplicate id {:?}", r.id)));
         }
         out.push(r);
     }
@@ -142,6 +49,115 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRequest>> {
     }
     out.sort_by_key(|r| r.arrival);
     Ok(out)
+}
+
+/// The error for line `n` (1-based): `trace line {n}: {what}`, with the line as a field.
+fn line_error(n: usize, what: &str) -> Error {
+    Error::new(
+        ErrorKind::InvalidArgument,
+        format!("trace line {n}: {what}"),
+    )
+    .with("line", n)
+}
+
+/// One non-empty line's request, or what is wrong with it. Each field's presence and type is
+/// checked first, so the error names the field; `full` (the trace already holds
+/// [`MAX_REQUESTS`]) refuses the line once its id is known good. Duplicate ids are the caller's.
+fn parse_request(line: &str, full: bool) -> std::result::Result<TraceRequest, String> {
+    let value: serde_json::Value = match serde_json::from_str(line) {
+        Ok(v) => v,
+        Err(e) => return Err(format!("not JSON: {e}")),
+    };
+    let Some(obj) = value.as_object() else {
+        return Err("expected a JSON object".into());
+    };
+    check_fields(obj, full)?;
+    let r: TraceRequest = match serde_json::from_value(value) {
+        Ok(r) => r,
+        Err(e) => return Err(e.to_string()),
+    };
+    if r.id.is_empty() {
+        return Err("empty id".into());
+    }
+    if r.prompt.is_empty() {
+        return Err("empty prompt".into());
+    }
+    if r.max_tokens == 0 {
+        return Err("max_tokens must be at least 1".into());
+    }
+    if let Err(e) = request_tokens(r.prompt.len(), r.max_tokens) {
+        return Err(format!("fields \"prompt\" and \"max_tokens\": {e}"));
+    }
+    Ok(r)
+}
+
+/// The fields' names, presence, types and bounds, in this order: unknown fields, `id`, the
+/// request count (`full`), `arrival` and `max_tokens`, then `prompt`'s token ids.
+fn check_fields(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    full: bool,
+) -> std::result::Result<(), String> {
+    for key in obj.keys() {
+        if !matches!(key.as_str(), "id" | "arrival" | "prompt" | "max_tokens") {
+            return Err(format!(
+                "unknown field {key:?} (expected id, arrival, prompt, max_tokens)"
+            ));
+        }
+    }
+    match obj.get("id") {
+        Some(serde_json::Value::String(_)) => {}
+        Some(other) => return Err(format!("field \"id\" must be a string, got {other}")),
+        None => return Err("missing field \"id\"".into()),
+    }
+    if full {
+        return Err(format!(
+            "more than {MAX_REQUESTS} requests (the most one replay takes)"
+        ));
+    }
+    for key in ["arrival", "max_tokens"] {
+        match obj.get(key) {
+            Some(v)
+                if key == "max_tokens"
+                    && v.as_u64().is_some_and(|m| m > MAX_REQUEST_TOKENS as u64) =>
+            {
+                return Err(format!(
+                    "field \"max_tokens\" is {v}; at most {MAX_REQUEST_TOKENS} tokens per request"
+                ))
+            }
+            Some(v) if key == "arrival" && v.as_u64().is_some_and(|a| a > MAX_ARRIVAL) => {
+                return Err(format!(
+                    "field \"arrival\" is {v}; at most {MAX_ARRIVAL} (engine steps)"
+                ))
+            }
+            Some(v) if v.as_u64().is_some() => {}
+            Some(v) => {
+                return Err(format!(
+                    "field {key:?} must be a non-negative integer, got {v}"
+                ))
+            }
+            None => return Err(format!("missing field {key:?}")),
+        }
+    }
+    match obj.get("prompt") {
+        Some(serde_json::Value::Array(items)) => {
+            if let Some((k, v)) = items
+                .iter()
+                .enumerate()
+                .find(|(_, v)| v.as_u64().is_none_or(|t| t > u64::from(u32::MAX)))
+            {
+                return Err(format!(
+                    "field \"prompt\"[{k}] must be a token id (0..=4294967295), got {v}"
+                ));
+            }
+        }
+        Some(other) => {
+            return Err(format!(
+                "field \"prompt\" must be an array of token ids, got {other}"
+            ))
+        }
+        None => return Err("missing field \"prompt\"".into()),
+    }
+    Ok(())
 }
 
 /// Reads and parses a trace file (at most [`MAX_TRACE_BYTES`]).
