@@ -265,12 +265,33 @@ impl DiskTier {
 
 impl crate::tier::Persistent for DiskTier {
     fn save_index(&self, keys: &[(usize, u128)]) -> Result<()> {
-        match &self.identity {
-            Some(identity) => self.slots.save_index(identity, keys),
-            None => Err(crate::error::Error::unsupported(
+        self.slots.save_index(self.identity()?, keys)
+    }
+
+    fn checksum(&self, block: usize) -> Option<u64> {
+        self.slots.checksum(block)
+    }
+
+    fn save_entries(&self, entries: &[(usize, u128, u64)]) -> Result<()> {
+        let entries: Vec<super::persist::IndexEntry> = entries
+            .iter()
+            .map(|&(slot, key, checksum)| super::persist::IndexEntry {
+                slot,
+                key,
+                checksum,
+            })
+            .collect();
+        self.slots.save_entries(self.identity()?, &entries)
+    }
+}
+
+impl DiskTier {
+    fn identity(&self) -> Result<&str> {
+        self.identity.as_deref().ok_or_else(|| {
+            crate::error::Error::unsupported(
                 "this disk tier was not opened persisted (DiskTier::open_persistent)",
-            )),
-        }
+            )
+        })
     }
 }
 

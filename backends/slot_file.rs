@@ -200,11 +200,7 @@ impl SlotFile {
         let (layout, slot_bytes, file_bytes) = geometry(kind, dims, num_blocks)?;
         prepare_dir(&opts.dir).map_err(|e| e.with("tier", kind))?;
         remove_stale_files(&opts.dir);
-        let name = format!(
-            "kvbm-{kind}-{:016x}.persist.blocks",
-            xxhash_rust::xxh3::xxh3_64(identity.as_bytes())
-        );
-        let path = opts.dir.join(name);
+        let path = persisted_path(&opts.dir, kind, identity);
         let (file, len) = open_owned(kind, &path)?;
         let want = IndexHeader {
             identity: identity.to_string(),
@@ -251,8 +247,30 @@ impl SlotFile {
     }
 
     /// Saves the index of a persisted file: `keys` are `(block, key)` of the blocks the owner
-    /// holds; blocks never (completely) written are left out. Syncs the file's data first.
+    /// holds (held, so none changes meanwhile); blocks never (completely) written are left out.
     pub(crate) fn save_index(&self, identity: &str, keys: &[(usize, u128)]) -> Result<()> {
+        let entries: Vec<IndexEntry> = keys
+            .iter()
+            .filter_map(|&(slot, key)| {
+                let checksum = self.checksum(slot)?;
+                Some(IndexEntry {
+                    slot,
+                    key,
+                    checksum,
+                })
+            })
+            .collect();
+        self.save_entries(identity, &entries)
+    }
+
+    /// The checksum recorded for `block`'s last complete write, if any.
+    pub(crate) fn checksum(&self, block: usize) -> Option<u64> {
+        *self.checksums.get(block)?.read()
+    }
+
+    /// Saves `entries` (slot, key and the checksum the owner recorded with the key) as the
+    /// persisted file's index. Syncs the file's data first.
+    pub(crate) fn save_entries(&self, identity: &str, entries: &[IndexEntry]) -> Result<()> {
         if !self.persist {
             return Err(Error::unsupported(
                 "the disk tier is not persisted (disk.persist)",
@@ -261,17 +279,6 @@ impl SlotFile {
         self.file
             .sync_data()
             .map_err(|e| Error::io("fsync", e).with("path", self.path.display()))?;
-        let entries: Vec<IndexEntry> = keys
-            .iter()
-            .filter_map(|&(slot, key)| {
-                let checksum = (*self.checksums.get(slot)?.read())?;
-                Some(IndexEntry {
-                    slot,
-                    key,
-                    checksum,
-                })
-            })
-            .collect();
         let header = IndexHeader {
             identity: identity.to_string(),
             kind: self.kind.to_string(),
@@ -279,7 +286,7 @@ impl SlotFile {
             slot_bytes: self.slot_bytes,
             num_blocks: self.layout.num_blocks(),
         };
-        super::persist::save(&self.path, &header, &entries)
+        super::persist::save(&self.path, &header, entries)
     }
 
     /// The file.
@@ -420,6 +427,14 @@ impl SlotFile {
         copy_segments(src, &mut [IoSliceMut::new(image)]);
         padding.fill(0);
     }
+}
+
+/// Where the persisted file of a tier of `kind` for `identity` lives in `dir`.
+pub(crate) fn persisted_path(dir: &Path, kind: TierKind, identity: &str) -> PathBuf {
+    dir.join(format!(
+        "kvbm-{kind}-{:016x}.persist.blocks",
+        xxhash_rust::xxh3::xxh3_64(identity.as_bytes())
+    ))
 }
 
 /// The error for a persisted file this tier cannot use.

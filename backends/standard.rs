@@ -70,13 +70,28 @@ impl TierFactory for StandardTiers {
         } else {
             None
         };
+        let mut disk_index = Vec::new();
         if disk.is_none() && counts.num_disk_blocks > 0 {
-            disk = Some(Arc::new(DiskTier::create(
-                TierKind::Disk,
-                dims,
-                counts.num_disk_blocks,
-                opts,
-            )?));
+            if config.disk.persist {
+                // Reopened with what it held (same namespace, rank, block shape and count).
+                let identity = worker_disk_identity(config, rank, &dims)?;
+                let (tier, index) = DiskTier::open_persistent(
+                    TierKind::Disk,
+                    dims,
+                    counts.num_disk_blocks,
+                    opts,
+                    &identity,
+                )?;
+                disk_index = index;
+                disk = Some(Arc::new(tier));
+            } else {
+                disk = Some(Arc::new(DiskTier::create(
+                    TierKind::Disk,
+                    dims,
+                    counts.num_disk_blocks,
+                    opts,
+                )?));
+            }
         }
         Ok(WorkerTiers {
             device,
@@ -84,6 +99,7 @@ impl TierFactory for StandardTiers {
             disk,
             counts,
             remote: None,
+            disk_index,
         })
     }
 
@@ -98,6 +114,32 @@ impl TierFactory for StandardTiers {
     ) -> Result<Option<Arc<dyn RemoteStore>>> {
         super::remote::connect(config, scope)
     }
+}
+
+/// What a worker's persisted disk file holds (`disk.persist`): the deployment's namespace
+/// (`remote.namespace`, which must then be set: it names the model, so a restarted engine
+/// serving another model with the same block shape never reads these blocks), the key hash,
+/// the rank and the block shape.
+///
+/// Errors: `disk.persist` without `remote.namespace` (invalid config, naming both).
+pub fn worker_disk_identity(config: &Config, rank: usize, dims: &LayoutDims) -> Result<String> {
+    let Some(ns) = config.remote.namespace.as_deref().filter(|n| !n.is_empty()) else {
+        return Err(crate::error::Error::invalid_config(
+            "remote.namespace",
+            "unset",
+            "disk.persist (KVBM_DISK_PERSIST) needs a namespace naming the model \
+             (KVBM_REMOTE_NAMESPACE), so a restarted engine never reads another model's blocks",
+        ));
+    };
+    Ok(format!(
+        "kvbm-worker-disk-v1;ns={ns:?};hash={:?};rank={rank};layers={};outer={};page={};inner={};dtype={}",
+        config.hash,
+        dims.num_layers,
+        dims.outer_dim,
+        dims.page_size,
+        dims.inner_dim,
+        dims.dtype_bytes
+    ))
 }
 
 /// A [`PageStore`] of `page_bytes`-byte pages named within `namespace`, over the tiers the

@@ -263,31 +263,6 @@ impl Drop for PageStore {
     }
 }
 
-/// Registers the pages a reopened tier holds (`(block, key)`) in its fresh pool: every block is
-/// taken once, those named are registered under their key (released: inactive, matchable,
-/// evictable), the rest go back to the free list.
-fn adopt(pool: &BlockPool, index: &[(usize, u128)]) {
-    let mut by_block = std::collections::HashMap::with_capacity(index.len());
-    for &(block, key) in index {
-        by_block.insert(block, SequenceHash(key));
-    }
-    let blocks = pool.allocate_up_to(pool.num_blocks());
-    let mut named = Vec::with_capacity(index.len());
-    for b in blocks {
-        if let Some(&key) = by_block.get(&b.block_id()) {
-            named.push((b, key));
-        }
-    }
-    let (n, errors) = pool.register_all(named);
-    if !errors.is_empty() {
-        tracing::warn!(
-            registered = n,
-            refused = errors.len(),
-            "page store: some reopened pages were not adopted"
-        );
-    }
-}
-
 impl std::fmt::Debug for PageStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PageStore")
@@ -336,7 +311,7 @@ impl PageStore {
             }
             let pool = BlockPool::with_policy(tier.kind(), tier.num_blocks(), options.eviction)?;
             if tier.kind() == TierKind::Disk && !disk_index.is_empty() {
-                adopt(&pool, &disk_index);
+                pool.adopt(&disk_index);
             }
             levels.push(Level { tier, pool });
         }

@@ -2021,3 +2021,91 @@ fn bad_flags_are_refused_at_once_and_by_name() {
     let help = text(&out.stdout);
     assert!(help.contains("[default: prefix]"), "{help}");
 }
+
+/// One `kvbm replay` over a persisted disk tier in `dir` (`KVBM_DISK_PERSIST`, namespace `ns`):
+/// its table.
+fn persisted_replay(dir: &Path, ns: &str, framework: &str, tp: &str) -> String {
+    let out = kvbm(dir)
+        .env("KVBM_DISK_PERSIST", "1")
+        .env("KVBM_REMOTE_NAMESPACE", ns)
+        .args([
+            "replay",
+            "--framework",
+            framework,
+            "--tp",
+            tp,
+            "--host-blocks",
+            "64",
+        ])
+        .output()
+        .expect("run kvbm");
+    assert_ok(&out, "kvbm replay with a persisted disk tier");
+    text(&out.stdout)
+}
+
+#[test]
+fn a_persisted_disk_tier_serves_the_next_run_and_never_wrong_bytes() {
+    for (framework, tp) in [("trtllm", "1"), ("vllm", "2")] {
+        let dir = tmp();
+        let first = persisted_replay(dir.path(), "toy", framework, tp);
+        let second = persisted_replay(dir.path(), "toy", framework, tp);
+        let what = format!("{framework} --tp {tp}");
+        for t in [&first, &second] {
+            assert_eq!(table_value(t, "integrity errors"), 0.0, "{what}:\n{t}");
+            assert_eq!(table_value(t, "load errors"), 0.0, "{what}:\n{t}");
+        }
+        // The second run starts with the first run's disk blocks (every rank's, over TCP with
+        // --tp 2): its early requests hit where the first run's computed. Each onboarded byte
+        // was checked against the model stand-in.
+        let (m1, m2) = (
+            table_value(&first, "matched by kvbm"),
+            table_value(&second, "matched by kvbm"),
+        );
+        assert!(m2 > m1 * 1.5, "{what}: matched {m1} then {m2}\n{second}");
+        // Another model (namespace) in the same directory: its own files, nothing reused.
+        let other = persisted_replay(dir.path(), "another-model", framework, tp);
+        // (A first run's count varies a little with when background copies finish.)
+        let mo = table_value(&other, "matched by kvbm");
+        assert!(
+            mo < m1 * 1.2,
+            "{what}: another namespace matched {mo} (first run {m1}):\n{other}"
+        );
+        // Every persisted data file damaged: its blocks fail their checksums, loads fail and
+        // are recomputed, no wrong byte is served.
+        for entry in std::fs::read_dir(dir.path()).expect("disk dir") {
+            let path = entry.expect("entry").path();
+            if path.to_string_lossy().ends_with(".persist.blocks") {
+                let mut bytes = std::fs::read(&path).expect("read");
+                for b in bytes.iter_mut().step_by(1024) {
+                    *b ^= 0x5a;
+                }
+                std::fs::write(&path, bytes).expect("write");
+            }
+        }
+        let damaged = persisted_replay(dir.path(), "toy", framework, tp);
+        assert_eq!(
+            table_value(&damaged, "integrity errors"),
+            0.0,
+            "{what}:\n{damaged}"
+        );
+        assert!(
+            table_value(&damaged, "load errors") > 0.0,
+            "{what}:\n{damaged}"
+        );
+    }
+}
+
+#[test]
+fn a_persisted_disk_tier_without_a_namespace_is_refused_by_name() {
+    let dir = tmp();
+    let out = kvbm(dir.path())
+        .env("KVBM_DISK_PERSIST", "1")
+        .args(["replay", "--quiet"])
+        .output()
+        .expect("run kvbm");
+    assert_clean_failure(
+        &out,
+        "KVBM_DISK_PERSIST without a namespace",
+        &["KVBM_REMOTE_NAMESPACE", "disk.persist"],
+    );
+}

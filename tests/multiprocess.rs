@@ -28,9 +28,9 @@ use kvbm_connector::config::{AUTH_TOKEN_ENV, CONFIG_FILE_VAR, ENV_VARS, LEADER_A
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
-/// The wire protocol's version (`src/tcp/mod.rs`; 4 since workers send their remote
-/// store's counters).
-const PROTOCOL_VERSION: u16 = 4;
+/// The wire protocol's version (`src/tcp/mod.rs`; 5 since workers send what a persisted disk
+/// tier holds at start-up).
+const PROTOCOL_VERSION: u16 = 5;
 const FRAMEWORKS: [&str; 2] = ["trtllm", "vllm"];
 /// Start-up deadline of every process unless a test sets another: long enough for a loaded
 /// 2-core machine, short enough that a broken barrier cannot stall the suite for long.

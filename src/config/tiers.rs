@@ -165,6 +165,12 @@ pub(super) fn sized_blocks(key: &str, size: &TierSize, bytes_per_block: usize) -
 }
 
 impl DiskConfig {
+    /// Whether the workers' disk tier outlives the process and is reopened with its blocks:
+    /// `persist` with the built-in disk I/O (the NIXL disk tier is not reopened).
+    pub fn reopens(&self) -> bool {
+        self.persist && self.io == DiskIo::Builtin
+    }
+
     /// `disk.dir` must name a directory: the empty path (the current directory, by accident) is
     /// refused from the TOML file as from the environment.
     pub(super) fn validate_dir(&self) -> Result<()> {

@@ -80,6 +80,9 @@ pub struct Readiness {
     pub dims: LayoutDims,
     /// Bytes per block of each rank's shard, by rank.
     pub bytes_per_block: Vec<usize>,
+    /// `(block, key)` pairs every rank's disk tier already held at start-up (persisted tiers
+    /// reopened: each rank's [`WorkerMessage::DiskIndex`], intersected); usually empty.
+    pub disk_index: Vec<(usize, u128)>,
 }
 
 impl Readiness {
@@ -213,7 +216,7 @@ pub(crate) fn leader_barrier(
     for rank in 0..world {
         transport.send(rank, LeaderMessage::Allocate(counts))?;
     }
-    await_allocations(transport, world, deadline, timeout)?;
+    let disk_index = await_allocations(transport, world, deadline, timeout)?;
     let dims = hellos
         .first()
         .map(|h| h.dims)
@@ -230,6 +233,7 @@ pub(crate) fn leader_barrier(
         counts,
         dims,
         bytes_per_block,
+        disk_index,
     })
 }
 
@@ -336,8 +340,10 @@ fn await_allocations(
     world: usize,
     deadline: Instant,
     timeout: Duration,
-) -> Result<()> {
+) -> Result<Vec<(usize, u128)>> {
     let mut ready = vec![false; world];
+    let mut indexes: Vec<std::collections::HashSet<(usize, u128)>> =
+        vec![Default::default(); world];
     while ready.iter().any(|r| !r) {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -354,6 +360,11 @@ fn await_allocations(
             WorkerMessage::Ready => {
                 if let Some(r) = ready.get_mut(rank) {
                     *r = true;
+                }
+            }
+            WorkerMessage::DiskIndex(chunk) => {
+                if let Some(set) = indexes.get_mut(rank) {
+                    set.extend(chunk);
                 }
             }
             WorkerMessage::Failed(why) => {
@@ -373,7 +384,14 @@ fn await_allocations(
             other => tracing::warn!(rank, ?other, "unexpected message during barrier step 2"),
         }
     }
-    Ok(())
+    // A block is served only when every rank holds the same key in it.
+    let mut common = indexes.pop().unwrap_or_default();
+    for set in &indexes {
+        common.retain(|e| set.contains(e));
+    }
+    let mut common: Vec<(usize, u128)> = common.into_iter().collect();
+    common.sort_unstable();
+    Ok(common)
 }
 
 fn check_hello(
@@ -422,7 +440,7 @@ pub(crate) fn worker_barrier(
     transport: &dyn WorkerTransport,
     hello: WorkerHello,
     timeout: Duration,
-    allocate: impl FnOnce(TierCounts) -> Result<()>,
+    allocate: impl FnOnce(TierCounts) -> Result<Vec<(usize, u128)>>,
 ) -> Result<TierCounts> {
     let deadline = Instant::now() + timeout;
     let rank = transport.rank();
@@ -458,9 +476,15 @@ pub(crate) fn worker_barrier(
             None => continue,
         }
     };
-    if let Err(e) = allocate(counts) {
-        let _ = transport.send(WorkerMessage::Failed(e.to_string()));
-        return Err(e);
+    let disk_index = match allocate(counts) {
+        Ok(index) => index,
+        Err(e) => {
+            let _ = transport.send(WorkerMessage::Failed(e.to_string()));
+            return Err(e);
+        }
+    };
+    for chunk in disk_index.chunks(crate::connector::transport::DISK_INDEX_CHUNK) {
+        transport.send(WorkerMessage::DiskIndex(chunk.to_vec()))?;
     }
     transport.send(WorkerMessage::Ready)?;
     Ok(counts)

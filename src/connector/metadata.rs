@@ -119,7 +119,8 @@ pub trait Operation: Debug + Send + Sync {
         self.transfer().request_id.as_ref()
     }
     /// The key (sequence hash) of each pair's source block (remote loads) or destination
-    /// block (remote writes), by the pair's index in the remote tier; empty otherwise.
+    /// block (remote writes), by the pair's index in the remote tier; of each pair's destination
+    /// block by pair index ([`KeyedStore`]) or source block ([`KeyedLoad`]); empty otherwise.
     fn block_keys(&self) -> &[u128] {
         &[]
     }
@@ -192,6 +193,66 @@ impl Operation for RemoteLoad {
 impl Clone for Box<dyn Operation> {
     fn clone(&self) -> Self {
         self.clone_op()
+    }
+}
+
+/// A [`Store`] whose destination tier keeps which key each block holds (a persisted disk tier,
+/// `disk.persist`): `keys[i]` is the key of `transfer.pairs[i]`'s destination block, so a worker
+/// restarted over the same file can say what its blocks are.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyedStore {
+    /// The copies.
+    pub transfer: BlockTransfer,
+    /// The key of each pair's destination block, by pair index.
+    pub keys: Vec<u128>,
+}
+
+#[typetag::serde(name = "keyed_store")]
+impl Operation for KeyedStore {
+    fn builtin_kind(&self) -> Option<BuiltinKind> {
+        Some(BuiltinKind::KeyedStore)
+    }
+    fn direction(&self) -> Direction {
+        Direction::Store
+    }
+    fn transfer(&self) -> &BlockTransfer {
+        &self.transfer
+    }
+    fn clone_op(&self) -> Box<dyn Operation> {
+        Box::new(self.clone())
+    }
+    fn block_keys(&self) -> &[u128] {
+        &self.keys
+    }
+}
+
+/// A [`Load`] from a persisted disk tier (`disk.persist`): `keys[i]` is the key the leader
+/// expects in `transfer.pairs[i]`'s source block; a worker whose index says otherwise fails the
+/// load (the engine recomputes) rather than serve another key's bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyedLoad {
+    /// The copies.
+    pub transfer: BlockTransfer,
+    /// The key of each pair's source block, by pair index.
+    pub keys: Vec<u128>,
+}
+
+#[typetag::serde(name = "keyed_load")]
+impl Operation for KeyedLoad {
+    fn builtin_kind(&self) -> Option<BuiltinKind> {
+        Some(BuiltinKind::KeyedLoad)
+    }
+    fn direction(&self) -> Direction {
+        Direction::Load
+    }
+    fn transfer(&self) -> &BlockTransfer {
+        &self.transfer
+    }
+    fn clone_op(&self) -> Box<dyn Operation> {
+        Box::new(self.clone())
+    }
+    fn block_keys(&self) -> &[u128] {
+        &self.keys
     }
 }
 
@@ -325,6 +386,48 @@ mod tests {
         })));
         m.hold.push("b".into());
         m
+    }
+
+    #[test]
+    fn keyed_operations_round_trip_and_refuse_a_key_count_that_is_not_the_pair_count() {
+        let t = |id, src, dst, pairs: Vec<(usize, usize)>| BlockTransfer {
+            id: OperationId(id),
+            request_id: Some("a".into()),
+            src,
+            dst,
+            pairs,
+        };
+        let mut m = ConnectorMetadata::empty(3);
+        m.new_slots.push(RequestId::from("a"));
+        m.operations.push(Box::new(KeyedStore {
+            transfer: t(1, TierKind::Device, TierKind::Disk, vec![(0, 5), (1, 6)]),
+            keys: vec![11, u128::MAX],
+        }));
+        m.operations.push(Box::new(KeyedLoad {
+            transfer: t(2, TierKind::Disk, TierKind::Device, vec![(5, 2)]),
+            keys: vec![11],
+        }));
+        let d = ConnectorMetadata::decode(&m.encode().unwrap()).unwrap();
+        assert_eq!(
+            d.operations[0].builtin_kind(),
+            Some(BuiltinKind::KeyedStore)
+        );
+        assert_eq!(d.operations[0].block_keys(), &[11, u128::MAX]);
+        assert_eq!(d.operations[0].direction(), Direction::Store);
+        assert_eq!(d.operations[1].builtin_kind(), Some(BuiltinKind::KeyedLoad));
+        assert_eq!(d.operations[1].block_keys(), &[11]);
+        assert_eq!(d.operations[1].direction(), Direction::Load);
+        assert_eq!(d.operations[1].transfer(), m.operations[1].transfer());
+        // Two keys for one pair: a decode error naming the operation, not a panic.
+        let mut bad = ConnectorMetadata::empty(3);
+        bad.new_slots.push(RequestId::from("a"));
+        bad.operations.push(Box::new(KeyedLoad {
+            transfer: t(9, TierKind::Disk, TierKind::Device, vec![(5, 2)]),
+            keys: vec![1, 2],
+        }));
+        let err = ConnectorMetadata::decode(&bad.encode().unwrap()).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Decode, "{err}");
+        assert!(err.to_string().contains("operation 9"), "{err}");
     }
 
     #[test]

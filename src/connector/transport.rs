@@ -72,6 +72,10 @@ pub enum WorkerMessage {
     Ready,
     /// The worker could not allocate its tiers.
     Failed(String),
+    /// Barrier step 2, before [`WorkerMessage::Ready`]: `(block, key)` pairs its disk tier
+    /// already holds (a persisted tier reopened, `disk.persist`), in chunks of at most
+    /// [`DISK_INDEX_CHUNK`]. The leader serves a block only when every rank holds its key there.
+    DiskIndex(Vec<(usize, u128)>),
     /// Operations finished.
     Completed(Vec<Completion>),
     /// The counters of this rank's remote store (totals since it was built), sent at the end
@@ -90,6 +94,10 @@ pub enum WorkerMessage {
     /// peer closes that connection. After it, nothing more arrives from this rank's connection.
     Disconnected(String),
 }
+
+/// The most `(block, key)` pairs one [`WorkerMessage::DiskIndex`] carries (its frame stays
+/// well below the network transport's payload bound).
+pub const DISK_INDEX_CHUNK: usize = 65_536;
 
 /// The reason of the [`WorkerMessage::Disconnected`] of a rank that said
 /// [`WorkerMessage::Goodbye`] before closing its connection.

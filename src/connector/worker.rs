@@ -78,6 +78,9 @@ pub struct WorkerTiers {
     /// The shared remote store (G4), when `remote.url` is set. Factories leave it `None`: the
     /// worker fills it from [`TierFactory::remote_store`] after [`TierFactory::build`].
     pub remote: Option<Arc<dyn RemoteStore>>,
+    /// `(block, key)` of what a persisted disk tier held when it was reopened (`disk.persist`;
+    /// empty otherwise): the worker keeps its index from there.
+    pub disk_index: Vec<(usize, u128)>,
 }
 
 /// Builds a worker's own tiers once the start-up barrier chose their sizes: storage providers
@@ -203,6 +206,90 @@ struct Shared {
     /// This worker's transfer counters (blocks and bytes per tier pair), served with
     /// `tcp.metrics_addr`.
     metrics: Arc<Metrics>,
+    /// The persisted disk tier's index, once the tiers exist (`disk.persist`).
+    disk_keys: std::sync::OnceLock<DiskKeys>,
+}
+
+/// How often completions save a persisted disk tier's index (also saved when the worker drops).
+pub const DISK_INDEX_SAVE_EVERY: Duration = Duration::from_secs(5);
+
+/// A persisted disk tier's index as this worker wrote it (`disk.persist`): which key each block
+/// holds, with the checksum taken right after that write (before the leader learns the write
+/// completed, so before it can reuse the block): always a true description of the bytes written.
+#[derive(Debug)]
+pub(crate) struct DiskKeys {
+    tier: Arc<dyn StorageTier>,
+    map: Mutex<HashMap<usize, (u128, u64)>>,
+    last_save: Mutex<Instant>,
+}
+
+impl DiskKeys {
+    /// The index of `tier` (persisted, else `None`) starting from what it was reopened with.
+    fn new(tier: Arc<dyn StorageTier>, index: &[(usize, u128)]) -> Option<Self> {
+        let p = tier.persistent()?;
+        let map = index
+            .iter()
+            .filter_map(|&(b, k)| Some((b, (k, p.checksum(b)?))))
+            .collect();
+        Some(Self {
+            tier,
+            map: Mutex::new(map),
+            last_save: Mutex::new(Instant::now()),
+        })
+    }
+
+    /// Records a keyed store's outcome: `written` `(block, key)` pairs, those in `failed` not.
+    pub(crate) fn record(&self, written: &[(usize, u128)], failed: &[usize]) {
+        let Some(p) = self.tier.persistent() else {
+            return;
+        };
+        let mut map = self.map.lock();
+        for &(block, key) in written {
+            match p.checksum(block) {
+                Some(c) if !failed.contains(&block) => {
+                    map.insert(block, (key, c));
+                }
+                _ => {
+                    map.remove(&block);
+                }
+            }
+        }
+    }
+
+    /// The first source block of `pairs` whose recorded key is not `keys[i]` (or none recorded).
+    pub(crate) fn first_mismatch(&self, pairs: &[(usize, usize)], keys: &[u128]) -> Option<usize> {
+        let map = self.map.lock();
+        pairs
+            .iter()
+            .enumerate()
+            .find(|(i, p)| map.get(&p.0).map(|e| e.0) != keys.get(*i).copied())
+            .map(|(_, p)| p.0)
+    }
+
+    /// Saves the index now.
+    fn save(&self) -> Result<()> {
+        *self.last_save.lock() = Instant::now();
+        let entries: Vec<(usize, u128, u64)> = self
+            .map
+            .lock()
+            .iter()
+            .map(|(&b, &(k, c))| (b, k, c))
+            .collect();
+        match self.tier.persistent() {
+            Some(p) => p.save_entries(&entries),
+            None => Ok(()),
+        }
+    }
+
+    /// Saves the index when [`DISK_INDEX_SAVE_EVERY`] passed since the last save.
+    pub(crate) fn maybe_save(&self) {
+        if self.last_save.lock().elapsed() < DISK_INDEX_SAVE_EVERY {
+            return;
+        }
+        if let Err(e) = self.save() {
+            tracing::warn!(error = %e, "kvbm worker: the persisted disk index was not saved");
+        }
+    }
 }
 
 /// Operations in flight on a worker.
@@ -233,6 +320,7 @@ impl Default for Shared {
             active_done: Condvar::new(),
             failure_warn: Mutex::new(WarnLimiter::new(WarnLimiter::INTERVAL)),
             metrics: Arc::new(Metrics::new()),
+            disk_keys: std::sync::OnceLock::new(),
         }
     }
 }
@@ -393,6 +481,7 @@ impl Worker {
         };
         let transport = self.transport.clone();
         let factory = self.factory.clone();
+        let shared = self.shared.clone();
         let config = self.config.clone();
         let timeout = config.init_timeout();
         let rank = hello.rank;
@@ -402,6 +491,11 @@ impl Worker {
             worker_barrier(transport.as_ref(), hello, timeout, |counts| {
                 let mut built = factory.build(&config, rank, device.clone(), counts)?;
                 built.remote = None;
+                if let Some(disk) = &built.disk {
+                    if let Some(keys) = DiskKeys::new(disk.clone(), &built.disk_index) {
+                        let _ = shared.disk_keys.set(keys);
+                    }
+                }
                 if config.remote.enabled() {
                     let scope = RemoteScope::for_instance(
                         &config,
@@ -416,8 +510,9 @@ impl Worker {
                         );
                     }
                 }
+                let disk_index = std::mem::take(&mut built.disk_index);
                 tiers = Some(built);
-                Ok(())
+                Ok(disk_index)
             })?;
             tiers.ok_or_else(|| Error::internal("barrier finished without tiers"))
         })?;
@@ -782,6 +877,11 @@ impl Drop for Worker {
     fn drop(&mut self) {
         // Completions still queued (an engine that stopped without a last `get_finished`).
         self.outbox.flush();
+        if let Some(keys) = self.shared.disk_keys.get() {
+            if let Err(e) = keys.save() {
+                tracing::warn!(error = %e, "kvbm worker: the persisted disk index was not saved");
+            }
+        }
     }
 }
 

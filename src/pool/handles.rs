@@ -257,6 +257,32 @@ impl BlockPool {
         out
     }
 
+    /// Registers blocks that already hold their keys (a tier reopened with its contents:
+    /// `(block, key)` pairs) in this fresh pool: each named block is taken from the free list and
+    /// registered under its key (released: inactive, matchable, evictable); blocks out of range,
+    /// not free, or named twice, and keys named twice, are skipped. Returns how many were adopted.
+    pub fn adopt(&self, entries: &[(usize, u128)]) -> usize {
+        let mut by_block = std::collections::HashMap::with_capacity(entries.len());
+        for &(block, key) in entries {
+            by_block.entry(block).or_insert(SequenceHash(key));
+        }
+        let blocks = self.allocate_up_to(self.num_blocks());
+        let named: Vec<(MutableBlock, SequenceHash)> = blocks
+            .into_iter()
+            .filter_map(|b| by_block.get(&b.block_id()).map(|&k| (b, k)))
+            .collect();
+        // Blocks not named were dropped above: back on the free list.
+        let (n, errors) = self.register_all(named);
+        if !errors.is_empty() {
+            tracing::warn!(
+                adopted = n,
+                refused = errors.len(),
+                "some reopened blocks were not adopted"
+            );
+        }
+        n
+    }
+
     /// A handle on every registered block, under one lock, as an internal hold (not a reuse:
     /// released, each block keeps its place in the eviction order): while held, no block
     /// changes key, so a snapshot of which block holds which key stays true (a persisted tier's

@@ -16,7 +16,7 @@
 //! so the start-up barrier ([`barrier`](crate::connector::barrier)) and the leader's completion
 //! handling run over the network unchanged.
 //!
-//! # Wire protocol (version 4)
+//! # Wire protocol (version 5)
 //!
 //! Every message in either direction is one *frame*: a 12-byte header followed by a payload (JSON,
 //! except COMPLETIONS, which is binary).
@@ -47,6 +47,8 @@
 //!   `{"Completed":[{"op":7,"failed_dst_blocks":[],"error":null}]}`,
 //!   `{"StoreStats":{"available":true,"errors":0,"timeouts":2,"reconnects":0,"invalid":1}}` (the
 //!   worker's remote store's counters, when they changed; version 4),
+//!   `{"DiskIndex":[[3,123456789],…]}` (barrier step 2, before `"Ready"`: `(block, key)` pairs a
+//!   persisted disk tier holds, at most 65,536 a message; version 5),
 //!   `{"Allocate":{"num_host_blocks":8,"num_disk_blocks":0,"num_device_blocks":32}}`,
 //!   `{"Refused":"why"}`,
 //!   `{"Finish":{"after_iteration":12,"metadata":[75,86,77,68,…]}}` (the metadata's bytes) (a finished request's last stores and hold,
@@ -110,7 +112,7 @@
 //!
 //! A worker whose leader answers in another protocol version gets an
 //! [`ErrorKind::Unsupported`] error at once, naming both versions ("the kvbm leader at ADDR
-//! speaks wire protocol version 2 and rank 0 speaks version 4: run the same kvbm-connector
+//! speaks wire protocol version 2 and rank 0 speaks version 5: run the same kvbm-connector
 //! release on the leader and every worker").
 //!
 //! # Heartbeats

@@ -99,7 +99,7 @@ fn spawn_worker(
     let token = token.map(str::to_string);
     std::thread::spawn(move || {
         let w = TcpWorker::connect(addr, rank, world, token, timeout)?;
-        let counts = worker_barrier(w.as_ref(), hello(rank, world), timeout, |_| Ok(()))?;
+        let counts = worker_barrier(w.as_ref(), hello(rank, world), timeout, |_| Ok(Vec::new()))?;
         Ok((w, counts))
     })
 }
@@ -782,7 +782,7 @@ fn mismatched_protocol_versions_are_a_typed_error_on_both_sides() {
     let text = String::from_utf8_lossy(&answer);
     assert_eq!(answer[6], FrameKind::Refused as u8, "{text}");
     assert!(
-        text.contains("protocol version 2 is not supported (this side speaks version 4)"),
+        text.contains("protocol version 2 is not supported (this side speaks version 5)"),
         "{text}"
     );
     assert!(leader.connected_ranks().is_empty());
@@ -794,7 +794,7 @@ fn mismatched_protocol_versions_are_a_typed_error_on_both_sides() {
         let mut h = [0u8; HEADER_LEN];
         c.read_exact(&mut h).unwrap();
         let reason =
-            br#"{"reason":"protocol version 4 is not supported (this side speaks version 2)"}"#;
+            br#"{"reason":"protocol version 5 is not supported (this side speaks version 2)"}"#;
         c.write_all(&frame(
             2,
             FrameKind::Refused as u8,
@@ -809,7 +809,7 @@ fn mismatched_protocol_versions_are_a_typed_error_on_both_sides() {
     assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
     let text = e.to_string();
     assert!(
-        text.contains("speaks wire protocol version 2 and rank 0 speaks version 4"),
+        text.contains("speaks wire protocol version 2 and rank 0 speaks version 5"),
         "{text}"
     );
     assert!(text.contains("same kvbm-connector release"), "{text}");

@@ -9,7 +9,7 @@
 
 use crate::connector::adapter::SchedulerAdapter;
 use crate::connector::lifecycle::{Lifecycle, RequestState};
-use crate::connector::metadata::{BlockTransfer, Load, RemoteLoad};
+use crate::connector::metadata::{BlockTransfer, KeyedLoad, Load, Operation, RemoteLoad};
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::{BlockHasher, Salt, SequenceHash, TokenSequence};
@@ -701,7 +701,14 @@ impl<A: SchedulerAdapter> Leader<A> {
                 dst: TierKind::Device,
                 pairs,
             };
-            self.outbox.operations.push(Box::new(Load(transfer)));
+            let load: Box<dyn Operation> = if tier == TierKind::Disk && self.config.disk.reopens() {
+                // The worker checks each source block still holds its key (its own index).
+                let keys = src.iter().map(|b| b.sequence_hash().0).collect();
+                Box::new(KeyedLoad { transfer, keys })
+            } else {
+                Box::new(Load(transfer))
+            };
+            self.outbox.operations.push(load);
             self.track(op, Some(id.clone()), Holds::Load { tier, src, dst });
             if let Some(slot) = self.slots.get_mut(id) {
                 slot.loads_in_flight += 1;

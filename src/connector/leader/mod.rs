@@ -574,6 +574,14 @@ impl<A: SchedulerAdapter> Leader<A> {
         };
         let host = pool(TierKind::Host, readiness.counts.num_host_blocks)?;
         let disk = pool(TierKind::Disk, readiness.counts.num_disk_blocks)?;
+        if let Some(disk) = disk.as_ref().filter(|_| !readiness.disk_index.is_empty()) {
+            // What every rank's persisted disk tier held when it was reopened (`disk.persist`).
+            let n = disk.adopt(&readiness.disk_index);
+            tracing::info!(
+                blocks = n,
+                "kvbm leader: blocks of a persisted disk tier reopened"
+            );
+        }
         // The filter remembers a few times more keys than the disk holds, at least 1024.
         let capacity = readiness.counts.num_disk_blocks.saturating_mul(4).max(1024);
         let filter = FrequencyFilter::new(self.config.disk.min_frequency, capacity)?;

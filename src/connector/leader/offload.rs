@@ -13,7 +13,9 @@ use std::collections::HashSet;
 
 use crate::connector::adapter::{ScheduledRequest, SchedulerAdapter, SchedulerStep};
 use crate::connector::lifecycle::RequestState;
-use crate::connector::metadata::{BlockTransfer, ConnectorMetadata, RemoteWrite, Store};
+use crate::connector::metadata::{
+    BlockTransfer, ConnectorMetadata, KeyedStore, Operation, RemoteWrite, Store,
+};
 use crate::connector::transport::{FinishWork, LeaderMessage};
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
@@ -475,7 +477,8 @@ impl<A: SchedulerAdapter> Leader<A> {
             dst: kind,
             pairs,
         };
-        self.outbox.operations.push(Box::new(Store(transfer)));
+        let store = self.store_op(transfer, dst.iter().map(|(_, h)| h.0).collect());
+        self.outbox.operations.push(store);
         self.track(
             op,
             Some(id.clone()),
@@ -485,6 +488,17 @@ impl<A: SchedulerAdapter> Leader<A> {
                 src: Vec::new(),
             },
         );
+    }
+
+    /// A store of `transfer`: keyed (each destination block's key, `keys` by pair) when it
+    /// writes a persisted disk tier (`disk.persist`), so the workers can save which block holds
+    /// which key with the file; plain otherwise.
+    fn store_op(&self, transfer: BlockTransfer, keys: Vec<u128>) -> Box<dyn Operation> {
+        if transfer.dst == TierKind::Disk && self.config.disk.reopens() {
+            Box::new(KeyedStore { transfer, keys })
+        } else {
+            Box::new(Store(transfer))
+        }
     }
 
     /// Turns queued host blocks into one host → disk store.
@@ -521,13 +535,15 @@ impl<A: SchedulerAdapter> Leader<A> {
             return;
         }
         let op = self.next_op_id();
-        self.outbox.operations.push(Box::new(Store(BlockTransfer {
+        let transfer = BlockTransfer {
             id: op,
             request_id: None,
             src: TierKind::Host,
             dst: TierKind::Disk,
             pairs,
-        })));
+        };
+        let store = self.store_op(transfer, dst.iter().map(|(_, h)| h.0).collect());
+        self.outbox.operations.push(store);
         self.track(
             op,
             None,

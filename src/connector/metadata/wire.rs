@@ -10,6 +10,8 @@
 //!     0 load, 1 store:   transfer
 //!     2 remote_write:    transfer · keys
 //!     3 remote_load:     transfer · keys
+//!     4 keyed_store:     transfer · keys (a store into a persisted disk tier)
+//!     5 keyed_load:      transfer · keys (a load from a persisted disk tier)
 //!     255 custom:        n · n bytes of the operation as tagged JSON (an adapter's own kind)
 //!   transfer: id u64 · request_id (0 | 1 str) · src u8 · dst u8 · pairs: n · n × (u64 · u64)
 //!   keys: n · n × u128
@@ -22,8 +24,8 @@
 //! [`ErrorKind::Decode`] error naming the field, never a panic or a large allocation.
 
 use super::{
-    BlockTransfer, ConnectorMetadata, Load, Operation, OperationId, RemoteLoad, RemoteWrite, Store,
-    METADATA_VERSION,
+    BlockTransfer, ConnectorMetadata, KeyedLoad, KeyedStore, Load, Operation, OperationId,
+    RemoteLoad, RemoteWrite, Store, METADATA_VERSION,
 };
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
@@ -36,6 +38,8 @@ const KIND_LOAD: u8 = 0;
 const KIND_STORE: u8 = 1;
 const KIND_REMOTE_WRITE: u8 = 2;
 const KIND_REMOTE_LOAD: u8 = 3;
+const KIND_KEYED_STORE: u8 = 4;
+const KIND_KEYED_LOAD: u8 = 5;
 const KIND_CUSTOM: u8 = 255;
 
 /// Which built-in operation kind a boxed [`Operation`] is, so the encoder can write it compactly.
@@ -50,6 +54,10 @@ pub enum BuiltinKind {
     RemoteWrite,
     /// [`RemoteLoad`].
     RemoteLoad,
+    /// [`KeyedStore`].
+    KeyedStore,
+    /// [`KeyedLoad`].
+    KeyedLoad,
 }
 
 fn tier_code(t: TierKind) -> u8 {
@@ -151,6 +159,15 @@ pub(super) fn encode(meta: &ConnectorMetadata) -> Result<Vec<u8>> {
             }
             Some(BuiltinKind::RemoteLoad) => {
                 out.push(KIND_REMOTE_LOAD);
+                put_transfer(&mut out, op.transfer())?;
+                put_keys(&mut out, op.block_keys())?;
+            }
+            Some(kind @ (BuiltinKind::KeyedStore | BuiltinKind::KeyedLoad)) => {
+                out.push(if kind == BuiltinKind::KeyedStore {
+                    KIND_KEYED_STORE
+                } else {
+                    KIND_KEYED_LOAD
+                });
                 put_transfer(&mut out, op.transfer())?;
                 put_keys(&mut out, op.block_keys())?;
             }
@@ -302,7 +319,8 @@ impl<'a> Reader<'a> {
     }
 
     fn operation(&mut self, index: usize) -> Result<Box<dyn Operation>> {
-        Ok(match self.u8("operation kind")? {
+        let kind = self.u8("operation kind")?;
+        Ok(match kind {
             KIND_LOAD => Box::new(Load(self.transfer()?)),
             KIND_STORE => Box::new(Store(self.transfer()?)),
             KIND_REMOTE_WRITE => {
@@ -314,6 +332,23 @@ impl<'a> Reader<'a> {
                 let transfer = self.transfer()?;
                 let keys = self.keys()?;
                 Box::new(RemoteLoad { transfer, keys })
+            }
+            KIND_KEYED_STORE | KIND_KEYED_LOAD => {
+                let transfer = self.transfer()?;
+                let keys = self.keys()?;
+                if keys.len() != transfer.pairs.len() {
+                    return Err(decode_err(format!(
+                        "keyed operation {}: {} keys for {} pairs",
+                        transfer.id.0,
+                        keys.len(),
+                        transfer.pairs.len()
+                    )));
+                }
+                if kind == KIND_KEYED_STORE {
+                    Box::new(KeyedStore { transfer, keys })
+                } else {
+                    Box::new(KeyedLoad { transfer, keys })
+                }
             }
             KIND_CUSTOM => {
                 let n = self.count(1, "custom operation")?;

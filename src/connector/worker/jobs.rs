@@ -7,6 +7,7 @@
 
 use super::*;
 use crate::connector::metadata::BlockTransfer;
+use crate::connector::metadata::BuiltinKind;
 
 impl Worker {
     pub(super) fn submit_where(&mut self, pick: impl Fn(&dyn Operation) -> bool) -> Result<()> {
@@ -76,7 +77,15 @@ impl Worker {
     ) -> Option<Job> {
         let t = op.transfer().clone();
         let direction = op.direction();
-        let done = self.count_started(&t, direction);
+        let mut done = self.count_started(&t, direction);
+        if op.builtin_kind() == Some(BuiltinKind::KeyedStore) {
+            done.keys = t
+                .pairs
+                .iter()
+                .map(|p| p.1)
+                .zip(op.block_keys().iter().copied())
+                .collect();
+        }
         let touches_device = done.touches_device;
         let shared = self.shared.clone();
         let outbox = self.outbox.clone();
@@ -96,6 +105,24 @@ impl Worker {
             };
             complete(&shared, &outbox, done, Err(e));
             return None;
+        }
+        if op.builtin_kind() == Some(BuiltinKind::KeyedLoad) {
+            // A persisted disk block is read only while this worker's index says it holds the
+            // key the leader expects (a stale view fails the load: the engine recomputes).
+            let wrong = match shared.disk_keys.get() {
+                Some(keys) => keys.first_mismatch(&t.pairs, op.block_keys()),
+                None => t.pairs.first().map(|p| p.0),
+            };
+            if let Some(block) = wrong {
+                let e = Error::corrupt(format!(
+                    "disk block {block} does not hold the key the leader expects (persisted \
+                     disk index); the load is refused"
+                ))
+                .with("op", t.id)
+                .with("block", block);
+                complete(&shared, &outbox, done, Err(e));
+                return None;
+            }
         }
         let (src, dst) = match self.endpoints(tiers, op.as_ref()) {
             Ok(sides) => sides,
@@ -192,6 +219,7 @@ impl Worker {
             reads_device: t.reads_device(),
             writes_device: t.writes_device(),
             dst_blocks: t.pairs.iter().map(|p| p.1).collect(),
+            keys: Vec::new(),
         }
     }
 
@@ -302,6 +330,8 @@ struct OpDone {
     reads_device: bool,
     writes_device: bool,
     dst_blocks: Vec<usize>,
+    /// `(destination block, key)` of a keyed store (a persisted disk tier), else empty.
+    keys: Vec<(usize, u128)>,
 }
 
 fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result<TransferOutcome>) {
@@ -337,6 +367,13 @@ fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result
         tracing::debug!(op = %done.op, failed = failed.len(), error = %e, "operation failed");
         if let Some(n) = shared.failure_warn.lock().event(failed.len() as u64) {
             tracing::warn!(op = %done.op, direction = ?done.direction, blocks = n, error = %e, "kvbm: block transfers failed (rate-limited; count since the last warning)");
+        }
+    }
+    // A persisted disk tier's index learns what was written before the leader can reuse a block.
+    if !done.keys.is_empty() {
+        if let Some(keys) = shared.disk_keys.get() {
+            keys.record(&done.keys, &failed);
+            keys.maybe_save();
         }
     }
     // Queue it for the leader first: the engine learns the operation is done (below) only in
