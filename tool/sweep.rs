@@ -381,25 +381,9 @@ pub fn draw_plot(
             format!("cannot draw the plot {}: {e}", path.display()),
         )
     };
-    let xs = points.iter().map(|p| p.host_tokens as f64);
-    let lo = xs.clone().fold(f64::INFINITY, f64::min);
-    let hi = xs.fold(0.0_f64, f64::max);
-    let (lo, hi) = if lo.is_finite() && hi > lo {
-        (lo / 1.5, hi * 1.5)
-    } else {
-        (lo.max(1.0) / 2.0, lo.max(1.0) * 2.0)
-    };
+    let (lo, hi, keys) = x_axis(points);
     let unl = pct(unlimited.matched, unlimited.prompt);
-    let top = points
-        .iter()
-        .map(Point::hit_pct)
-        .fold(unl, f64::max)
-        .max(1.0);
-    let top = (top * 1.15 / 5.0).ceil() * 5.0;
-    // Labels at the capacities swept (a log axis alone labels only powers of ten).
-    let mut keys: Vec<f64> = points.iter().map(|p| p.host_tokens as f64).collect();
-    keys.sort_by(f64::total_cmp);
-    keys.dedup();
+    let top = y_top(points, unl);
     let mut svg = String::new();
     let root = SVGBackend::with_string(&mut svg, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
@@ -418,30 +402,9 @@ pub fn draw_plot(
         .y_label_formatter(&|y| format!("{y:.0}%"))
         .draw()
         .map_err(|e| fail(&e))?;
-    // One series per (policy, disk) in plan order.
-    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-    for p in points {
-        let name = if p.disk_tokens > 0 {
-            format!("{}, host + {} disk", p.policy, human(p.disk_tokens as f64))
-        } else {
-            format!("{}, host only", p.policy)
-        };
-        match series.iter_mut().find(|s| s.0 == name) {
-            Some(s) => s.1.push((p.host_tokens as f64, p.hit_pct())),
-            None => series.push((name, vec![(p.host_tokens as f64, p.hit_pct())])),
-        }
-    }
-    let palette = [
-        RGBColor(31, 119, 180),
-        RGBColor(214, 39, 40),
-        RGBColor(44, 160, 44),
-        RGBColor(148, 103, 189),
-        RGBColor(255, 127, 14),
-        RGBColor(140, 86, 75),
-    ];
-    for (k, (name, mut pts)) in series.into_iter().enumerate() {
+    for (k, (name, mut pts)) in plot_series(points).into_iter().enumerate() {
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let color = palette[k % palette.len()];
+        let color = PALETTE[k % PALETTE.len()];
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| fail(&e))?
@@ -485,6 +448,66 @@ pub fn draw_plot(
     })
 }
 
+/// The plot's series colours, one per (policy, disk) series in turn.
+const PALETTE: [plotters::style::RGBColor; 6] = {
+    use plotters::style::RGBColor;
+    [
+        RGBColor(31, 119, 180),
+        RGBColor(214, 39, 40),
+        RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
+        RGBColor(255, 127, 14),
+        RGBColor(140, 86, 75),
+    ]
+};
+
+/// The plot's host-capacity axis: its range (the capacities swept, widened by 1.5× each side;
+/// a factor of 2 around a single capacity) and the key points labelled, the capacities swept
+/// (a log axis alone labels only powers of ten).
+fn x_axis(points: &[Point]) -> (f64, f64, Vec<f64>) {
+    let xs = points.iter().map(|p| p.host_tokens as f64);
+    let lo = xs.clone().fold(f64::INFINITY, f64::min);
+    let hi = xs.fold(0.0_f64, f64::max);
+    let (lo, hi) = if lo.is_finite() && hi > lo {
+        (lo / 1.5, hi * 1.5)
+    } else {
+        (lo.max(1.0) / 2.0, lo.max(1.0) * 2.0)
+    };
+    let mut keys: Vec<f64> = points.iter().map(|p| p.host_tokens as f64).collect();
+    keys.sort_by(f64::total_cmp);
+    keys.dedup();
+    (lo, hi, keys)
+}
+
+/// The hit-rate axis' top: 15% above the highest rate (the unlimited cache's `unl` included, at
+/// least 1%), rounded up to a multiple of 5.
+fn y_top(points: &[Point], unl: f64) -> f64 {
+    let top = points
+        .iter()
+        .map(Point::hit_pct)
+        .fold(unl, f64::max)
+        .max(1.0);
+    (top * 1.15 / 5.0).ceil() * 5.0
+}
+
+/// One series per (policy, disk) in plan order: its legend name and its (host tokens, hit rate)
+/// points, unsorted.
+fn plot_series(points: &[Point]) -> Vec<(String, Vec<(f64, f64)>)> {
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for p in points {
+        let name = if p.disk_tokens > 0 {
+            format!("{}, host + {} disk", p.policy, human(p.disk_tokens as f64))
+        } else {
+            format!("{}, host only", p.policy)
+        };
+        match series.iter_mut().find(|s| s.0 == name) {
+            Some(s) => s.1.push((p.host_tokens as f64, p.hit_pct())),
+            None => series.push((name, vec![(p.host_tokens as f64, p.hit_pct())])),
+        }
+    }
+    series
+}
+
 /// `1.5M`, `300K`, `800`.
 fn human(x: f64) -> String {
     let trim = |v: f64, unit: &str| {
@@ -504,70 +527,9 @@ fn human(x: f64) -> String {
 
 /// Runs `kvbm sweep`.
 pub fn run(a: &SweepArgs) -> Result<ExitCode> {
-    let flag = |f: &str, why: &str| Err(Error::invalid_argument(why.to_string()).with("flag", f));
-    if a.replay.host_blocks.is_some() {
-        return flag(
-            "--host-blocks",
-            "kvbm sweep sets the host tier per run: use --capacities",
-        );
-    }
-    if a.replay.disk_blocks.is_some() {
-        return flag(
-            "--disk-blocks",
-            "kvbm sweep sets the disk tier per run: use --disk-tokens",
-        );
-    }
-    if a.replay.tp > 1 || a.replay.external_workers {
-        return flag("--tp", "kvbm sweep replays in one process (--tp 1)");
-    }
-    if a.capacities.is_empty() || a.capacities.len() > MAX_POINTS {
-        return flag(
-            "--capacities",
-            &format!("between 1 and {MAX_POINTS} capacities"),
-        );
-    }
-    if a.jobs == 0 || a.jobs > 64 {
-        return flag("--jobs", "--jobs is between 1 and 64");
-    }
-    if let Some(path) = &a.plot {
-        // Checked before the sweep runs (minutes), not after it.
-        check_plot_path(path)?;
-    }
-    let mut policies: Vec<EvictionPolicy> = Vec::new();
-    for p in &a.eviction {
-        let p = parse_policy(p)?;
-        if !policies.contains(&p) {
-            policies.push(p);
-        }
-    }
-    let mut caps = a.capacities.clone();
-    caps.sort_unstable();
-    caps.dedup();
-    let mut plans = Vec::new();
-    for disk in std::iter::once(0).chain(a.disk_tokens) {
-        for p in &policies {
-            for &c in &caps {
-                plans.push(Plan {
-                    policy: *p,
-                    host_tokens: c,
-                    disk_tokens: disk,
-                });
-            }
-        }
-    }
-    let title = a.title.clone().unwrap_or_else(|| match &a.replay.trace {
-        Some(p) => format!(
-            "{} (block {})",
-            p.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_else(|| p.display().to_string()),
-            a.replay.model.block_size
-        ),
-        None => format!(
-            "{} workload, seed {} (block {})",
-            a.replay.workload, a.replay.seed, a.replay.model.block_size
-        ),
-    });
+    check_args(a)?;
+    let plans = plan_runs(a, &policies(a)?);
+    let title = default_title(a);
     let started = Instant::now();
     let unl = unlimited(&a.replay)?;
     let points = run_points(a, &plans)?;
@@ -598,6 +560,91 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses the flags a sweep sets itself (--host-blocks, --disk-blocks) or cannot honour (--tp,
+/// external workers), capacities and jobs out of bounds, and a `--plot` path that cannot be
+/// written (checked before the sweep runs, minutes, not after it).
+fn check_args(a: &SweepArgs) -> Result<()> {
+    let flag = |f: &str, why: &str| Err(Error::invalid_argument(why.to_string()).with("flag", f));
+    if a.replay.host_blocks.is_some() {
+        return flag(
+            "--host-blocks",
+            "kvbm sweep sets the host tier per run: use --capacities",
+        );
+    }
+    if a.replay.disk_blocks.is_some() {
+        return flag(
+            "--disk-blocks",
+            "kvbm sweep sets the disk tier per run: use --disk-tokens",
+        );
+    }
+    if a.replay.tp > 1 || a.replay.external_workers {
+        return flag("--tp", "kvbm sweep replays in one process (--tp 1)");
+    }
+    if a.capacities.is_empty() || a.capacities.len() > MAX_POINTS {
+        return flag(
+            "--capacities",
+            &format!("between 1 and {MAX_POINTS} capacities"),
+        );
+    }
+    if a.jobs == 0 || a.jobs > 64 {
+        return flag("--jobs", "--jobs is between 1 and 64");
+    }
+    if let Some(path) = &a.plot {
+        check_plot_path(path)?;
+    }
+    Ok(())
+}
+
+/// The `--eviction` policies, parsed, each once, in the order first named.
+fn policies(a: &SweepArgs) -> Result<Vec<EvictionPolicy>> {
+    let mut policies: Vec<EvictionPolicy> = Vec::new();
+    for p in &a.eviction {
+        let p = parse_policy(p)?;
+        if !policies.contains(&p) {
+            policies.push(p);
+        }
+    }
+    Ok(policies)
+}
+
+/// The runs, in this order: host only, then each `--disk-tokens`; within each, policy by policy;
+/// within a policy, the distinct capacities from the smallest.
+fn plan_runs(a: &SweepArgs, policies: &[EvictionPolicy]) -> Vec<Plan> {
+    let mut caps = a.capacities.clone();
+    caps.sort_unstable();
+    caps.dedup();
+    let mut plans = Vec::new();
+    for disk in std::iter::once(0).chain(a.disk_tokens) {
+        for p in policies {
+            for &c in &caps {
+                plans.push(Plan {
+                    policy: *p,
+                    host_tokens: c,
+                    disk_tokens: disk,
+                });
+            }
+        }
+    }
+    plans
+}
+
+/// `--title`, or the trace file's name (the workload and seed without one) and the block size.
+fn default_title(a: &SweepArgs) -> String {
+    a.title.clone().unwrap_or_else(|| match &a.replay.trace {
+        Some(p) => format!(
+            "{} (block {})",
+            p.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| p.display().to_string()),
+            a.replay.model.block_size
+        ),
+        None => format!(
+            "{} workload, seed {} (block {})",
+            a.replay.workload, a.replay.seed, a.replay.model.block_size
+        ),
+    })
 }
 
 #[cfg(test)]
