@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import pstats
+import resource
 import shutil
 import statistics
 import subprocess
@@ -217,6 +218,11 @@ def evict(d: str) -> int:
     return n
 
 
+def minflt() -> int:
+    """Minor page faults of this process so far (its threads included)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def pct(xs, q):
     xs = sorted(xs)
     if not xs:
@@ -231,10 +237,10 @@ def pct(xs, q):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--layers", type=int, default=32)
     p.add_argument("--heads", type=int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=32, help="tokens per page")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--layout", choices=["page_first", "layer_first", "page_first_direct"], default="page_first")
     p.add_argument("--pages", type=int, default=384, help="pages written and read per arm and round")
@@ -248,6 +254,8 @@ def main() -> int:
     p.add_argument("--evict-cache", action="store_true",
                    help="fsync + POSIX_FADV_DONTNEED every stored file before each read phase (untimed)")
     p.add_argument("--spin", type=int, default=0, help="busy processes to run alongside")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch.set_num_threads for SGLang's page copies (default: torch's own choice)")
     p.add_argument("--profile", default=None, help="cProfile this arm's timed calls; top functions printed")
     p.add_argument("--json", nargs="?", const="-", default=None, help="write the results as JSON (to PATH or stdout)")
     a = p.parse_args()
@@ -256,6 +264,8 @@ def main() -> int:
         if x not in ARMS:
             p.error(f"unknown arm {x!r}")
     logging.basicConfig(level=logging.ERROR)
+    if a.torch_threads > 0:
+        torch.set_num_threads(a.torch_threads)
 
     parent = tempfile.mkdtemp(prefix="kvbm-sglang-bench-", dir=a.dir)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.spin)]
@@ -303,9 +313,12 @@ def run(a, arms, parent, spinners) -> int:
     print(f"# dir {parent} on {machine['fs']}; {a.pages} pages of {page_bytes / 2**20:.2f} MiB "
           f"({a.layers} layers x {a.heads} KV heads x {a.head_dim} x {ps} tokens x {a.dtype}, {a.layout}), "
           f"batches of {a.batch}, {a.rounds} rounds, evict-cache {a.evict_cache}")
+    so_mb = machine["kvbm_so_bytes"] / 2**20
+    print(f"# kvbm_connector {kvbm_connector._kvbm.__file__} ({so_mb:.0f} MiB"
+          + (": looks like a DEBUG build, figures not representative)" if so_mb > 50 else ", release build)"))
 
-    res = {arm: {"set_s": [], "get_s": [], "set_lat": [], "get_lat": [], "direct_io": set(), "evicted": 0}
-           for arm in arms}
+    res = {arm: {"set_s": [], "get_s": [], "set_lat": [], "get_lat": [], "direct_io": set(), "evicted": 0,
+                 "set_minflt": 0, "get_minflt": 0} for arm in arms}
     prof = cProfile.Profile() if a.profile else None
     failures = []
     extra_ours = json.loads(a.kvbm_extra)
@@ -314,7 +327,7 @@ def run(a, arms, parent, spinners) -> int:
         counted = r >= 0
         order = arms[r % len(arms):] + arms[:r % len(arms)]
         res_r = {arm: {"set_s": [], "get_s": [], "set_lat": [], "get_lat": [], "direct_io": set(),
-                       "evicted": 0} for arm in order} if not counted else res
+                       "evicted": 0, "set_minflt": 0, "get_minflt": 0} for arm in order} if not counted else res
         for arm in order:
             d = os.path.join(parent, f"r{r}-{arm}")
             os.makedirs(d)
@@ -325,6 +338,7 @@ def run(a, arms, parent, spinners) -> int:
             profiling = prof is not None and arm == a.profile and counted
             gc.collect()
             total = 0.0
+            flt = minflt()
             for k, s, _ in batches:
                 if profiling:
                     prof.enable()
@@ -338,12 +352,14 @@ def run(a, arms, parent, spinners) -> int:
                 if not ok:
                     failures.append(f"round {r} {arm}: batch_set failed")
             res_r[arm]["set_s"].append(total)
+            res_r[arm]["set_minflt"] += minflt() - flt
             for i in range(a.pages):  # region B zeroed: a page not read stays wrong
                 pool.set_from_flat_data_page(int(dst[i * ps]), zero)
             if a.evict_cache:
                 res_r[arm]["evicted"] += evict(d)
             gc.collect()
             total = 0.0
+            flt = minflt()
             for k, _, t in batches:
                 if profiling:
                     prof.enable()
@@ -357,6 +373,7 @@ def run(a, arms, parent, spinners) -> int:
                 if n != len(k):
                     failures.append(f"round {r} {arm}: batch_get served {n} of {len(k)} pages")
             res_r[arm]["get_s"].append(total)
+            res_r[arm]["get_minflt"] += minflt() - flt
             bad = [i for i in range(a.pages)
                    if not torch.equal(pool.get_data_page(int(dst[i * ps]), flat=True).view(torch.uint8), ref[i])]
             if bad:
@@ -384,6 +401,9 @@ def run(a, arms, parent, spinners) -> int:
             "set_gbps_rounds": [nbytes / s / 1e9 for s in x["set_s"]],
             "get_gbps_rounds": [nbytes / s / 1e9 for s in x["get_s"]],
             "batch_calls": len(x["set_lat"]),
+            # Minor page faults per page moved, over the counted rounds (memory first touched).
+            "set_faults_per_page": x["set_minflt"] / (a.pages * a.rounds),
+            "get_faults_per_page": x["get_minflt"] / (a.pages * a.rounds),
         }
         if arm != "file":
             dio = x["direct_io"]
@@ -403,11 +423,12 @@ def run(a, arms, parent, spinners) -> int:
             }
 
     print(f"\n{'arm':8} {'set GB/s':>9} {'get GB/s':>9} {'set p50 ms':>11} {'set p99 ms':>11} "
-          f"{'get p50 ms':>11} {'get p99 ms':>11}  O_DIRECT")
+          f"{'get p50 ms':>11} {'get p99 ms':>11} {'faults/page set,get':>20}  O_DIRECT")
     for arm in arms:
         o = out["arms"][arm]
         print(f"{arm:8} {o['set_gbps']:9.2f} {o['get_gbps']:9.2f} {o['set_p50_ms']:11.1f} {o['set_p99_ms']:11.1f} "
-              f"{o['get_p50_ms']:11.1f} {o['get_p99_ms']:11.1f}  {o.get('direct_io', 'no (buffered)')}")
+              f"{o['get_p50_ms']:11.1f} {o['get_p99_ms']:11.1f} "
+              f"{o['set_faults_per_page']:>10.0f},{o['get_faults_per_page']:<9.0f}  {o.get('direct_io', 'no (buffered)')}")
     if out["ratios"]:
         print("\nratios, ours vs file (>= 1.0 means ours is as good or better): throughput ours/file, p99 file/ours")
         for arm, q in out["ratios"].items():
