@@ -20,7 +20,7 @@ use crate::connector::transport::{FinishWork, LeaderMessage};
 use crate::connector::RequestId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::{SequenceHash, Token};
-use crate::pool::{ImmutableBlock, MutableBlock};
+use crate::pool::{BlockPool, BuildSeqHasher, FrequencyFilter, ImmutableBlock, MutableBlock};
 use crate::tier::TierKind;
 
 use super::completion::Holds;
@@ -77,11 +77,25 @@ impl<A: SchedulerAdapter> Leader<A> {
             self.adapter.extend_metadata(&mut meta)?;
             return Ok(meta);
         }
+        // Check everything first.
+        let computed_after = self.check_scheduled(step)?;
+        self.check_preempted(step)?;
+        self.iteration += 1;
+        self.apply_step(step, computed_after)?;
+        self.queue_disk_offloads();
+        self.queue_remote_writes();
+        self.publish_remote_state();
+        self.take_metadata()
+    }
+
+    /// Checks the step's scheduled requests, changing nothing: each scheduled once, tracked, its
+    /// new device blocks in range. Returns what the adapter says each has computed after this
+    /// iteration, in step order.
+    fn check_scheduled(&self, step: &SchedulerStep) -> Result<Vec<usize>> {
         let num_device = self
             .tiers
             .as_ref()
             .map_or(0, |t| t.readiness.counts.num_device_blocks);
-        // Check everything first.
         let mut computed_after = Vec::with_capacity(step.requests.len());
         let mut seen: HashSet<&RequestId> = HashSet::with_capacity(step.requests.len());
         for r in &step.requests {
@@ -103,6 +117,12 @@ impl<A: SchedulerAdapter> Leader<A> {
             }
             computed_after.push(self.adapter.computed_after(r)?);
         }
+        Ok(computed_after)
+    }
+
+    /// Checks the step's preempted requests: each tracked, none with loads in flight (loads in
+    /// transit are awaited first).
+    fn check_preempted(&mut self, step: &SchedulerStep) -> Result<()> {
         for p in &step.preempted {
             // A running request's loads are done: a worker tells the engine a load finished only
             // after sending its completion, so one not applied yet is in transit (TCP).
@@ -121,7 +141,13 @@ impl<A: SchedulerAdapter> Leader<A> {
                 Some(_) => {}
             }
         }
-        self.iteration += 1;
+        Ok(())
+    }
+
+    /// Applies a checked step: preempted requests lose their device blocks and staging; each
+    /// scheduled request follows the step (`computed_after`, from [`Leader::check_scheduled`])
+    /// and offloads what it has computed.
+    fn apply_step(&mut self, step: &SchedulerStep, computed_after: Vec<usize>) -> Result<()> {
         for p in &step.preempted {
             if let Some(slot) = self.slots.get_mut(p) {
                 slot.life.preempt()?;
@@ -139,16 +165,24 @@ impl<A: SchedulerAdapter> Leader<A> {
             let id = r.request_id.clone();
             self.offload(&id, computed);
         }
-        self.queue_disk_offloads();
-        self.queue_remote_writes();
+        Ok(())
+    }
+
+    /// The remote store's state into the metrics. Cheap (counters): the gauge follows the store
+    /// between lookups.
+    fn publish_remote_state(&self) {
         if let Some(r) = &self.remote {
-            // Cheap (counters): the gauge follows the store between lookups.
             let st = r.store.stats();
             r.publish_state(&self.metrics);
             if !r.backing_off() && !st.available {
                 self.metrics.set_remote_available(false);
             }
         }
+    }
+
+    /// The iteration's metadata: the outbox taken whole, then the adapter's part; when the adapter
+    /// refuses, the outbox goes back to the front of the queue.
+    fn take_metadata(&mut self) -> Result<ConnectorMetadata> {
         let mut meta = ConnectorMetadata::empty(self.iteration);
         let outbox = std::mem::take(&mut self.outbox);
         meta.new_slots = outbox.new_slots;
@@ -381,13 +415,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             };
             if slot.window.is_some() {
                 self.window_keys.insert(hash);
-                if !slot.worth_storing(i, bs) {
-                    // Before a sliding window no later hit reads it.
-                    window_skipped += 1;
-                    continue;
-                }
-                if trailing && !slot.inside_window_while_storing(i, bs, computed) {
-                    // The engine may have freed and reused it by the time the store reads it.
+                if slot.window_skips(i, bs, trailing, computed) {
                     window_skipped += 1;
                     continue;
                 }
@@ -412,40 +440,13 @@ impl<A: SchedulerAdapter> Leader<A> {
         } else {
             None
         };
-        let mut first = Staging {
-            pairs: Vec::with_capacity(wanted.len()),
-            dst: Vec::with_capacity(wanted.len()),
-        };
-        let mut spill = Staging::default();
-        let mut dropped = 0usize;
-        // As many destination blocks as the first tier can give now, in one call.
-        let mut blocks = pool.allocate_up_to(wanted.len()).into_iter();
-        for (device, hash) in wanted {
-            if let Some(b) = blocks.next() {
-                first.add(device, b, hash);
-                self.pending_keys.insert((kind, hash));
-                continue;
-            }
-            let Some(disk) = overflow.as_ref() else {
-                dropped += 1;
-                continue;
-            };
-            if disk.contains(hash) || self.pending_keys.contains(&(TierKind::Disk, hash)) {
-                continue;
-            }
-            tiers.filter.record(hash);
-            if !tiers.filter.admit(hash) {
-                dropped += 1;
-                continue;
-            }
-            match disk.allocate(1).ok().and_then(|mut v| v.pop()) {
-                Some(b) => {
-                    spill.add(device, b, hash);
-                    self.pending_keys.insert((TierKind::Disk, hash));
-                }
-                None => dropped += 1,
-            }
-        }
+        let (first, spill, dropped) = stage_destinations(
+            pool,
+            overflow,
+            &mut tiers.filter,
+            &mut self.pending_keys,
+            wanted,
+        );
         if dropped > 0 {
             self.metrics.record_offload_dropped(dropped as u64);
             tracing::warn!(
@@ -656,6 +657,66 @@ impl Staging {
         self.pairs.push((device, block.block_id()));
         self.dst.push((block, hash));
     }
+}
+
+impl Slot {
+    /// Whether block `i` of a sliding-window slot is not stored: before the window no later hit
+    /// reads it; with stores that trail compute (`trailing`), the engine may have freed and
+    /// reused a block outside the window by the time the store reads it.
+    fn window_skips(&self, i: usize, page_size: usize, trailing: bool, computed: usize) -> bool {
+        !self.worth_storing(i, page_size)
+            || (trailing && !self.inside_window_while_storing(i, page_size, computed))
+    }
+}
+
+/// Destination blocks for the `(device block, key)` pairs `wanted`: from `pool` (the first tier)
+/// while it gives any, in one call, then one at a time from `overflow` (the disk tier behind a
+/// host tier) for keys it neither holds nor is storing and its admission filter lets through.
+/// Each key staged is marked pending for its tier. Returns the first tier's staging, the disk's,
+/// and how many blocks neither could take.
+fn stage_destinations(
+    pool: &BlockPool,
+    overflow: Option<BlockPool>,
+    filter: &mut FrequencyFilter,
+    pending_keys: &mut HashSet<(TierKind, SequenceHash), BuildSeqHasher>,
+    wanted: Vec<(usize, SequenceHash)>,
+) -> (Staging, Staging, usize) {
+    let kind = pool.kind();
+    let mut first = Staging {
+        pairs: Vec::with_capacity(wanted.len()),
+        dst: Vec::with_capacity(wanted.len()),
+    };
+    let mut spill = Staging::default();
+    let mut dropped = 0usize;
+    // As many destination blocks as the first tier can give now, in one call.
+    let mut blocks = pool.allocate_up_to(wanted.len()).into_iter();
+    for (device, hash) in wanted {
+        if let Some(b) = blocks.next() {
+            first.add(device, b, hash);
+            pending_keys.insert((kind, hash));
+            continue;
+        }
+        let Some(disk) = overflow.as_ref() else {
+            dropped += 1;
+            continue;
+        };
+        if disk.contains(hash) || pending_keys.contains(&(TierKind::Disk, hash)) {
+            continue;
+        }
+        filter.record(hash);
+        if !filter.admit(hash) {
+            dropped += 1;
+            continue;
+        }
+        match disk.allocate(1).ok().and_then(|mut v| v.pop()) {
+            Some(b) => {
+                spill.add(device, b, hash);
+                pending_keys.insert((TierKind::Disk, hash));
+            }
+            None => dropped += 1,
+        }
+    }
+    (first, spill, dropped)
 }
 
 /// Appends the part of `tokens` (starting at request index `first`) the slot does not know yet.
