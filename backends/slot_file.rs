@@ -121,15 +121,7 @@ impl SlotFile {
         opts: &DiskTierOptions,
         open_direct: impl FnOnce(&File) -> std::result::Result<(), String>,
     ) -> Result<Self> {
-        if opts.max_in_flight == 0 {
-            return Err(
-                Error::invalid_argument("max_in_flight must be non-zero").with("tier", kind)
-            );
-        }
-        let (layout, slot_bytes, file_bytes) = geometry(kind, dims, num_blocks)?;
-
-        prepare_dir(&opts.dir).map_err(|e| e.with("tier", kind))?;
-        remove_stale_files(&opts.dir);
+        let (layout, slot_bytes, file_bytes) = prepare(kind, dims, num_blocks, opts)?;
         let (path, file) = create_file(kind, &opts.dir, opts.persist)?;
 
         if let Err(e) = preallocate(&file, file_bytes) {
@@ -192,14 +184,7 @@ impl SlotFile {
         opts: &DiskTierOptions,
         identity: &str,
     ) -> Result<(Self, Vec<IndexEntry>)> {
-        if opts.max_in_flight == 0 {
-            return Err(
-                Error::invalid_argument("max_in_flight must be non-zero").with("tier", kind)
-            );
-        }
-        let (layout, slot_bytes, file_bytes) = geometry(kind, dims, num_blocks)?;
-        prepare_dir(&opts.dir).map_err(|e| e.with("tier", kind))?;
-        remove_stale_files(&opts.dir);
+        let (layout, slot_bytes, file_bytes) = prepare(kind, dims, num_blocks, opts)?;
         let path = persisted_path(&opts.dir, kind, identity);
         let (file, len) = open_owned(kind, &path)?;
         let want = IndexHeader {
@@ -514,6 +499,23 @@ fn checked_index(
         )),
         None => Ok(Vec::new()),
     }
+}
+
+/// Checks the options, makes the directory ready (and clears dead processes' files from it), and
+/// returns the file's [`geometry`].
+fn prepare(
+    kind: TierKind,
+    dims: LayoutDims,
+    num_blocks: usize,
+    opts: &DiskTierOptions,
+) -> Result<(Layout, usize, u64)> {
+    if opts.max_in_flight == 0 {
+        return Err(Error::invalid_argument("max_in_flight must be non-zero").with("tier", kind));
+    }
+    let geometry = geometry(kind, dims, num_blocks)?;
+    prepare_dir(&opts.dir).map_err(|e| e.with("tier", kind))?;
+    remove_stale_files(&opts.dir);
+    Ok(geometry)
 }
 
 /// A slot file's layout, slot size and file size for `num_blocks` blocks of `dims`.

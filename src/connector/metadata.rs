@@ -152,43 +152,34 @@ pub struct RemoteWrite {
     pub keys: Vec<u128>,
 }
 
-#[typetag::serde(name = "remote_write")]
-impl Operation for RemoteWrite {
-    fn builtin_kind(&self) -> Option<BuiltinKind> {
-        Some(BuiltinKind::RemoteWrite)
-    }
-    fn direction(&self) -> Direction {
-        Direction::Store
-    }
-    fn transfer(&self) -> &BlockTransfer {
-        &self.transfer
-    }
-    fn clone_op(&self) -> Box<dyn Operation> {
-        Box::new(self.clone())
-    }
-    fn block_keys(&self) -> &[u128] {
-        &self.keys
-    }
+/// The [`Operation`] impl of a copy that carries one key per block (`$ty { transfer, keys }`).
+macro_rules! keyed_operation {
+    ($ty:ident, $name:literal, $kind:ident, $direction:ident) => {
+        #[typetag::serde(name = $name)]
+        impl Operation for $ty {
+            fn builtin_kind(&self) -> Option<BuiltinKind> {
+                Some(BuiltinKind::$kind)
+            }
+            fn direction(&self) -> Direction {
+                Direction::$direction
+            }
+            fn transfer(&self) -> &BlockTransfer {
+                &self.transfer
+            }
+            fn clone_op(&self) -> Box<dyn Operation> {
+                Box::new(self.clone())
+            }
+            fn block_keys(&self) -> &[u128] {
+                &self.keys
+            }
+        }
+    };
 }
 
-#[typetag::serde(name = "remote_load")]
-impl Operation for RemoteLoad {
-    fn builtin_kind(&self) -> Option<BuiltinKind> {
-        Some(BuiltinKind::RemoteLoad)
-    }
-    fn direction(&self) -> Direction {
-        Direction::Load
-    }
-    fn transfer(&self) -> &BlockTransfer {
-        &self.transfer
-    }
-    fn clone_op(&self) -> Box<dyn Operation> {
-        Box::new(self.clone())
-    }
-    fn block_keys(&self) -> &[u128] {
-        &self.keys
-    }
-}
+keyed_operation!(RemoteWrite, "remote_write", RemoteWrite, Store);
+keyed_operation!(RemoteLoad, "remote_load", RemoteLoad, Load);
+keyed_operation!(KeyedStore, "keyed_store", KeyedStore, Store);
+keyed_operation!(KeyedLoad, "keyed_load", KeyedLoad, Load);
 
 impl Clone for Box<dyn Operation> {
     fn clone(&self) -> Self {
@@ -207,25 +198,6 @@ pub struct KeyedStore {
     pub keys: Vec<u128>,
 }
 
-#[typetag::serde(name = "keyed_store")]
-impl Operation for KeyedStore {
-    fn builtin_kind(&self) -> Option<BuiltinKind> {
-        Some(BuiltinKind::KeyedStore)
-    }
-    fn direction(&self) -> Direction {
-        Direction::Store
-    }
-    fn transfer(&self) -> &BlockTransfer {
-        &self.transfer
-    }
-    fn clone_op(&self) -> Box<dyn Operation> {
-        Box::new(self.clone())
-    }
-    fn block_keys(&self) -> &[u128] {
-        &self.keys
-    }
-}
-
 /// A [`Load`] from a persisted disk tier (`disk.persist`): `keys[i]` is the key the leader
 /// expects in `transfer.pairs[i]`'s source block; a worker whose index says otherwise fails the
 /// load (the engine recomputes) rather than serve another key's bytes.
@@ -235,25 +207,6 @@ pub struct KeyedLoad {
     pub transfer: BlockTransfer,
     /// The key of each pair's source block, by pair index.
     pub keys: Vec<u128>,
-}
-
-#[typetag::serde(name = "keyed_load")]
-impl Operation for KeyedLoad {
-    fn builtin_kind(&self) -> Option<BuiltinKind> {
-        Some(BuiltinKind::KeyedLoad)
-    }
-    fn direction(&self) -> Direction {
-        Direction::Load
-    }
-    fn transfer(&self) -> &BlockTransfer {
-        &self.transfer
-    }
-    fn clone_op(&self) -> Box<dyn Operation> {
-        Box::new(self.clone())
-    }
-    fn block_keys(&self) -> &[u128] {
-        &self.keys
-    }
 }
 
 /// Load matched blocks from host or disk into the engine's device blocks.
