@@ -133,65 +133,51 @@ impl LeaderStore {
         if keys.is_empty() {
             return RemoteAnswer::Found(0);
         }
-        // The keys as the store takes them, built only when a lookup is submitted (not on a
-        // re-ask that is still pending).
-        let raw = || keys.iter().map(|k| k.0).collect::<Vec<u128>>();
         if self.deferred {
-            let asked = self.asked.get(id).copied().filter(|a| a.first == first);
-            if asked.is_some_and(|a| a.expired) {
-                return RemoteAnswer::Found(0);
-            }
-            if let Some(outcome) = self.lookups.take(id.as_str(), first) {
-                self.asked.remove(id);
-                return RemoteAnswer::Found(self.settle(outcome, keys.len(), metrics));
-            }
-            if let Some(a) = asked {
-                if a.times >= MAX_PENDING || a.since.elapsed() >= self.lookup_wait {
-                    // Waited long enough (or asked too often): on without the store; the late
-                    // answer is dropped (the store's health still sees the call).
-                    self.lookups.abandon(id.as_str(), first);
-                    self.asked.insert(id.clone(), Asked { expired: true, ..a });
-                    metrics.record_remote_lookup_timeout();
-                    self.warn_late();
-                    // A lookup not answered in the wait is evidence of a slow store at once
-                    // (its own answer, when it comes, is another sample).
-                    self.record_call(CallKind::Lookup, a.since.elapsed(), CallOutcome::Answered);
-                    self.publish_state(metrics);
-                    return RemoteAnswer::Found(0);
-                }
-                self.asked.insert(
-                    id.clone(),
-                    Asked {
-                        times: a.times + 1,
-                        ..a
-                    },
-                );
-                return RemoteAnswer::Pending;
-            }
-            if self.backing_off() {
-                metrics.record_remote_lookup_skipped();
+            return self.lookup_deferred(id, first, keys, metrics);
+        }
+        self.lookup_blocking(id, first, keys, metrics)
+    }
+
+    /// A deferred lookup (see the module docs): the answer once the lookup thread has it;
+    /// `Pending` while it is asked for, up to [`MAX_PENDING`] times or `lookup_wait`, then none
+    /// (the lookup abandoned, counted as a timeout and as a slow call); none while the store
+    /// backs off or the lookup thread refuses the lookup. A lookup of a request whose prefix moved
+    /// abandons the earlier one.
+    fn lookup_deferred(
+        &mut self,
+        id: &RequestId,
+        first: usize,
+        keys: &[SequenceHash],
+        metrics: &Metrics,
+    ) -> RemoteAnswer {
+        let asked = self.asked.get(id).copied().filter(|a| a.first == first);
+        if asked.is_some_and(|a| a.expired) {
+            return RemoteAnswer::Found(0);
+        }
+        if let Some(outcome) = self.lookups.take(id.as_str(), first) {
+            self.asked.remove(id);
+            return RemoteAnswer::Found(self.settle(outcome, keys.len(), metrics));
+        }
+        if let Some(a) = asked {
+            if a.times >= MAX_PENDING || a.since.elapsed() >= self.lookup_wait {
+                // Waited long enough (or asked too often): on without the store; the late
+                // answer is dropped (the store's health still sees the call).
+                self.lookups.abandon(id.as_str(), first);
+                self.asked.insert(id.clone(), Asked { expired: true, ..a });
+                metrics.record_remote_lookup_timeout();
+                self.warn_late();
+                // A lookup not answered in the wait is evidence of a slow store at once
+                // (its own answer, when it comes, is another sample).
+                self.record_call(CallKind::Lookup, a.since.elapsed(), CallOutcome::Answered);
                 self.publish_state(metrics);
-                return RemoteAnswer::Found(0);
-            }
-            if let Some(old) = self.asked.get(id) {
-                // The request's prefix moved: its earlier lookup is no longer wanted.
-                let old_first = old.first;
-                self.lookups.abandon(id.as_str(), old_first);
-            }
-            if !self
-                .lookups
-                .submit(id.as_str(), first, raw(), self.io_timeout)
-            {
-                metrics.record_remote_lookup_skipped();
                 return RemoteAnswer::Found(0);
             }
             self.asked.insert(
                 id.clone(),
                 Asked {
-                    first,
-                    times: 1,
-                    since: Instant::now(),
-                    expired: false,
+                    times: a.times + 1,
+                    ..a
                 },
             );
             return RemoteAnswer::Pending;
@@ -201,10 +187,49 @@ impl LeaderStore {
             self.publish_state(metrics);
             return RemoteAnswer::Found(0);
         }
+        if let Some(old) = self.asked.get(id) {
+            // The request's prefix moved: its earlier lookup is no longer wanted.
+            let old_first = old.first;
+            self.lookups.abandon(id.as_str(), old_first);
+        }
+        if !self
+            .lookups
+            .submit(id.as_str(), first, raw_keys(keys), self.io_timeout)
+        {
+            metrics.record_remote_lookup_skipped();
+            return RemoteAnswer::Found(0);
+        }
+        self.asked.insert(
+            id.clone(),
+            Asked {
+                first,
+                times: 1,
+                since: Instant::now(),
+                expired: false,
+            },
+        );
+        RemoteAnswer::Pending
+    }
+
+    /// A blocking lookup: submitted to the lookup thread and waited for up to `lookup_timeout`
+    /// (a timeout when it does not answer); none while the store backs off or the thread refuses
+    /// the lookup.
+    fn lookup_blocking(
+        &mut self,
+        id: &RequestId,
+        first: usize,
+        keys: &[SequenceHash],
+        metrics: &Metrics,
+    ) -> RemoteAnswer {
+        if self.backing_off() {
+            metrics.record_remote_lookup_skipped();
+            self.publish_state(metrics);
+            return RemoteAnswer::Found(0);
+        }
         let deadline = Instant::now() + self.lookup_timeout;
         if !self
             .lookups
-            .submit(id.as_str(), first, raw(), self.io_timeout)
+            .submit(id.as_str(), first, raw_keys(keys), self.io_timeout)
         {
             metrics.record_remote_lookup_skipped();
             return RemoteAnswer::Found(0);
@@ -372,4 +397,10 @@ impl LeaderStore {
             );
         }
     }
+}
+
+/// The keys as the store takes them, built only when a lookup is submitted (not on a re-ask that
+/// is still pending).
+fn raw_keys(keys: &[SequenceHash]) -> Vec<u128> {
+    keys.iter().map(|k| k.0).collect()
 }
