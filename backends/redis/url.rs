@@ -50,17 +50,7 @@ impl RedisUrl {
                     .into(),
             )
         })?;
-        let (tls, cluster) = match scheme.to_ascii_lowercase().as_str() {
-            "redis" => (false, false),
-            "rediss" => (true, false),
-            "redis+cluster" => (false, true),
-            "rediss+cluster" => (true, true),
-            other => {
-                return Err(bad(format!(
-                "unknown scheme `{other}`: expected redis, rediss, redis+cluster or rediss+cluster"
-            )))
-            }
-        };
+        let (tls, cluster) = scheme_flags(scheme).map_err(bad)?;
         if rest.contains(['?', '#']) {
             return Err(bad(
                 "query parameters and fragments are not supported".into()
@@ -74,56 +64,9 @@ impl RedisUrl {
             Some(i) => (Some(&authority[..i]), &authority[i + 1..]),
             None => (None, authority),
         };
-        let (username, password) = match userinfo {
-            None => (None, None),
-            Some(info) => {
-                let (user, pass) = match info.split_once(':') {
-                    Some((u, p)) => (u, Some(p)),
-                    None => (info, None),
-                };
-                let user = percent_decode(user).map_err(|e| bad(format!("user name: {e}")))?;
-                let pass = pass
-                    .map(percent_decode)
-                    .transpose()
-                    .map_err(|e| bad(format!("password: {e}")))?;
-                (
-                    Some(user).filter(|u| !u.is_empty()),
-                    pass.filter(|p| !p.is_empty()),
-                )
-            }
-        };
-        if username.is_some() && password.is_none() {
-            return Err(bad(
-                "a user name needs a password (user:password@host)".into()
-            ));
-        }
-        let mut nodes = Vec::new();
-        for (i, node) in hosts.split(',').enumerate() {
-            nodes.push(parse_node(node).map_err(|e| bad(format!("host {}: {e}", i + 1)))?);
-        }
-        if nodes.len() > 1 && !cluster {
-            return Err(bad(format!(
-                "{} hosts listed: a list of seed nodes needs the cluster scheme (redis+cluster:// or rediss+cluster://)",
-                nodes.len()
-            )));
-        }
-        let path = path.strip_suffix('/').unwrap_or(path);
-        let db = if path.is_empty() {
-            0
-        } else {
-            if path.len() > 5 || !path.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(bad(format!(
-                    "database `{path}` is not a number from 0 to 99999"
-                )));
-            }
-            path.parse::<i64>()
-                .map_err(|e| bad(format!("database `{path}`: {e}")))?
-        };
-        if cluster && db != 0 {
-            return Err(bad(format!(
-                "database {db}: a Redis Cluster has database 0 only"
-            )));
-        }
+        let (username, password) = credentials(userinfo).map_err(bad)?;
+        let nodes = parse_nodes(hosts, cluster).map_err(bad)?;
+        let db = parse_db(path, cluster).map_err(bad)?;
         Ok(Self {
             tls,
             cluster,
@@ -138,6 +81,85 @@ impl RedisUrl {
     pub fn password(&self) -> Option<&str> {
         self.password.as_deref()
     }
+}
+
+/// `(tls, cluster)` of a scheme (any case): redis, rediss, redis+cluster or rediss+cluster.
+fn scheme_flags(scheme: &str) -> std::result::Result<(bool, bool), String> {
+    match scheme.to_ascii_lowercase().as_str() {
+        "redis" => Ok((false, false)),
+        "rediss" => Ok((true, false)),
+        "redis+cluster" => Ok((false, true)),
+        "rediss+cluster" => Ok((true, true)),
+        other => Err(format!(
+            "unknown scheme `{other}`: expected redis, rediss, redis+cluster or rediss+cluster"
+        )),
+    }
+}
+
+/// The user name and password of `user:password` (percent-decoded, an empty one as none); a
+/// user name without a password is refused.
+fn credentials(
+    userinfo: Option<&str>,
+) -> std::result::Result<(Option<String>, Option<String>), String> {
+    let (username, password) = match userinfo {
+        None => (None, None),
+        Some(info) => {
+            let (user, pass) = match info.split_once(':') {
+                Some((u, p)) => (u, Some(p)),
+                None => (info, None),
+            };
+            let user = percent_decode(user).map_err(|e| format!("user name: {e}"))?;
+            let pass = pass
+                .map(percent_decode)
+                .transpose()
+                .map_err(|e| format!("password: {e}"))?;
+            (
+                Some(user).filter(|u| !u.is_empty()),
+                pass.filter(|p| !p.is_empty()),
+            )
+        }
+    };
+    if username.is_some() && password.is_none() {
+        return Err("a user name needs a password (user:password@host)".into());
+    }
+    Ok((username, password))
+}
+
+/// The comma-separated `host:port` list (errors name the host by its place, from 1); more than
+/// one needs the cluster scheme.
+fn parse_nodes(hosts: &str, cluster: bool) -> std::result::Result<Vec<(String, u16)>, String> {
+    let mut nodes = Vec::new();
+    for (i, node) in hosts.split(',').enumerate() {
+        nodes.push(parse_node(node).map_err(|e| format!("host {}: {e}", i + 1))?);
+    }
+    if nodes.len() > 1 && !cluster {
+        return Err(format!(
+            "{} hosts listed: a list of seed nodes needs the cluster scheme (redis+cluster:// or rediss+cluster://)",
+            nodes.len()
+        ));
+    }
+    Ok(nodes)
+}
+
+/// The database number of the URL's path (a trailing `/` dropped; empty: 0), 0 to 99999 and 0
+/// only in a cluster.
+fn parse_db(path: &str, cluster: bool) -> std::result::Result<i64, String> {
+    let path = path.strip_suffix('/').unwrap_or(path);
+    let db = if path.is_empty() {
+        0
+    } else {
+        if path.len() > 5 || !path.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(format!("database `{path}` is not a number from 0 to 99999"));
+        }
+        path.parse::<i64>()
+            .map_err(|e| format!("database `{path}`: {e}"))?
+    };
+    if cluster && db != 0 {
+        return Err(format!(
+            "database {db}: a Redis Cluster has database 0 only"
+        ));
+    }
+    Ok(db)
 }
 
 impl fmt::Display for RedisUrl {
