@@ -190,27 +190,38 @@ impl Codec {
                 value.len()
             ));
         }
-        let u16_at = |i: usize| u16::from_le_bytes([value[i], value[i + 1]]);
-        let u32_at = |i: usize| {
-            let mut b = [0u8; 4];
-            b.copy_from_slice(&value[i..i + 4]);
-            u32::from_le_bytes(b)
-        };
-        let u64_at = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&value[i..i + 8]);
-            u64::from_le_bytes(b)
-        };
+        let flags = self.check_header(key, rank, value)?;
+        let has_mac = flags & FLAG_MAC != 0;
+        let start = HEADER_BYTES + if has_mac { MAC_BYTES } else { 0 };
+        let want = start + self.payload;
+        if value.len() < want {
+            return Err(format!("truncated: {} bytes, expected {want}", value.len()));
+        }
+        if value.len() > want {
+            return Err(format!("longer than expected: more than {want} bytes"));
+        }
+        let payload = &value[start..];
+        self.check_mac(value, start, has_mac)?;
+        if xxhash_rust::xxh3::xxh3_64(payload) != u64_le(value, 56) {
+            return Err("payload checksum does not match".into());
+        }
+        Ok(payload)
+    }
+
+    /// Checks the fixed header of `value` (at least [`HEADER_BYTES`] long) against `key`'s share
+    /// of `rank` in this scope, in order: magic, version, flags, key, fingerprint, rank, world
+    /// size, payload length. Returns the flags.
+    fn check_header(&self, key: u128, rank: usize, value: &[u8]) -> Result<u16, String> {
         if &value[0..4] != MAGIC {
             return Err("not a kvbm block value (bad magic)".into());
         }
-        let version = u16_at(4);
+        let version = u16_le(value, 4);
         if version != VERSION {
             return Err(format!(
                 "value format version {version}, expected {VERSION}"
             ));
         }
-        let flags = u16_at(6);
+        let flags = u16_le(value, 6);
         if flags & !FLAG_MAC != 0 {
             return Err(format!("unknown flags {flags:#x}"));
         }
@@ -225,52 +236,64 @@ impl Codec {
         if value[24..40] != self.fingerprint {
             return Err("written for another scope (fingerprint differs)".into());
         }
-        let stored_rank = u32_at(40);
+        let stored_rank = u32_le(value, 40);
         if stored_rank as usize != rank {
             return Err(format!(
                 "holds rank {stored_rank}'s share, expected rank {rank}"
             ));
         }
-        let stored_world = u32_at(44);
+        let stored_world = u32_le(value, 44);
         if stored_world != self.world_size {
             return Err(format!(
                 "written with world size {stored_world}, expected {}",
                 self.world_size
             ));
         }
-        let len = u64_at(48);
+        let len = u64_le(value, 48);
         if len != self.payload as u64 {
             return Err(format!(
                 "header says {len} payload bytes, expected {}",
                 self.payload
             ));
         }
-        let has_mac = flags & FLAG_MAC != 0;
-        let start = HEADER_BYTES + if has_mac { MAC_BYTES } else { 0 };
-        let want = start + self.payload;
-        if value.len() < want {
-            return Err(format!("truncated: {} bytes, expected {want}", value.len()));
-        }
-        if value.len() > want {
-            return Err(format!("longer than expected: more than {want} bytes"));
-        }
-        let payload = &value[start..];
+        Ok(flags)
+    }
+
+    /// With a secret, the value's MAC (between the header and the payload at `start`) over the
+    /// header and the payload: refused when missing or different. Without one, nothing.
+    fn check_mac(&self, value: &[u8], start: usize, has_mac: bool) -> Result<(), String> {
         if let Some(mac) = &self.mac {
             if !has_mac {
                 return Err("no MAC, and this deployment has a secret".into());
             }
             let mut m = mac.clone();
             m.update(&value[..HEADER_BYTES]);
-            m.update(payload);
+            m.update(&value[start..]);
             if m.verify_slice(&value[HEADER_BYTES..start]).is_err() {
                 return Err("MAC does not match (wrong secret, or written without it)".into());
             }
         }
-        if xxhash_rust::xxh3::xxh3_64(payload) != u64_at(56) {
-            return Err("payload checksum does not match".into());
-        }
-        Ok(payload)
+        Ok(())
     }
+}
+
+/// The little-endian `u16` at `value[i..i + 2]`.
+fn u16_le(value: &[u8], i: usize) -> u16 {
+    u16::from_le_bytes([value[i], value[i + 1]])
+}
+
+/// The little-endian `u32` at `value[i..i + 4]`.
+fn u32_le(value: &[u8], i: usize) -> u32 {
+    let mut b = [0u8; 4];
+    b.copy_from_slice(&value[i..i + 4]);
+    u32::from_le_bytes(b)
+}
+
+/// The little-endian `u64` at `value[i..i + 8]`.
+fn u64_le(value: &[u8], i: usize) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&value[i..i + 8]);
+    u64::from_le_bytes(b)
 }
 
 #[cfg(test)]
