@@ -167,8 +167,24 @@ const SETUP_HINT: &str = "run `source scripts/nixl-env.sh` (it fetches the nixl-
                           sets LD_LIBRARY_PATH and NIXL_PLUGIN_DIR); see docs/nixl.md";
 
 fn probe_uncached() -> Result<NixlInfo> {
-    // 1. The library. Kept loaded for the life of the process: nixl-sys's stub then finds it
-    //    by its soname without searching again.
+    let (handle, target, searched) = load_library()?;
+    let library = check_symbols(handle, &target, searched)?;
+    let (plugin_dir, plugin_dir_source) = find_plugin_dir(&library)?;
+    let plugins = list_plugins(&library, &plugin_dir, &plugin_dir_source)?;
+    let info = NixlInfo {
+        library,
+        plugin_dir,
+        plugin_dir_source,
+        plugins,
+    };
+    tracing::debug!(?info, "NIXL loaded");
+    Ok(info)
+}
+
+/// Step 1, the library: loaded from [`LIB_DIR_ENV`] or by the loader's search, and kept loaded
+/// for the life of the process (nixl-sys's stub then finds it by its soname without searching
+/// again). Returns the handle, the path asked for and where it was searched (for errors).
+fn load_library() -> Result<(*mut libc::c_void, String, String)> {
     let (target, searched) = match std::env::var_os(LIB_DIR_ENV) {
         Some(dir) => {
             let p = Path::new(&dir).join(CAPI_LIBRARY);
@@ -198,8 +214,12 @@ fn probe_uncached() -> Result<NixlInfo> {
         .with("searched", searched)
         .with("hint", SETUP_HINT));
     }
+    Ok((handle, target, searched))
+}
 
-    // 2. Every symbol nixl-sys will call.
+/// Step 2, every symbol nixl-sys will call, looked up in `handle` (from [`load_library`]).
+/// Returns the file they come from (`target` when the loader cannot say).
+fn check_symbols(handle: *mut libc::c_void, target: &str, searched: String) -> Result<PathBuf> {
     let mut missing = Vec::new();
     let mut anchor: *mut libc::c_void = std::ptr::null_mut();
     for name in REQUIRED_SYMBOLS {
@@ -212,7 +232,7 @@ fn probe_uncached() -> Result<NixlInfo> {
             anchor = sym;
         }
     }
-    let library = loaded_path(anchor).unwrap_or_else(|| PathBuf::from(&target));
+    let library = loaded_path(anchor).unwrap_or_else(|| PathBuf::from(target));
     if !missing.is_empty() {
         return Err(Error::unsupported(format!(
             "{} is not a usable NIXL C API library: it lacks {} of the symbols nixl-sys 1.5 \
@@ -225,8 +245,12 @@ fn probe_uncached() -> Result<NixlInfo> {
         .with("searched", searched)
         .with("hint", SETUP_HINT));
     }
+    Ok(library)
+}
 
-    // 3. The plugin folder, as NIXL will pick it.
+/// Step 3, the plugin folder as NIXL will pick it: [`PLUGIN_DIR_ENV`], else `plugins/` beside
+/// `library`; refused when it is not a folder. Returns it and where it came from.
+fn find_plugin_dir(library: &Path) -> Result<(PathBuf, String)> {
     let (plugin_dir, plugin_dir_source) = match std::env::var_os(PLUGIN_DIR_ENV) {
         Some(d) => (PathBuf::from(d), PLUGIN_DIR_ENV.to_owned()),
         None => (
@@ -246,8 +270,12 @@ fn probe_uncached() -> Result<NixlInfo> {
         .with("library", library.display())
         .with("hint", SETUP_HINT));
     }
+    Ok((plugin_dir, plugin_dir_source))
+}
 
-    // 4. Ask NIXL itself (safe now: the library and its symbols are there).
+/// Step 4, NIXL itself (safe now: the library and its symbols are there): the plugins an agent
+/// finds, refused when there is none.
+fn list_plugins(library: &Path, plugin_dir: &Path, plugin_dir_source: &str) -> Result<Vec<String>> {
     let agent = Agent::new_configured(
         &format!("kvbm-probe-{}", std::process::id()),
         &agent_config(),
@@ -270,18 +298,11 @@ fn probe_uncached() -> Result<NixlInfo> {
             "NIXL found no plugin in {} (expected libplugin_POSIX.so, libplugin_UCX.so)",
             plugin_dir.display()
         ))
-        .with("plugin_dir_source", &plugin_dir_source)
+        .with("plugin_dir_source", plugin_dir_source)
         .with("library", library.display())
         .with("hint", SETUP_HINT));
     }
-    let info = NixlInfo {
-        library,
-        plugin_dir,
-        plugin_dir_source,
-        plugins,
-    };
-    tracing::debug!(?info, "NIXL loaded");
-    Ok(info)
+    Ok(plugins)
 }
 
 /// The file a loaded symbol comes from.
