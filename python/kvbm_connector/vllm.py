@@ -333,6 +333,19 @@ def _kv_cache_groups(kv_cache_config: Any, block_size: int) -> List[Optional[int
     return windows or [None]
 
 
+def _with_model_namespace(config: Any, vllm_config: Any, extra: dict) -> Any:
+    """A persisted disk tier (``KVBM_DISK_PERSIST``) is reopened only by the same model: with no
+    namespace set, the served model's name is the namespace (``remote.namespace``), so a
+    restarted server with another model never reads these blocks. Anything set explicitly wins."""
+    settings = json.loads(config.to_json())
+    if not settings.get("disk", {}).get("persist") or (settings.get("remote") or {}).get("namespace"):
+        return config
+    model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+    if not model:
+        return config
+    return _kvbm.Config.load_with({"KVBM_REMOTE_NAMESPACE": str(model)}, extra.get("config"))
+
+
 class KvbmConnector(*_BASES):
     """vLLM's ``KVConnectorBase_V1`` over the kvbm block manager, for either role (and vLLM's
     ``SupportsHMA``: KV-cache groups)."""
@@ -356,7 +369,7 @@ class KvbmConnector(*_BASES):
             )
         self.world_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         instance = str(extra.get("instance") or getattr(ktc, "engine_id", None) or "default")
-        self._config = load_config(extra.get("config"))
+        self._config = _with_model_namespace(load_config(extra.get("config")), vllm_config, extra)
         transport = extra.get("transport")
         address = extra.get("leader_addr")
         self._num_blocks = extra.get("num_blocks")

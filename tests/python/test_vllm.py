@@ -250,3 +250,25 @@ def test_shutdown_closes_both_halves_at_once(vllm_engine, caplog):
     e2.add("b", E.prompt(4, 12))
     e2.run()
     assert e2.sched.metrics()["operations_failed"] == 0
+
+
+def test_a_persisted_disk_tier_is_named_after_the_served_model(monkeypatch):
+    """KVBM_DISK_PERSIST needs a namespace naming the model: the connector uses vLLM's model
+    name when none is set, and leaves an explicit one alone."""
+    import json
+    from types import SimpleNamespace
+
+    from kvbm_connector import load_config
+    from kvbm_connector.vllm import _with_model_namespace
+
+    vc = SimpleNamespace(model_config=SimpleNamespace(model="org/model-7b"))
+    monkeypatch.setenv("KVBM_DISK_PERSIST", "1")
+    cfg = _with_model_namespace(load_config(), vc, {})
+    assert json.loads(cfg.to_json())["remote"]["namespace"] == "org/model-7b"
+    monkeypatch.setenv("KVBM_REMOTE_NAMESPACE", "mine")
+    cfg = _with_model_namespace(load_config(), vc, {})
+    assert json.loads(cfg.to_json())["remote"]["namespace"] == "mine"
+    monkeypatch.delenv("KVBM_REMOTE_NAMESPACE")
+    monkeypatch.delenv("KVBM_DISK_PERSIST")
+    cfg = _with_model_namespace(load_config(), vc, {})
+    assert (json.loads(cfg.to_json()).get("remote") or {}).get("namespace") is None
