@@ -648,6 +648,43 @@ impl<A: SchedulerAdapter> Leader<A> {
         Ok(())
     }
 
+    /// Queues one load of request `id` from `tier` (host or disk): `pairs` from the held `src`
+    /// blocks into device blocks.
+    fn queue_tier_load(
+        &mut self,
+        id: &RequestId,
+        tier: TierKind,
+        pairs: Vec<(usize, usize)>,
+        src: Vec<ImmutableBlock>,
+    ) {
+        let op = self.next_op_id();
+        let dst: Vec<usize> = pairs.iter().map(|p| p.1).collect();
+        let transfer = BlockTransfer {
+            id: op,
+            request_id: Some(id.clone()),
+            src: tier,
+            dst: TierKind::Device,
+            pairs,
+        };
+        let load = self.load_op(transfer, &src);
+        self.outbox.operations.push(load);
+        self.track(op, Some(id.clone()), Holds::Load { tier, src, dst });
+        if let Some(slot) = self.slots.get_mut(id) {
+            slot.loads_in_flight += 1;
+        }
+    }
+
+    /// A load of `transfer` from the blocks `src`: keyed from a persisted disk tier (the worker
+    /// checks each source block still holds its key, by its own index), plain otherwise.
+    fn load_op(&self, transfer: BlockTransfer, src: &[ImmutableBlock]) -> Box<dyn Operation> {
+        if transfer.src == TierKind::Disk && self.config.disk.reopens() {
+            let keys = src.iter().map(|b| b.sequence_hash().0).collect();
+            Box::new(KeyedLoad { transfer, keys })
+        } else {
+            Box::new(Load(transfer))
+        }
+    }
+
     /// The loads of `staged` (just taken from request `id`'s slot) into the device blocks
     /// `block_ids` the engine allocated, in the next metadata: one [`Load`] per local tier that
     /// serves any block and one [`RemoteLoad`] for the remote store's, each tracked until every
@@ -682,36 +719,12 @@ impl<A: SchedulerAdapter> Leader<A> {
                 remote_keys.push(key);
             }
         }
-        let mut loads = Vec::new();
         for (tier, pairs, src) in [
             (TierKind::Host, host_pairs, host_src),
             (TierKind::Disk, disk_pairs, disk_src),
         ] {
             if !pairs.is_empty() {
-                loads.push((tier, pairs, src));
-            }
-        }
-        for (tier, pairs, src) in loads {
-            let op = self.next_op_id();
-            let dst: Vec<usize> = pairs.iter().map(|p| p.1).collect();
-            let transfer = BlockTransfer {
-                id: op,
-                request_id: Some(id.clone()),
-                src: tier,
-                dst: TierKind::Device,
-                pairs,
-            };
-            let load: Box<dyn Operation> = if tier == TierKind::Disk && self.config.disk.reopens() {
-                // The worker checks each source block still holds its key (its own index).
-                let keys = src.iter().map(|b| b.sequence_hash().0).collect();
-                Box::new(KeyedLoad { transfer, keys })
-            } else {
-                Box::new(Load(transfer))
-            };
-            self.outbox.operations.push(load);
-            self.track(op, Some(id.clone()), Holds::Load { tier, src, dst });
-            if let Some(slot) = self.slots.get_mut(id) {
-                slot.loads_in_flight += 1;
+                self.queue_tier_load(id, tier, pairs, src);
             }
         }
         if !remote_pairs.is_empty() {

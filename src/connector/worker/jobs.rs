@@ -78,51 +78,18 @@ impl Worker {
         let t = op.transfer().clone();
         let direction = op.direction();
         let mut done = self.count_started(&t, direction);
-        if op.builtin_kind() == Some(BuiltinKind::KeyedStore) {
-            done.keys = t
-                .pairs
-                .iter()
-                .map(|p| p.1)
-                .zip(op.block_keys().iter().copied())
-                .collect();
-        }
+        done.keys = stored_keys(op.as_ref());
         let touches_device = done.touches_device;
         let shared = self.shared.clone();
         let outbox = self.outbox.clone();
         if orphan {
-            let e = Error::invalid_argument(format!(
-                "operation {} names request {:?}, which no metadata announced",
-                t.id,
-                t.request_id.as_ref().map(RequestId::as_str)
-            ));
-            let done = OpDone {
-                request: None,
-                touches_device: false,
-                reads_device: false,
-                writes_device: false,
-                direction: Direction::Store,
-                ..done
-            };
+            let (done, e) = orphaned(done, &t);
             complete(&shared, &outbox, done, Err(e));
             return None;
         }
-        if op.builtin_kind() == Some(BuiltinKind::KeyedLoad) {
-            // A persisted disk block is read only while this worker's index says it holds the
-            // key the leader expects (a stale view fails the load: the engine recomputes).
-            let wrong = match shared.disk_keys.get() {
-                Some(keys) => keys.first_mismatch(&t.pairs, op.block_keys()),
-                None => t.pairs.first().map(|p| p.0),
-            };
-            if let Some(block) = wrong {
-                let e = Error::corrupt(format!(
-                    "disk block {block} does not hold the key the leader expects (persisted \
-                     disk index); the load is refused"
-                ))
-                .with("op", t.id)
-                .with("block", block);
-                complete(&shared, &outbox, done, Err(e));
-                return None;
-            }
+        if let Some(e) = unkeyed_load(&shared, op.as_ref()) {
+            complete(&shared, &outbox, done, Err(e));
+            return None;
         }
         let (src, dst) = match self.endpoints(tiers, op.as_ref()) {
             Ok(sides) => sides,
@@ -334,26 +301,119 @@ struct OpDone {
     keys: Vec<(usize, u128)>,
 }
 
+/// An operation naming a request no metadata announced: refused, counted as a store touching no
+/// device block (nothing of the engine's waits on it).
+fn orphaned(done: OpDone, t: &BlockTransfer) -> (OpDone, Error) {
+    let e = Error::invalid_argument(format!(
+        "operation {} names request {:?}, which no metadata announced",
+        t.id,
+        t.request_id.as_ref().map(RequestId::as_str)
+    ));
+    let done = OpDone {
+        request: None,
+        touches_device: false,
+        reads_device: false,
+        writes_device: false,
+        direction: Direction::Store,
+        ..done
+    };
+    (done, e)
+}
+
+/// `(destination block, key)` of a keyed store (a persisted disk tier), else empty.
+fn stored_keys(op: &dyn Operation) -> Vec<(usize, u128)> {
+    if op.builtin_kind() != Some(BuiltinKind::KeyedStore) {
+        return Vec::new();
+    }
+    let pairs = &op.transfer().pairs;
+    pairs
+        .iter()
+        .map(|p| p.1)
+        .zip(op.block_keys().iter().copied())
+        .collect()
+}
+
+/// For a keyed load (from a persisted disk tier): the error when a source block does not hold
+/// the key the leader expects by this worker's own index (a stale view fails the load and the
+/// engine recomputes; another key's bytes are never served). `None`: it may run.
+fn unkeyed_load(shared: &Shared, op: &dyn Operation) -> Option<Error> {
+    if op.builtin_kind() != Some(BuiltinKind::KeyedLoad) {
+        return None;
+    }
+    let t = op.transfer();
+    let wrong = match shared.disk_keys.get() {
+        Some(keys) => keys.first_mismatch(&t.pairs, op.block_keys()),
+        None => t.pairs.first().map(|p| p.0),
+    }?;
+    Some(
+        Error::corrupt(format!(
+            "disk block {wrong} does not hold the key the leader expects (persisted disk \
+             index); the load is refused"
+        ))
+        .with("op", t.id)
+        .with("block", wrong),
+    )
+}
+
+/// Adds a finished transfer to the worker's counters and its per-path totals.
+fn record_path(shared: &Shared, o: &TransferOutcome) {
+    shared
+        .metrics
+        .record_transfer(o.src, o.dst, o.blocks as u64, o.bytes);
+    let mut paths = shared.paths.lock();
+    match paths.iter_mut().find(|p| p.src == o.src && p.dst == o.dst) {
+        Some(p) => {
+            p.blocks += o.blocks as u64;
+            p.bytes += o.bytes;
+            p.busy += o.elapsed;
+        }
+        None => paths.push(PathStats {
+            src: o.src,
+            dst: o.dst,
+            blocks: o.blocks as u64,
+            bytes: o.bytes,
+            busy: o.elapsed,
+        }),
+    }
+}
+
+/// A finished operation's effect on its request's slot: failed device blocks become load errors
+/// (the slot's, or the worker's when the request already left), and its counts go down.
+fn settle_request(shared: &Shared, done: &OpDone, failed: &[usize]) {
+    let mut st = shared.state.lock();
+    let st = &mut *st;
+    // Only device blocks are the engine's to recompute. A request's wait in its slot until
+    // `get_finished` reports its load done (the engine reads them right after that call: one
+    // completing in between must not reach it an iteration before its request's end).
+    if done.writes_device && !failed.is_empty() {
+        match done.request.as_ref().and_then(|id| st.slots.get_mut(id)) {
+            Some(s) => s.load_errors.extend(failed.iter().copied()),
+            None => {
+                st.load_errors.extend(failed.iter().copied());
+                if let Some(id) = &done.request {
+                    st.failed_loads.insert(id.clone());
+                }
+            }
+        }
+    }
+    if let Some(id) = &done.request {
+        if let Some(s) = st.slots.get_mut(id) {
+            if done.touches_device {
+                s.device_ops = s.device_ops.saturating_sub(1);
+            }
+            if done.direction == Direction::Load {
+                s.loads = s.loads.saturating_sub(1);
+            }
+            if done.remote_load {
+                s.remote_loads = s.remote_loads.saturating_sub(1);
+            }
+        }
+    }
+}
+
 fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result<TransferOutcome>) {
     if let Ok(o) = &outcome {
-        shared
-            .metrics
-            .record_transfer(o.src, o.dst, o.blocks as u64, o.bytes);
-        let mut paths = shared.paths.lock();
-        match paths.iter_mut().find(|p| p.src == o.src && p.dst == o.dst) {
-            Some(p) => {
-                p.blocks += o.blocks as u64;
-                p.bytes += o.bytes;
-                p.busy += o.elapsed;
-            }
-            None => paths.push(PathStats {
-                src: o.src,
-                dst: o.dst,
-                blocks: o.blocks as u64,
-                bytes: o.bytes,
-                busy: o.elapsed,
-            }),
-        }
+        record_path(shared, o);
     }
     let (failed, error): (Vec<usize>, Option<String>) = match outcome {
         Ok(o) if o.is_ok() => (Vec::new(), None),
@@ -384,37 +444,7 @@ fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result
         failed_dst_blocks: failed.clone(),
         error,
     });
-    {
-        let mut st = shared.state.lock();
-        let st = &mut *st;
-        // Only device blocks are the engine's to recompute. A request's wait in its slot until
-        // `get_finished` reports its load done (the engine reads them right after that call: one
-        // completing in between must not reach it an iteration before its request's end).
-        if done.writes_device && !failed.is_empty() {
-            match done.request.as_ref().and_then(|id| st.slots.get_mut(id)) {
-                Some(s) => s.load_errors.extend(failed.iter().copied()),
-                None => {
-                    st.load_errors.extend(failed.iter().copied());
-                    if let Some(id) = &done.request {
-                        st.failed_loads.insert(id.clone());
-                    }
-                }
-            }
-        }
-        if let Some(id) = &done.request {
-            if let Some(s) = st.slots.get_mut(id) {
-                if done.touches_device {
-                    s.device_ops = s.device_ops.saturating_sub(1);
-                }
-                if done.direction == Direction::Load {
-                    s.loads = s.loads.saturating_sub(1);
-                }
-                if done.remote_load {
-                    s.remote_loads = s.remote_loads.saturating_sub(1);
-                }
-            }
-        }
-    }
+    settle_request(shared, &done, &failed);
     if done.reads_device {
         let mut n = shared.device_reads.lock();
         *n = n.saturating_sub(1);
