@@ -58,11 +58,12 @@ rm -rf target/wheels
   --no-deps target/wheels/kvbm_connector-*.whl
 "$PYVENV/bin/python" -c 'import kvbm_connector, sys; print("testing", kvbm_connector.__file__); sys.exit("/site-packages/" not in kvbm_connector.__file__)'
 pytest_rc=0
-# test_vllm_forward.py, test_vllm_serving.py and test_vllm_hybrid.py need vLLM's CPU build: they run in the vLLM step below (under CI=true it
-# fails rather than skips where vLLM is missing, as here).
+# test_vllm_forward.py, test_vllm_serving.py and test_vllm_hybrid.py need vLLM's CPU build, and
+# test_sglang.py SGLang: they run in the steps below (under CI=true each fails rather than skips
+# where its engine is missing, as here).
 "$PYVENV/bin/python" -m pytest tests/python -q -p no:cacheprovider \
   --ignore=tests/python/test_vllm_forward.py --ignore=tests/python/test_vllm_serving.py \
-  --ignore=tests/python/test_vllm_hybrid.py || pytest_rc=$?
+  --ignore=tests/python/test_vllm_hybrid.py --ignore=tests/python/test_sglang.py || pytest_rc=$?
 if [ "$pytest_rc" -eq 5 ]; then
   echo "pytest collected no tests: the Python tests did not run" >&2
   exit 1
