@@ -333,33 +333,12 @@ impl Simulator {
             self.paced_from = Some(wall);
         }
         let mut last_progress = Instant::now();
-        let sequential = self.opts.sequential;
         loop {
             self.live.retain(|&i| self.reqs[i].phase != Phase::Done);
             if self.next.is_none() && self.live.is_empty() {
                 break;
             }
-            // Admit arrivals; skip idle stretches. Sequential: the next request arrives once
-            // the previous one is done, whatever its arrival says.
-            if self.live.is_empty() && !sequential {
-                if let Some(r) = &self.next {
-                    self.step = self.step.max(r.arrival);
-                }
-            }
-            while let Some(r) = &self.next {
-                let due = if sequential {
-                    self.live.is_empty()
-                } else {
-                    r.arrival <= self.step
-                };
-                if !due {
-                    break;
-                }
-                if let Some(r) = self.next.take() {
-                    self.arrive(r);
-                }
-                self.next = self.pull()?;
-            }
+            self.admit_arrivals()?;
             let before = self.progress;
             self.one_step()?;
             self.step += 1;
@@ -369,39 +348,7 @@ impl Simulator {
                 self.stalled_steps = 0;
             }
             if self.stalled_steps > 200_000 {
-                let count = |p: Phase| self.reqs.iter().filter(|r| r.phase == p).count();
-                let loading: Vec<usize> = (0..self.reqs.len())
-                    .filter(|&i| self.reqs[i].phase == Phase::Loading)
-                    .collect();
-                let stuck: Vec<String> = loading
-                    .iter()
-                    .chain(self.running.iter())
-                    .chain(self.waiting.iter())
-                    .take(6)
-                    .map(|&i| {
-                        let r = &self.reqs[i];
-                        format!(
-                            "{}:{:?} computed {}/{} blocks {} loading {:?} loaded {} leader {:?}",
-                            r.id,
-                            r.phase,
-                            r.computed,
-                            r.tokens.len(),
-                            r.table_len(),
-                            r.loading,
-                            r.loaded,
-                            self.sched.leader().state_of(&self.sched.request_id(r))
-                        )
-                    })
-                    .collect();
-                return Err(Error::internal(format!(
-                    "replay made no progress: {} running, {} waiting, {} loading, {} held, {} blocks available; {}",
-                    self.running.len(),
-                    self.waiting.len(),
-                    count(Phase::Loading),
-                    count(Phase::Held),
-                    self.pool.available(),
-                    stuck.join("; ")
-                )));
+                return Err(self.stall_error());
             }
             if self.opts.progress && last_progress.elapsed() > Duration::from_millis(200) {
                 let done = self.reqs.len() - self.live.len();
@@ -416,6 +363,71 @@ impl Simulator {
         let served = wall.elapsed();
         self.drain()?;
         Ok(self.report(wall.elapsed(), served))
+    }
+
+    /// Admits the requests that have arrived, skipping idle stretches (nothing live: the
+    /// step jumps to the next arrival). Sequential: the next request arrives once the previous
+    /// one is done, whatever its arrival says.
+    fn admit_arrivals(&mut self) -> Result<()> {
+        let sequential = self.opts.sequential;
+        if self.live.is_empty() && !sequential {
+            if let Some(r) = &self.next {
+                self.step = self.step.max(r.arrival);
+            }
+        }
+        while let Some(r) = &self.next {
+            let due = if sequential {
+                self.live.is_empty()
+            } else {
+                r.arrival <= self.step
+            };
+            if !due {
+                break;
+            }
+            if let Some(r) = self.next.take() {
+                self.arrive(r);
+            }
+            self.next = self.pull()?;
+        }
+        Ok(())
+    }
+
+    /// The error of a replay that made no progress: how many requests run, wait, load and are
+    /// held, the free blocks, and up to six stuck requests (loading first) with their state.
+    fn stall_error(&self) -> Error {
+        let count = |p: Phase| self.reqs.iter().filter(|r| r.phase == p).count();
+        let loading: Vec<usize> = (0..self.reqs.len())
+            .filter(|&i| self.reqs[i].phase == Phase::Loading)
+            .collect();
+        let stuck: Vec<String> = loading
+            .iter()
+            .chain(self.running.iter())
+            .chain(self.waiting.iter())
+            .take(6)
+            .map(|&i| {
+                let r = &self.reqs[i];
+                format!(
+                    "{}:{:?} computed {}/{} blocks {} loading {:?} loaded {} leader {:?}",
+                    r.id,
+                    r.phase,
+                    r.computed,
+                    r.tokens.len(),
+                    r.table_len(),
+                    r.loading,
+                    r.loaded,
+                    self.sched.leader().state_of(&self.sched.request_id(r))
+                )
+            })
+            .collect();
+        Error::internal(format!(
+            "replay made no progress: {} running, {} waiting, {} loading, {} held, {} blocks available; {}",
+            self.running.len(),
+            self.waiting.len(),
+            count(Phase::Loading),
+            count(Phase::Held),
+            self.pool.available(),
+            stuck.join("; ")
+        ))
     }
 
     /// Lets background stores (host → disk) finish so the report counts them.
@@ -516,43 +528,11 @@ impl Simulator {
         sums
     }
 
-    fn report(&mut self, wall: Duration, served: Duration) -> Report {
-        let paths = self.collect_paths();
-        for c in &mut self.children {
-            let _ = c.wait();
-        }
-        let mut offloaded = Vec::new();
-        let mut onboarded = Vec::new();
-        for (src, dst, blocks, bytes, busy) in paths {
-            let row = PathReport {
-                path: format!("{src}->{dst}"),
-                blocks,
-                bytes,
-                gb_per_s: if busy > 0.0 {
-                    bytes as f64 / busy / 1e9
-                } else {
-                    0.0
-                },
-            };
-            if dst == TierKind::Device {
-                onboarded.push(row);
-            } else {
-                offloaded.push(row);
-            }
-        }
-        let requests: Vec<RequestReport> = self.reqs.iter().map(|r| r.report.clone()).collect();
-        let prompt_tokens: usize = requests.iter().map(|r| r.prompt_tokens).sum();
-        let matched: usize = requests.iter().map(|r| r.matched_tokens).sum();
-        let from = requests
-            .iter()
-            .fold(MatchedFrom::default(), |a, r| MatchedFrom {
-                host: a.host + r.matched_from.host,
-                disk: a.disk + r.matched_from.disk,
-                remote: a.remote + r.matched_from.remote,
-            });
+    /// The remote (G4) store's part of the report: the leader's remote counters and the
+    /// store's own; `None` without a remote store.
+    fn remote_report(&self) -> Option<RemoteReport> {
         let metrics = self.sched.leader().metrics();
-        let remote = self
-            .sched
+        self.sched
             .leader()
             .remote_store()
             .map(|(store, st)| RemoteReport {
@@ -575,7 +555,26 @@ impl Simulator {
                 store_timeouts: st.timeouts,
                 reconnects: st.reconnects,
                 invalid_values: st.invalid,
+            })
+    }
+
+    fn report(&mut self, wall: Duration, served: Duration) -> Report {
+        let paths = self.collect_paths();
+        for c in &mut self.children {
+            let _ = c.wait();
+        }
+        let (offloaded, onboarded) = path_rows(paths);
+        let requests: Vec<RequestReport> = self.reqs.iter().map(|r| r.report.clone()).collect();
+        let prompt_tokens: usize = requests.iter().map(|r| r.prompt_tokens).sum();
+        let matched: usize = requests.iter().map(|r| r.matched_tokens).sum();
+        let from = requests
+            .iter()
+            .fold(MatchedFrom::default(), |a, r| MatchedFrom {
+                host: a.host + r.matched_from.host,
+                disk: a.disk + r.matched_from.disk,
+                remote: a.remote + r.matched_from.remote,
             });
+        let remote = self.remote_report();
         let ttft: Vec<f64> = requests.iter().map(|r| r.ttft_ms).collect();
         Report {
             summary: Summary {
@@ -615,6 +614,34 @@ impl Simulator {
             requests,
         }
     }
+}
+
+/// The summed per-path statistics as report rows, split into offloads (to host, disk or
+/// remote) and onboards (to the device), each in the given order; a path that never ran
+/// reports 0 GB/s.
+fn path_rows(
+    paths: Vec<(TierKind, TierKind, u64, u64, f64)>,
+) -> (Vec<PathReport>, Vec<PathReport>) {
+    let mut offloaded = Vec::new();
+    let mut onboarded = Vec::new();
+    for (src, dst, blocks, bytes, busy) in paths {
+        let row = PathReport {
+            path: format!("{src}->{dst}"),
+            blocks,
+            bytes,
+            gb_per_s: if busy > 0.0 {
+                bytes as f64 / busy / 1e9
+            } else {
+                0.0
+            },
+        };
+        if dst == TierKind::Device {
+            onboarded.push(row);
+        } else {
+            offloaded.push(row);
+        }
+    }
+    (offloaded, onboarded)
 }
 
 /// Runs a replay in one process (leader and one worker over the in-process transport).
