@@ -263,81 +263,108 @@ pub fn accept_ranks(
     let mut ranks: Vec<Option<RemoteRank>> = (0..tp).map(|_| None).collect();
     let mut pending: std::collections::VecDeque<Greeting> = std::collections::VecDeque::new();
     while ranks.iter().any(Option::is_none) {
-        // At most a pending table's worth of accepts per round, so a flood of connections
-        // cannot keep the greetings from being read.
-        for _ in 0..MAX_PENDING_GREETINGS {
-            match listener.accept() {
-                Ok((stream, peer)) => {
-                    if pending.len() >= MAX_PENDING_GREETINGS {
-                        if let Some(old) = pending.pop_front() {
-                            tracing::warn!(peer = %old.peer, "engine channel: too many pending greetings; oldest closed");
-                        }
-                    }
-                    match Greeting::new(stream, peer) {
-                        Ok(g) => pending.push_back(g),
-                        Err(e) => {
-                            tracing::warn!(%peer, error = %e, "engine channel: cannot configure a connection; closed")
-                        }
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::io("accept on the engine channel", e)),
-            }
-        }
-        let mut waiting = std::collections::VecDeque::with_capacity(pending.len());
-        while let Some(mut g) = pending.pop_front() {
-            match g.poll() {
-                Ok(Some(rank)) => match ranks.get_mut(rank) {
-                    Some(slot @ None) => {
-                        g.stream
-                            .set_nonblocking(false)
-                            .map_err(|e| Error::io("configure the engine channel", e))?;
-                        let _ = g.stream.set_nodelay(true);
-                        *slot = Some(RemoteRank::new(
-                            rank,
-                            g.stream,
-                            leader.clone(),
-                            call_timeout,
-                        ));
-                    }
-                    _ => {
-                        tracing::warn!(peer = %g.peer, rank, "engine channel: unexpected rank; closed")
-                    }
-                },
-                Ok(None) if g.since.elapsed() > GREETING_TIMEOUT => {
-                    tracing::warn!(peer = %g.peer, "engine channel: no greeting within {GREETING_TIMEOUT:?}; closed");
-                }
-                Ok(None) => waiting.push_back(g),
-                Err(e) => {
-                    tracing::warn!(peer = %g.peer, error = %e, "engine channel: bad greeting; closed")
-                }
-            }
-        }
-        pending = waiting;
+        accept_some(listener, &mut pending)?;
+        pending = read_greetings(pending, &mut ranks, leader, call_timeout)?;
         if ranks.iter().all(Option::is_some) {
             break;
         }
         check()?;
         if Instant::now() > until {
-            let missing: Vec<usize> = ranks
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| r.is_none())
-                .map(|(i, _)| i)
-                .collect();
-            return Err(Error::new(
-                ErrorKind::Timeout,
-                format!(
-                    "rank(s) {missing:?} did not join within {:.0}s",
-                    timeout.as_secs_f64()
-                ),
-            )
-            .with("missing_ranks", format!("{missing:?}")));
+            return Err(missing_ranks(&ranks, timeout));
         }
         std::thread::sleep(Duration::from_millis(5));
     }
     Ok(ranks.into_iter().flatten().collect())
+}
+
+/// Accepts the connections waiting on `listener` into `pending`: at most a pending table's
+/// worth per round, so a flood of connections cannot keep the greetings from being read; past
+/// [`MAX_PENDING_GREETINGS`] the oldest pending connection is closed.
+fn accept_some(
+    listener: &TcpListener,
+    pending: &mut std::collections::VecDeque<Greeting>,
+) -> Result<()> {
+    for _ in 0..MAX_PENDING_GREETINGS {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                if pending.len() >= MAX_PENDING_GREETINGS {
+                    if let Some(old) = pending.pop_front() {
+                        tracing::warn!(peer = %old.peer, "engine channel: too many pending greetings; oldest closed");
+                    }
+                }
+                match Greeting::new(stream, peer) {
+                    Ok(g) => pending.push_back(g),
+                    Err(e) => {
+                        tracing::warn!(%peer, error = %e, "engine channel: cannot configure a connection; closed")
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io("accept on the engine channel", e)),
+        }
+    }
+    Ok(())
+}
+
+/// Reads what each pending connection sent: a greeting naming a free rank seats that rank
+/// (blocking again, no delay, its calls bounded by `call_timeout`); an unexpected rank, a bad
+/// greeting or none within [`GREETING_TIMEOUT`] closes the connection. Returns the connections
+/// still waiting for their greeting, in order.
+fn read_greetings(
+    mut pending: std::collections::VecDeque<Greeting>,
+    ranks: &mut [Option<RemoteRank>],
+    leader: &Arc<TcpLeader>,
+    call_timeout: Duration,
+) -> Result<std::collections::VecDeque<Greeting>> {
+    let mut waiting = std::collections::VecDeque::with_capacity(pending.len());
+    while let Some(mut g) = pending.pop_front() {
+        match g.poll() {
+            Ok(Some(rank)) => match ranks.get_mut(rank) {
+                Some(slot @ None) => {
+                    g.stream
+                        .set_nonblocking(false)
+                        .map_err(|e| Error::io("configure the engine channel", e))?;
+                    let _ = g.stream.set_nodelay(true);
+                    *slot = Some(RemoteRank::new(
+                        rank,
+                        g.stream,
+                        leader.clone(),
+                        call_timeout,
+                    ));
+                }
+                _ => {
+                    tracing::warn!(peer = %g.peer, rank, "engine channel: unexpected rank; closed")
+                }
+            },
+            Ok(None) if g.since.elapsed() > GREETING_TIMEOUT => {
+                tracing::warn!(peer = %g.peer, "engine channel: no greeting within {GREETING_TIMEOUT:?}; closed");
+            }
+            Ok(None) => waiting.push_back(g),
+            Err(e) => {
+                tracing::warn!(peer = %g.peer, error = %e, "engine channel: bad greeting; closed")
+            }
+        }
+    }
+    Ok(waiting)
+}
+
+/// The `Timeout` error naming the ranks that did not join within `timeout`.
+fn missing_ranks(ranks: &[Option<RemoteRank>], timeout: Duration) -> Error {
+    let missing: Vec<usize> = ranks
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.is_none())
+        .map(|(i, _)| i)
+        .collect();
+    Error::new(
+        ErrorKind::Timeout,
+        format!(
+            "rank(s) {missing:?} did not join within {:.0}s",
+            timeout.as_secs_f64()
+        ),
+    )
+    .with("missing_ranks", format!("{missing:?}"))
 }
 
 /// A rank in a child process, reached over the engine channel.
