@@ -83,13 +83,8 @@ fn line_err(n: usize, what: impl std::fmt::Display) -> Error {
     .with("line", n)
 }
 
-/// Parses one line (`n`: its number, for errors).
-pub fn parse_line(n: usize, line: &str) -> Result<MooncakeRequest> {
-    let value: serde_json::Value =
-        serde_json::from_str(line).map_err(|e| line_err(n, format!("not JSON: {e}")))?;
-    let obj = value
-        .as_object()
-        .ok_or_else(|| line_err(n, "expected a JSON object"))?;
+/// Refuses a field other than the four Mooncake's trace has (the first one found, named).
+fn check_keys(n: usize, obj: &serde_json::Map<String, serde_json::Value>) -> Result<()> {
     for key in obj.keys() {
         if !matches!(
             key.as_str(),
@@ -104,32 +99,39 @@ pub fn parse_line(n: usize, line: &str) -> Result<MooncakeRequest> {
             .with("field", key));
         }
     }
-    let uint =
-        |key: &str, max: u64| -> Result<u64> {
-            match obj.get(key) {
-                None => Err(line_err(n, format!("missing field {key:?}")).with("field", key)),
-                Some(v) => match v.as_u64() {
-                    Some(x) if x <= max => Ok(x),
-                    Some(x) => Err(line_err(n, format!("field {key:?} is {x}; at most {max}"))
-                        .with("field", key)),
-                    None => Err(line_err(
-                        n,
-                        format!("field {key:?} must be a non-negative integer, got {v}"),
-                    )
-                    .with("field", key)),
-                },
+    Ok(())
+}
+
+/// Field `key` of line `n`: present, a non-negative integer, at most `max`.
+fn uint_field(
+    n: usize,
+    obj: &serde_json::Map<String, serde_json::Value>,
+    key: &str,
+    max: u64,
+) -> Result<u64> {
+    match obj.get(key) {
+        None => Err(line_err(n, format!("missing field {key:?}")).with("field", key)),
+        Some(v) => match v.as_u64() {
+            Some(x) if x <= max => Ok(x),
+            Some(x) => {
+                Err(line_err(n, format!("field {key:?} is {x}; at most {max}")).with("field", key))
             }
-        };
-    let timestamp = uint("timestamp", MAX_ARRIVAL)?;
-    let input_length = uint("input_length", MAX_REQUEST_TOKENS as u64)? as usize;
-    let output_length = uint("output_length", MAX_REQUEST_TOKENS as u64)? as usize;
-    if input_length == 0 {
-        return Err(line_err(
-            n,
-            "field \"input_length\" is 0; a prompt has at least 1 token",
-        )
-        .with("field", "input_length"));
+            None => Err(line_err(
+                n,
+                format!("field {key:?} must be a non-negative integer, got {v}"),
+            )
+            .with("field", key)),
+        },
     }
+}
+
+/// Line `n`'s `hash_ids`: an array of one non-negative integer per started block of
+/// `input_length` tokens ([`MOONCAKE_BLOCK_TOKENS`] each, the last one partial).
+fn block_ids(
+    n: usize,
+    obj: &serde_json::Map<String, serde_json::Value>,
+    input_length: usize,
+) -> Result<Vec<u64>> {
     let ids = match obj.get("hash_ids") {
         None => return Err(line_err(n, "missing field \"hash_ids\"").with("field", "hash_ids")),
         Some(serde_json::Value::Array(a)) => a,
@@ -166,6 +168,28 @@ pub fn parse_line(n: usize, line: &str) -> Result<MooncakeRequest> {
             }
         }
     }
+    Ok(hash_ids)
+}
+
+/// Parses one line (`n`: its number, for errors).
+pub fn parse_line(n: usize, line: &str) -> Result<MooncakeRequest> {
+    let value: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| line_err(n, format!("not JSON: {e}")))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| line_err(n, "expected a JSON object"))?;
+    check_keys(n, obj)?;
+    let timestamp = uint_field(n, obj, "timestamp", MAX_ARRIVAL)?;
+    let input_length = uint_field(n, obj, "input_length", MAX_REQUEST_TOKENS as u64)? as usize;
+    let output_length = uint_field(n, obj, "output_length", MAX_REQUEST_TOKENS as u64)? as usize;
+    if input_length == 0 {
+        return Err(line_err(
+            n,
+            "field \"input_length\" is 0; a prompt has at least 1 token",
+        )
+        .with("field", "input_length"));
+    }
+    let hash_ids = block_ids(n, obj, input_length)?;
     Ok(MooncakeRequest {
         timestamp,
         input_length,
