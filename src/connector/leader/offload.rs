@@ -398,33 +398,15 @@ impl<A: SchedulerAdapter> Leader<A> {
             return;
         };
         let kind = pool.kind();
-        let mut wanted: Vec<(usize, SequenceHash)> = Vec::with_capacity(full - slot.offloaded);
-        let mut upto = slot.offloaded;
-        let mut window_skipped = 0u64;
-        for i in slot.offloaded..full {
-            let Some(&device) = slot.device_blocks.get(i) else {
-                break;
-            };
-            upto = i + 1;
-            if Some(device) == placeholder {
-                // The engine keeps no block here (out of a sliding window): nothing to store.
-                continue;
-            }
-            let Some(&hash) = slot.seq.hashes().get(i) else {
-                break;
-            };
-            if slot.window.is_some() {
-                self.window_keys.insert(hash);
-                if slot.window_skips(i, bs, trailing, computed) {
-                    window_skipped += 1;
-                    continue;
-                }
-            }
-            if self.pending_keys.contains(&(kind, hash)) {
-                continue;
-            }
-            wanted.push((device, hash));
-        }
+        let scan = BlockScan {
+            page_size: bs,
+            placeholder,
+            trailing,
+            computed,
+            kind,
+        };
+        let (mut wanted, upto, window_skipped) =
+            scan.wanted(slot, full, &mut self.window_keys, &self.pending_keys);
         slot.offloaded = upto;
         if window_skipped > 0 {
             self.metrics.record_window_skipped(window_skipped);
@@ -656,6 +638,64 @@ impl Staging {
     fn add(&mut self, device: usize, block: MutableBlock, hash: SequenceHash) {
         self.pairs.push((device, block.block_id()));
         self.dst.push((block, hash));
+    }
+}
+
+/// One offload pass's view of a request's blocks: what decides which of them are stored.
+struct BlockScan {
+    /// Tokens per block.
+    page_size: usize,
+    /// The engine's placeholder block (one it does not keep: out of a sliding window), if any.
+    placeholder: Option<usize>,
+    /// Whether the adapter's stores trail compute (see [`Slot::window_skips`]).
+    trailing: bool,
+    /// The request's computed tokens.
+    computed: usize,
+    /// The first tier the blocks go to (the host, or the disk without one).
+    kind: TierKind,
+}
+
+impl BlockScan {
+    /// The `(device block, key)` pairs of `slot`'s blocks from `slot.offloaded` up to `full` to
+    /// store, how far the scan got (it stops at a block the request has no device block or
+    /// hash for yet) and how many a sliding window skipped. Placeholder blocks, blocks outside
+    /// the window and keys already being stored to the tier are left out; a windowed slot's
+    /// keys are noted in `window_keys`.
+    fn wanted(
+        &self,
+        slot: &Slot,
+        full: usize,
+        window_keys: &mut super::groups::SeenKeys,
+        pending_keys: &HashSet<(TierKind, SequenceHash), BuildSeqHasher>,
+    ) -> (Vec<(usize, SequenceHash)>, usize, u64) {
+        let mut wanted: Vec<(usize, SequenceHash)> = Vec::with_capacity(full - slot.offloaded);
+        let mut upto = slot.offloaded;
+        let mut window_skipped = 0u64;
+        for i in slot.offloaded..full {
+            let Some(&device) = slot.device_blocks.get(i) else {
+                break;
+            };
+            upto = i + 1;
+            if Some(device) == self.placeholder {
+                // The engine keeps no block here (out of a sliding window): nothing to store.
+                continue;
+            }
+            let Some(&hash) = slot.seq.hashes().get(i) else {
+                break;
+            };
+            if slot.window.is_some() {
+                window_keys.insert(hash);
+                if slot.window_skips(i, self.page_size, self.trailing, self.computed) {
+                    window_skipped += 1;
+                    continue;
+                }
+            }
+            if pending_keys.contains(&(self.kind, hash)) {
+                continue;
+            }
+            wanted.push((device, hash));
+        }
+        (wanted, upto, window_skipped)
     }
 }
 
