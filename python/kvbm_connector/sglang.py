@@ -155,13 +155,49 @@ class KvbmHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         if mem_pool_host is None:
             return
-        page_bytes = _nbytes(mem_pool_host.get_dummy_flat_data_page())
-        self._flat_differs = str(getattr(mem_pool_host, "layout", "")) == "layer_first"
+        layout = str(getattr(mem_pool_host, "layout", ""))
+        try:
+            page_bytes = _nbytes(mem_pool_host.get_dummy_flat_data_page())
+        except Exception as e:  # noqa: BLE001 - SGLang raises its own kinds
+            raise _error(
+                "unsupported",
+                f"kvbm cannot read the host pool's pages (layout {layout!r}: {e})",
+                field="layout",
+            ) from e
+        if self._form == "runs":
+            self._check_runs(mem_pool_host, layout, page_bytes)
+        self._flat_differs = layout == "layer_first"
         self._open(page_bytes, mem_pool_host)
         for attr in ("kv_buffer", "k_buffer", "v_buffer"):
             buf = getattr(mem_pool_host, attr, None)
             if buf is not None and hasattr(buf, "data_ptr"):
                 self._store.register_region(buf, attr)
+
+    @staticmethod
+    def _check_runs(pool: Any, layout: str, page_bytes: int) -> None:
+        """The zero-copy calls read a page as the runs ``get_page_buffer_meta`` gives: refused
+        at registration, naming the layout, when the pool cannot give them or they do not add up
+        to one page."""
+        import torch
+
+        try:
+            page_size = int(pool.page_size)
+            _ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+            total = sum(int(x) for x in sizes)
+        except Exception as e:  # noqa: BLE001 - SGLang raises its own kinds
+            raise _error(
+                "unsupported",
+                f"kvbm's zero-copy calls cannot read the host pool's pages in layout {layout!r} "
+                f"({e}); launch without interface_v1 to use the classic calls",
+                field="layout",
+            ) from e
+        if total != page_bytes:
+            raise _error(
+                "unsupported",
+                f"the host pool's zero-copy runs of one page add up to {total} bytes, its page "
+                f"is {page_bytes} (layout {layout!r})",
+                field="layout",
+            )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         if str(host_pool_name) not in KV_POOLS:

@@ -356,3 +356,26 @@ assert b.batch_set_v1(["p0", "p1", "p2"], idx) == [True] * 3
     with pytest.raises(KvbmError) as e:
         backend({**extra, "disk_cache_blocks": 32}, host_pool("page_first"), model="persisted")
     assert e.value.kind == "invalid_config" and "num_blocks" in str(e.value)
+
+
+def test_a_layout_we_cannot_read_is_refused_when_sglang_builds_the_backend(tmp_path):
+    """A host pool whose pages the zero-copy calls cannot address (SGLang's MLA pool in
+    ``layer_first`` raises in ``get_page_buffer_meta``) is refused at registration with a
+    KvbmError naming the layout, not on the first prefetch."""
+    pool = host_pool("page_first")
+
+    def no_runs(indices):
+        raise ValueError("Unsupported layout: layer_first")
+
+    pool.get_page_buffer_meta = no_runs
+    with pytest.raises(KvbmError) as e:
+        backend(disk_extra(tmp_path), pool)
+    assert e.value.kind == "unsupported" and e.value.context.get("field") == "layout"
+    # The classic calls do not need the runs: the same pool is served without interface_v1.
+    extra = {**disk_extra(tmp_path, "classic"), "interface_v1": 0}
+    b = backend(extra, pool)
+    idx, want = fill(pool, 1, seed=11)
+    assert b.batch_set(["c"], [pool.get_data_page(int(idx[0]))]) is True
+    got = b.batch_get(["c"], [pool.get_dummy_flat_data_page()])
+    assert torch.equal(got[0], want[0].flatten())
+
