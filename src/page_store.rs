@@ -742,7 +742,7 @@ impl PageStore {
             self.levels
                 .iter()
                 .filter(|l| l.tier.kind() == kind)
-                .map(|l| l.pool.registered().len() as u64)
+                .map(|l| l.pool.stats().registered as u64)
                 .sum()
         };
         PageStoreStats {
