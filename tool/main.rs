@@ -4,7 +4,8 @@
 //!   workers; verifies every onboarded byte; prints a table and optionally a JSON report
 //!   ([`replay`]).
 //! * `kvbm sweep` — replays a workload at several cache capacities and policies; a table and an
-//!   SVG plot of hit rate against capacity ([`sweep`]).
+//!   SVG plot of hit rate against capacity ([`sweep`]); with `--instances`, the workload split
+//!   over a fleet of instances by a router, with and without a shared tier ([`fleet`]).
 //! * `kvbm bench` — measures each data path against a limit measured in the same run ([`bench`](mod@bench)).
 //! * `kvbm config` — prints the effective configuration and the derived block counts
 //!   ([`config_cmd`]).
@@ -22,6 +23,7 @@
 
 mod bench;
 mod config_cmd;
+mod fleet;
 mod replay;
 mod sweep;
 

@@ -37,8 +37,9 @@ pub struct SweepArgs {
     #[command(flatten)]
     pub replay: ReplayArgs,
     /// Host capacities in tokens, comma-separated; `K`, `M`, `G` suffixes are powers of 1000
-    /// (`1M,3M,10M`). Each becomes `floor(tokens / block size)` host blocks.
-    #[arg(long, value_delimiter = ',', required = true, value_parser = parse_tokens)]
+    /// (`1M,3M,10M`). Each becomes `floor(tokens / block size)` host blocks (per instance with
+    /// `--instances`, which also takes `--host-blocks` instead).
+    #[arg(long, value_delimiter = ',', value_parser = parse_tokens)]
     pub capacities: Vec<u64>,
     /// Also replay each host capacity with a disk tier of this many tokens (`30M`).
     #[arg(long, allow_negative_numbers = true, value_parser = parse_tokens)]
@@ -57,6 +58,9 @@ pub struct SweepArgs {
     /// Replays run at once (each holds its own tiers: mind the memory).
     #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub jobs: usize,
+    /// Fleets: the trace split over several instances (`--instances`, `--router`, ...).
+    #[command(flatten)]
+    pub fleet: crate::fleet::FleetArgs,
 }
 
 /// Most capacities one sweep takes.
@@ -82,7 +86,7 @@ pub fn parse_tokens(s: &str) -> std::result::Result<u64, String> {
 }
 
 /// The eviction policy `name` names (`--eviction`; the configuration's `eviction` values).
-fn parse_policy(name: &str) -> Result<EvictionPolicy> {
+pub fn parse_policy(name: &str) -> Result<EvictionPolicy> {
     name.trim().parse().map_err(|_| {
         Error::invalid_argument(format!(
             "--eviction {name:?}: unknown policy (known: {})",
@@ -126,7 +130,7 @@ impl Point {
     }
 }
 
-fn pct(a: usize, b: usize) -> f64 {
+pub fn pct(a: usize, b: usize) -> f64 {
     if b == 0 {
         0.0
     } else {
@@ -190,7 +194,7 @@ struct Plan {
     disk_tokens: u64,
 }
 
-fn blocks_of(tokens: u64, bs: usize, flag: &str) -> Result<usize> {
+pub fn blocks_of(tokens: u64, bs: usize, flag: &str) -> Result<usize> {
     let b = usize::try_from(tokens / bs as u64).unwrap_or(usize::MAX);
     if b == 0 {
         return Err(Error::invalid_argument(format!(
@@ -331,7 +335,7 @@ pub fn render_table(title: &str, points: &[Point], unlimited: &Unlimited) -> Str
 /// file if it exists (a device such as /dev/full, a FIFO or a directory is refused). Checked by
 /// opening it for writing without truncating; a file created by the check is removed again, so a
 /// sweep that fails later leaves nothing behind.
-fn check_plot_path(path: &Path) -> Result<()> {
+pub fn check_plot_path(path: &Path) -> Result<()> {
     let bad = |why: String| {
         Err(
             Error::invalid_argument(format!("--plot {}: {why}", path.display()))
@@ -374,6 +378,19 @@ pub fn draw_plot(
     unlimited: &Unlimited,
     block_size: usize,
 ) -> Result<()> {
+    draw_lines(path, title, &plot_series(points), unlimited, block_size)
+}
+
+/// Writes an SVG plot of hit rate (%) over host capacity (tokens, log scale): one line per
+/// series (its legend name and its (host tokens, hit rate) points, in any order), and the
+/// unlimited cache's line.
+pub fn draw_lines(
+    path: &Path,
+    title: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    unlimited: &Unlimited,
+    block_size: usize,
+) -> Result<()> {
     use plotters::prelude::*;
     let fail = |e: &dyn std::fmt::Display| {
         Error::new(
@@ -381,9 +398,9 @@ pub fn draw_plot(
             format!("cannot draw the plot {}: {e}", path.display()),
         )
     };
-    let (lo, hi, keys) = x_axis(points);
+    let (lo, hi, keys) = x_axis(series);
     let unl = pct(unlimited.matched, unlimited.prompt);
-    let top = y_top(points, unl);
+    let top = y_top(series, unl);
     let mut svg = String::new();
     let root = SVGBackend::with_string(&mut svg, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
@@ -402,13 +419,14 @@ pub fn draw_plot(
         .y_label_formatter(&|y| format!("{y:.0}%"))
         .draw()
         .map_err(|e| fail(&e))?;
-    for (k, (name, mut pts)) in plot_series(points).into_iter().enumerate() {
+    for (k, (name, pts)) in series.iter().enumerate() {
+        let mut pts = pts.clone();
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         let color = PALETTE[k % PALETTE.len()];
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| fail(&e))?
-            .label(name)
+            .label(name.clone())
             .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });
@@ -461,19 +479,21 @@ const PALETTE: [plotters::style::RGBColor; 6] = {
     ]
 };
 
-/// The plot's host-capacity axis: its range (the capacities swept, widened by 1.5× each side;
-/// a factor of 2 around a single capacity) and the key points labelled, the capacities swept
+/// The plot's host-capacity axis: its range (the capacities plotted, widened by 1.5× each side;
+/// a factor of 2 around a single capacity) and the key points labelled, the capacities plotted
 /// (a log axis alone labels only powers of ten).
-fn x_axis(points: &[Point]) -> (f64, f64, Vec<f64>) {
-    let xs = points.iter().map(|p| p.host_tokens as f64);
-    let lo = xs.clone().fold(f64::INFINITY, f64::min);
-    let hi = xs.fold(0.0_f64, f64::max);
+fn x_axis(series: &[(String, Vec<(f64, f64)>)]) -> (f64, f64, Vec<f64>) {
+    let mut keys: Vec<f64> = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.0))
+        .collect();
+    let lo = keys.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = keys.iter().copied().fold(0.0_f64, f64::max);
     let (lo, hi) = if lo.is_finite() && hi > lo {
         (lo / 1.5, hi * 1.5)
     } else {
         (lo.max(1.0) / 2.0, lo.max(1.0) * 2.0)
     };
-    let mut keys: Vec<f64> = points.iter().map(|p| p.host_tokens as f64).collect();
     keys.sort_by(f64::total_cmp);
     keys.dedup();
     (lo, hi, keys)
@@ -481,10 +501,10 @@ fn x_axis(points: &[Point]) -> (f64, f64, Vec<f64>) {
 
 /// The hit-rate axis' top: 15% above the highest rate (the unlimited cache's `unl` included, at
 /// least 1%), rounded up to a multiple of 5.
-fn y_top(points: &[Point], unl: f64) -> f64 {
-    let top = points
+fn y_top(series: &[(String, Vec<(f64, f64)>)], unl: f64) -> f64 {
+    let top = series
         .iter()
-        .map(Point::hit_pct)
+        .flat_map(|s| s.1.iter().map(|p| p.1))
         .fold(unl, f64::max)
         .max(1.0);
     (top * 1.15 / 5.0).ceil() * 5.0
@@ -509,7 +529,7 @@ fn plot_series(points: &[Point]) -> Vec<(String, Vec<(f64, f64)>)> {
 }
 
 /// `1.5M`, `300K`, `800`.
-fn human(x: f64) -> String {
+pub fn human(x: f64) -> String {
     let trim = |v: f64, unit: &str| {
         let s = format!("{v:.1}");
         format!("{}{unit}", s.trim_end_matches(".0"))
@@ -527,6 +547,10 @@ fn human(x: f64) -> String {
 
 /// Runs `kvbm sweep`.
 pub fn run(a: &SweepArgs) -> Result<ExitCode> {
+    if a.fleet.is_fleet() {
+        return crate::fleet::run(a);
+    }
+    a.fleet.check_unused()?;
     check_args(a)?;
     let plans = plan_runs(a, &policies(a)?);
     let title = default_title(a);
@@ -582,7 +606,13 @@ fn check_args(a: &SweepArgs) -> Result<()> {
     if a.replay.tp > 1 || a.replay.external_workers {
         return flag("--tp", "kvbm sweep replays in one process (--tp 1)");
     }
-    if a.capacities.is_empty() || a.capacities.len() > MAX_POINTS {
+    if a.capacities.is_empty() {
+        return flag(
+            "--capacities",
+            "kvbm sweep needs --capacities (host tokens, e.g. 1M,3M,10M)",
+        );
+    }
+    if a.capacities.len() > MAX_POINTS {
         return flag(
             "--capacities",
             &format!("between 1 and {MAX_POINTS} capacities"),
@@ -631,7 +661,7 @@ fn plan_runs(a: &SweepArgs, policies: &[EvictionPolicy]) -> Vec<Plan> {
 }
 
 /// `--title`, or the trace file's name (the workload and seed without one) and the block size.
-fn default_title(a: &SweepArgs) -> String {
+pub fn default_title(a: &SweepArgs) -> String {
     a.title.clone().unwrap_or_else(|| match &a.replay.trace {
         Some(p) => format!(
             "{} (block {})",

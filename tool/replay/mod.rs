@@ -294,6 +294,7 @@ pub fn sim_options(a: &ReplayArgs, config: Config) -> Result<SimOptions> {
         sequential: a.sequential,
         pace: a.pace,
         groups: layer_groups(a)?,
+        tiers: None,
     })
 }
 

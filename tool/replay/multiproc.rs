@@ -116,6 +116,7 @@ pub fn run_worker(a: &WorkerArgs) -> Result<ExitCode> {
         a.world_size,
         a.kv_groups,
         transport.clone(),
+        None,
     )?;
     wait_for(&format!("rank {}", a.rank), deadline, || {
         match exec.init_error() {

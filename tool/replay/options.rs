@@ -2,8 +2,11 @@
 //! the batch and chunk sizes, the connector's configuration, the ranks; and the checks that turn
 //! them into block dimensions.
 
+use std::sync::Arc;
+
 use kvbm_connector::config::Config;
 use kvbm_connector::connector::groups::{AttentionKind, KvCacheGroups};
+use kvbm_connector::connector::worker::TierFactory;
 use kvbm_connector::error::{Error, ErrorKind, Result};
 use kvbm_connector::layout::LayoutDims;
 
@@ -62,6 +65,10 @@ pub struct SimOptions {
     /// own block table over the shared device pool (vLLM's hybrid manager, TensorRT-LLM's layer
     /// groups in one pool), and its own KV bytes.
     pub groups: Vec<AttentionKind>,
+    /// The factory of the tiers (and of the shared remote store) of this replay's leader and
+    /// worker, instead of the standard one (`kvbm sweep --instances`: the fleet's shared store).
+    /// Single-process replays only.
+    pub tiers: Option<Arc<dyn TierFactory>>,
 }
 
 fn sim_err(msg: impl Into<String>) -> Error {

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::config::Config;
 use kvbm_connector::connector::transport::WorkerTransport;
+use kvbm_connector::connector::worker::TierFactory;
 use kvbm_connector::error::{Error, Result};
 use kvbm_connector::layout::Layout;
 use kvbm_connector::tier::{StorageTier, TierKind};
@@ -132,6 +133,7 @@ impl RankExecutor {
         world_size: usize,
         groups: usize,
         transport: Arc<dyn WorkerTransport>,
+        tiers: Option<Arc<dyn TierFactory>>,
     ) -> Result<Self> {
         let engine = engine_of(framework);
         let io_grace = config.transfer.load_timeout();
@@ -145,6 +147,7 @@ impl RankExecutor {
             groups,
             transport,
             device.clone(),
+            tiers,
         )?;
         Ok(Self {
             scratch: vec![0u8; shard.token_bytes()],

@@ -89,7 +89,8 @@ pub trait SimEngine: Sync {
     /// Starts one rank's worker over `transport` and registers `device` (of `blocks` blocks of
     /// `dims`, laid out as [`SimEngine::cache_layout`] says) as the engine registers its cache;
     /// `groups` KV-cache groups share it (layer `l` of every group is a view of the same
-    /// memory, a block belonging to one group at a time).
+    /// memory, a block belonging to one group at a time). `tiers` builds its tiers instead of
+    /// [`tier_factory`] when given.
     #[allow(clippy::too_many_arguments)]
     fn worker(
         &self,
@@ -100,6 +101,7 @@ pub trait SimEngine: Sync {
         groups: usize,
         transport: Arc<dyn WorkerTransport>,
         device: Arc<dyn StorageTier>,
+        tiers: Option<Arc<dyn TierFactory>>,
     ) -> Result<Box<dyn WorkerSide>>;
 }
 
@@ -208,6 +210,9 @@ pub trait LeaderCalls {
     /// The remote store's name and counters (the leader's store and every rank's, added), when
     /// the remote tier is on.
     fn remote_store(&self) -> Option<(String, RemoteStoreStats)>;
+    /// Builds the remote store with `factory` (set before the connector is first asked
+    /// whether it is ready, so the standard factory's store is never built).
+    fn set_tier_factory(&mut self, factory: Arc<dyn TierFactory>);
 }
 
 impl<A: SchedulerAdapter> LeaderCalls for Leader<A> {
@@ -238,6 +243,9 @@ impl<A: SchedulerAdapter> LeaderCalls for Leader<A> {
     fn remote_store(&self) -> Option<(String, RemoteStoreStats)> {
         let store = Leader::remote_store(self)?;
         Some((store.describe(), self.remote_store_stats()?))
+    }
+    fn set_tier_factory(&mut self, factory: Arc<dyn TierFactory>) {
+        Leader::set_tier_factory(self, factory);
     }
 }
 

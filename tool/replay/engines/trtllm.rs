@@ -12,7 +12,7 @@ use std::sync::Arc;
 use kvbm_connector::config::Config;
 use kvbm_connector::connector::groups::{AttentionKind, KvCacheGroups};
 use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
-use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::connector::worker::{TierFactory, Worker};
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::error::Result;
 use kvbm_connector::frameworks::trtllm::{
@@ -72,9 +72,14 @@ impl SimEngine for TensorRtLlm {
         groups: usize,
         transport: Arc<dyn WorkerTransport>,
         device: Arc<dyn StorageTier>,
+        tiers: Option<Arc<dyn TierFactory>>,
     ) -> Result<Box<dyn WorkerSide>> {
         let mut w = TrtllmWorker::new(config, d.page_size, world_size, transport)?;
-        w.worker_mut().set_tier_factory(super::tier_factory()?)?;
+        let tiers = match tiers {
+            Some(t) => t,
+            None => super::tier_factory()?,
+        };
+        w.worker_mut().set_tier_factory(tiers)?;
         if groups > 1 {
             // Every group's layers are views of the one registered pool.
             w.set_layer_groups(groups, d.num_layers)?;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use kvbm_connector::config::Config;
 use kvbm_connector::connector::groups::{AttentionKind, KvCacheGroups};
 use kvbm_connector::connector::transport::{LeaderTransport, WorkerTransport};
-use kvbm_connector::connector::worker::Worker;
+use kvbm_connector::connector::worker::{TierFactory, Worker};
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::error::Result;
 use kvbm_connector::frameworks::vllm::{
@@ -73,10 +73,15 @@ impl SimEngine for Vllm {
         groups: usize,
         transport: Arc<dyn WorkerTransport>,
         device: Arc<dyn StorageTier>,
+        tiers: Option<Arc<dyn TierFactory>>,
     ) -> Result<Box<dyn WorkerSide>> {
         let layer_names: Vec<String> = (0..d.num_layers).map(layer_name).collect();
         let mut w = VllmWorker::new(config, d.page_size, world_size, transport)?;
-        w.worker_mut().set_tier_factory(super::tier_factory()?)?;
+        let tiers = match tiers {
+            Some(t) => t,
+            None => super::tier_factory()?,
+        };
+        w.worker_mut().set_tier_factory(tiers)?;
         w.set_kv_cache_groups(groups)?;
         let layers: Vec<(String, Vec<usize>)> = layer_names
             .iter()

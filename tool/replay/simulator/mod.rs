@@ -107,6 +107,8 @@ pub struct Simulator {
     preemptions: usize,
     /// Matches answered "ask again later" (remote lookups running).
     match_pending: usize,
+    /// When the first step ran (the report's wall clock).
+    started: Option<Instant>,
 }
 
 impl Simulator {
@@ -134,9 +136,17 @@ impl Simulator {
                 1,
                 opts.n_groups(),
                 wt,
+                opts.tiers.clone(),
             )
         };
-        let scheduler = || engine.scheduler(opts.config.clone(), opts.block_size, lt, &opts.groups);
+        let scheduler = || {
+            let mut sched =
+                engine.scheduler(opts.config.clone(), opts.block_size, lt, &opts.groups)?;
+            if let Some(t) = &opts.tiers {
+                sched.leader_mut().set_tier_factory(t.clone());
+            }
+            Ok::<_, Error>(sched)
+        };
         let (sched, rank) = if engine.workers_first() {
             let rank = executor()?;
             (scheduler()?, rank)
@@ -206,6 +216,7 @@ impl Simulator {
             load_errors: 0,
             preemptions: 0,
             match_pending: 0,
+            started: None,
             opts,
         };
         engine.wait_ready()?;
@@ -219,6 +230,11 @@ impl Simulator {
         let Some(r) = self.source.next().transpose()? else {
             return Ok(None);
         };
+        self.accept(r).map(Some)
+    }
+
+    /// Checks a request against the options, the previous arrival and the ids seen.
+    fn accept(&mut self, r: TraceRequest) -> Result<TraceRequest> {
         self.opts.check_request(&r)?;
         if self.reqs.len() >= super::workload::MAX_REQUESTS {
             return Err(Error::invalid_argument(format!(
@@ -242,7 +258,7 @@ impl Simulator {
                 r.id
             )));
         }
-        Ok(Some(r))
+        Ok(r)
     }
 
     /// A request arrives: it becomes the engine's, waiting for admission.
@@ -328,8 +344,15 @@ impl Simulator {
 
     /// Runs the whole workload.
     pub fn run(mut self) -> Result<Report> {
-        let wall = Instant::now();
-        if self.opts.pace {
+        self.run_until_idle()?;
+        self.close()
+    }
+
+    /// Steps until every request of the source arrived and is done (the report's clock starts
+    /// at the first call).
+    fn run_until_idle(&mut self) -> Result<()> {
+        let wall = *self.started.get_or_insert_with(Instant::now);
+        if self.opts.pace && self.paced_from.is_none() {
             self.paced_from = Some(wall);
         }
         let mut last_progress = Instant::now();
@@ -356,12 +379,35 @@ impl Simulator {
                 last_progress = Instant::now();
             }
         }
+        Ok(())
+    }
+
+    /// Serves one more request `r` (a fleet's instance, `kvbm sweep --instances`): it arrives
+    /// once everything before it is done, and the engine steps until it is done too and its
+    /// stores (to host, disk and the remote tier) finished. Returns its report (matched tokens
+    /// by tier). The request is checked as a source's are.
+    pub fn serve(&mut self, r: TraceRequest) -> Result<RequestReport> {
+        let r = self.accept(r)?;
+        self.run_until_idle()?;
+        self.next = Some(r);
+        self.run_until_idle()?;
+        self.settle()?;
+        self.reqs
+            .last()
+            .map(|q| q.report.clone())
+            .ok_or_else(|| Error::internal("a served request left no report"))
+    }
+
+    /// Ends the replay: lets background stores finish and reports (wall time from the first
+    /// step).
+    pub fn close(mut self) -> Result<Report> {
+        let wall = *self.started.get_or_insert_with(Instant::now);
         let total = self.reqs.len();
         if self.opts.progress {
             eprintln!("\rreplay: {total} requests finished, step {}   ", self.step);
         }
         let served = wall.elapsed();
-        self.drain()?;
+        self.settle()?;
         Ok(self.report(wall.elapsed(), served))
     }
 
@@ -430,8 +476,8 @@ impl Simulator {
         ))
     }
 
-    /// Lets background stores (host → disk) finish so the report counts them.
-    fn drain(&mut self) -> Result<()> {
+    /// Lets background stores (host → disk, host → remote) finish so the report counts them.
+    fn settle(&mut self) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             self.sched.leader_mut().apply_completions();

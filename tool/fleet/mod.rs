@@ -1,0 +1,558 @@
+//! `kvbm sweep --instances N`: a fleet planner. Splits one workload (usually a trace,
+//! `--sequential`) over N simulated instances by a router ([`router`]: `round-robin` or
+//! `prefix`), each instance a full `kvbm replay` engine with its own host (and disk) tier —
+//! the real leader and worker, every onboarded block verified — with and without a shared tier
+//! ([`store`]: an in-process store of `--shared-tokens`, unlimited by default, or a real server,
+//! `--remote-url`). Requests are served in trace order, one at a time: each arrives once the one
+//! before it (on whichever instance) is done and its stores, to host, disk and the shared tier,
+//! have landed, so a run gives the same figures every time.
+//!
+//! Reports per run: each instance's hit rate and the fleet's (matched over prompt tokens), by
+//! tier; the shared tier's traffic (blocks and tokens read and written) and size; a table,
+//! `--json`, and an SVG plot of the fleet's hit rate against each instance's host capacity
+//! (`--plot`).
+
+pub mod report;
+pub mod router;
+pub mod store;
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvbm_connector::connector::worker::TierFactory;
+use kvbm_connector::error::{Error, Result};
+use kvbm_connector::identity::{BlockHasher, Salt};
+use kvbm_connector::pool::EvictionPolicy;
+
+use crate::replay::framework::Framework;
+use crate::replay::simulator::Simulator;
+use crate::replay::{replay_config, sim_options, workload_source};
+use crate::sweep::{blocks_of, check_plot_path, parse_policy, unlimited, SweepArgs, MAX_POINTS};
+use router::{Router, RouterKind};
+use store::{FleetTiers, Shared, SharedStore, StoreSize, TrafficSnapshot};
+
+/// Most instances in one fleet.
+pub const MAX_INSTANCES: usize = 64;
+
+/// How long `--remote-url` is given to answer before any replay starts.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Which runs have a shared tier (`--shared-tier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SharedTierArg {
+    /// Local tiers only.
+    Off,
+    /// Every instance also reads and writes the shared tier.
+    On,
+    /// Each configuration twice: without, then with the shared tier.
+    Both,
+}
+
+/// `kvbm sweep` flags for fleets.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FleetArgs {
+    /// Split the workload over this many simulated instances (a fleet), each with its own
+    /// host/disk tiers; comma-separated for several fleet sizes (`2,4,8`), each 1 to 64.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    pub instances: Vec<usize>,
+    /// How the fleet's router picks an instance: `round-robin`, or `prefix` (the instance
+    /// holding the longest prefix of the request, ties to the least-loaded, none above 1.25×
+    /// its share of requests); comma-separated for several.
+    #[arg(long, value_delimiter = ',')]
+    pub router: Vec<String>,
+    /// Runs without (`off`), with (`on`) or without and with (`both`) a tier shared by the
+    /// fleet's instances: an in-process store of `--shared-tokens`, or the `--remote-url`
+    /// server. Default: both.
+    #[arg(long, value_enum)]
+    pub shared_tier: Option<SharedTierArg>,
+    /// Capacity of the in-process shared tier in tokens (`K`, `M`, `G`: powers of 1000); least
+    /// recently used blocks are evicted beyond it. Default: unlimited.
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::sweep::parse_tokens)]
+    pub shared_tokens: Option<u64>,
+    /// Print the runs as JSON (`{"runs": [...]}`) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl FleetArgs {
+    /// True when `--instances` asks for a fleet.
+    pub fn is_fleet(&self) -> bool {
+        !self.instances.is_empty()
+    }
+
+    /// A sweep without `--instances` refuses the fleet's other flags.
+    pub fn check_unused(&self) -> Result<()> {
+        let used = [
+            ("--router", !self.router.is_empty()),
+            ("--shared-tier", self.shared_tier.is_some()),
+            ("--shared-tokens", self.shared_tokens.is_some()),
+            ("--json", self.json),
+        ];
+        match used.iter().find(|(_, on)| *on) {
+            Some((f, _)) => Err(Error::invalid_argument(format!(
+                "{f} is a fleet flag: it needs --instances N"
+            ))
+            .with("flag", *f)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// One planned fleet run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Plan {
+    /// Instances.
+    pub instances: usize,
+    /// Router.
+    pub router: RouterKind,
+    /// With the shared tier.
+    pub shared: bool,
+    /// Eviction policy of every instance's tiers.
+    pub policy: EvictionPolicy,
+    /// Host capacity per instance, tokens.
+    pub host_tokens: u64,
+    /// ... in blocks.
+    pub host_blocks: usize,
+    /// Disk blocks per instance (0: none).
+    pub disk_blocks: usize,
+}
+
+/// One instance's outcome in a run.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct InstanceResult {
+    /// Requests it served.
+    pub requests: usize,
+    /// Their prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens matched (loaded instead of computed).
+    pub matched_tokens: usize,
+    /// ... from its host tier.
+    pub from_host: usize,
+    /// ... from its disk tier.
+    pub from_disk: usize,
+    /// ... from the shared tier.
+    pub from_shared: usize,
+    /// Onboarded blocks whose bytes differed (must be 0).
+    pub integrity_errors: usize,
+    /// Onboarded blocks verified.
+    pub blocks_verified: usize,
+    /// Loads that failed (recomputed).
+    pub load_errors: usize,
+}
+
+impl InstanceResult {
+    /// Matched / prompt tokens, percent.
+    pub fn hit_pct(&self) -> f64 {
+        crate::sweep::pct(self.matched_tokens, self.prompt_tokens)
+    }
+}
+
+/// One fleet run's outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetRun {
+    /// What ran.
+    pub plan: Plan,
+    /// Per instance.
+    pub per_instance: Vec<InstanceResult>,
+    /// The shared tier's name (`None`: no shared tier).
+    pub store: Option<String>,
+    /// Its traffic.
+    pub traffic: Option<TrafficSnapshot>,
+    /// Its size at the end (the in-process store only).
+    pub size: Option<StoreSize>,
+    /// The in-process store's capacity, tokens (`None`: unlimited, or no such store).
+    pub shared_tokens: Option<u64>,
+    /// Wall time, s.
+    pub wall_s: f64,
+}
+
+impl FleetRun {
+    /// The fleet's totals (requests, prompt, matched, by tier, errors).
+    pub fn total(&self) -> InstanceResult {
+        self.per_instance
+            .iter()
+            .fold(InstanceResult::default(), |t, i| InstanceResult {
+                requests: t.requests + i.requests,
+                prompt_tokens: t.prompt_tokens + i.prompt_tokens,
+                matched_tokens: t.matched_tokens + i.matched_tokens,
+                from_host: t.from_host + i.from_host,
+                from_disk: t.from_disk + i.from_disk,
+                from_shared: t.from_shared + i.from_shared,
+                integrity_errors: t.integrity_errors + i.integrity_errors,
+                blocks_verified: t.blocks_verified + i.blocks_verified,
+                load_errors: t.load_errors + i.load_errors,
+            })
+    }
+}
+
+/// Runs `kvbm sweep --instances ...`.
+pub fn run(a: &SweepArgs) -> Result<ExitCode> {
+    let plans = plan(a)?;
+    if let Some(path) = &a.plot {
+        check_plot_path(path)?;
+    }
+    let server = remote_server(a)?;
+    let title = crate::sweep::default_title(a);
+    let started = Instant::now();
+    let unl = unlimited(&a.replay)?;
+    let runs = run_all(a, &plans, server.is_some())?;
+    if a.fleet.json {
+        println!(
+            "{}",
+            report::render_json(&runs, &unl, a.replay.model.block_size)?
+        );
+    } else {
+        print!(
+            "{}",
+            report::render_table(&title, &runs, &unl, a.replay.model.block_size)
+        );
+    }
+    if !a.replay.quiet {
+        let walls: Vec<String> = runs.iter().map(|r| format!("{:.1}", r.wall_s)).collect();
+        eprintln!(
+            "kvbm sweep: {} fleet runs in {:.1} s (each, s: {})",
+            runs.len(),
+            started.elapsed().as_secs_f64(),
+            walls.join(" ")
+        );
+    }
+    if let Some(path) = &a.plot {
+        report::draw(path, &title, &runs, &unl, a.replay.model.block_size)?;
+    }
+    if runs.iter().any(|r| r.total().integrity_errors > 0) {
+        eprintln!("kvbm: onboarded blocks differed from the model's KV");
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Checks the flags and plans the runs, in this order: capacity (smallest first), policy, fleet
+/// size, router, then without and with the shared tier. Everything a run could refuse is
+/// refused here, before any replay.
+pub fn plan(a: &SweepArgs) -> Result<Vec<Plan>> {
+    let f = &a.fleet;
+    let flag = |name: &str, why: String| Err(Error::invalid_argument(why).with("flag", name));
+    for &n in &f.instances {
+        if n == 0 || n > MAX_INSTANCES {
+            return flag(
+                "--instances",
+                format!("--instances {n}: a fleet has between 1 and {MAX_INSTANCES} instances"),
+            );
+        }
+    }
+    let mut routers: Vec<RouterKind> = Vec::new();
+    for r in &f.router {
+        let r = RouterKind::parse(r)?;
+        if !routers.contains(&r) {
+            routers.push(r);
+        }
+    }
+    if routers.is_empty() {
+        routers.push(RouterKind::RoundRobin);
+    }
+    let r = &a.replay;
+    if r.tp > 1 || r.external_workers {
+        return flag(
+            "--tp",
+            "a fleet's instances each replay in this process (--tp 1)".into(),
+        );
+    }
+    if r.framework != Framework::Trtllm {
+        return flag(
+            "--framework",
+            "a fleet replays TensorRT-LLM's call order (vLLM's scheduler builds its remote store \
+             as it starts, before the fleet can hand it the shared one)"
+                .into(),
+        );
+    }
+    if a.jobs == 0 || a.jobs > 64 {
+        return flag("--jobs", "--jobs is between 1 and 64".into());
+    }
+    let bs = r.model.block_size;
+    if bs == 0 {
+        return flag("--block-size", "--block-size must be at least 1".into());
+    }
+    let hosts: Vec<(u64, usize)> = match (r.host_blocks, a.capacities.is_empty()) {
+        (Some(_), false) => {
+            return flag(
+                "--host-blocks",
+                "give each instance's host tier by --host-blocks or by --capacities, not both"
+                    .into(),
+            )
+        }
+        (Some(0), true) => return flag("--host-blocks", "--host-blocks must be at least 1".into()),
+        (Some(b), true) => vec![(b as u64 * bs as u64, b)],
+        (None, true) => {
+            return flag(
+                "--capacities",
+                "a fleet needs each instance's host tier: --capacities 3M or --host-blocks N"
+                    .into(),
+            )
+        }
+        (None, false) => {
+            let mut caps = a.capacities.clone();
+            caps.sort_unstable();
+            caps.dedup();
+            caps.iter()
+                .map(|&c| Ok((c, blocks_of(c, bs, "--capacities")?)))
+                .collect::<Result<_>>()?
+        }
+    };
+    let disk_blocks = match (r.disk_blocks, a.disk_tokens) {
+        (Some(_), Some(_)) => {
+            return flag(
+                "--disk-tokens",
+                "give each instance's disk tier by --disk-blocks or by --disk-tokens, not both"
+                    .into(),
+            )
+        }
+        (Some(b), None) => b,
+        (None, Some(t)) => blocks_of(t, bs, "--disk-tokens")?,
+        (None, None) => 0,
+    };
+    let shared = f.shared_tier.unwrap_or(SharedTierArg::Both);
+    if f.shared_tokens.is_some() {
+        if shared == SharedTierArg::Off {
+            return flag(
+                "--shared-tokens",
+                "--shared-tokens sizes the shared tier, which --shared-tier off leaves out".into(),
+            );
+        }
+        if r.remote_url.is_some() {
+            return flag(
+                "--shared-tokens",
+                "--shared-tokens sizes the in-process shared tier; a --remote-url server is sized \
+                 by its own settings (maxmemory)"
+                    .into(),
+            );
+        }
+    }
+    if let Some(t) = f.shared_tokens {
+        blocks_of(t, bs, "--shared-tokens")?;
+    }
+    let shared_modes: &[bool] = match shared {
+        SharedTierArg::Off => &[false],
+        SharedTierArg::On => &[true],
+        SharedTierArg::Both => &[false, true],
+    };
+    let mut policies: Vec<EvictionPolicy> = Vec::new();
+    for p in &a.eviction {
+        let p = parse_policy(p)?;
+        if !policies.contains(&p) {
+            policies.push(p);
+        }
+    }
+    let mut instances = f.instances.clone();
+    instances.dedup();
+    let mut plans = Vec::new();
+    for &(host_tokens, host_blocks) in &hosts {
+        for &policy in &policies {
+            for &n in &instances {
+                for &router in &routers {
+                    for &shared in shared_modes {
+                        plans.push(Plan {
+                            instances: n,
+                            router,
+                            shared,
+                            policy,
+                            host_tokens,
+                            host_blocks,
+                            disk_blocks,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    if plans.len() > MAX_POINTS {
+        return flag(
+            "--instances",
+            format!(
+                "{} fleet runs (capacities × policies × fleet sizes × routers × shared tier); at \
+                 most {MAX_POINTS}",
+                plans.len()
+            ),
+        );
+    }
+    // The configuration each instance will run with, checked once (tier sizes, remote URL).
+    let mut ra = r.clone();
+    ra.host_blocks = Some(hosts[0].1);
+    ra.disk_blocks = Some(disk_blocks);
+    let config = replay_config(&ra)?;
+    let opts = sim_options(&ra, config)?;
+    opts.config
+        .block_counts(opts.model_dims()?.bytes_per_block())?;
+    Ok(plans)
+}
+
+/// The `--remote-url` server, checked to answer (`None`: the in-process store). A URL of the
+/// in-process kind is refused (the fleet's own store is that).
+fn remote_server(a: &SweepArgs) -> Result<Option<String>> {
+    let Some(url) = a.replay.remote_url.clone() else {
+        return Ok(None);
+    };
+    if url.trim().to_ascii_lowercase().starts_with("memory://") {
+        return Err(Error::invalid_argument(
+            "--remote-url memory://: the fleet's shared tier is in-process already (leave out \
+             --remote-url; --shared-tokens sizes it)",
+        )
+        .with("flag", "--remote-url"));
+    }
+    if a.fleet.shared_tier == Some(SharedTierArg::Off) {
+        return Err(Error::invalid_argument(
+            "--remote-url names the shared tier, which --shared-tier off leaves out",
+        )
+        .with("flag", "--remote-url"));
+    }
+    let config = replay_config(&a.replay)?;
+    store::probe_server(&config, PROBE_TIMEOUT)?;
+    Ok(Some(url))
+}
+
+/// Runs every plan (`--jobs` at a time); results in plan order.
+fn run_all(a: &SweepArgs, plans: &[Plan], server: bool) -> Result<Vec<FleetRun>> {
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<FleetRun>>>> =
+        Mutex::new((0..plans.len()).map(|_| None).collect());
+    let jobs = a.jobs.clamp(1, plans.len().max(1));
+    std::thread::scope(|s| {
+        for _ in 0..jobs {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(p) = plans.get(k) else { break };
+                let r = run_one(a, p, k, server);
+                let failed = r.is_err();
+                if let Ok(mut v) = results.lock() {
+                    v[k] = Some(r);
+                }
+                if failed {
+                    next.store(plans.len(), Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    let results = results
+        .into_inner()
+        .map_err(|_| Error::internal("a fleet run panicked"))?;
+    let mut out = Vec::with_capacity(plans.len());
+    for r in results.into_iter().flatten() {
+        out.push(r?);
+    }
+    if out.len() != plans.len() {
+        return Err(Error::internal("a fleet run did not report"));
+    }
+    Ok(out)
+}
+
+/// Runs one fleet: `p.instances` engines in this thread, the requests in trace order, each to
+/// the instance its router picks.
+pub fn run_one(a: &SweepArgs, p: &Plan, run: usize, server: bool) -> Result<FleetRun> {
+    let wall = Instant::now();
+    let bs = a.replay.model.block_size;
+    let mut ra = a.replay.clone();
+    ra.host_blocks = Some(p.host_blocks);
+    ra.disk_blocks = Some(p.disk_blocks);
+    ra.quiet = true;
+    if ra.disk_dir.is_none() {
+        ra.disk_dir = Some(std::env::temp_dir().join("kvbm-sweep"));
+    }
+    if !p.shared {
+        ra.remote_url = None;
+    }
+    let mut config = replay_config(&ra)?;
+    config.eviction = p.policy;
+    let shared = if !p.shared {
+        None
+    } else if server {
+        // Each run its own namespace: runs never see each other's blocks on the server.
+        let ns = format!(
+            "{}kvbm-fleet-{}-{run}",
+            config
+                .remote
+                .namespace
+                .as_deref()
+                .map(|n| format!("{n}/"))
+                .unwrap_or_default(),
+            std::process::id()
+        );
+        config.remote.namespace = Some(ns);
+        Some(Shared::Server(Arc::default()))
+    } else {
+        // The URL only turns the remote tier on: the fleet's factory builds the store.
+        config.remote.url = Some(format!("memory://kvbm-fleet-{run}"));
+        let cap = a.fleet.shared_tokens.map(|t| (t / bs as u64) as usize);
+        Some(Shared::InProcess(SharedStore::new(cap)?))
+    };
+    let mut opts = sim_options(&ra, config)?;
+    opts.progress = false;
+    opts.tiers = shared
+        .as_ref()
+        .map(|s| Arc::new(FleetTiers { shared: s.clone() }) as Arc<dyn TierFactory>);
+    let hasher = BlockHasher::new(opts.config.hash, Salt::NONE);
+    let mut sims = (0..p.instances)
+        .map(|_| Simulator::new(opts.clone(), Box::new(std::iter::empty())))
+        .collect::<Result<Vec<_>>>()?;
+    let mut router = Router::new(p.router, p.instances, p.host_blocks + p.disk_blocks);
+    let progress = !a.replay.quiet && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut last = Instant::now();
+    for (i, r) in workload_source(&ra)?.enumerate() {
+        let r = r?;
+        let keys: Vec<u128> = hasher
+            .sequence_hashes(&r.prompt, bs)?
+            .into_iter()
+            .map(|k| k.0)
+            .collect();
+        let matchable = r.prompt.len().saturating_sub(1) / bs;
+        let k = router.route(&keys, matchable);
+        let sim = sims
+            .get_mut(k)
+            .ok_or_else(|| Error::internal(format!("the router picked instance {k}")))?;
+        sim.serve(r)?;
+        if progress && last.elapsed() > Duration::from_millis(500) {
+            eprint!("\rfleet run {}: {} requests", run + 1, i + 1);
+            last = Instant::now();
+        }
+    }
+    if progress {
+        eprint!("\r\x1b[K");
+    }
+    let load = router.load().to_vec();
+    let mut per_instance = Vec::with_capacity(sims.len());
+    for (sim, requests) in sims.into_iter().zip(load) {
+        let rep = sim.close()?;
+        let s = &rep.summary;
+        per_instance.push(InstanceResult {
+            requests,
+            prompt_tokens: s.prompt_tokens,
+            matched_tokens: s.matched_tokens,
+            from_host: s.matched_from.host,
+            from_disk: s.matched_from.disk,
+            from_shared: s.matched_from.remote,
+            integrity_errors: s.integrity_errors,
+            blocks_verified: s.blocks_verified,
+            load_errors: s.load_errors,
+        });
+    }
+    Ok(FleetRun {
+        plan: *p,
+        per_instance,
+        store: shared.as_ref().map(|s| match s {
+            Shared::InProcess(_) => "in-process".to_string(),
+            Shared::Server(_) => a
+                .replay
+                .remote_url
+                .as_deref()
+                .map(kvbm_connector::config::redact_url)
+                .unwrap_or_default(),
+        }),
+        traffic: shared.as_ref().map(Shared::traffic),
+        size: shared.as_ref().and_then(Shared::size),
+        shared_tokens: match shared {
+            Some(Shared::InProcess(_)) => a.fleet.shared_tokens,
+            _ => None,
+        },
+        wall_s: wall.elapsed().as_secs_f64(),
+    })
+}
