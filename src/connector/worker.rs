@@ -205,6 +205,8 @@ struct Shared {
     active_done: Condvar,
     /// Rate-limits the warning about failed operations.
     failure_warn: Mutex<WarnLimiter>,
+    /// Rate-limits the warning about steps that went on past stuck host → disk copies.
+    stuck_warn: Mutex<WarnLimiter>,
     /// This worker's transfer counters (blocks and bytes per tier pair), served with
     /// `tcp.metrics_addr`.
     metrics: Arc<Metrics>,
@@ -242,6 +244,7 @@ impl Default for Shared {
             active: Mutex::new(Active::default()),
             active_done: Condvar::new(),
             failure_warn: Mutex::new(WarnLimiter::new(WarnLimiter::INTERVAL)),
+            stuck_warn: Mutex::new(WarnLimiter::new(WarnLimiter::INTERVAL)),
             metrics: Arc::new(Metrics::new()),
             disk_keys: std::sync::OnceLock::new(),
         }
@@ -256,7 +259,7 @@ pub struct Worker {
     mode: (&'static str, bool),
     transport: Arc<dyn WorkerTransport>,
     factory: Arc<dyn TierFactory>,
-    runtime: tokio::runtime::Runtime,
+    runtime: WorkerRuntime,
     /// Copies between tiers in memory (device ↔ host).
     engine: TransferEngine,
     /// Copies that touch a tier doing I/O (disk, remote): their own permits, so stuck I/O never
@@ -318,6 +321,7 @@ impl Worker {
             .enable_time()
             .build()
             .map_err(|e| Error::io("start the worker runtime", e))?;
+        let runtime = WorkerRuntime::new(runtime);
         let engine = TransferEngine::new(&config.transfer)?;
         let io_engine = TransferEngine::new(&config.transfer)?;
         let shared = Arc::new(Shared::default());
@@ -804,6 +808,40 @@ impl Drop for Worker {
             if let Err(e) = keys.save() {
                 tracing::warn!(error = %e, "kvbm worker: the persisted disk index was not saved");
             }
+        }
+    }
+}
+
+/// How long a dropped worker waits for its copies still running (a slow disk finishing its
+/// writes) before it leaves them: a disk or store stuck for minutes must not hold up the
+/// engine's shutdown or the process's exit. Abandoned writes are not in the persisted index.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// The worker's runtime. Dropping a tokio runtime waits for every blocking task — here, a copy
+/// whose disk is stuck — however long it takes; this one waits at most [`SHUTDOWN_GRACE`].
+#[derive(Debug)]
+struct WorkerRuntime {
+    handle: tokio::runtime::Handle,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl WorkerRuntime {
+    fn new(runtime: tokio::runtime::Runtime) -> Self {
+        Self {
+            handle: runtime.handle().clone(),
+            runtime: Some(runtime),
+        }
+    }
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+}
+
+impl Drop for WorkerRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(SHUTDOWN_GRACE);
         }
     }
 }

@@ -54,12 +54,12 @@ impl Worker {
         let handle = self.runtime.handle().clone();
         if jobs.len() == 1 {
             if let Some(job) = jobs.pop() {
-                let _enter = self.runtime.enter();
+                let _enter = self.runtime.handle().enter();
                 job.start(&handle, shared, outbox);
             }
             return;
         }
-        self.runtime.spawn(async move {
+        self.runtime.handle().spawn(async move {
             for job in jobs {
                 job.start(&handle, shared.clone(), outbox.clone());
             }

@@ -99,7 +99,19 @@ impl Worker {
                 (waited_for, a.off_device.len(), stuck)
             };
             let waited = start.elapsed();
-            if !device_busy && (all == 0 || (all == off_device && stuck)) {
+            if !device_busy && all == 0 {
+                return Ok(());
+            }
+            if !device_busy && all == off_device && stuck {
+                if let Some(n) = self.shared.stuck_warn.lock().event(1) {
+                    tracing::warn!(
+                        copies = off_device,
+                        grace_s = grace.as_secs_f64(),
+                        steps = n,
+                        "kvbm worker: host -> disk copies running past the grace (a slow or \
+                         stuck disk); steps go on without them, the copies finish in the background"
+                    );
+                }
                 return Ok(());
             }
             if waited >= timeout {
