@@ -63,7 +63,8 @@ pytest_rc=0
 # where its engine is missing, as here).
 "$PYVENV/bin/python" -m pytest tests/python -q -p no:cacheprovider \
   --ignore=tests/python/test_vllm_forward.py --ignore=tests/python/test_vllm_serving.py \
-  --ignore=tests/python/test_vllm_hybrid.py --ignore=tests/python/test_sglang.py || pytest_rc=$?
+  --ignore=tests/python/test_vllm_hybrid.py --ignore=tests/python/test_vllm_events.py \
+  --ignore=tests/python/test_sglang.py || pytest_rc=$?
 if [ "$pytest_rc" -eq 5 ]; then
   echo "pytest collected no tests: the Python tests did not run" >&2
   exit 1
@@ -102,7 +103,7 @@ pytest_rc=0
 # CI=true: a test module that cannot import vLLM's CPU build fails instead of skipping.
 CI="${CI:-true}" "$VLLM_VENV/bin/python" -m pytest tests/python/test_vllm_real.py \
   tests/python/test_vllm.py tests/python/test_vllm_forward.py tests/python/test_vllm_serving.py \
-  tests/python/test_vllm_hybrid.py -q -p no:cacheprovider \
+  tests/python/test_vllm_hybrid.py tests/python/test_vllm_events.py -q -p no:cacheprovider \
   || pytest_rc=$?
 if [ "$pytest_rc" -eq 5 ]; then
   echo "pytest collected no tests: the vLLM tests did not run" >&2

@@ -56,18 +56,21 @@
 //!   its duel, and `ghost.rs`, the evicted keys 2Q and the prefix policy remember); its module
 //!   documentation says how to add a policy;
 //! * `tiered.rs`: [`match_across`], [`TieredMatch`];
+//! * `events.rs`: [`KeyEvent`], the keys a pool registered and removed, recorded when asked for;
 //! * `filter.rs`: [`FrequencyFilter`].
 
 use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::Serialize;
 
+mod events;
 mod eviction;
 mod filter;
 mod handles;
 mod state;
 mod tiered;
 
+pub use events::KeyEvent;
 pub use eviction::EvictionPolicy;
 pub use filter::FrequencyFilter;
 pub use handles::{BlockPool, ImmutableBlock, MutableBlock};

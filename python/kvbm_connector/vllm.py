@@ -81,6 +81,7 @@ import logging
 from typing import Any, Iterable, List, Optional, Set, Tuple
 
 from . import _kvbm
+from ._events import BlockEventTranslator, events_enabled, group_specs
 from ._streams import StreamOrder
 from ._wiring import (
     as_bytes,
@@ -395,6 +396,7 @@ class KvbmConnector(*_BASES):
         self._layer_names: Optional[frozenset] = None
         self._last_layer: Optional[str] = None
         self._stats_last: dict = {}  # the counters at the last get_kv_connector_stats
+        self._events: Optional[BlockEventTranslator] = None  # set when vLLM publishes KV events
         if self._kvbm_role == "SCHEDULER":
             warning = self._config.tier_warning()
             if warning:
@@ -412,6 +414,14 @@ class KvbmConnector(*_BASES):
                 ),
             )
             self._scheduler.set_kv_cache_groups(self._groups, self._windows)
+            # vLLM's KV events for our tiers, when vLLM publishes events (kv_events_config).
+            if events_enabled(vllm_config):
+                self._events = BlockEventTranslator(
+                    self._scheduler,
+                    self.block_size,
+                    group_specs(kv_cache_config, self._groups),
+                    int(extra.get("kv_events_capacity", 0) or 0) or 65536,
+                )
         else:
             self.rank = int(extra["rank"]) if "rank" in extra else _tp_rank()
             self._worker = _kvbm.VllmWorker(
@@ -478,6 +488,8 @@ class KvbmConnector(*_BASES):
         if s is None:
             s = self._sched("update_state_after_alloc")
         s.alloc_request(request, blocks, num_external_tokens)
+        if self._events is not None:
+            self._events.alloc(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         return KvbmConnectorMetadata(
@@ -488,7 +500,10 @@ class KvbmConnector(*_BASES):
         s = self._scheduler
         if s is None:
             s = self._sched("request_finished")
-        return s.finish_request(request), None
+        delay = s.finish_request(request)
+        if self._events is not None:
+            self._events.finished(request.request_id)
+        return delay, None
 
     def request_finished_all_groups(
         self, request: Any, block_ids: Tuple[List[int], ...]
@@ -497,13 +512,27 @@ class KvbmConnector(*_BASES):
         s = self._scheduler
         if s is None:
             s = self._sched("request_finished_all_groups")
-        return s.finish_request(request), None
+        delay = s.finish_request(request)
+        if self._events is not None:
+            self._events.finished(request.request_id)
+        return delay, None
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched("update_connector_output").update_connector_output()
 
     def take_events(self) -> Iterable[Any]:
-        return ()
+        """vLLM's KV-cache events for our tiers (see ``kvbm_connector._events``): empty unless
+        vLLM publishes events."""
+        if self._events is None:
+            return ()
+        return self._events.take()
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: withdraws every block the host
+        and disk tiers hold (the shared store is left to the other instances), announced as
+        ``AllBlocksCleared``."""
+        self._sched("reset_cache").clear_tiers()
+        return True
 
     # -- worker side -----------------------------------------------------------------------------
 

@@ -315,6 +315,41 @@ impl BlockPool {
         self.inner.state.lock().contains(hash)
     }
 
+    /// Starts recording the keys this pool registers and removes (evicted or withdrawn), at most
+    /// `capacity` of them between two [`BlockPool::take_events`] (the oldest dropped first, and
+    /// counted). Recording again keeps what was recorded and sets the new capacity.
+    pub fn record_events(&self, capacity: usize) {
+        let mut st = self.inner.state.lock();
+        match st.events.as_mut() {
+            Some(ev) => ev.set_capacity(capacity),
+            None => st.events = Some(super::events::KeyEvents::new(capacity)),
+        }
+    }
+
+    /// The key events recorded since the last call, oldest first, and how many were dropped
+    /// because the log was full (nothing when not recording).
+    pub fn take_events(&self) -> (Vec<super::KeyEvent>, u64) {
+        match self.inner.state.lock().events.as_mut() {
+            Some(ev) => ev.take(),
+            None => (Vec::new(), 0),
+        }
+    }
+
+    /// Withdraws every registration (a cache reset): nothing can be matched any more; inactive
+    /// blocks become free at once, blocks in use when their last handle drops. Records no
+    /// per-key events (the caller announces the reset as one). Returns how many were withdrawn.
+    pub fn unregister_all(&self) -> usize {
+        let mut st = self.inner.state.lock();
+        let events = st.events.take();
+        let keys: Vec<(SequenceHash, u32)> = st.registered().collect();
+        let n = keys
+            .into_iter()
+            .filter(|&(hash, id)| st.unregister(id, hash))
+            .count();
+        st.events = events;
+        n
+    }
+
     /// Withdraws a block's registration (its data turned out bad): it can no longer be matched,
     /// and it returns to the free list when its last handle drops. False if the handle belongs to
     /// another pool or the block no longer holds its key.

@@ -129,6 +129,8 @@ pub(crate) struct State {
     mutable: usize,
     active: usize,
     evictions: u64,
+    /// Keys registered and removed, when recorded ([`super::BlockPool::record_events`]).
+    pub(crate) events: Option<super::events::KeyEvents>,
 }
 
 impl State {
@@ -178,6 +180,7 @@ impl State {
             mutable: 0,
             active: 0,
             evictions: 0,
+            events: None,
         })
     }
 
@@ -450,6 +453,9 @@ impl State {
                 if let Entry::Occupied(e) = self.map.entry(hash) {
                     if *e.get() == id {
                         e.remove();
+                        if let Some(ev) = self.events.as_mut() {
+                            ev.push(hash, false);
+                        }
                     }
                 }
                 // 2Q remembers keys evicted from probation; the prefix policy every key's count.
@@ -556,6 +562,9 @@ impl State {
             }
             _ => return false,
         }
+        if let Some(ev) = self.events.as_mut() {
+            ev.push(hash, false);
+        }
         if self.state_of(id) == Some(SlotState::Inactive) {
             self.list_unlink(id);
             self.free_push(id);
@@ -594,6 +603,9 @@ impl State {
                 Ok(other)
             }
             None => {
+                if let Some(ev) = self.events.as_mut() {
+                    ev.push(hash, true);
+                }
                 // A key evicted not long ago returns: it is being reused.
                 let uses = match self.eviction.recall(hash) {
                     Some(u) => u.saturating_add(1).min(MAX_USES),

@@ -679,3 +679,73 @@ fn prefix_duel_wants_a_margin_before_it_credits() {
     assert_eq!(run(EvictionPolicy::Lru), 37);
     assert_eq!(run(EvictionPolicy::Prefix), 37);
 }
+
+#[test]
+fn key_events_follow_registration_eviction_and_withdrawal_in_order() {
+    let p = pool(2);
+    // Not recorded before record_events.
+    cache(&p, h(1));
+    assert_eq!(p.take_events(), (vec![], 0));
+    p.record_events(8);
+    cache(&p, h(2));
+    // A duplicate registration is not a new key.
+    let m = p.allocate(1).unwrap().pop().unwrap();
+    drop(p.register(m, h(2)).unwrap());
+    // The pool is full (1, 2): a third key evicts the least recently used (1).
+    cache(&p, h(3));
+    let held = p.match_prefix(&[h(3)]);
+    assert!(p.unregister(&held[0]));
+    let ev = |key, stored| KeyEvent {
+        key: h(key),
+        stored,
+    };
+    assert_eq!(
+        p.take_events(),
+        (
+            vec![ev(2, true), ev(1, false), ev(3, true), ev(3, false)],
+            0
+        )
+    );
+    assert_eq!(p.take_events(), (vec![], 0));
+    drop(held);
+    check_sum(&p);
+}
+
+#[test]
+fn key_events_drop_the_oldest_past_their_capacity_and_count_them() {
+    let p = pool(8);
+    p.record_events(3);
+    for i in 1..=5 {
+        cache(&p, h(i));
+    }
+    let (events, dropped) = p.take_events();
+    assert_eq!(dropped, 2);
+    let keys: Vec<_> = events.iter().map(|e| e.key).collect();
+    assert_eq!(keys, vec![h(3), h(4), h(5)]);
+    assert_eq!(p.take_events(), (vec![], 0), "the drops are counted once");
+}
+
+#[test]
+fn unregister_all_withdraws_every_key_without_per_key_events() {
+    let p = pool(4);
+    p.record_events(16);
+    cache(&p, h(1));
+    cache(&p, h(2));
+    let held = p.match_prefix(&[h(2)]);
+    let _ = p.take_events();
+    assert_eq!(p.unregister_all(), 2);
+    assert!(!p.contains(h(1)) && !p.contains(h(2)));
+    assert_eq!(p.take_events(), (vec![], 0));
+    drop(held);
+    check_sum(&p);
+    assert_eq!(p.stats().registered, 0);
+    // Recording goes on after the reset.
+    cache(&p, h(7));
+    assert_eq!(
+        p.take_events().0,
+        vec![KeyEvent {
+            key: h(7),
+            stored: true
+        }]
+    );
+}

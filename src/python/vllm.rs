@@ -13,6 +13,7 @@ use super::tensor::{parse_layout_kind, read_layer_tensors, vllm_layout};
 use super::transport::{PyLeaderTransport, PyWorkerTransport};
 use super::{common, detached, to_py_err, Guarded, PyConfig};
 use crate::connector::groups::KvCacheGroups;
+use crate::connector::leader::TierEvent;
 use crate::error::Error;
 use crate::frameworks::vllm::{
     CachedRequestData, NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
@@ -21,6 +22,9 @@ use crate::identity::Token;
 
 mod read;
 mod worker;
+
+/// The most block events a log keeps between two takes (each stream): vLLM takes them every step.
+const MAX_EVENT_CAPACITY: usize = 1 << 24;
 
 use read::*;
 use worker::PyVllmWorker;
@@ -391,6 +395,70 @@ impl PyVllmScheduler {
             s.update_connector_output();
             Ok(())
         })
+    }
+
+    /// Starts recording block events (vLLM's KV events; see
+    /// [`crate::connector::leader::BlockEvents`]), at most `capacity` of each stream between
+    /// two `take_block_events` calls.
+    fn record_block_events(&self, py: Python<'_>, capacity: usize) -> PyResult<()> {
+        if capacity == 0 || capacity > MAX_EVENT_CAPACITY {
+            return Err(to_py_err(
+                py,
+                Error::invalid_argument(format!(
+                    "the block event capacity must be 1 to {MAX_EVENT_CAPACITY}, not {capacity}"
+                ))
+                .with("setting", "capacity"),
+            ));
+        }
+        self.inner.call(py, "record_block_events", move |s| {
+            s.leader_mut().record_block_events(capacity);
+            Ok(())
+        })
+    }
+
+    /// The block events since the last call: `(submitted, events, dropped)`, where `submitted`
+    /// lists `(request_id, group, block_index, key)` for each store decided, `events` lists
+    /// `(kind, tier, key)` with kind `"stored"`, `"removed"` or `"cleared"` (tier and key `None`
+    /// for `"cleared"`), and `dropped` counts what a full log lost.
+    #[allow(clippy::type_complexity)]
+    fn take_block_events(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<(
+        Vec<(String, usize, usize, u128)>,
+        Vec<(&'static str, Option<String>, Option<u128>)>,
+        u64,
+    )> {
+        let ev = self.inner.call(py, "take_block_events", |s| {
+            Ok(s.leader_mut().take_block_events())
+        })?;
+        let submitted = ev
+            .submitted
+            .into_iter()
+            .map(|x| {
+                let (real, g) = KvCacheGroups::real_of(x.request.as_str());
+                (real.to_string(), g, x.block, x.key.0)
+            })
+            .collect();
+        let events = ev
+            .events
+            .into_iter()
+            .map(|e| match e {
+                TierEvent::Stored { tier, key } => ("stored", Some(tier.to_string()), Some(key.0)),
+                TierEvent::Removed { tier, key } => {
+                    ("removed", Some(tier.to_string()), Some(key.0))
+                }
+                TierEvent::Cleared => ("cleared", None, None),
+            })
+            .collect();
+        Ok((submitted, events, ev.dropped))
+    }
+
+    /// Withdraws every block the host and disk tiers hold (vLLM's `reset_cache`); returns how
+    /// many.
+    fn clear_tiers(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner
+            .call(py, "clear_tiers", |s| Ok(s.leader_mut().clear_tiers()))
     }
 
     /// The host and disk pools' block counts (`free`, `mutable`: being written, `active`: held,

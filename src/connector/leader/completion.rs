@@ -348,6 +348,9 @@ impl<A: SchedulerAdapter> Leader<A> {
                 if let Some(r) = self.remote.as_mut() {
                     r.remember(*hash);
                 }
+                if let Some(log) = self.events.as_mut() {
+                    log.remote_written(*hash);
+                }
             }
         }
         self.metrics.record_transfer(

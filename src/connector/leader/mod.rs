@@ -35,10 +35,13 @@
 //! only once it is finishing with nothing in flight (or was never ready).
 
 mod completion;
+mod events;
 mod groups;
 mod matching;
 mod offload;
 mod remote;
+
+pub use events::{BlockEvents, StoreSubmitted, TierEvent};
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -254,6 +257,8 @@ pub struct Leader<A: SchedulerAdapter> {
     /// Keys sliding-window slots computed, stored or not (bounded): where a later request's
     /// windowed match finds its prefix here but no window, the prefix's end is marked for storing.
     window_keys: groups::SeenKeys,
+    /// Block events for the engine to announce, when recorded ([`Leader::record_block_events`]).
+    events: Option<events::EventLog>,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -317,6 +322,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             count_lookups: true,
             rank_store_stats: HashMap::new(),
             window_keys: groups::SeenKeys::new(groups::SEEN_KEYS),
+            events: None,
         };
         if let Some(addr) = leader.config.tcp.metrics_addr {
             leader.metrics_server = Some(crate::metrics_server::MetricsServer::start(
@@ -543,6 +549,7 @@ impl<A: SchedulerAdapter> Leader<A> {
                 match self.build_tiers(r) {
                     Ok(t) => {
                         self.tiers = Some(t);
+                        self.arm_pool_events();
                         self.build_remote();
                         true
                     }

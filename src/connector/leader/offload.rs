@@ -405,6 +405,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             computed,
             kind,
         };
+        let start = slot.offloaded;
         let (mut wanted, upto, window_skipped) =
             scan.wanted(slot, full, &mut self.window_keys, &self.pending_keys);
         slot.offloaded = upto;
@@ -415,6 +416,16 @@ impl<A: SchedulerAdapter> Leader<A> {
         pool.retain_unregistered(&mut wanted, |w| w.1);
         if wanted.is_empty() {
             return;
+        }
+        if let Some(log) = self.events.as_mut() {
+            // Which block of the request each key is (`wanted` keeps the request's order).
+            let mut next = wanted.iter().map(|w| w.1).peekable();
+            for (i, &hash) in slot.seq.hashes().iter().enumerate().take(upto).skip(start) {
+                if next.peek() == Some(&hash) {
+                    next.next();
+                    log.submitted(id, i, hash);
+                }
+            }
         }
         // Destination blocks: the first tier while it has any, then straight to disk.
         let overflow = if kind == TierKind::Host {

