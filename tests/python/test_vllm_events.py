@@ -45,6 +45,8 @@ from _vllm_cpu import (  # noqa: E402
 
 HOST_BLOCKS = 10
 DISK_BLOCKS = 64
+# Read at import: conftest clears the KVBM_* variables for each test.
+REDIS_URL = os.environ.get("KVBM_TEST_REDIS_URL")
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +91,7 @@ class Subscriber:
         self.sock.close(linger=0)
 
 
-def _config(directory) -> str:
+def _config(directory, remote: str = "") -> str:
     path = os.path.join(str(directory), "kvbm-events.toml")
     with open(path, "w") as f:
         f.write(
@@ -97,6 +99,8 @@ def _config(directory) -> str:
             f"[host]\ncache_blocks = {HOST_BLOCKS}\n"
             f'[disk]\ncache_blocks = {DISK_BLOCKS}\ndir = "{directory}/disk"\n'
         )
+        if remote:
+            f.write(f'[remote]\nurl = "{remote}"\nnamespace = "events-{os.getpid()}-{time.time_ns()}"\n')
     return path
 
 
@@ -124,44 +128,76 @@ def _settle(llm, sub, seed: int) -> list:
     return got
 
 
-def test_our_tiers_are_announced_with_vllms_block_hashes(tmp_path):
+def _engine(tmp_path, remote: str = ""):
     from vllm.distributed.kv_events import KVEventsConfig
 
     model = build_model(str(tmp_path / "llama"), kv_heads=4)
     sub = Subscriber()
     llm = make_llm(
         model,
-        config=_config(tmp_path),
+        config=_config(tmp_path, remote),
         num_gpu_blocks_override=64,
         max_model_len=1024,
         kv_events_config=KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=sub.endpoint, topic="kv"
         ),
     )
+    # ZMQ's publisher drops what it sends before our subscription reached it: step the engine
+    # with one-block prompts until their events arrive.
+    for k in range(40):
+        generate(llm, prompt(900 + k, BLOCK + 8), max_tokens=1)
+        if sub.drain(quiet_s=0.2):
+            return llm, sub
+    shutdown(llm)
+    sub.close()
+    raise AssertionError("no KV event arrived through vLLM's ZMQ publisher")
+
+
+def _prompt_hashes(events, tokens, n: int) -> list:
+    """vLLM's own (GPU) hashes of the first ``n`` blocks of ``tokens``."""
+    gpu = _by_medium(events, "BlockStored", "GPU")
+    out = []
+    for i in range(n):
+        toks = tokens[i * BLOCK:(i + 1) * BLOCK]
+        match = [h for h, e in gpu.items() if _block_tokens(e, h) == toks]
+        assert match, f"vLLM announced no GPU block for block {i} of the prompt"
+        out.append(match[0])
+    return out
+
+
+def test_the_shared_store_is_announced_by_the_instance_that_wrote_it(tmp_path):
+    if not REDIS_URL:
+        if os.environ.get("CI") == "true":
+            pytest.fail("KVBM_TEST_REDIS_URL is not set (scripts/redis-servers.sh)")
+        pytest.skip("no Redis server (scripts/redis-servers.sh)")
+    llm, sub = _engine(tmp_path, REDIS_URL)
     try:
-        # ZMQ's publisher drops what it sends before our subscription reached it: step the
-        # engine with one-block prompts until their events arrive.
-        for k in range(40):
-            generate(llm, prompt(900 + k, BLOCK + 8), max_tokens=1)
-            if sub.drain(quiet_s=0.2):
-                break
-        else:
-            raise AssertionError("no KV event arrived through vLLM's ZMQ publisher")
+        a = prompt(5, 4 * BLOCK + 3)
+        generate(llm, a, max_tokens=2)
+        seen = sub.drain() + _settle(llm, sub, 500) + _settle(llm, sub, 600)
+        hashes = _prompt_hashes(seen, a, 4)
+        shared = {h: e for e in seen if _kind(e) == "BlockStored" and e.locality == "REMOTE"
+                  for h in e.block_hashes}
+        for i, h in enumerate(hashes):
+            assert h in shared, f"block {i} not announced in the shared store"
+            e = shared[h]
+            assert (e.medium, e.ownership) == ("STORAGE", "kvbm-shared"), e
+            assert list(e.token_ids) == a[i * BLOCK:(i + 1) * BLOCK]
+    finally:
+        shutdown(llm)
+        sub.close()
+
+
+def test_our_tiers_are_announced_with_vllms_block_hashes(tmp_path):
+    llm, sub = _engine(tmp_path)
+    try:
         a = prompt(1, 8 * BLOCK + 5)
         generate(llm, a, max_tokens=2)
         seen = sub.drain() + _settle(llm, sub, 100)
 
-        gpu = _by_medium(seen, "BlockStored", "GPU")
         cpu = _by_medium(seen, "BlockStored", "CPU")
         storage = _by_medium(seen, "BlockStored", "STORAGE")
-        # vLLM's own events for prompt a's blocks, in order (each carries its tokens).
-        a_blocks = []
-        for i in range(8):
-            toks = a[i * BLOCK:(i + 1) * BLOCK]
-            match = [h for h, e in gpu.items() if list(e.token_ids) == toks
-                     or _block_tokens(e, h) == toks]
-            assert match, f"vLLM announced no GPU block for block {i} of the prompt"
-            a_blocks.append(match[0])
+        a_blocks = _prompt_hashes(seen, a, 8)
         for i, h in enumerate(a_blocks):
             assert h in cpu, f"block {i} of the prompt not announced in the host tier (CPU)"
             e = cpu[h]
