@@ -419,14 +419,13 @@ pub fn draw_lines(
         .y_label_formatter(&|y| format!("{y:.0}%"))
         .draw()
         .map_err(|e| fail(&e))?;
-    for (k, (name, pts)) in series.iter().enumerate() {
-        let mut pts = pts.clone();
+    for (k, (name, mut pts)) in series.iter().cloned().enumerate() {
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         let color = PALETTE[k % PALETTE.len()];
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| fail(&e))?
-            .label(name.clone())
+            .label(name)
             .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });

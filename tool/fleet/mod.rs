@@ -36,6 +36,12 @@ use store::{FleetTiers, Shared, SharedStore, StoreSize, TrafficSnapshot};
 /// Most instances in one fleet.
 pub const MAX_INSTANCES: usize = 64;
 
+/// The lookup deadline of the in-process shared tier, ms (see [`shared_tier`]).
+const PLANNING_LOOKUP_TIMEOUT_MS: u64 = 1000;
+
+/// Its read and write deadlines, and the median latency that would make it "slow", ms.
+const PLANNING_IO_TIMEOUT_MS: u64 = 10_000;
+
 /// How long `--remote-url` is given to answer before any replay starts.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -140,6 +146,15 @@ pub struct InstanceResult {
     pub blocks_verified: usize,
     /// Loads that failed (recomputed).
     pub load_errors: usize,
+    /// Blocks its offloads dropped (no host or disk block free for them at that moment: they
+    /// never reach the shared tier either, which is written behind from host).
+    pub offload_dropped_blocks: u64,
+    /// Shared-tier lookups past their deadline, and skipped while the tier was out of the path.
+    pub shared_lookup_timeouts: u64,
+    /// ... skipped.
+    pub shared_lookups_skipped: u64,
+    /// Blocks whose write to the shared tier failed.
+    pub shared_write_errors: u64,
 }
 
 impl InstanceResult {
@@ -183,6 +198,10 @@ impl FleetRun {
                 integrity_errors: t.integrity_errors + i.integrity_errors,
                 blocks_verified: t.blocks_verified + i.blocks_verified,
                 load_errors: t.load_errors + i.load_errors,
+                offload_dropped_blocks: t.offload_dropped_blocks + i.offload_dropped_blocks,
+                shared_lookup_timeouts: t.shared_lookup_timeouts + i.shared_lookup_timeouts,
+                shared_lookups_skipped: t.shared_lookups_skipped + i.shared_lookups_skipped,
+                shared_write_errors: t.shared_write_errors + i.shared_write_errors,
             })
     }
 }
@@ -233,110 +252,20 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
 /// refused here, before any replay.
 pub fn plan(a: &SweepArgs) -> Result<Vec<Plan>> {
     let f = &a.fleet;
-    let flag = |name: &str, why: String| Err(Error::invalid_argument(why).with("flag", name));
     for &n in &f.instances {
         if n == 0 || n > MAX_INSTANCES {
-            return flag(
+            return flag_err(
                 "--instances",
                 format!("--instances {n}: a fleet has between 1 and {MAX_INSTANCES} instances"),
             );
         }
     }
-    let mut routers: Vec<RouterKind> = Vec::new();
-    for r in &f.router {
-        let r = RouterKind::parse(r)?;
-        if !routers.contains(&r) {
-            routers.push(r);
-        }
-    }
-    if routers.is_empty() {
-        routers.push(RouterKind::RoundRobin);
-    }
-    let r = &a.replay;
-    if r.tp > 1 || r.external_workers {
-        return flag(
-            "--tp",
-            "a fleet's instances each replay in this process (--tp 1)".into(),
-        );
-    }
-    if r.framework != Framework::Trtllm {
-        return flag(
-            "--framework",
-            "a fleet replays TensorRT-LLM's call order (vLLM's scheduler builds its remote store \
-             as it starts, before the fleet can hand it the shared one)"
-                .into(),
-        );
-    }
-    if a.jobs == 0 || a.jobs > 64 {
-        return flag("--jobs", "--jobs is between 1 and 64".into());
-    }
-    let bs = r.model.block_size;
-    if bs == 0 {
-        return flag("--block-size", "--block-size must be at least 1".into());
-    }
-    let hosts: Vec<(u64, usize)> = match (r.host_blocks, a.capacities.is_empty()) {
-        (Some(_), false) => {
-            return flag(
-                "--host-blocks",
-                "give each instance's host tier by --host-blocks or by --capacities, not both"
-                    .into(),
-            )
-        }
-        (Some(0), true) => return flag("--host-blocks", "--host-blocks must be at least 1".into()),
-        (Some(b), true) => vec![(b as u64 * bs as u64, b)],
-        (None, true) => {
-            return flag(
-                "--capacities",
-                "a fleet needs each instance's host tier: --capacities 3M or --host-blocks N"
-                    .into(),
-            )
-        }
-        (None, false) => {
-            let mut caps = a.capacities.clone();
-            caps.sort_unstable();
-            caps.dedup();
-            caps.iter()
-                .map(|&c| Ok((c, blocks_of(c, bs, "--capacities")?)))
-                .collect::<Result<_>>()?
-        }
-    };
-    let disk_blocks = match (r.disk_blocks, a.disk_tokens) {
-        (Some(_), Some(_)) => {
-            return flag(
-                "--disk-tokens",
-                "give each instance's disk tier by --disk-blocks or by --disk-tokens, not both"
-                    .into(),
-            )
-        }
-        (Some(b), None) => b,
-        (None, Some(t)) => blocks_of(t, bs, "--disk-tokens")?,
-        (None, None) => 0,
-    };
-    let shared = f.shared_tier.unwrap_or(SharedTierArg::Both);
-    if f.shared_tokens.is_some() {
-        if shared == SharedTierArg::Off {
-            return flag(
-                "--shared-tokens",
-                "--shared-tokens sizes the shared tier, which --shared-tier off leaves out".into(),
-            );
-        }
-        if r.remote_url.is_some() {
-            return flag(
-                "--shared-tokens",
-                "--shared-tokens sizes the in-process shared tier; a --remote-url server is sized \
-                 by its own settings (maxmemory)"
-                    .into(),
-            );
-        }
-    }
-    if let Some(t) = f.shared_tokens {
-        blocks_of(t, bs, "--shared-tokens")?;
-    }
-    let shared_modes: &[bool] = match shared {
-        SharedTierArg::Off => &[false],
-        SharedTierArg::On => &[true],
-        SharedTierArg::Both => &[false, true],
-    };
+    let routers = routers(f)?;
+    check_engine(a)?;
+    let bs = a.replay.model.block_size;
+    let hosts = host_capacities(a, bs)?;
+    let disk_blocks = disk_blocks(a, bs)?;
+    let shared_modes = shared_modes(a, bs)?;
     let mut policies: Vec<EvictionPolicy> = Vec::new();
     for p in &a.eviction {
         let p = parse_policy(p)?;
@@ -344,8 +273,12 @@ pub fn plan(a: &SweepArgs) -> Result<Vec<Plan>> {
             policies.push(p);
         }
     }
-    let mut instances = f.instances.clone();
-    instances.dedup();
+    let mut instances: Vec<usize> = Vec::new();
+    for &n in &f.instances {
+        if !instances.contains(&n) {
+            instances.push(n);
+        }
+    }
     let mut plans = Vec::new();
     for &(host_tokens, host_blocks) in &hosts {
         for &policy in &policies {
@@ -367,7 +300,7 @@ pub fn plan(a: &SweepArgs) -> Result<Vec<Plan>> {
         }
     }
     if plans.len() > MAX_POINTS {
-        return flag(
+        return flag_err(
             "--instances",
             format!(
                 "{} fleet runs (capacities × policies × fleet sizes × routers × shared tier); at \
@@ -377,7 +310,7 @@ pub fn plan(a: &SweepArgs) -> Result<Vec<Plan>> {
         );
     }
     // The configuration each instance will run with, checked once (tier sizes, remote URL).
-    let mut ra = r.clone();
+    let mut ra = a.replay.clone();
     ra.host_blocks = Some(hosts[0].1);
     ra.disk_blocks = Some(disk_blocks);
     let config = replay_config(&ra)?;
@@ -385,6 +318,119 @@ pub fn plan(a: &SweepArgs) -> Result<Vec<Plan>> {
     opts.config
         .block_counts(opts.model_dims()?.bytes_per_block())?;
     Ok(plans)
+}
+
+/// An invalid-argument error naming `flag`.
+fn flag_err<T>(flag: &str, why: String) -> Result<T> {
+    Err(Error::invalid_argument(why).with("flag", flag))
+}
+
+/// The `--router` names, parsed, each once, in the order first named (`round-robin` when none).
+fn routers(f: &FleetArgs) -> Result<Vec<RouterKind>> {
+    let mut routers: Vec<RouterKind> = Vec::new();
+    for r in &f.router {
+        let r = RouterKind::parse(r)?;
+        if !routers.contains(&r) {
+            routers.push(r);
+        }
+    }
+    if routers.is_empty() {
+        routers.push(RouterKind::RoundRobin);
+    }
+    Ok(routers)
+}
+
+/// What a fleet cannot run: ranks in processes of their own, vLLM's call order, `--jobs` out
+/// of bounds, blocks of no tokens.
+fn check_engine(a: &SweepArgs) -> Result<()> {
+    let r = &a.replay;
+    if r.tp > 1 || r.external_workers {
+        return flag_err(
+            "--tp",
+            "a fleet's instances each replay in this process (--tp 1)".into(),
+        );
+    }
+    if r.framework != Framework::Trtllm {
+        return flag_err(
+            "--framework",
+            "a fleet replays TensorRT-LLM's call order (vLLM's scheduler builds its remote store \
+             as it starts, before the fleet can hand it the shared one)"
+                .into(),
+        );
+    }
+    if a.jobs == 0 || a.jobs > 64 {
+        return flag_err("--jobs", "--jobs is between 1 and 64".into());
+    }
+    if r.model.block_size == 0 {
+        return flag_err("--block-size", "--block-size must be at least 1".into());
+    }
+    Ok(())
+}
+
+/// Each instance's host capacities, (tokens, blocks): `--host-blocks` (one) or `--capacities`
+/// (distinct, smallest first), exactly one of them.
+fn host_capacities(a: &SweepArgs, bs: usize) -> Result<Vec<(u64, usize)>> {
+    match (a.replay.host_blocks, a.capacities.is_empty()) {
+        (Some(_), false) => flag_err(
+            "--host-blocks",
+            "give each instance's host tier by --host-blocks or by --capacities, not both".into(),
+        ),
+        (Some(0), true) => flag_err("--host-blocks", "--host-blocks must be at least 1".into()),
+        (Some(b), true) => Ok(vec![(b as u64 * bs as u64, b)]),
+        (None, true) => flag_err(
+            "--capacities",
+            "a fleet needs each instance's host tier: --capacities 3M or --host-blocks N".into(),
+        ),
+        (None, false) => {
+            let mut caps = a.capacities.clone();
+            caps.sort_unstable();
+            caps.dedup();
+            caps.iter()
+                .map(|&c| Ok((c, blocks_of(c, bs, "--capacities")?)))
+                .collect()
+        }
+    }
+}
+
+/// Each instance's disk blocks: `--disk-blocks` or `--disk-tokens` (not both); none by default.
+fn disk_blocks(a: &SweepArgs, bs: usize) -> Result<usize> {
+    match (a.replay.disk_blocks, a.disk_tokens) {
+        (Some(_), Some(_)) => flag_err(
+            "--disk-tokens",
+            "give each instance's disk tier by --disk-blocks or by --disk-tokens, not both".into(),
+        ),
+        (Some(b), None) => Ok(b),
+        (None, Some(t)) => blocks_of(t, bs, "--disk-tokens"),
+        (None, None) => Ok(0),
+    }
+}
+
+/// Without and/or with the shared tier (`--shared-tier`, `both` by default); `--shared-tokens`
+/// checked against it and `--remote-url`.
+fn shared_modes(a: &SweepArgs, bs: usize) -> Result<&'static [bool]> {
+    let shared = a.fleet.shared_tier.unwrap_or(SharedTierArg::Both);
+    if let Some(t) = a.fleet.shared_tokens {
+        if shared == SharedTierArg::Off {
+            return flag_err(
+                "--shared-tokens",
+                "--shared-tokens sizes the shared tier, which --shared-tier off leaves out".into(),
+            );
+        }
+        if a.replay.remote_url.is_some() {
+            return flag_err(
+                "--shared-tokens",
+                "--shared-tokens sizes the in-process shared tier; a --remote-url server is sized \
+                 by its own settings (maxmemory)"
+                    .into(),
+            );
+        }
+        blocks_of(t, bs, "--shared-tokens")?;
+    }
+    Ok(match shared {
+        SharedTierArg::Off => &[false],
+        SharedTierArg::On => &[true],
+        SharedTierArg::Both => &[false, true],
+    })
 }
 
 /// The `--remote-url` server, checked to answer (`None`: the in-process store). A URL of the
@@ -463,28 +509,7 @@ pub fn run_one(a: &SweepArgs, p: &Plan, run: usize, server: bool) -> Result<Flee
     }
     let mut config = replay_config(&ra)?;
     config.eviction = p.policy;
-    let shared = if !p.shared {
-        None
-    } else if server {
-        // Each run its own namespace: runs never see each other's blocks on the server.
-        let ns = format!(
-            "{}kvbm-fleet-{}-{run}",
-            config
-                .remote
-                .namespace
-                .as_deref()
-                .map(|n| format!("{n}/"))
-                .unwrap_or_default(),
-            std::process::id()
-        );
-        config.remote.namespace = Some(ns);
-        Some(Shared::Server(Arc::default()))
-    } else {
-        // The URL only turns the remote tier on: the fleet's factory builds the store.
-        config.remote.url = Some(format!("memory://kvbm-fleet-{run}"));
-        let cap = a.fleet.shared_tokens.map(|t| (t / bs as u64) as usize);
-        Some(Shared::InProcess(SharedStore::new(cap)?))
-    };
+    let shared = shared_tier(a, p, run, server, &mut config)?;
     let mut opts = sim_options(&ra, config)?;
     opts.progress = false;
     opts.tiers = shared
@@ -518,22 +543,10 @@ pub fn run_one(a: &SweepArgs, p: &Plan, run: usize, server: bool) -> Result<Flee
     if progress {
         eprint!("\r\x1b[K");
     }
-    let load = router.load().to_vec();
     let mut per_instance = Vec::with_capacity(sims.len());
-    for (sim, requests) in sims.into_iter().zip(load) {
-        let rep = sim.close()?;
-        let s = &rep.summary;
-        per_instance.push(InstanceResult {
-            requests,
-            prompt_tokens: s.prompt_tokens,
-            matched_tokens: s.matched_tokens,
-            from_host: s.matched_from.host,
-            from_disk: s.matched_from.disk,
-            from_shared: s.matched_from.remote,
-            integrity_errors: s.integrity_errors,
-            blocks_verified: s.blocks_verified,
-            load_errors: s.load_errors,
-        });
+    for (sim, &requests) in sims.into_iter().zip(router.load()) {
+        let m = sim.leader_metrics();
+        per_instance.push(instance_result(sim.close()?, &m, requests));
     }
     Ok(FleetRun {
         plan: *p,
@@ -555,4 +568,75 @@ pub fn run_one(a: &SweepArgs, p: &Plan, run: usize, server: bool) -> Result<Flee
         },
         wall_s: wall.elapsed().as_secs_f64(),
     })
+}
+
+/// The shared tier of run `run` (`None` without one), and `config` set for it: a server's
+/// values under a namespace of this run's own; the in-process store turned on by a
+/// `memory://` URL (the fleet's factory builds the store), with a planning lookup deadline.
+fn shared_tier(
+    a: &SweepArgs,
+    p: &Plan,
+    run: usize,
+    server: bool,
+    config: &mut kvbm_connector::config::Config,
+) -> Result<Option<Shared>> {
+    if !p.shared {
+        return Ok(None);
+    }
+    if server {
+        // Each run its own namespace: runs never see each other's blocks on the server.
+        let ns = format!(
+            "{}kvbm-fleet-{}-{run}",
+            config
+                .remote
+                .namespace
+                .as_deref()
+                .map(|n| format!("{n}/"))
+                .unwrap_or_default(),
+            std::process::id()
+        );
+        config.remote.namespace = Some(ns);
+        return Ok(Some(Shared::Server(Arc::default())));
+    }
+    // The in-process store answers in microseconds, but on a busy machine a thread can be
+    // descheduled for longer than TensorRT-LLM's 5 ms lookup deadline, and a few such calls
+    // in a row make the leader's verdict "slow" and take the tier out of the path for
+    // seconds: a plan measures what the tier holds, not the planning machine's scheduling, so
+    // its deadlines and the verdict's threshold are raised (each at least what is set).
+    config.remote.url = Some(format!("memory://kvbm-fleet-{run}"));
+    let raise = |v: &mut Option<u64>, ms: u64| *v = Some(v.unwrap_or(0).max(ms));
+    raise(
+        &mut config.remote.lookup_timeout_ms,
+        PLANNING_LOOKUP_TIMEOUT_MS,
+    );
+    raise(&mut config.remote.load_timeout_ms, PLANNING_IO_TIMEOUT_MS);
+    raise(&mut config.remote.io_timeout_ms, PLANNING_IO_TIMEOUT_MS);
+    raise(&mut config.remote.slow_ms, PLANNING_IO_TIMEOUT_MS);
+    let bs = a.replay.model.block_size.max(1) as u64;
+    let cap = a.fleet.shared_tokens.map(|t| (t / bs) as usize);
+    Ok(Some(Shared::InProcess(SharedStore::new(cap)?)))
+}
+
+/// One instance's outcome from its replay's report.
+fn instance_result(
+    rep: crate::replay::report::Report,
+    m: &kvbm_connector::connector::metrics::MetricsSnapshot,
+    requests: usize,
+) -> InstanceResult {
+    let s = &rep.summary;
+    InstanceResult {
+        requests,
+        prompt_tokens: s.prompt_tokens,
+        matched_tokens: s.matched_tokens,
+        from_host: s.matched_from.host,
+        from_disk: s.matched_from.disk,
+        from_shared: s.matched_from.remote,
+        integrity_errors: s.integrity_errors,
+        blocks_verified: s.blocks_verified,
+        load_errors: s.load_errors,
+        offload_dropped_blocks: m.offload_dropped_blocks,
+        shared_lookup_timeouts: m.remote_lookup_timeouts,
+        shared_lookups_skipped: m.remote_lookup_skipped,
+        shared_write_errors: m.remote_store_error_blocks,
+    }
 }

@@ -72,6 +72,19 @@ pub fn render_table(title: &str, runs: &[FleetRun], unl: &Unlimited, block_size:
             .map(|i| format!("{:.2}% ({} req)", i.hit_pct(), i.requests))
             .collect();
         let _ = writeln!(out, "      per instance: {}", each.join(", "));
+        if t.offload_dropped_blocks + t.shared_lookup_timeouts + t.shared_lookups_skipped > 0
+            || t.shared_write_errors + t.load_errors as u64 > 0
+        {
+            let _ = writeln!(
+                out,
+                "      offloads dropped {} blocks; shared tier: {} lookups timed out, {} skipped, {} blocks not written; {} load errors",
+                t.offload_dropped_blocks,
+                t.shared_lookup_timeouts,
+                t.shared_lookups_skipped,
+                t.shared_write_errors,
+                t.load_errors
+            );
+        }
     }
     let _ = writeln!(
         out,
@@ -118,6 +131,10 @@ struct JsonRun {
     integrity_errors: usize,
     blocks_verified: usize,
     load_errors: usize,
+    offload_dropped_blocks: u64,
+    shared_lookup_timeouts: u64,
+    shared_lookups_skipped: u64,
+    shared_write_errors: u64,
     wall_s: f64,
 }
 
@@ -181,6 +198,10 @@ pub fn render_json(runs: &[FleetRun], unl: &Unlimited, block_size: usize) -> Res
                 integrity_errors: t.integrity_errors,
                 blocks_verified: t.blocks_verified,
                 load_errors: t.load_errors,
+                offload_dropped_blocks: t.offload_dropped_blocks,
+                shared_lookup_timeouts: t.shared_lookup_timeouts,
+                shared_lookups_skipped: t.shared_lookups_skipped,
+                shared_write_errors: t.shared_write_errors,
                 wall_s: (r.wall_s * 100.0).round() / 100.0,
             }
         })

@@ -193,7 +193,11 @@ mod tests {
             r.route(&chain[..i + 2], i + 2);
             let routed = i + 1;
             let bound = (5 * routed).div_ceil(4 * n);
-            assert!(r.load().iter().all(|&l| l <= bound), "{:?} at {routed}", r.load());
+            assert!(
+                r.load().iter().all(|&l| l <= bound),
+                "{:?} at {routed}",
+                r.load()
+            );
         }
         // ... and it does stick to the holder up to the cap: the busiest is at it.
         assert_eq!(r.load().iter().max(), Some(&125), "{:?}", r.load());

@@ -398,6 +398,12 @@ impl Simulator {
             .ok_or_else(|| Error::internal("a served request left no report"))
     }
 
+    /// The leader's counters now (a fleet reads what its report leaves out: dropped offloads,
+    /// the remote tier's timeouts and skips).
+    pub fn leader_metrics(&self) -> kvbm_connector::connector::metrics::MetricsSnapshot {
+        self.sched.leader().metrics()
+    }
+
     /// Ends the replay: lets background stores finish and reports (wall time from the first
     /// step).
     pub fn close(mut self) -> Result<Report> {
