@@ -2,7 +2,8 @@
 //! traces worked out by hand for both routers, with and without the shared tier; the prefix
 //! router's 1.25× cap; a fleet of one against the plain sweep; the `--json` schema; and the
 //! bad input refused before any replay (`--instances` out of bounds, an unknown router, a
-//! `--remote-url` nobody answers).
+//! `--remote-url` nobody answers); the shared tier on a real `redis-server` (started on a free
+//! loopback port; SKIP without one, a failure under `CI=true`).
 //!
 //! Conventions as in `tests/cli.rs`: a clean configuration environment, a temporary directory
 //! per run.
@@ -18,6 +19,9 @@ use kvbm_connector::log::LOG_ENV;
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
+
+#[cfg(feature = "redis")]
+mod redis_server;
 
 /// `kvbm` with a clean configuration environment whose disk directory is `dir`.
 fn kvbm(dir: &Path) -> Command {
@@ -528,4 +532,53 @@ fn an_unreachable_remote_url_is_refused_before_any_replay() {
         "cannot be reached",
         Duration::from_secs(30),
     );
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn a_redis_server_as_the_shared_tier_gives_the_same_hits_and_counts_its_traffic() {
+    let Some(server) = redis_server::OwnServer::start(&[]) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let t = trace(dir.path(), &conversations());
+    let url = server.url();
+    for run in 1..=2 {
+        let doc = fleet_json(
+            dir.path(),
+            &t,
+            &[
+                "--host-blocks",
+                "32",
+                "--instances",
+                "2",
+                "--router",
+                "round-robin",
+                "--shared-tier",
+                "on",
+                "--remote-url",
+                &url,
+            ],
+        );
+        let r = run_of(&doc, "round-robin", true);
+        // As the in-process tier: 8 tokens per second turn, from the server.
+        assert_eq!(r["matched_tokens"], 24, "{r}");
+        assert_eq!(r["from_shared"], 24, "{r}");
+        assert_eq!(r["integrity_errors"], 0, "{r}");
+        assert!(
+            r["shared_store"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("redis://127.0.0.1:")),
+            "{r}"
+        );
+        let sh = &r["shared"];
+        assert_eq!(sh["blocks_read"], 6, "{sh}");
+        // Each run writes its 9 blocks under a namespace of its own: the second finds none of
+        // the first's (it would find all 9 present otherwise) ...
+        assert_eq!(sh["blocks_written"], 9, "run {run}: {sh}");
+        // ... and the server's size is its own business.
+        assert!(sh["blocks_held"].is_null(), "{sh}");
+        let keys = server.cli(&["dbsize"]).unwrap_or_default();
+        assert_eq!(keys.trim(), (9 * run).to_string(), "run {run}");
+    }
 }
