@@ -35,56 +35,7 @@ pub fn render_table(title: &str, runs: &[FleetRun], unl: &Unlimited, block_size:
         "wall"
     );
     for r in runs {
-        let t = r.total();
-        let p = &r.plan;
-        let (read, wrote) = match &r.traffic {
-            Some(tr) => (
-                format!("{} blk", tr.blocks_read),
-                format!("{} blk", tr.blocks_written),
-            ),
-            None => ("-".into(), "-".into()),
-        };
-        let held = match (&r.size, &r.store) {
-            (Some(s), _) => format!("{} blk", s.blocks),
-            (None, Some(_)) => "(server)".into(),
-            (None, None) => "-".into(),
-        };
-        let _ = writeln!(
-            out,
-            "  {:>9} {:<11} {:<6} {:<7} {:>10} {:>8.2}% {:>8.2}% {:>8.2}% {:>8.2}% {:>12} {:>12} {:>12} {:>6.1}s",
-            p.instances,
-            p.router.name(),
-            if p.shared { "on" } else { "off" },
-            p.policy.to_string(),
-            human(p.host_tokens as f64),
-            t.hit_pct(),
-            pct(t.from_host, t.prompt_tokens),
-            pct(t.from_disk, t.prompt_tokens),
-            pct(t.from_shared, t.prompt_tokens),
-            read,
-            wrote,
-            held,
-            r.wall_s
-        );
-        let each: Vec<String> = r
-            .per_instance
-            .iter()
-            .map(|i| format!("{:.2}% ({} req)", i.hit_pct(), i.requests))
-            .collect();
-        let _ = writeln!(out, "      per instance: {}", each.join(", "));
-        if t.offload_dropped_blocks + t.shared_lookup_timeouts + t.shared_lookups_skipped > 0
-            || t.shared_write_errors + t.load_errors as u64 > 0
-        {
-            let _ = writeln!(
-                out,
-                "      offloads dropped {} blocks; shared tier: {} lookups timed out, {} skipped, {} blocks not written; {} load errors",
-                t.offload_dropped_blocks,
-                t.shared_lookup_timeouts,
-                t.shared_lookups_skipped,
-                t.shared_write_errors,
-                t.load_errors
-            );
-        }
+        run_rows(&mut out, r);
     }
     let _ = writeln!(
         out,
@@ -100,6 +51,61 @@ pub fn render_table(title: &str, runs: &[FleetRun], unl: &Unlimited, block_size:
         "  integrity errors {errors} ({verified} onboarded blocks verified); shared read/wrote/held in {block_size}-token blocks"
     );
     out
+}
+
+/// One run's rows: the fleet's line, its instances' hit rates, and what went wrong if anything
+/// did (dropped offloads, shared-tier timeouts, skips and failed writes, load errors).
+fn run_rows(out: &mut String, r: &FleetRun) {
+    let t = r.total();
+    let p = &r.plan;
+    let (read, wrote) = match &r.traffic {
+        Some(tr) => (
+            format!("{} blk", tr.blocks_read),
+            format!("{} blk", tr.blocks_written),
+        ),
+        None => ("-".into(), "-".into()),
+    };
+    let held = match (&r.size, &r.store) {
+        (Some(s), _) => format!("{} blk", s.blocks),
+        (None, Some(_)) => "(server)".into(),
+        (None, None) => "-".into(),
+    };
+    let _ = writeln!(
+        out,
+        "  {:>9} {:<11} {:<6} {:<7} {:>10} {:>8.2}% {:>8.2}% {:>8.2}% {:>8.2}% {:>12} {:>12} {:>12} {:>6.1}s",
+        p.instances,
+        p.router.name(),
+        if p.shared { "on" } else { "off" },
+        p.policy.to_string(),
+        human(p.host_tokens as f64),
+        t.hit_pct(),
+        pct(t.from_host, t.prompt_tokens),
+        pct(t.from_disk, t.prompt_tokens),
+        pct(t.from_shared, t.prompt_tokens),
+        read,
+        wrote,
+        held,
+        r.wall_s
+    );
+    let each: Vec<String> = r
+        .per_instance
+        .iter()
+        .map(|i| format!("{:.2}% ({} req)", i.hit_pct(), i.requests))
+        .collect();
+    let _ = writeln!(out, "      per instance: {}", each.join(", "));
+    if t.offload_dropped_blocks + t.shared_lookup_timeouts + t.shared_lookups_skipped > 0
+        || t.shared_write_errors + t.load_errors as u64 > 0
+    {
+        let _ = writeln!(
+            out,
+            "      offloads dropped {} blocks; shared tier: {} lookups timed out, {} skipped, {} blocks not written; {} load errors",
+            t.offload_dropped_blocks,
+            t.shared_lookup_timeouts,
+            t.shared_lookups_skipped,
+            t.shared_write_errors,
+            t.load_errors
+        );
+    }
 }
 
 /// One run as `--json` prints it.
