@@ -11,10 +11,22 @@
 //! `vllm::detect_vllm` read a [`crate::layout::Layout`] from the tensors the engine registers
 //! (shared shape reading in `detect`), and registration refuses storage whose layout differs.
 //!
-//! A third engine needs no change here: see `docs/adapters.md` and `examples/toy_engine.rs`.
+//! * `sglang` (feature `python`) — SGLang's HiCache storage backend: the core's page store
+//!   behind a Python binding only (SGLang keeps its own scheduler and host pool).
+//!
+//! An engine is one folder here — its adapter (`mod.rs`) and, with the `python` feature, its
+//! Python binding (`python.rs`: the engine's objects, read by its Python module in
+//! `python/kvbm_connector/`, into the adapter's calls) — plus that Python module and, for
+//! `kvbm replay`, its engine model (`tool/replay/engines/`). Only the `python` submodules use the
+//! bindings' building blocks (in `src/python/`); `tests/architecture.rs` checks it.
+//!
+//! A third engine outside the crate needs no change here: see `docs/adapters.md` and
+//! `examples/toy_engine.rs`.
 
 #[cfg(any(feature = "trtllm", feature = "vllm"))]
 mod detect;
+#[cfg(feature = "python")]
+pub(crate) mod sglang;
 #[cfg(feature = "trtllm")]
 pub mod trtllm;
 #[cfg(feature = "vllm")]

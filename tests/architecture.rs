@@ -3,7 +3,9 @@
 //! * the core (`src/`, except `src/lib.rs` which mounts everything, the tool and the bindings)
 //!   names no backend, no engine adapter, not the tool and not the bindings;
 //! * backends (`backends/`) name no engine adapter, not the tool and not the bindings;
-//! * engine adapters (`frameworks/`) name neither the tool nor the bindings.
+//! * engine adapters (`frameworks/`) name neither the tool nor the bindings, except each engine's
+//!   own Python binding (`frameworks/<engine>/python.rs`, mounted only with the `python` feature),
+//!   which names neither the tool nor another engine.
 //!
 //! "Names" means a path through the module (`crate::backends::…`, `backends::disk`, a `use` of
 //! it, or an intra-doc link to it), in code or comments: a doc comment that links a backend
@@ -103,14 +105,106 @@ fn backends_name_no_adapter_tool_or_bindings() {
     );
 }
 
+/// An engine's Python binding inside its folder: `frameworks/<engine>/python.rs` and
+/// `frameworks/<engine>/python/`.
+fn is_engine_binding(violation: &str) -> bool {
+    let path = violation.split(':').next().unwrap_or("");
+    let parts: Vec<&str> = path.split('/').collect();
+    parts.len() >= 3
+        && parts[0] == "frameworks"
+        && (parts[2] == "python.rs" || (parts.len() >= 4 && parts[2] == "python"))
+}
+
+/// `mod python;` in an engine's `mod.rs`, mounted only with the `python` feature (the line
+/// before is `#[cfg(feature = "python")]`, or the engine's whole folder is mounted so).
+fn is_feature_gated_mount(violation: &str) -> bool {
+    let mut it = violation.splitn(3, ':');
+    let (Some(path), Some(line), Some(text)) = (it.next(), it.next(), it.next()) else {
+        return false;
+    };
+    if !text.trim().ends_with("mod python;") || !path.ends_with("/mod.rs") {
+        return false;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let Ok(n) = line.parse::<usize>() else {
+        return false;
+    };
+    let src = std::fs::read_to_string(root.join(path)).unwrap_or_default();
+    let lines: Vec<&str> = src.lines().collect();
+    let gated = |l: &str| l.trim() == "#[cfg(feature = \"python\")]";
+    if n >= 2 && lines.get(n - 2).is_some_and(|l| gated(l)) {
+        return true;
+    }
+    // The engine's folder itself mounted under the feature in frameworks/mod.rs.
+    let engine = path.split('/').nth(1).unwrap_or("");
+    let parent = std::fs::read_to_string(root.join("frameworks/mod.rs")).unwrap_or_default();
+    let pl: Vec<&str> = parent.lines().collect();
+    pl.iter()
+        .enumerate()
+        .any(|(i, l)| l.trim().ends_with(&format!("mod {engine};")) && i > 0 && gated(pl[i - 1]))
+}
+
 #[test]
 fn adapters_name_neither_the_tool_nor_the_bindings() {
-    let v = violations("frameworks", &[], &["cli", "python"]);
+    // An engine's folder holds its adapter and its Python binding (`python.rs`, built with the
+    // `python` feature): only the binding uses the bindings' building blocks, and the adapter
+    // only mounts it, under that feature.
+    let v: Vec<String> = violations("frameworks", &[], &["cli", "python"])
+        .into_iter()
+        .filter(|v| !is_engine_binding(v) && !is_feature_gated_mount(v))
+        .collect();
     assert!(
         v.is_empty(),
         "an adapter names an outer layer:\n{}",
         v.join("\n")
     );
+}
+
+#[test]
+fn an_engines_binding_names_neither_the_tool_nor_another_engine() {
+    let v: Vec<String> = violations("frameworks", &[], &["cli", "tool"])
+        .into_iter()
+        .filter(|v| is_engine_binding(v))
+        .collect();
+    assert!(v.is_empty(), "a binding names the tool:\n{}", v.join("\n"));
+    for engine in ["vllm", "trtllm", "sglang"] {
+        let others: Vec<&str> = ["vllm", "trtllm", "sglang"]
+            .into_iter()
+            .filter(|e| *e != engine)
+            .collect();
+        let v: Vec<String> = violations(&format!("frameworks/{engine}"), &[], &others)
+            .into_iter()
+            .filter(|v| is_engine_binding(v))
+            .collect();
+        assert!(
+            v.is_empty(),
+            "{engine}'s binding names another engine:\n{}",
+            v.join("\n")
+        );
+    }
+}
+
+#[test]
+fn the_binding_exceptions_see_only_bindings_and_gated_mounts() {
+    assert!(is_engine_binding(
+        "frameworks/vllm/python.rs:3: use crate::python::x;"
+    ));
+    assert!(is_engine_binding(
+        "frameworks/vllm/python/read.rs:3: use crate::python::x;"
+    ));
+    assert!(!is_engine_binding(
+        "frameworks/vllm/mod.rs:3: use crate::python::x;"
+    ));
+    assert!(!is_engine_binding(
+        "frameworks/detect.rs:3: use crate::python::x;"
+    ));
+    // frameworks/vllm/mod.rs mounts its binding under the feature; its first line does not.
+    let v = violations("frameworks/vllm", &[], &["python"]);
+    let mount = v.iter().find(|l| l.trim_end().ends_with("mod python;"));
+    assert!(mount.is_some_and(|m| is_feature_gated_mount(m)), "{v:?}");
+    assert!(!is_feature_gated_mount(
+        "frameworks/vllm/mod.rs:1: pub(crate) mod python;"
+    ));
 }
 
 #[test]

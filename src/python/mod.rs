@@ -1,9 +1,12 @@
 //! Python bindings (feature `python`): the extension module `kvbm_connector._kvbm`.
 //!
-//! The Python package (`python/kvbm_connector/`) is the public face: its `trtllm` and `vllm`
-//! modules are the classes the engines load, and they read the engine's objects (requests,
-//! scheduler outputs, tensors) into plain Python values. This module turns those plain values
-//! into calls on the Rust adapters in `frameworks/`. It owns the boundary rules:
+//! The Python package (`python/kvbm_connector/`) is the public face: its `trtllm`, `vllm` and
+//! `sglang` modules are the classes the engines load, and they hand the engine's objects
+//! (requests, scheduler outputs, tensors) to the extension. Each engine's binding — the classes
+//! that read those objects into its adapter's calls — lives in the engine's folder
+//! (`frameworks/<engine>/python.rs`, built with this feature); this module holds what they share
+//! (the shared calls, tensors and caches, transports, configuration, errors, logging) and
+//! registers every class in `_kvbm`. It owns the boundary rules:
 //!
 //! * every error is a `kvbm_connector.KvbmError` carrying the message, the [`ErrorKind`] name
 //!   (`.kind`) and the key/value context (`.context`) (`error.rs`);
@@ -26,17 +29,14 @@
 //!
 //! [`ErrorKind`]: crate::ErrorKind
 
-mod cache;
-mod common;
+pub(crate) mod cache;
+pub(crate) mod common;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
 mod log;
-mod sglang;
-mod tensor;
-mod transport;
-mod trtllm;
-mod vllm;
+pub(crate) mod tensor;
+pub(crate) mod transport;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -366,7 +366,7 @@ fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     m.add("ERROR_KINDS", error::kind_names())?;
     m.add_class::<PyConfig>()?;
-    m.add_class::<sglang::PyPageStore>()?;
+    m.add_class::<crate::frameworks::sglang::python::PyPageStore>()?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
     #[cfg(feature = "python-test-hooks")]
     {
@@ -379,7 +379,7 @@ fn kvbm_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     cuda::register_class(m)?;
     m.add("HAVE_CUDA", cfg!(feature = "cuda"))?;
-    trtllm::register(m)?;
-    vllm::register(m)?;
+    crate::frameworks::trtllm::python::register(m)?;
+    crate::frameworks::vllm::python::register(m)?;
     Ok(())
 }

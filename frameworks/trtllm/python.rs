@@ -4,16 +4,16 @@
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::cache::register_cache;
-use super::tensor::read_tensor;
-use super::transport::{PyLeaderTransport, PyWorkerTransport};
-use super::{common, detached, to_py_err, Guarded, PyConfig};
 use crate::connector::groups::KvCacheGroups;
 use crate::frameworks::trtllm::detect_trtllm;
 use crate::frameworks::trtllm::{
     LlmRequest, RequestData, SchedulerOutput, TrtllmScheduler, TrtllmWorker,
 };
 use crate::layout::LayoutKind;
+use crate::python::cache::register_cache;
+use crate::python::tensor::read_tensor;
+use crate::python::transport::{PyLeaderTransport, PyWorkerTransport};
+use crate::python::{common, detached, to_py_err, Guarded, PyConfig};
 
 /// `(request_id, new_tokens, new_block_ids, computed_position)`: TensorRT-LLM's `RequestData`.
 type RequestTuple = (u64, Vec<u32>, Vec<usize>, usize, Vec<Vec<usize>>);
@@ -301,7 +301,7 @@ impl PyTrtllmWorker {
 common::scheduler_methods!(PyTrtllmScheduler);
 common::worker_methods!(PyTrtllmWorker);
 
-pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTrtllmScheduler>()?;
     m.add_class::<PyTrtllmWorker>()?;
     Ok(())

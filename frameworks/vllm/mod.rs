@@ -25,6 +25,12 @@
 //! storing once every group is. Set the count with [`VllmScheduler::set_kv_cache_groups`] and
 //! [`VllmWorker::set_kv_cache_groups`] (default 1).
 
+// The engine's Python binding (`kvbm_connector._kvbm.VllmScheduler` / `VllmWorker`): vLLM's
+// objects, read by `kvbm_connector.vllm`, into this adapter's calls. Built with `python` only;
+// it alone in this folder uses the bindings' building blocks (in `src/python/`).
+#[cfg(feature = "python")]
+pub(crate) mod python;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 

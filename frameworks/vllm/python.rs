@@ -8,10 +8,6 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
-use super::cache::register_cache;
-use super::tensor::{parse_layout_kind, read_layer_tensors, vllm_layout};
-use super::transport::{PyLeaderTransport, PyWorkerTransport};
-use super::{common, detached, to_py_err, Guarded, PyConfig};
 use crate::connector::groups::KvCacheGroups;
 use crate::connector::leader::TierEvent;
 use crate::error::Error;
@@ -19,6 +15,10 @@ use crate::frameworks::vllm::{
     CachedRequestData, NewRequestData, Request, SchedulerOutput, VllmScheduler, VllmWorker,
 };
 use crate::identity::Token;
+use crate::python::cache::register_cache;
+use crate::python::tensor::{parse_layout_kind, read_layer_tensors, vllm_layout};
+use crate::python::transport::{PyLeaderTransport, PyWorkerTransport};
+use crate::python::{common, detached, to_py_err, Guarded, PyConfig};
 
 mod read;
 mod worker;
@@ -478,7 +478,7 @@ impl PyVllmScheduler {
 
 common::scheduler_methods!(PyVllmScheduler);
 
-pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyVllmScheduler>()?;
     m.add_class::<PyVllmWorker>()?;
     Ok(())

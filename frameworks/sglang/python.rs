@@ -17,12 +17,12 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use super::tensor::{read_tensor, TensorDevice};
-use super::{detached, to_py_err, PyConfig};
 use crate::error::{Error, Result};
 use crate::identity::SequenceHash;
 use crate::metrics_server::{Exposition, MetricsServer};
 use crate::page_store::{PageStore, MAX_PAGES_PER_CALL};
+use crate::python::tensor::{read_tensor, TensorDevice};
+use crate::python::{detached, to_py_err, PyConfig};
 
 /// Each page's `(address, length)` runs.
 type PageRuns = Vec<Vec<(usize, usize)>>;

@@ -20,6 +20,11 @@
 //!   ([`TrtllmScheduler::set_layer_groups`]); the workers serve several groups when they share
 //!   the registered pool ([`TrtllmWorker::set_layer_groups`]).
 
+// The engine's Python binding (`kvbm_connector._kvbm.TrtllmScheduler` / `TrtllmWorker`),
+// built with `python` only; it alone in this folder uses the bindings' building blocks.
+#[cfg(feature = "python")]
+pub(crate) mod python;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
