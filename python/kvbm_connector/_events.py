@@ -22,6 +22,7 @@ takes them every step) and counts the drops (``dropped``, logged as a warning).
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -116,7 +117,8 @@ class BlockEventTranslator:
             return None
         bs = self._block_size
         parent = hashes[i - 1] if i > 0 else None
-        tokens = list(req.all_token_ids[i * bs:(i + 1) * bs])
+        # Kept while a tier holds the block: 8 bytes a token, not a Python int each.
+        tokens = array("q", req.all_token_ids[i * bs:(i + 1) * bs])
         if len(tokens) != bs:
             return None
         lora = getattr(req, "lora_request", None)
@@ -194,7 +196,7 @@ class BlockEventTranslator:
         return self._stored_cls(
             block_hashes=[self._convert(h)],
             parent_block_hash=self._convert(parent) if parent is not None else None,
-            token_ids=tokens,
+            token_ids=tokens.tolist(),
             block_size=self._block_size,
             lora_id=lora_id,
             medium=medium,

@@ -238,3 +238,70 @@ def _block_tokens(e, h):
         return None
     i = hashes.index(h)
     return list(e.token_ids[i * e.block_size:(i + 1) * e.block_size])
+
+
+class _FakeScheduler:
+    """Answers take_block_events from a queue the test fills."""
+
+    def __init__(self):
+        self.capacity = None
+        self.queue = []
+
+    def record_block_events(self, capacity):
+        self.capacity = capacity
+
+    def take_block_events(self):
+        if not self.queue:
+            return [], [], 0
+        return self.queue.pop(0)
+
+
+class _Req:
+    def __init__(self, rid, tokens, hashes):
+        self.request_id = rid
+        self.all_token_ids = tokens
+        self.block_hashes = hashes
+        self.lora_request = None
+
+
+def test_the_translator_keeps_a_payload_while_a_tier_holds_it_and_counts_drops(caplog):
+    """Without an engine: the residency rules and the bounds (how it fails: a payload dropped at
+    the host's removal makes the disk's removal unannounced; one kept after both removals
+    grows without bound; a drop not counted hides lost events)."""
+    from kvbm_connector import _events
+
+    sched = _FakeScheduler()
+    tr = _events.BlockEventTranslator(sched, 4, [(None, None)], capacity=128)
+    assert sched.capacity == 128
+    req = _Req("r", list(range(12)), [b"h0", b"h1", b"h2"])
+    tr.alloc(req)
+    sched.queue.append(([("r", 0, 1, 11), ("r", 0, 2, 12)], [], 0))
+    assert tr.take() == []
+    assert tr.tracked() == (1, 2, 0)
+    sched.queue.append(([], [("stored", "host", 11), ("stored", "disk", 11),
+                             ("stored", "host", 99)], 0))
+    out = tr.take()
+    assert [(type(e).__name__, e.medium, list(e.token_ids), e.parent_block_hash) for e in out] == [
+        ("BlockStored", "CPU", [4, 5, 6, 7], tr._convert(b"h0")),
+        ("BlockStored", "STORAGE", [4, 5, 6, 7], tr._convert(b"h0")),
+    ], "key 99 was never decided here: not announced"
+    sched.queue.append(([], [("removed", "host", 11)], 0))
+    assert [e.medium for e in tr.take()] == ["CPU"]
+    assert tr.tracked()[2] == 1, "the disk still holds key 11"
+    sched.queue.append(([], [("removed", "disk", 11)], 0))
+    assert [e.medium for e in tr.take()] == ["STORAGE"]
+    tr.finished("r")
+    sched.queue.append(([], [], 5))
+    with caplog.at_level("WARNING", logger="kvbm_connector"):
+        tr.take()
+    assert tr.dropped == 5 and "5 KV events dropped" in caplog.text
+    assert tr.tracked() == (0, 1, 0), "the request is forgotten; key 12 still pending"
+    sched.queue.append(([], [("cleared", None, None)], 0))
+    assert [type(e).__name__ for e in tr.take()] == ["AllBlocksCleared"]
+    assert tr.tracked() == (0, 0, 0)
+    # Pending payloads are bounded.
+    tr.alloc(_Req("s", list(range(8)), [b"a", b"b"]))
+    many = [("s", 0, 0, 1000 + k) for k in range(_events.PENDING_PAYLOADS + 10)]
+    sched.queue.append((many, [], 0))
+    tr.take()
+    assert tr.tracked()[1] == _events.PENDING_PAYLOADS
