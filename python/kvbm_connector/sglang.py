@@ -93,11 +93,33 @@ def _overrides(extra: dict) -> tuple[dict, Optional[str]]:
     # Buffered disk I/O unless asked otherwise: SGLang reads back what it backed up moments ago,
     # and the page cache serves that from memory, as SGLang's own file backend does (measured:
     # docs/benchmarks.md, "SGLang's storage backend beside its file backend"). The engines'
-    # connectors keep O_DIRECT by default. An explicit disk_direct_io (extra config) or
-    # KVBM_DISK_DIRECT_IO wins; a TOML file's disk.direct_io does not (say it in the extra config).
-    if "KVBM_DISK_DIRECT_IO" not in out and "KVBM_DISK_DIRECT_IO" not in os.environ:
+    # connectors keep O_DIRECT by default. An explicit disk_direct_io (extra config),
+    # KVBM_DISK_DIRECT_IO or the config file's disk.direct_io wins.
+    if (
+        "KVBM_DISK_DIRECT_IO" not in out
+        and "KVBM_DISK_DIRECT_IO" not in os.environ
+        and not _file_sets_direct_io(path or os.environ.get("KVBM_CONFIG"))
+    ):
         out["KVBM_DISK_DIRECT_IO"] = "false"
     return out, path
+
+
+def _file_sets_direct_io(path: Optional[str]) -> bool:
+    """Whether the TOML config file at ``path`` sets ``disk.direct_io``. A file that cannot be
+    read or parsed answers False: loading it next reports its error by name."""
+    if not path or not str(path).strip():
+        return False
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11: read by the loader only, the buffered default applies
+        return False
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, ValueError):
+        return False
+    disk = doc.get("disk")
+    return isinstance(disk, dict) and "direct_io" in disk
 
 
 def _namespace(cfg: HiCacheStorageConfig, pool: Any, page_bytes: int) -> str:

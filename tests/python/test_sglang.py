@@ -379,3 +379,26 @@ def test_a_layout_we_cannot_read_is_refused_when_sglang_builds_the_backend(tmp_p
     got = b.batch_get(["c"], [pool.get_dummy_flat_data_page()])
     assert torch.equal(got[0], want[0].flatten())
 
+
+
+def test_buffered_disk_io_by_default_unless_a_setting_says_otherwise(tmp_path, monkeypatch):
+    """SGLang's backend defaults to buffered disk I/O (KVBM_DISK_DIRECT_IO=false) unless the extra
+    config, the environment or the config file sets disk.direct_io (how it fails: the file's
+    setting overridden, as before, gives "false" in the third case)."""
+    from kvbm_connector.sglang import _overrides
+
+    monkeypatch.delenv("KVBM_DISK_DIRECT_IO", raising=False)
+    monkeypatch.delenv("KVBM_CONFIG", raising=False)
+    assert _overrides({})[0]["KVBM_DISK_DIRECT_IO"] == "false"
+    assert _overrides({"disk_direct_io": True})[0]["KVBM_DISK_DIRECT_IO"] == "true"
+    with_direct = tmp_path / "direct.toml"
+    with_direct.write_text("[disk]\ndirect_io = true\n")
+    out, path = _overrides({"config": str(with_direct)})
+    assert path == str(with_direct) and "KVBM_DISK_DIRECT_IO" not in out
+    monkeypatch.setenv("KVBM_CONFIG", str(with_direct))
+    assert "KVBM_DISK_DIRECT_IO" not in _overrides({})[0]
+    other = tmp_path / "other.toml"
+    other.write_text("[disk]\ncache_blocks = 8\n")
+    assert _overrides({"config": str(other)})[0]["KVBM_DISK_DIRECT_IO"] == "false"
+    monkeypatch.setenv("KVBM_DISK_DIRECT_IO", "true")
+    assert "KVBM_DISK_DIRECT_IO" not in _overrides({})[0]
