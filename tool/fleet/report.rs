@@ -228,7 +228,9 @@ fn round4(x: f64) -> f64 {
 }
 
 /// The plot: the fleet's hit rate over each instance's host capacity, one line per (fleet size,
-/// router, shared tier), and the unlimited cache's line.
+/// router, shared tier, policy); for the runs with the shared tier, one more line each: the
+/// share of prompt tokens read from the shared tier (its read traffic, on the same % axis); and
+/// the unlimited cache's line.
 pub fn draw(
     path: &Path,
     title: &str,
@@ -237,23 +239,31 @@ pub fn draw(
     block_size: usize,
 ) -> Result<()> {
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    let mut add = |name: String, pt: (f64, f64)| match series.iter_mut().find(|s| s.0 == name) {
+        Some(s) => s.1.push(pt),
+        None => series.push((name, vec![pt])),
+    };
     for r in runs {
         let p = &r.plan;
+        let t = r.total();
+        let x = p.host_tokens as f64;
+        let tier = if p.shared {
+            "shared tier"
+        } else {
+            "local tiers only"
+        };
         let name = format!(
-            "{} × {}, {}, {}",
+            "{} × {}, {tier}, {}",
             p.instances,
             p.router.name(),
-            if p.shared {
-                "shared tier"
-            } else {
-                "local tiers only"
-            },
             p.policy
         );
-        let pt = (p.host_tokens as f64, r.total().hit_pct());
-        match series.iter_mut().find(|s| s.0 == name) {
-            Some(s) => s.1.push(pt),
-            None => series.push((name, vec![pt])),
+        add(name.clone(), (x, t.hit_pct()));
+        if p.shared {
+            add(
+                format!("{name}: read from it"),
+                (x, pct(t.from_shared, t.prompt_tokens)),
+            );
         }
     }
     draw_lines(
