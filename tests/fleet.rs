@@ -327,6 +327,8 @@ fn the_shared_tier_never_loses_hits_and_its_capacity_binds() {
 fn the_json_lists_every_run_with_its_fields() {
     let dir = tempfile::tempdir().expect("tempdir");
     let t = trace(dir.path(), &conversations());
+    let svg = dir.path().join("fleet.svg");
+    let svg_arg = svg.to_string_lossy().into_owned();
     let doc = fleet_json(
         dir.path(),
         &t,
@@ -337,8 +339,21 @@ fn the_json_lists_every_run_with_its_fields() {
             "1,2",
             "--router",
             "prefix",
+            "--plot",
+            &svg_arg,
         ],
     );
+    // The plot: one line per (fleet size, router, shared tier, policy), and for the shared
+    // runs the share read from the shared tier.
+    let plot = std::fs::read_to_string(&svg).expect("the plot was written");
+    for series in [
+        "1 × prefix, local tiers only, prefix",
+        "2 × prefix, shared tier, prefix",
+        "2 × prefix, shared tier, prefix: read from it",
+        "unlimited cache",
+    ] {
+        assert!(plot.contains(series), "no {series:?} in the plot");
+    }
     let runs = doc["runs"].as_array().expect("runs");
     // 2 capacities × 2 fleet sizes × 1 router × (off, on), in that order.
     assert_eq!(runs.len(), 8, "{doc}");
