@@ -12,7 +12,6 @@
 
 use std::path::Path;
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
 
 use kvbm_connector::config::{CONFIG_FILE_VAR, ENV_VARS};
 use kvbm_connector::log::LOG_ENV;
@@ -448,11 +447,10 @@ fn the_json_lists_every_run_with_its_fields() {
     }
 }
 
-/// `kvbm sweep` with `args` after a small built-in workload; must fail with exit code 2, quickly
-/// (before any replay), naming `flag` and saying `why`.
-fn refused(args: &[&str], flag: &str, why: &str, within: Duration) {
+/// `kvbm sweep` with `args` after a small built-in workload exits 2 naming `flag` and `why`, having printed nothing on stdout
+/// (no run's table: refused before any replay).
+fn refused(args: &[&str], flag: &str, why: &str) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let started = Instant::now();
     let out: Output = kvbm(dir.path())
         .args(["sweep", "--requests", "20", "--capacities", "1024"])
         .args(args)
@@ -466,46 +464,19 @@ fn refused(args: &[&str], flag: &str, why: &str, within: Duration) {
         "{args:?} printed: {}",
         text(&out.stdout)
     );
-    assert!(
-        started.elapsed() < within,
-        "{args:?} took {:?}",
-        started.elapsed()
-    );
 }
 
 #[test]
 fn bad_fleet_input_is_refused_before_any_replay() {
-    let quick = Duration::from_secs(20);
-    refused(
-        &["--instances", "0"],
-        "--instances",
-        "between 1 and 64",
-        quick,
-    );
-    refused(
-        &["--instances", "65"],
-        "--instances",
-        "between 1 and 64",
-        quick,
-    );
-    refused(
-        &["--instances", "2,0"],
-        "--instances",
-        "between 1 and 64",
-        quick,
-    );
+    refused(&["--instances", "0"], "--instances", "between 1 and 64");
+    refused(&["--instances", "65"], "--instances", "between 1 and 64");
+    refused(&["--instances", "2,0"], "--instances", "between 1 and 64");
     refused(
         &["--instances", "2", "--router", "random"],
         "--router",
         "unknown router (known: round-robin, prefix)",
-        quick,
     );
-    refused(
-        &["--router", "prefix"],
-        "--router",
-        "needs --instances",
-        quick,
-    );
+    refused(&["--router", "prefix"], "--router", "needs --instances");
     refused(
         &[
             "--instances",
@@ -517,19 +488,37 @@ fn bad_fleet_input_is_refused_before_any_replay() {
         ],
         "--shared-tokens",
         "--shared-tier off",
-        quick,
     );
     refused(
         &["--instances", "2", "--framework", "vllm"],
         "--framework",
         "TensorRT-LLM's call order",
-        quick,
     );
     refused(
         &["--instances", "2", "--remote-url", "memory://x"],
         "--remote-url",
         "in-process already",
-        quick,
+    );
+    // A shared tier that could outgrow the machine's memory (blocks of 640 MiB: the 98 distinct
+    // blocks of this workload need 61 GiB, far more than half of any machine this runs on; how
+    // it fails: without the check the replay starts, and its tiers or the store fill memory).
+    refused(
+        &[
+            "--instances",
+            "2",
+            "--block-size",
+            "16",
+            "--layers",
+            "160",
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "8192",
+            "--dtype-bytes",
+            "2",
+        ],
+        "--shared-tokens",
+        "over half of the",
     );
 }
 
@@ -545,7 +534,6 @@ fn an_unreachable_remote_url_is_refused_before_any_replay() {
         &["--instances", "2", "--remote-url", &url],
         "--remote-url",
         "cannot be reached",
-        Duration::from_secs(30),
     );
 }
 

@@ -216,6 +216,7 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
     let title = crate::sweep::default_title(a);
     let started = Instant::now();
     let unl = unlimited(&a.replay)?;
+    check_shared_memory(a, &plans, &unl, server.is_some())?;
     let runs = run_all(a, &plans, server.is_some())?;
     if a.fleet.json {
         println!(
@@ -321,6 +322,55 @@ pub fn plan(a: &SweepArgs) -> Result<Vec<Plan>> {
 }
 
 /// An invalid-argument error naming `flag`.
+/// Refuses, before any replay, an in-process shared tier that could outgrow this machine's
+/// memory: it holds the bytes of every block it is given (the replay checks each one it
+/// serves), at most the trace's distinct blocks, or `--shared-tokens`.
+fn check_shared_memory(
+    a: &SweepArgs,
+    plans: &[Plan],
+    unl: &crate::sweep::Unlimited,
+    server: bool,
+) -> Result<()> {
+    if server || !plans.iter().any(|p| p.shared) {
+        return Ok(());
+    }
+    let bs = a.replay.model.block_size.max(1);
+    let config = replay_config(&a.replay)?;
+    let per_block = sim_options(&a.replay, config)?
+        .model_dims()?
+        .bytes_per_block() as u64;
+    let cap_blocks = a.fleet.shared_tokens.map_or(u64::MAX, |t| t / bs as u64);
+    let need = (unl.distinct_blocks as u64)
+        .min(cap_blocks)
+        .saturating_mul(per_block);
+    let Some(avail) = mem_available() else {
+        return Ok(());
+    };
+    if need > avail / 2 {
+        return flag_err(
+            "--shared-tokens",
+            format!(
+                "the in-process shared tier could hold {} MiB ({} blocks of {per_block} bytes), \
+                 over half of the {} MiB this machine has available: bound it with \
+                 --shared-tokens, or plan with a smaller block (--layers, --kv-heads, \
+                 --head-dim, --dtype-bytes: hit rates do not depend on the bytes)",
+                need >> 20,
+                need / per_block.max(1),
+                avail >> 20
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes (None where it cannot be read).
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
 fn flag_err<T>(flag: &str, why: String) -> Result<T> {
     Err(Error::invalid_argument(why).with("flag", flag))
 }
