@@ -188,3 +188,77 @@ fn metrics_render_in_prometheus_format() {
     );
     assert!(text.contains("# TYPE kvbm_host_hit_rate gauge"), "{text}");
 }
+
+/// Block events (for vLLM's KV events): each store decided is reported with its request and
+/// block index, each block registered in the host tier as stored; a cache reset withdraws every
+/// block, is reported as cleared, and a store still in flight then (what it wrote was computed
+/// before the reset) is never registered. How it fails: without the epoch check b's blocks are
+/// registered after the reset and match; without the pool's events nothing is reported stored.
+#[test]
+fn block_events_follow_the_host_tier_and_a_reset_drops_the_stores_in_flight() {
+    use kvbm_connector::connector::adapter::SchedulerStep;
+    use kvbm_connector::connector::leader::TierEvent;
+    use kvbm_connector::TierKind;
+    use std::time::Duration;
+
+    let mut r = rig(16, 0);
+    r.leader.record_block_events(256);
+    let a: RequestId = "a".into();
+    let prompt_a: Vec<u32> = (100..124).collect(); // 6 blocks
+    r.offload(&a, &prompt_a, &(0..6).collect::<Vec<_>>());
+    let ev = r.leader.take_block_events();
+    let blocks: Vec<usize> = ev.submitted.iter().map(|s| s.block).collect();
+    assert_eq!(blocks, (0..6).collect::<Vec<_>>(), "{ev:?}");
+    assert!(ev.submitted.iter().all(|s| s.request == a), "{ev:?}");
+    let keys: Vec<_> = ev.submitted.iter().map(|s| s.key).collect();
+    let stored: Vec<_> = ev
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            TierEvent::Stored {
+                tier: TierKind::Host,
+                key,
+            } => Some(*key),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored, keys, "{ev:?}");
+    assert_eq!(ev.dropped, 0);
+
+    // b's stores are in flight (its metadata built, not yet run) when the cache is reset.
+    let b: RequestId = "b".into();
+    let prompt_b: Vec<u32> = (200..224).collect();
+    let meta = r.prefill_unexecuted(&b, &prompt_b, &(6..12).collect::<Vec<_>>());
+    assert_eq!(r.leader.clear_tiers(), 6, "a's six blocks withdrawn");
+    r.worker.bind_metadata(&meta).unwrap();
+    r.worker.start_load().unwrap();
+    r.worker.save().unwrap();
+    r.worker.wait_idle(Duration::from_secs(10)).unwrap();
+    r.leader.request_finished(&b, None, None).unwrap();
+    for _ in 0..3 {
+        r.step(SchedulerStep::default(), &[], std::slice::from_ref(&b));
+    }
+    let ev = r.leader.take_block_events();
+    assert_eq!(
+        ev.events
+            .iter()
+            .filter(|e| **e == TierEvent::Cleared)
+            .count(),
+        1,
+        "{ev:?}"
+    );
+    assert!(
+        !ev.events
+            .iter()
+            .any(|e| matches!(e, TierEvent::Stored { .. })),
+        "a store from before the reset was registered: {ev:?}"
+    );
+    for (id, prompt) in [("c", &prompt_a), ("d", &prompt_b)] {
+        let id: RequestId = id.into();
+        let m = r
+            .leader
+            .get_num_new_matched_tokens(info(&id, prompt), 0)
+            .unwrap();
+        assert_eq!(m.external_tokens, 0, "{id} matched after the reset");
+    }
+}

@@ -69,6 +69,9 @@ pub(super) struct OpTrack {
     holds: Holds,
     /// When it was submitted (a remote load's latency informs the store's health).
     since: std::time::Instant,
+    /// The cache epoch at submission ([`Leader::clear_tiers`] starts a new one): a store
+    /// submitted before a reset is not registered when it completes after it.
+    epoch: u64,
 }
 
 /// How long a match waits for the completions of a request's loads that the engine was already
@@ -84,6 +87,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             failed: HashSet::new(),
             holds,
             since: std::time::Instant::now(),
+            epoch: self.cache_epoch,
         };
         // A dead rank will never do it: count it as done there, every block failed.
         for (r, dead) in self.dead.iter().enumerate() {
@@ -264,10 +268,14 @@ impl<A: SchedulerAdapter> Leader<A> {
             failed,
             holds,
             since,
+            epoch,
             ..
         } = track;
         let request = request.as_ref();
         match holds {
+            Holds::Store { tier, dst, .. } if epoch != self.cache_epoch => {
+                self.drop_stale_store(request, tier, dst)
+            }
             Holds::Remote { keys, dst } => {
                 self.finish_remote_load(request, &failed, since, &keys, &dst)
             }
@@ -505,6 +513,23 @@ impl<A: SchedulerAdapter> Leader<A> {
             }
         }
         drop(src);
+        self.request_op_done(request, false);
+    }
+
+    /// A store submitted before [`Leader::clear_tiers`] (a cache reset, e.g. after a weight
+    /// update): what it wrote was computed before the reset, so it is never registered; its
+    /// blocks go back to the free list, its keys are no longer pending, nothing is counted as
+    /// stored or failed.
+    fn drop_stale_store(
+        &mut self,
+        request: Option<&RequestId>,
+        tier: TierKind,
+        dst: Vec<(MutableBlock, SequenceHash)>,
+    ) {
+        for (_block, hash) in &dst {
+            self.pending_keys.remove(&(tier, *hash));
+        }
+        drop(dst);
         self.request_op_done(request, false);
     }
 

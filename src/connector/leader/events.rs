@@ -177,8 +177,10 @@ impl<A: SchedulerAdapter> Leader<A> {
     }
 
     /// Withdraws every block the host and disk tiers hold (a cache reset): no later request
-    /// matches them; blocks in use by operations in flight are freed when those end. The shared
-    /// store is not cleared (other instances use it). Records one [`TierEvent::Cleared`].
+    /// matches them; blocks in use by operations in flight are freed when those end, and stores
+    /// still in flight are not registered when they complete (what they wrote was computed
+    /// before the reset). The shared store is not cleared (other instances use it), and the
+    /// keys already written to it stay there. Records one [`TierEvent::Cleared`].
     /// Returns how many blocks were withdrawn.
     pub fn clear_tiers(&mut self) -> usize {
         self.drain_pool_events();
@@ -191,8 +193,13 @@ impl<A: SchedulerAdapter> Leader<A> {
                 n += pool.unregister_all();
             }
         }
-        // Host blocks queued for disk would store what was just withdrawn.
+        // Host blocks queued for disk would store what was just withdrawn, and stores in flight
+        // what was computed before the reset: neither is registered.
         self.disk_queue.clear();
+        if let Some(r) = self.remote.as_mut() {
+            r.queue.clear();
+        }
+        self.cache_epoch += 1;
         if let Some(log) = self.events.as_mut() {
             log.push_event(TierEvent::Cleared);
         }

@@ -259,6 +259,9 @@ pub struct Leader<A: SchedulerAdapter> {
     window_keys: groups::SeenKeys,
     /// Block events for the engine to announce, when recorded ([`Leader::record_block_events`]).
     events: Option<events::EventLog>,
+    /// Counts [`Leader::clear_tiers`] calls: a store submitted in an earlier epoch is not
+    /// registered when it completes.
+    cache_epoch: u64,
 }
 
 impl<A: SchedulerAdapter> std::fmt::Debug for Leader<A> {
@@ -323,6 +326,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             rank_store_stats: HashMap::new(),
             window_keys: groups::SeenKeys::new(groups::SEEN_KEYS),
             events: None,
+            cache_epoch: 0,
         };
         if let Some(addr) = leader.config.tcp.metrics_addr {
             leader.metrics_server = Some(crate::metrics_server::MetricsServer::start(
