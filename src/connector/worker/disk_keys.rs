@@ -11,6 +11,9 @@ pub(crate) struct DiskKeys {
     tier: Arc<dyn StorageTier>,
     map: Mutex<HashMap<usize, (u128, u64)>>,
     last_save: Mutex<Instant>,
+    /// Held while the index is written: the copies' threads complete concurrently, and two
+    /// saves at once would write the same temporary file.
+    saving: Mutex<()>,
 }
 
 impl DiskKeys {
@@ -25,6 +28,7 @@ impl DiskKeys {
             tier,
             map: Mutex::new(map),
             last_save: Mutex::new(Instant::now()),
+            saving: Mutex::new(()),
         })
     }
 
@@ -56,9 +60,15 @@ impl DiskKeys {
             .map(|(_, p)| p.0)
     }
 
-    /// Saves the index now.
+    /// Saves the index now (after a save in progress, if any).
     pub(super) fn save(&self) -> Result<()> {
+        let _saving = self.saving.lock();
         *self.last_save.lock() = Instant::now();
+        self.write_index()
+    }
+
+    /// Writes the index; the caller holds `saving`.
+    fn write_index(&self) -> Result<()> {
         let entries: Vec<(usize, u128, u64)> = self
             .map
             .lock()
@@ -72,11 +82,20 @@ impl DiskKeys {
     }
 
     /// Saves the index when [`DISK_INDEX_SAVE_EVERY`] passed since the last save.
+    /// One completing thread claims the save (the others go on at once: a save in progress, or
+    /// one claimed, is enough).
     pub(crate) fn maybe_save(&self) {
-        if self.last_save.lock().elapsed() < DISK_INDEX_SAVE_EVERY {
-            return;
+        {
+            let mut last = self.last_save.lock();
+            if last.elapsed() < DISK_INDEX_SAVE_EVERY {
+                return;
+            }
+            *last = Instant::now();
         }
-        if let Err(e) = self.save() {
+        let Some(_saving) = self.saving.try_lock() else {
+            return;
+        };
+        if let Err(e) = self.write_index() {
             tracing::warn!(error = %e, "kvbm worker: the persisted disk index was not saved");
         }
     }
