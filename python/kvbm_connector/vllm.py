@@ -334,6 +334,25 @@ def _kv_cache_groups(kv_cache_config: Any, block_size: int) -> List[Optional[int
     return windows or [None]
 
 
+def _events_capacity(extra: dict) -> int:
+    """``kv_events_capacity`` of the extra config (default 65,536): the KV events kept between
+    two steps at most; anything but a whole number from 1 up is refused by name."""
+    value = extra.get("kv_events_capacity", 65536)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        value = repr(value)
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1 or n > 1 << 24:
+        raise error(
+            "invalid_config",
+            f"kv_events_capacity {value!r}: want a whole number of events, 1 to {1 << 24}",
+            setting="kv_events_capacity",
+        )
+    return n
+
+
 def _with_model_namespace(config: Any, vllm_config: Any, extra: dict) -> Any:
     """A persisted disk tier (``KVBM_DISK_PERSIST``) is reopened only by the same model: with no
     namespace set, the served model's name is the namespace (``remote.namespace``), so a
@@ -420,7 +439,7 @@ class KvbmConnector(*_BASES):
                     self._scheduler,
                     self.block_size,
                     group_specs(kv_cache_config, self._groups),
-                    int(extra.get("kv_events_capacity", 0) or 0) or 65536,
+                    _events_capacity(extra),
                 )
         else:
             self.rank = int(extra["rank"]) if "rank" in extra else _tp_rank()

@@ -305,3 +305,21 @@ def test_the_translator_keeps_a_payload_while_a_tier_holds_it_and_counts_drops(c
     sched.queue.append((many, [], 0))
     tr.take()
     assert tr.tracked()[1] == _events.PENDING_PAYLOADS
+
+
+@pytest.mark.parametrize("value", ["many", 0, -3, 1.5, True, None, 1 << 25])
+def test_a_bad_event_capacity_is_refused_by_name(value):
+    from kvbm_connector import KvbmError
+    from kvbm_connector.vllm import _events_capacity
+
+    with pytest.raises(KvbmError) as e:
+        _events_capacity({"kv_events_capacity": value})
+    assert e.value.kind == "invalid_config" and "kv_events_capacity" in str(e.value)
+
+
+def test_the_event_capacity_defaults_and_reads_whole_numbers():
+    from kvbm_connector.vllm import _events_capacity
+
+    assert _events_capacity({}) == 65536
+    assert _events_capacity({"kv_events_capacity": "1024"}) == 1024
+    assert _events_capacity({"kv_events_capacity": 7}) == 7
