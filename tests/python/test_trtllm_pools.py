@@ -287,3 +287,47 @@ def test_pools_need_the_connectors_own_transports():
     with pytest.raises(KvbmError) as ei:
         worker.register_kv_cache_layout(_two_pool_layout())
     assert ei.value.kind == "unsupported" and "one transport per pool" in ei.value.message
+
+
+class _FakeLeader:
+    """A pool's leader that serves the hits ``serves(h)`` accepts, up to ``top`` (uncapped:
+    the largest; capped at ``c``: the largest at most ``c``); a sliding group serves only hits
+    whose window it holds, a full one any below its top."""
+
+    def __init__(self, top, serves=lambda h: True):
+        self.top, self.serves, self.calls = top, serves, []
+
+    def set_layer_groups(self, windows):
+        self.windows = windows
+
+    def get_num_new_matched_tokens(self, rid, tokens, computed, salt, lora, cap=None):
+        self.calls.append((cap, salt))
+        c = self.top if cap is None else min(cap, self.top)
+        n = max([h for h in range(0, c + 1, E.BS) if h == 0 or self.serves(h)])
+        return n, n > 0
+
+
+def test_pools_agree_on_the_largest_hit_each_can_serve(monkeypatch):
+    """Pool 0 (full) would serve 8 blocks, pool 1 (sliding) 6 or 5, pool 2 (sliding) 7 or 5:
+    each pool that found more is matched again at the smallest hit until all agree on 5 (pool
+    0 trimmed to 6, then 5; not left at 8); pools 1 and 2 salt their keys with the pool."""
+    from kvbm_connector import _trtllm_pools as P
+
+    arrays = [_Pool(1, 8), _Pool(5, 8), _Pool(5, 8)]
+    pools = [P.Pool((k,), _Region(a.array, range(1)), 1) for k, a in enumerate(arrays)]
+    leaders = [
+        _FakeLeader(8 * E.BS),
+        _FakeLeader(6 * E.BS, lambda h: h in (6 * E.BS, 5 * E.BS)),
+        _FakeLeader(7 * E.BS, lambda h: h in (7 * E.BS, 5 * E.BS)),
+    ]
+    monkeypatch.setattr(P, "leader_transport", lambda *a, **k: None)
+    made = iter(leaders)
+    ps = P.PoolSchedulers(pools, [None, W, W], trtllm.load_config(), E.BS, 1, "fake",
+                          make=lambda *a: next(made))
+    assert ps.match(1, [0] * 40, 0, "t", None) == (5 * E.BS, True)
+    assert [c for c, _ in leaders[0].calls] == [None, 6 * E.BS, 5 * E.BS]
+    assert [c for c, _ in leaders[1].calls] == [None, 5 * E.BS]
+    assert [c for c, _ in leaders[2].calls] == [None, 6 * E.BS]
+    assert {s for _, s in leaders[0].calls} == {"t"}
+    assert {s for _, s in leaders[1].calls} == {P.pool_salt("t", 1)}
+    assert [l.windows for l in leaders] == [[None], [W], [W]]
