@@ -18,7 +18,10 @@
 //! * layer groups (KV cache manager V2, `*_by_layer_group`): each group of a request is served as
 //!   its own request (see [`crate::connector::groups`]), matched by its window
 //!   ([`TrtllmScheduler::set_layer_groups`]); the workers serve several groups when they share
-//!   the registered pool ([`TrtllmWorker::set_layer_groups`]).
+//!   the registered pool ([`TrtllmWorker::set_layer_groups`]). Groups in pools of their own get
+//!   one scheduler and one worker per rank per pool (Python's `kvbm_connector._trtllm_pools`),
+//!   matched to one hit ([`TrtllmScheduler::get_num_new_matched_tokens_capped`]) and held
+//!   together ([`TrtllmScheduler::hold_finished`]).
 
 // The engine's Python binding (`kvbm_connector._kvbm.TrtllmScheduler` / `TrtllmWorker`),
 // built with `python` only; it alone in this folder uses the bindings' building blocks.

@@ -18,8 +18,9 @@ Both API generations are served: the older one (``register_kv_caches``, flat blo
 newer one's additions — ``wait_for_initialization`` on the scheduler (blocks until the start-up
 barrier completed, within the init timeout), ``register_kv_cache_layout`` (a one-group,
 one-region layout, full attention or one sliding window, is registered as its single pool tensor;
-several layer groups sharing one pool as that pool, each group's pages its own; anything else is
-refused, naming what), the ``*_by_layer_group`` methods (one page list per layer group;
+several layer groups sharing one pool as that pool, each group's pages its own; layer groups in
+pools of their own by one kvbm stack per pool, :mod:`kvbm_connector._trtllm_pools`; anything
+else is refused, naming what), the ``*_by_layer_group`` methods (one page list per layer group;
 ``BAD_PAGE_INDEX`` entries, -1, are pages a sliding window keeps none of) and
 ``supports_attention_dp`` (False: see :class:`KvbmConnectorScheduler`).
 
@@ -331,10 +332,11 @@ def _request_data(r: Any, groups: int) -> Tuple[int, List[int], List[int], int, 
 
 
 def _shared_pool_tensor(layout: Any, groups: Sequence[Any]) -> Any:
-    """The pool several layer groups share, as ``[num_slots, layers per group, kv_factor, block
-    elements]`` of the layout's dtype: every group must have one region, all of them the same
-    (base, slot stride, slot count, bytes) and the same number of layers; otherwise the groups
-    live in pools of their own, which is refused by name."""
+    """The pool ``groups`` share (one layer group or several), as ``[num_slots, layers per group,
+    kv_factor, block elements]`` of the layout's dtype: every group must have one region, all of
+    them the same (base, slot stride, slot count, bytes) and the same number of layers (the
+    layout's groups are split by pool first, :func:`_trtllm_pools.plan_pools`); otherwise
+    refused by name."""
     regions = []
     for g, group in enumerate(groups):
         rs = tuple(getattr(group, "regions", ()) or ())
@@ -351,9 +353,8 @@ def _shared_pool_tensor(layout: Any, groups: Sequence[Any]) -> Any:
     if len({shape(r) for r in regions}) != 1 or len(layer_counts) != 1:
         raise error(
             "unsupported",
-            f"the KV cache layout's {len(groups)} layer groups live in pools of their own (pages "
-            "of different sizes, e.g. five sliding layers to one full); kvbm_connector serves "
-            "several layer groups only when they share one pool",
+            f"the KV cache layout's {len(groups)} layer groups were taken for one pool but their "
+            "regions or layer counts differ",
             argument="layout",
         )
     region = regions[0]
@@ -603,8 +604,10 @@ class KvbmConnectorWorker(_WorkerBase):
         sliding and full layers alternating, in one pool group: one base, one page space,
         disjoint live pages): the pool is registered once and each group's pages are its own
         requests' (as vLLM's hybrid manager). Groups in pools of their own (pages of different
-        sizes), or any other layout, are refused with an ``unsupported`` error naming what; a
-        window that differs from ``llm_args`` with ``invalid_layout``."""
+        sizes: a region, base and slot space each) get one kvbm stack per pool
+        (:meth:`_register_pools`). Any other layout is refused with an ``unsupported`` or
+        ``invalid_layout`` error naming what; a window that differs from ``llm_args`` with
+        ``invalid_layout``."""
         groups = sorted(
             tuple(getattr(layout, "groups", ()) or ()),
             key=lambda g: int(getattr(g, "layer_group_id", 0) or 0),

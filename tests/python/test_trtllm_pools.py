@@ -331,3 +331,14 @@ def test_pools_agree_on_the_largest_hit_each_can_serve(monkeypatch):
     assert {s for _, s in leaders[0].calls} == {"t"}
     assert {s for _, s in leaders[1].calls} == {P.pool_salt("t", 1)}
     assert [l.windows for l in leaders] == [[None], [W], [W]]
+
+
+def test_holding_a_request_a_pool_still_tracks_is_refused():
+    """A pool holds a finished request for another only once its own answer let it go: asked
+    while it still tracks the request (a live one), the pool refuses, naming the request."""
+    e = _Engine()
+    a = E.prompt(61, 3 * E.BS + 1)
+    e.sched.get_num_new_matched_tokens(E.LlmRequest(6, a, 1), 0)
+    with pytest.raises(KvbmError) as ei:
+        e.sched._pools.inner[1].hold_finished(6)
+    assert ei.value.kind == "invalid_state" and "request 6" in ei.value.message, ei.value
