@@ -66,7 +66,8 @@ class Pool:
 
 
 def _span(r: Any) -> Tuple[int, int]:
-    base, stride, slots, size = (int(getattr(r, k)) for k in ("base", "stride", "num_slots", "size"))
+    keys = ("base", "stride", "num_slots", "size")
+    base, stride, slots, size = (int(getattr(r, k)) for k in keys)
     return base, base + stride * max(slots - 1, 0) + size
 
 

@@ -546,7 +546,8 @@ class KvbmConnectorScheduler(_SchedulerBase):
 
     def metrics_prometheus(self) -> str:
         """The leader's counters in Prometheus text format (pool 0's with pools of their own)."""
-        return (self._pools.inner[0] if self._pools is not None else self._inner).metrics_prometheus()
+        leader = self._pools.inner[0] if self._pools is not None else self._inner
+        return leader.metrics_prometheus()
 
 
 class KvbmConnectorWorker(_WorkerBase):
