@@ -161,8 +161,8 @@ def test_two_pools_of_different_page_sizes_store_and_load_every_byte():
     the sliding pool (5 layers each), every byte its own pool's, into page numbers both pools
     use (each pool its own page space); its 6 BAD_PAGE_INDEX blocks are never transferred
     (every other page of the sliding pool is unchanged), and it is reported loaded once both
-    pools loaded. One stack for both pools, pages of one pool written into the other, keys
-    shared by the pools, or a request reported on one pool's word fail here."""
+    pools loaded. One stack for both pools, pages of one pool written into the other, or a
+    BAD_PAGE_INDEX block loaded fail here."""
     e = _Engine()
     assert e.pools[0].page_bytes == 5 * e.pools[1].page_bytes
     a = E.prompt(31, 8 * E.BS + 1)
@@ -342,3 +342,18 @@ def test_holding_a_request_a_pool_still_tracks_is_refused():
     with pytest.raises(KvbmError) as ei:
         e.sched._pools.inner[1].hold_finished(6)
     assert ei.value.kind == "invalid_state" and "request 6" in ei.value.message, ei.value
+
+
+def test_a_request_is_reported_once_every_pool_reported_it():
+    """Pool 0 reports requests 1 and 2 done, pool 1 only 2: 2 is done; 1 once pool 1 reports
+    it too, and each once (a union, or one pool's word, fails here)."""
+    from kvbm_connector import _trtllm_pools as P
+
+    per_pool = [set(), set()]
+    per_pool[0].update([1, 2])
+    per_pool[1].update([2])
+    assert P.PoolWorkers._whole(per_pool) == [2]
+    assert P.PoolWorkers._whole(per_pool) == []
+    per_pool[1].add(1)
+    assert P.PoolWorkers._whole(per_pool) == [1]
+    assert per_pool == [set(), set()]
