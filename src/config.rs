@@ -401,6 +401,29 @@ impl Config {
         self.host.clone()
     }
 
+    /// This configuration for one of several stacks that split its host and disk tiers: each
+    /// size in GB scaled by `fraction` (the stack's share of the bytes, in `(0, 1]`), the default
+    /// host tier too when no tier is sized ([`Config::no_tier_sized`]); a size in blocks is kept
+    /// (every stack holds that many blocks of its own size). TensorRT-LLM's layer groups in pools
+    /// of their own get one stack per pool, the share its bytes per page. Errors: a fraction
+    /// outside `(0, 1]` (invalid_argument).
+    pub fn tier_share(&self, fraction: f64) -> Result<Config> {
+        if !(fraction.is_finite() && fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::invalid_argument(format!(
+                "a tier share is in (0, 1], got {fraction}"
+            ))
+            .with("fraction", fraction));
+        }
+        let mut out = self.clone();
+        if self.no_tier_sized() {
+            out.host.cache_gb = Some(default_host_cache_gb() * fraction);
+        } else {
+            out.host.cache_gb = self.host.cache_gb.map(|g| g * fraction);
+            out.disk.cache_gb = self.disk.cache_gb.map(|g| g * fraction);
+        }
+        Ok(out)
+    }
+
     /// Disk tier size.
     pub fn disk_size(&self) -> TierSize {
         TierSize {
@@ -1052,6 +1075,23 @@ mod tests {
             r.tls_key_file = Some(path);
             let e = r.tls_files().unwrap_err();
             assert!(e.to_string().contains("remote.tls_key_file"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_tier_share_scales_the_sizes_in_gb_and_keeps_block_counts() {
+        let mut c = Config::default();
+        let d = c.tier_share(0.25).unwrap();
+        assert_eq!(d.host.cache_gb, Some(default_host_cache_gb() * 0.25));
+        c.host.cache_gb = Some(8.0);
+        c.disk.cache_gb = Some(100.0);
+        c.disk.cache_blocks = Some(7);
+        let d = c.tier_share(0.5).unwrap();
+        assert_eq!((d.host.cache_gb, d.disk.cache_gb), (Some(4.0), Some(50.0)));
+        assert_eq!(d.disk.cache_blocks, Some(7));
+        for bad in [0.0, -1.0, 1.5, f64::NAN] {
+            let e = c.tier_share(bad).unwrap_err();
+            assert!(e.to_string().contains("tier share"), "{e}");
         }
     }
 }

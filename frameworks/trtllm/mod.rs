@@ -18,7 +18,10 @@
 //! * layer groups (KV cache manager V2, `*_by_layer_group`): each group of a request is served as
 //!   its own request (see [`crate::connector::groups`]), matched by its window
 //!   ([`TrtllmScheduler::set_layer_groups`]); the workers serve several groups when they share
-//!   the registered pool ([`TrtllmWorker::set_layer_groups`]).
+//!   the registered pool ([`TrtllmWorker::set_layer_groups`]). Groups in pools of their own get
+//!   one scheduler and one worker per rank per pool (Python's `kvbm_connector._trtllm_pools`),
+//!   matched to one hit ([`TrtllmScheduler::get_num_new_matched_tokens_capped`]) and held
+//!   together ([`TrtllmScheduler::hold_finished`]).
 
 // The engine's Python binding (`kvbm_connector._kvbm.TrtllmScheduler` / `TrtllmWorker`),
 // built with `python` only; it alone in this folder uses the bindings' building blocks.
@@ -189,13 +192,27 @@ impl TrtllmScheduler {
         request: &LlmRequest<'_>,
         num_computed_tokens: usize,
     ) -> Result<(usize, bool)> {
+        self.get_num_new_matched_tokens_capped(request, num_computed_tokens, None)
+    }
+
+    /// [`TrtllmScheduler::get_num_new_matched_tokens`] with the hit at most `cap` tokens beyond
+    /// `num_computed_tokens` (`None`: no cap). Layer groups in pools of their own are served by
+    /// one scheduler per pool: the request is matched in every pool, then each again capped at
+    /// the smallest hit, so every pool loads the same tokens (the Python layer's
+    /// `kvbm_connector._trtllm_pools`). Matching again replaces the request's staging.
+    pub fn get_num_new_matched_tokens_capped(
+        &mut self,
+        request: &LlmRequest<'_>,
+        num_computed_tokens: usize,
+        cap: Option<usize>,
+    ) -> Result<(usize, bool)> {
         self.prompt_len
             .entry(request.request_id)
             .or_insert(request.tokens.len());
         // An unaligned count (partial reuse of a device block) matches nothing: the leader
         // answers (0, false) for it, and still tracks the request.
         let id = RequestId::from(request.request_id);
-        let m = self.leader.match_groups(
+        let m = self.leader.match_groups_capped(
             &self.groups,
             RequestInfo {
                 id: &id,
@@ -205,6 +222,7 @@ impl TrtllmScheduler {
             },
             0,
             num_computed_tokens,
+            cap,
         )?;
         Ok((m.external_tokens, m.load_async))
     }
@@ -335,6 +353,22 @@ impl TrtllmScheduler {
                 .request_finished_now(&id, Some(request.tokens), computed)?;
         }
         Ok(held)
+    }
+}
+
+impl TrtllmScheduler {
+    /// Holds finished request `request_id`'s pages in every layer group of this scheduler on
+    /// every worker although [`TrtllmScheduler::request_finished_by_layer_group`] answered false:
+    /// another pool's scheduler holds the request, and TensorRT-LLM frees its pages once every
+    /// worker returned it from `get_finished`, so each pool's workers must report it (see
+    /// [`Leader::hold_finished_now`]). Errors: a request still tracked here.
+    pub fn hold_finished(&mut self, request_id: u64) -> Result<()> {
+        let real = request_id.to_string();
+        for g in 0..self.groups.len() {
+            self.leader
+                .hold_finished_now(&KvCacheGroups::request_id(&real, g))?;
+        }
+        Ok(())
     }
 }
 

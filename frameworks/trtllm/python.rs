@@ -77,8 +77,10 @@ impl PyTrtllmScheduler {
         })
     }
 
-    /// `(num_external_tokens, load_async)` for the request's tokens beyond `num_computed_tokens`.
-    #[pyo3(signature = (request_id, tokens, num_computed_tokens, cache_salt=None, lora_name=None))]
+    /// `(num_external_tokens, load_async)` for the request's tokens beyond `num_computed_tokens`;
+    /// with `cap`, at most that many (a pool matched again at the smallest pool's hit).
+    #[pyo3(signature = (request_id, tokens, num_computed_tokens, cache_salt=None, lora_name=None, cap=None))]
+    #[allow(clippy::too_many_arguments)]
     fn get_num_new_matched_tokens(
         &self,
         py: Python<'_>,
@@ -87,9 +89,10 @@ impl PyTrtllmScheduler {
         num_computed_tokens: usize,
         cache_salt: Option<String>,
         lora_name: Option<String>,
+        cap: Option<usize>,
     ) -> PyResult<(usize, bool)> {
         self.inner.call(py, "get_num_new_matched_tokens", move |s| {
-            s.get_num_new_matched_tokens(
+            s.get_num_new_matched_tokens_capped(
                 &LlmRequest {
                     request_id,
                     tokens: &tokens,
@@ -97,8 +100,16 @@ impl PyTrtllmScheduler {
                     lora_name: lora_name.as_deref(),
                 },
                 num_computed_tokens,
+                cap,
             )
         })
+    }
+
+    /// Holds the finished request's pages on every worker although this scheduler answered
+    /// false: another pool's scheduler holds it.
+    fn hold_finished(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
+        self.inner
+            .call(py, "hold_finished", move |s| s.hold_finished(request_id))
     }
 
     /// The engine allocated `block_ids` (the request's whole block list) for the request.

@@ -18,8 +18,9 @@ Both API generations are served: the older one (``register_kv_caches``, flat blo
 newer one's additions — ``wait_for_initialization`` on the scheduler (blocks until the start-up
 barrier completed, within the init timeout), ``register_kv_cache_layout`` (a one-group,
 one-region layout, full attention or one sliding window, is registered as its single pool tensor;
-several layer groups sharing one pool as that pool, each group's pages its own; anything else is
-refused, naming what), the ``*_by_layer_group`` methods (one page list per layer group;
+several layer groups sharing one pool as that pool, each group's pages its own; layer groups in
+pools of their own by one kvbm stack per pool, :mod:`kvbm_connector._trtllm_pools`; anything
+else is refused, naming what), the ``*_by_layer_group`` methods (one page list per layer group;
 ``BAD_PAGE_INDEX`` entries, -1, are pages a sliding window keeps none of) and
 ``supports_attention_dp`` (False: see :class:`KvbmConnectorScheduler`).
 
@@ -54,6 +55,7 @@ import importlib
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _kvbm
+from . import _trtllm_pools as _pools
 from ._streams import StreamOrder
 from ._wiring import (
     as_bytes,
@@ -330,10 +332,11 @@ def _request_data(r: Any, groups: int) -> Tuple[int, List[int], List[int], int, 
 
 
 def _shared_pool_tensor(layout: Any, groups: Sequence[Any]) -> Any:
-    """The pool several layer groups share, as ``[num_slots, layers per group, kv_factor, block
-    elements]`` of the layout's dtype: every group must have one region, all of them the same
-    (base, slot stride, slot count, bytes) and the same number of layers; otherwise the groups
-    live in pools of their own, which is refused by name."""
+    """The pool ``groups`` share (one layer group or several), as ``[num_slots, layers per group,
+    kv_factor, block elements]`` of the layout's dtype: every group must have one region, all of
+    them the same (base, slot stride, slot count, bytes) and the same number of layers (the
+    layout's groups are split by pool first, :func:`_trtllm_pools.plan_pools`); otherwise
+    refused by name."""
     regions = []
     for g, group in enumerate(groups):
         rs = tuple(getattr(group, "regions", ()) or ())
@@ -350,9 +353,8 @@ def _shared_pool_tensor(layout: Any, groups: Sequence[Any]) -> Any:
     if len({shape(r) for r in regions}) != 1 or len(layer_counts) != 1:
         raise error(
             "unsupported",
-            f"the KV cache layout's {len(groups)} layer groups live in pools of their own (pages "
-            "of different sizes, e.g. five sliding layers to one full); kvbm_connector serves "
-            "several layer groups only when they share one pool",
+            f"the KV cache layout's {len(groups)} layer groups were taken for one pool but their "
+            "regions or layer counts differ",
             argument="layout",
         )
     region = regions[0]
@@ -388,6 +390,7 @@ class KvbmConnectorScheduler(_SchedulerBase):
         self.tokens_per_block = _tokens_per_block(llm_args)
         self.world_size = _world_size(llm_args)
         self._config = config if config is not None else load_config()
+        self._own_transport = transport is None
         if transport is None:
             transport = leader_transport(self.world_size, instance=_INSTANCE)
         self._inner = _kvbm.TrtllmScheduler(
@@ -397,8 +400,48 @@ class KvbmConnectorScheduler(_SchedulerBase):
         # matched and stored by its window; several are served as vLLM's KV-cache groups are.
         self._windows = _attention_windows(llm_args)
         self._inner.set_layer_groups(self._windows)
+        # Layer groups in pools of their own: one leader per pool, built when rank 0's worker
+        # (this process) publishes the pools (kvbm_connector._trtllm_pools).
+        self._pools: Optional[_pools.PoolSchedulers] = None
+        _pools.attach(_INSTANCE, self)
+
+    def _adopt_pools(self, pools: List[_pools.Pool]) -> None:
+        """Rank 0's worker found layer groups in pools of their own: one leader per pool
+        replaces the one-pool leader (whose workers never register)."""
+        if not self._own_transport:
+            raise error(
+                "unsupported",
+                f"the KV cache layout has layer groups in {len(pools)} pools of their own, "
+                "which need one transport per pool: the scheduler was given one transport",
+                argument="transport",
+            )
+        self._pools = _pools.PoolSchedulers(
+            pools, self._windows, self._config, self.tokens_per_block, self.world_size, _INSTANCE
+        )
+        self._inner = None
+
+    def _flat(self, request: Any, block_ids: Any, what: str) -> List[List[int]]:
+        """A flat page list with layer groups in pools of their own: TensorRT-LLM makes a flat
+        call then only for a request with no KV (every group's list empty)."""
+        ids = _pages(block_ids, what)
+        if ids:
+            raise error(
+                "invalid_argument",
+                f"request {getattr(request, 'request_id', '?')}: {what} is one flat list; the "
+                f"model has {len(self._windows)} layer groups (the *_by_layer_group call)",
+                argument=what,
+            )
+        return [[] for _ in self._windows]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+        if self._pools is not None:
+            return self._pools.match(
+                int(request.request_id),
+                _tokens(request),
+                int(num_computed_tokens),
+                cache_salt(request),
+                _opt_str(request, "lora_task_id"),
+            )
         return self._inner.get_num_new_matched_tokens(
             int(request.request_id),
             _tokens(request),
@@ -408,18 +451,29 @@ class KvbmConnectorScheduler(_SchedulerBase):
         )
 
     def update_state_after_alloc(self, request: Any, block_ids: List[int]) -> None:
+        if self._pools is not None:
+            lists = self._flat(request, block_ids, "block_ids")
+            return self._pools.update_state_after_alloc(int(request.request_id), lists)
         self._inner.update_state_after_alloc(
             int(request.request_id), _pages(block_ids, "block_ids")
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> bytes:
         n = len(self._windows)
+        if self._pools is not None:
+            return self._pools.build_connector_meta(
+                [_request_data(r, n) for r in scheduler_output.new_requests],
+                [_request_data(r, n) for r in scheduler_output.cached_requests],
+            )
         return self._inner.build_connector_meta(
             [_request_data(r, n) for r in scheduler_output.new_requests],
             [_request_data(r, n) for r in scheduler_output.cached_requests],
         )
 
     def request_finished(self, request: Any, cache_block_ids: List[int]) -> bool:
+        if self._pools is not None:
+            lists = self._flat(request, cache_block_ids, "cache_block_ids")
+            return self._pools.request_finished(int(request.request_id), _tokens(request), lists)
         return self._inner.request_finished(
             int(request.request_id),
             _tokens(request),
@@ -433,61 +487,67 @@ class KvbmConnectorScheduler(_SchedulerBase):
         init timeout; raises the barrier's error, or a timeout. TensorRT-LLM calls it after
         ``register_kv_caches`` and before its executor loop starts, so the first request is
         matched and offloaded (without it, a request admitted while the barrier is finishing is
-        never offloaded)."""
-        self._inner.wait_ready(max(self._config.init_timeout_secs, 0.001))
+        never offloaded). With layer groups in pools of their own, every pool's barrier."""
+        self.wait_ready(max(self._config.init_timeout_secs, 0.001))
 
     def update_state_after_alloc_by_layer_group(
         self, request: Any, block_ids_by_layer_group: List[List[int]]
     ) -> None:
         """One page list per layer group, as many as the model has (see
         :func:`_attention_windows`)."""
-        self._inner.update_state_after_alloc_by_layer_group(
-            int(request.request_id),
-            _group_pages("block_ids_by_layer_group", block_ids_by_layer_group, len(self._windows)),
+        lists = _group_pages(
+            "block_ids_by_layer_group", block_ids_by_layer_group, len(self._windows)
         )
+        if self._pools is not None:
+            return self._pools.update_state_after_alloc(int(request.request_id), lists)
+        self._inner.update_state_after_alloc_by_layer_group(int(request.request_id), lists)
 
     def request_finished_by_layer_group(
         self, request: Any, cache_block_ids_by_layer_group: List[List[int]]
     ) -> bool:
         """As :meth:`request_finished`, one page list per layer group."""
+        lists = _group_pages(
+            "cache_block_ids_by_layer_group", cache_block_ids_by_layer_group, len(self._windows)
+        )
+        if self._pools is not None:
+            return self._pools.request_finished(int(request.request_id), _tokens(request), lists)
         return self._inner.request_finished_by_layer_group(
-            int(request.request_id),
-            _tokens(request),
-            _group_pages(
-                "cache_block_ids_by_layer_group",
-                cache_block_ids_by_layer_group,
-                len(self._windows),
-            ),
+            int(request.request_id), _tokens(request), lists
         )
 
     # -- beyond TensorRT-LLM's interface --------------------------------------------------------
 
     def is_ready(self) -> bool:
         """True once the start-up barrier completed (raises its error if it failed)."""
-        return self._inner.is_ready()
+        return self._pools.is_ready() if self._pools is not None else self._inner.is_ready()
 
     def wait_ready(self, timeout_secs: float = 60.0) -> None:
-        """Blocks (GIL released) until the barrier completed."""
-        self._inner.wait_ready(timeout_secs)
+        """Blocks (GIL released) until the barrier completed (every pool's)."""
+        (self._pools or self._inner).wait_ready(timeout_secs)
 
     def process_completions(self) -> None:
         """Applies the operation completions that arrived (every call does this too; an idle
         engine may call it so stored blocks become matchable sooner)."""
-        self._inner.process_completions()
+        (self._pools or self._inner).process_completions()
 
     def has_pending_work(self) -> bool:
         """True while operations are in flight or queued for the next metadata."""
-        return self._inner.has_pending_work()
+        return (self._pools or self._inner).has_pending_work()
 
     def metrics(self) -> dict:
-        """The leader's counters."""
+        """The leader's counters. With layer groups in pools of their own, pool 0's, and every
+        pool's under ``"pools"`` (a list, in pool order)."""
         import json
 
+        if self._pools is not None:
+            per_pool = [json.loads(s.metrics_json()) for s in self._pools.inner]
+            return dict(per_pool[0], pools=per_pool)
         return json.loads(self._inner.metrics_json())
 
     def metrics_prometheus(self) -> str:
-        """The leader's counters in Prometheus text format."""
-        return self._inner.metrics_prometheus()
+        """The leader's counters in Prometheus text format (pool 0's with pools of their own)."""
+        leader = self._pools.inner[0] if self._pools is not None else self._inner
+        return leader.metrics_prometheus()
 
 
 class KvbmConnectorWorker(_WorkerBase):
@@ -514,6 +574,9 @@ class KvbmConnectorWorker(_WorkerBase):
         self.rank = _rank() if rank is None else int(rank)
         self._windows = _attention_windows(llm_args)
         self._config = config if config is not None else load_config()
+        self._own_transport = transport is None
+        # Layer groups in pools of their own: one worker per pool (register_kv_cache_layout).
+        self._pools: Optional[_pools.PoolWorkers] = None
         if transport is None:
             transport = worker_transport(
                 self.rank,
@@ -542,8 +605,10 @@ class KvbmConnectorWorker(_WorkerBase):
         sliding and full layers alternating, in one pool group: one base, one page space,
         disjoint live pages): the pool is registered once and each group's pages are its own
         requests' (as vLLM's hybrid manager). Groups in pools of their own (pages of different
-        sizes), or any other layout, are refused with an ``unsupported`` error naming what; a
-        window that differs from ``llm_args`` with ``invalid_layout``."""
+        sizes: a region, base and slot space each) get one kvbm stack per pool
+        (:meth:`_register_pools`). Any other layout is refused with an ``unsupported`` or
+        ``invalid_layout`` error naming what; a window that differs from ``llm_args`` with
+        ``invalid_layout``."""
         groups = sorted(
             tuple(getattr(layout, "groups", ()) or ()),
             key=lambda g: int(getattr(g, "layer_group_id", 0) or 0),
@@ -601,6 +666,9 @@ class KvbmConnectorWorker(_WorkerBase):
                 argument="layout",
             )
         if len(groups) > 1:
+            pools = _pools.plan_pools(groups)
+            if len(pools) > 1:
+                return self._register_pools(layout, groups, pools)
             tensor = _shared_pool_tensor(layout, groups)
             layers = sum(len(tuple(getattr(g, "layer_ids", ()) or ())) for g in groups)
             self._inner.set_layer_groups(len(groups), layers)
@@ -629,11 +697,50 @@ class KvbmConnectorWorker(_WorkerBase):
             )
         self.register_kv_caches(tensor)
 
+    def _register_pools(self, layout: Any, groups: Sequence[Any], pools: List[Any]) -> None:
+        """Layer groups in pools of their own (pages of different sizes): one worker per pool,
+        registered with that pool's tensor; rank 0 first tells this process's scheduler."""
+        if not self._own_transport:
+            raise error(
+                "unsupported",
+                f"the KV cache layout has layer groups in {len(pools)} pools of their own, "
+                "which need one transport per pool: the worker was given one transport",
+                argument="transport",
+            )
+        tensors = []
+        for pool in pools:
+            tensor = _shared_pool_tensor(layout, [groups[g] for g in pool.groups])
+            is_contiguous = getattr(tensor, "is_contiguous", None)
+            if callable(is_contiguous) and not is_contiguous():
+                raise error(
+                    "unsupported",
+                    f"the KV cache layout's pool of layer group {pool.groups[0]} has page slots "
+                    f"that are not contiguous (slot stride {pool.region.stride} bytes for "
+                    f"{pool.region.size} bytes of KV); kvbm_connector needs a pool that holds "
+                    "only its layer groups' KV",
+                    argument="layout",
+                )
+            tensors.append(tensor)
+        layers = sum(len(tuple(getattr(g, "layer_ids", ()) or ())) for g in groups)
+        if self.rank == 0:
+            _pools.publish(_INSTANCE, pools)
+        self._inner = None  # the one-pool worker, never registered
+        self._pools = _pools.PoolWorkers(
+            pools, tensors, layers, self._config, self.tokens_per_block, self.world_size,
+            self.rank, _INSTANCE,
+        )
+        self._num_layers = layers
+
     def bind_connector_meta(self, metadata: object) -> None:
         super().bind_connector_meta(metadata)
+        if self._pools is not None:
+            return self._pools.bind(as_bytes(metadata, "metadata"))
         self._inner.bind_connector_meta(as_bytes(metadata, "metadata"))
 
     def start_load_kv(self, stream: Any) -> None:
+        if self._pools is not None:
+            self._pools.before("before_loads", stream)
+            return self._pools.each("start_load_kv")
         self._streams.before_loads(stream)
         self._inner.start_load_kv()
 
@@ -661,37 +768,60 @@ class KvbmConnectorWorker(_WorkerBase):
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         if self._layer_hook("save_kv_layer", layer_idx):
             return
+        if self._pools is not None:
+            self._pools.before("before_stores", stream)
+            return self._pools.each("save_kv_layer", int(layer_idx))
         self._streams.before_stores(stream)
         self._inner.save_kv_layer(int(layer_idx))
 
     def wait_for_save(self, stream: Any) -> None:
+        if self._pools is not None:
+            self._pools.before("before_stores", stream)
+            return self._pools.each("wait_for_save")
         self._streams.before_stores(stream)
         self._inner.wait_for_save()
 
     def get_finished(
         self, finished_gen_req_ids: List[int], started_loading_req_ids: List[int]
     ) -> Tuple[List[int], List[int]]:
-        saved, loaded = self._inner.get_finished(
-            int_list(finished_gen_req_ids, "finished_gen_req_ids"),
-            int_list(started_loading_req_ids, "started_loading_req_ids"),
-        )
+        finished = int_list(finished_gen_req_ids, "finished_gen_req_ids")
+        loading = int_list(started_loading_req_ids, "started_loading_req_ids")
+        if self._pools is not None:
+            return self._pools.get_finished(finished, loading)
+        saved, loaded = self._inner.get_finished(finished, loading)
         return list(saved), list(loaded)
 
     # -- beyond TensorRT-LLM's interface --------------------------------------------------------
 
     def get_block_ids_with_load_errors(self) -> List[int]:
         """Device blocks whose load failed since the last call (recompute them). TensorRT-LLM's
-        interface has no such call; poll it after ``get_finished``."""
+        interface has no such call; poll it after ``get_finished``. With layer groups in pools of
+        their own, every pool's (merged; :meth:`get_block_ids_with_load_errors_by_pool` keeps
+        them apart, each pool being a page space of its own)."""
+        if self._pools is not None:
+            return sorted({b for pool in self._pools.load_errors_by_pool() for b in pool})
         return list(self._inner.get_block_ids_with_load_errors())
 
+    def get_block_ids_with_load_errors_by_pool(self) -> List[List[int]]:
+        """Each pool's failed pages (one list with one pool)."""
+        if self._pools is not None:
+            return self._pools.load_errors_by_pool()
+        return [list(self._inner.get_block_ids_with_load_errors())]
+
     def is_ready(self) -> bool:
+        if self._pools is not None:
+            return all([w.is_ready() for w in self._pools.inner])
         return self._inner.is_ready()
 
     def wait_ready(self, timeout_secs: float = 60.0) -> None:
+        if self._pools is not None:
+            return self._pools.wait("wait_ready", timeout_secs)
         self._inner.wait_ready(timeout_secs)
 
     def wait_idle(self, timeout_secs: float = 60.0) -> None:
         """Blocks (GIL released) until every submitted operation completed."""
+        if self._pools is not None:
+            return self._pools.wait("wait_idle", timeout_secs)
         self._inner.wait_idle(timeout_secs)
 
 

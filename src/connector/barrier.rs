@@ -160,7 +160,13 @@ pub(crate) fn initialise<T: Send + Sync + 'static>(
             .spawn(move || {
                 let outcome = f();
                 if let Err(e) = &outcome {
-                    tracing::error!(side = %label, error = %e, "kvbm initialisation failed");
+                    if Arc::strong_count(&c) > 1 {
+                        tracing::error!(side = %label, error = %e, "kvbm initialisation failed");
+                    } else {
+                        // Its owner is gone (a leader replaced before start-up, e.g. by one
+                        // per TensorRT-LLM pool): nobody waits for this outcome.
+                        tracing::debug!(side = %label, error = %e, "kvbm initialisation ended, owner gone");
+                    }
                 }
                 c.set(outcome);
             })

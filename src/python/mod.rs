@@ -260,13 +260,23 @@ impl PyConfig {
         })
     }
 
-    /// The start-up barrier's deadline in seconds.
+    /// `Config.tier_share(fraction)`: this configuration for one of several stacks splitting the
+    /// host and disk tiers (sizes in GB scaled by `fraction`, in `(0, 1]`; see
+    /// `Config::tier_share`).
+    fn tier_share(&self, py: Python<'_>, fraction: f64) -> PyResult<Self> {
+        self.inner
+            .tier_share(fraction)
+            .map(|inner| Self { inner })
+            .map_err(|e| to_py_err(py, e))
+    }
+
     /// What start-up should say about the tier sizes (the default host tier is in use, or
     /// every tier is 0), or None.
     fn tier_warning(&self) -> Option<String> {
         self.inner.tier_warning()
     }
 
+    /// The start-up barrier's deadline in seconds.
     #[getter]
     fn init_timeout_secs(&self) -> f64 {
         self.inner.init_timeout_secs

@@ -499,21 +499,23 @@ def test_two_layer_groups_in_one_pool_store_and_load_each_groups_own_pages():
     assert sched.metrics()["load_error_blocks"] == 0
 
 
-def test_layer_groups_in_pools_of_their_own_are_refused():
+def test_groups_sharing_a_base_but_not_its_shape_are_refused():
+    """Two layer groups whose regions start at one base (one pool) but disagree on its page
+    size: the regions are inconsistent, refused by name (tests/python/test_trtllm_pools.py
+    serves groups in pools of their own)."""
     args = E.TrtLlmArgs(
         kv_cache_config=E.TrtKvCacheConfig(max_attention_window=[2 * E.BS, 4096]),
         max_seq_len=4096,
     )
     worker = trtllm.KvbmConnectorWorker(args)
+    cache = E.TrtllmCache(8)
     layout = _SharedLayout(
-        [
-            _SharedGroup(0, (0, 2), 2 * E.BS, E.TrtllmCache(8).array),
-            _SharedGroup(1, (1, 3), None, E.TrtllmCache(8).array),
-        ]
+        [_SharedGroup(0, (0, 2), 2 * E.BS, cache.array), _SharedGroup(1, (1, 3), None, cache.array)]
     )
+    layout.groups[1].regions[0].size //= 2
     with pytest.raises(KvbmError) as ei:
         worker.register_kv_cache_layout(layout)
-    assert ei.value.kind == "unsupported" and "pools of their own" in ei.value.message
+    assert ei.value.kind == "invalid_layout" and "inconsistent" in ei.value.message
 
 
 def test_layer_groups_llm_args_does_not_give_are_refused():

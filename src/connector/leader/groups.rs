@@ -101,8 +101,28 @@ impl<A: SchedulerAdapter> Leader<A> {
         first_token: usize,
         num_computed_tokens: usize,
     ) -> Result<MatchResult> {
+        self.match_groups_capped(groups, request, first_token, num_computed_tokens, None)
+    }
+
+    /// [`Leader::match_groups`] with the hit at most `cap` tokens beyond `num_computed_tokens`
+    /// (`None`: no cap): an engine whose layer groups live in pools served by leaders of their
+    /// own matches every pool, then each again at the smallest pool's hit, so all load the same
+    /// count (a sliding-window group needs the window before that hit, not the first blocks of
+    /// a longer one). The request matched again replaces its staging.
+    pub fn match_groups_capped(
+        &mut self,
+        groups: &KvCacheGroups,
+        request: RequestInfo<'_>,
+        first_token: usize,
+        num_computed_tokens: usize,
+        cap: Option<usize>,
+    ) -> Result<MatchResult> {
         if groups.is_plain() {
-            return self.get_num_new_matched_tokens_from(request, first_token, num_computed_tokens);
+            let scope = Scope {
+                cap_tokens: cap,
+                ..Scope::FULL
+            };
+            return self.match_scoped(request, first_token, num_computed_tokens, scope);
         }
         let real = request.id.as_str();
         groups.check_request_id(real)?;
@@ -122,7 +142,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             })
             .collect();
         self.count_lookups = false;
-        let agreed = self.agree_on_hit(groups, &infos, first_token, num_computed_tokens);
+        let agreed = self.agree_on_hit(groups, &infos, first_token, num_computed_tokens, cap);
         self.count_lookups = true;
         let (mut hit, pending) = agreed?;
         if pending || hit == usize::MAX {
@@ -170,15 +190,20 @@ impl<A: SchedulerAdapter> Leader<A> {
         infos: &[RequestInfo<'_>],
         first_token: usize,
         num_computed_tokens: usize,
+        cap: Option<usize>,
     ) -> Result<(usize, bool)> {
         let bs = self.page_size;
         let mut pending = false;
-        let mut hit = usize::MAX;
+        let mut hit = cap.unwrap_or(usize::MAX);
+        let full = Scope {
+            cap_tokens: cap,
+            ..Scope::FULL
+        };
         for (g, kind) in groups.kinds().iter().enumerate() {
             if *kind != AttentionKind::Full {
                 continue;
             }
-            let m = self.match_scoped(infos[g], first_token, num_computed_tokens, Scope::FULL)?;
+            let m = self.match_scoped(infos[g], first_token, num_computed_tokens, full)?;
             pending |= m.pending;
             hit = hit.min(m.external_tokens);
         }

@@ -363,6 +363,40 @@ impl<A: SchedulerAdapter> Leader<A> {
         Ok(true)
     }
 
+    /// Holds finished request `id`'s device blocks on every worker although this leader has
+    /// nothing in flight for them ([`Leader::request_finished_now`] answered false): an engine
+    /// whose layer groups live in pools served by leaders of their own holds a request when any
+    /// pool does, and every pool's workers must then report its release (each reports only
+    /// what it holds). The request's `finished` notice, queued for the next metadata, becomes
+    /// this hold, sent at once as a [`LeaderMessage::Finish`] ordered after the last metadata
+    /// (the next one when the request's slot has not been announced yet). Errors: a request
+    /// this leader still tracks (its own answer decides), or one that cannot be encoded.
+    pub fn hold_finished_now(&mut self, id: &RequestId) -> Result<()> {
+        if self.slots.contains_key(id) {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("request {id}: held here already, or not finished"),
+            )
+            .with("request", id));
+        }
+        let mut meta = ConnectorMetadata::empty(self.iteration);
+        if self.outbox.new_slots.contains(id) {
+            meta.iteration += 1;
+        }
+        meta.hold.push(id.clone());
+        let msg = LeaderMessage::Finish(FinishWork {
+            after_iteration: meta.iteration,
+            metadata: meta.encode()?,
+        });
+        self.outbox.finished.retain(|f| f != id);
+        for rank in 0..self.transport.world_size() {
+            if let Err(e) = self.transport.send(rank, msg.clone()) {
+                tracing::warn!(rank, request = %id, error = %e, "cannot send a finished request's hold");
+            }
+        }
+        Ok(())
+    }
+
     /// Schedules device → host (or device → disk without a host tier) stores for every full block
     /// of `id` below `computed` tokens not considered before.
     ///
