@@ -248,22 +248,36 @@ fn run_points(a: &SweepArgs, plans: &[Plan]) -> Result<Vec<Point>> {
         .disk_dir
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join("kvbm-sweep"));
+    run_in_parallel(plans, a.jobs, "sweep", |_, p| {
+        run_point(&a.replay, p, &base)
+    })
+}
+
+/// Runs `run` on every plan, `jobs` at a time (1 to the plan count); the results in plan
+/// order. The first error stops the others from taking new plans and is returned; `what` names
+/// the runs in an internal error.
+pub fn run_in_parallel<P: Sync, R: Send>(
+    plans: &[P],
+    jobs: usize,
+    what: &str,
+    run: impl Fn(usize, &P) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<Point>>>> =
+    let results: Mutex<Vec<Option<Result<R>>>> =
         Mutex::new((0..plans.len()).map(|_| None).collect());
-    let jobs = a.jobs.clamp(1, plans.len().max(1));
+    let jobs = jobs.clamp(1, plans.len().max(1));
     std::thread::scope(|s| {
         for _ in 0..jobs {
             s.spawn(|| loop {
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(p) = plans.get(k) else { break };
-                let r = run_point(&a.replay, p, &base);
+                let r = run(k, p);
                 let failed = r.is_err();
                 if let Ok(mut v) = results.lock() {
                     v[k] = Some(r);
                 }
                 if failed {
-                    // The others stop taking new points.
+                    // The others stop taking new plans.
                     next.store(plans.len(), Ordering::Relaxed);
                 }
             });
@@ -271,13 +285,13 @@ fn run_points(a: &SweepArgs, plans: &[Plan]) -> Result<Vec<Point>> {
     });
     let results = results
         .into_inner()
-        .map_err(|_| Error::internal("a sweep run panicked"))?;
+        .map_err(|_| Error::internal(format!("a {what} run panicked")))?;
     let mut out = Vec::with_capacity(plans.len());
     for r in results.into_iter().flatten() {
         out.push(r?);
     }
     if out.len() != plans.len() {
-        return Err(Error::internal("a sweep run did not report"));
+        return Err(Error::internal(format!("a {what} run did not report")));
     }
     Ok(out)
 }

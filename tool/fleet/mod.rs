@@ -17,8 +17,7 @@ pub mod router;
 pub mod store;
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvbm_connector::connector::worker::TierFactory;
@@ -509,37 +508,7 @@ fn remote_server(a: &SweepArgs) -> Result<Option<String>> {
 
 /// Runs every plan (`--jobs` at a time); results in plan order.
 fn run_all(a: &SweepArgs, plans: &[Plan], server: bool) -> Result<Vec<FleetRun>> {
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<FleetRun>>>> =
-        Mutex::new((0..plans.len()).map(|_| None).collect());
-    let jobs = a.jobs.clamp(1, plans.len().max(1));
-    std::thread::scope(|s| {
-        for _ in 0..jobs {
-            s.spawn(|| loop {
-                let k = next.fetch_add(1, Ordering::Relaxed);
-                let Some(p) = plans.get(k) else { break };
-                let r = run_one(a, p, k, server);
-                let failed = r.is_err();
-                if let Ok(mut v) = results.lock() {
-                    v[k] = Some(r);
-                }
-                if failed {
-                    next.store(plans.len(), Ordering::Relaxed);
-                }
-            });
-        }
-    });
-    let results = results
-        .into_inner()
-        .map_err(|_| Error::internal("a fleet run panicked"))?;
-    let mut out = Vec::with_capacity(plans.len());
-    for r in results.into_iter().flatten() {
-        out.push(r?);
-    }
-    if out.len() != plans.len() {
-        return Err(Error::internal("a fleet run did not report"));
-    }
-    Ok(out)
+    crate::sweep::run_in_parallel(plans, a.jobs, "fleet", |k, p| run_one(a, p, k, server))
 }
 
 /// Runs one fleet: `p.instances` engines in this thread, the requests in trace order, each to
