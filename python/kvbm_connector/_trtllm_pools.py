@@ -71,11 +71,9 @@ def _span(r: Any) -> Tuple[int, int]:
     return base, base + stride * max(slots - 1, 0) + size
 
 
-def plan_pools(groups: Sequence[Any]) -> List[Pool]:
-    """The layout's layer groups (in layer-group order) by pool: groups whose one region starts
-    at the same base share that pool, and must agree on its slot stride, slot count, bytes per
-    page and layers per group; pools must not overlap. Anything else is refused by name."""
-    by_base: Dict[int, List[int]] = {}
+def one_region_each(groups: Sequence[Any]) -> List[Any]:
+    """Each layer group's one region, in order; a group with none or several is refused by
+    name (with several layer groups, each is served as one region)."""
     regions = []
     for g, group in enumerate(groups):
         rs = tuple(getattr(group, "regions", ()) or ())
@@ -87,7 +85,17 @@ def plan_pools(groups: Sequence[Any]) -> List[Pool]:
                 argument="layout",
             )
         regions.append(rs[0])
-        by_base.setdefault(int(getattr(rs[0], "base", -1)), []).append(g)
+    return regions
+
+
+def plan_pools(groups: Sequence[Any]) -> List[Pool]:
+    """The layout's layer groups (in layer-group order) by pool: groups whose one region starts
+    at the same base share that pool, and must agree on its slot stride, slot count, bytes per
+    page and layers per group; pools must not overlap. Anything else is refused by name."""
+    by_base: Dict[int, List[int]] = {}
+    regions = one_region_each(groups)
+    for g, region in enumerate(regions):
+        by_base.setdefault(int(getattr(region, "base", -1)), []).append(g)
     layers = [len(tuple(getattr(group, "layer_ids", ()) or ())) for group in groups]
     shape = lambda r: tuple(int(getattr(r, k, -1)) for k in ("stride", "num_slots", "size"))
     pools = []

@@ -337,17 +337,7 @@ def _shared_pool_tensor(layout: Any, groups: Sequence[Any]) -> Any:
     them the same (base, slot stride, slot count, bytes) and the same number of layers (the
     layout's groups are split by pool first, :func:`_trtllm_pools.plan_pools`); otherwise
     refused by name."""
-    regions = []
-    for g, group in enumerate(groups):
-        rs = tuple(getattr(group, "regions", ()) or ())
-        if len(rs) != 1:
-            raise error(
-                "unsupported",
-                f"the KV cache layout's layer group {g} has {len(rs)} region(s); with several "
-                "layer groups kvbm_connector serves one region each",
-                argument="layout",
-            )
-        regions.append(rs[0])
+    regions = _pools.one_region_each(groups)
     shape = lambda r: tuple(int(getattr(r, k, -1)) for k in ("base", "stride", "num_slots", "size"))
     layer_counts = {len(tuple(getattr(g, "layer_ids", ()) or ())) for g in groups}
     if len({shape(r) for r in regions}) != 1 or len(layer_counts) != 1:
