@@ -70,6 +70,7 @@ mod handles;
 mod state;
 mod tiered;
 
+pub(crate) use events::DropOldest;
 pub use events::KeyEvent;
 pub use eviction::EvictionPolicy;
 pub use filter::FrequencyFilter;

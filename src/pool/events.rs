@@ -18,21 +18,30 @@ pub struct KeyEvent {
     pub stored: bool,
 }
 
-/// The recorded events of one pool, at most `capacity` of them.
+/// The recorded events of one pool.
+pub(crate) type KeyEvents = DropOldest<KeyEvent>;
+
+/// A log of at most `capacity` items that drops the oldest when full and counts the drops (a
+/// reader that falls behind loses events, never memory). The pools' key events and the
+/// leader's block events are kept in these.
 #[derive(Debug)]
-pub(crate) struct KeyEvents {
+pub(crate) struct DropOldest<T> {
     capacity: usize,
-    log: VecDeque<KeyEvent>,
+    log: VecDeque<T>,
     dropped: u64,
 }
 
-impl KeyEvents {
+impl<T> DropOldest<T> {
     pub(crate) fn new(capacity: usize) -> Self {
         Self {
             capacity: capacity.max(1),
             log: VecDeque::new(),
             dropped: 0,
         }
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
     }
 
     pub(crate) fn set_capacity(&mut self, capacity: usize) {
@@ -43,17 +52,22 @@ impl KeyEvents {
         }
     }
 
-    pub(crate) fn push(&mut self, key: SequenceHash, stored: bool) {
+    pub(crate) fn push(&mut self, item: T) {
         if self.log.len() >= self.capacity {
             self.log.pop_front();
             self.dropped += 1;
         }
-        self.log.push_back(KeyEvent { key, stored });
+        self.log.push_back(item);
     }
 
-    /// The events so far, oldest first, and how many were dropped since the last take.
-    pub(crate) fn take(&mut self) -> (Vec<KeyEvent>, u64) {
-        let events = self.log.drain(..).collect();
-        (events, std::mem::take(&mut self.dropped))
+    /// Counts `n` items lost before they reached this log (a drained log's drops).
+    pub(crate) fn count_dropped(&mut self, n: u64) {
+        self.dropped += n;
+    }
+
+    /// The items so far, oldest first, and how many were dropped since the last take.
+    pub(crate) fn take(&mut self) -> (Vec<T>, u64) {
+        let items = self.log.drain(..).collect();
+        (items, std::mem::take(&mut self.dropped))
     }
 }

@@ -454,7 +454,10 @@ impl State {
                     if *e.get() == id {
                         e.remove();
                         if let Some(ev) = self.events.as_mut() {
-                            ev.push(hash, false);
+                            ev.push(super::KeyEvent {
+                                key: hash,
+                                stored: false,
+                            });
                         }
                     }
                 }
@@ -563,7 +566,10 @@ impl State {
             _ => return false,
         }
         if let Some(ev) = self.events.as_mut() {
-            ev.push(hash, false);
+            ev.push(super::KeyEvent {
+                key: hash,
+                stored: false,
+            });
         }
         if self.state_of(id) == Some(SlotState::Inactive) {
             self.list_unlink(id);
@@ -604,7 +610,10 @@ impl State {
             }
             None => {
                 if let Some(ev) = self.events.as_mut() {
-                    ev.push(hash, true);
+                    ev.push(super::KeyEvent {
+                        key: hash,
+                        stored: true,
+                    });
                 }
                 // A key evicted not long ago returns: it is being reused.
                 let uses = match self.eviction.recall(hash) {

@@ -13,11 +13,10 @@
 //!   to the shared store by this instance (the store evicts on its own: no removal is known);
 //! * **cleared**: [`Leader::clear_tiers`] withdrew everything (a cache reset).
 
-use std::collections::VecDeque;
-
 use crate::connector::adapter::SchedulerAdapter;
 use crate::connector::RequestId;
 use crate::identity::SequenceHash;
+use crate::pool::DropOldest;
 use crate::tier::TierKind;
 
 use super::Leader;
@@ -70,36 +69,20 @@ pub struct BlockEvents {
 /// The leader's own part of the log (the pools keep theirs).
 #[derive(Debug)]
 pub(super) struct EventLog {
-    capacity: usize,
-    submitted: VecDeque<StoreSubmitted>,
-    events: VecDeque<TierEvent>,
-    dropped: u64,
+    submitted: DropOldest<StoreSubmitted>,
+    events: DropOldest<TierEvent>,
 }
 
 impl EventLog {
     fn new(capacity: usize) -> Self {
         Self {
-            capacity: capacity.max(1),
-            submitted: VecDeque::new(),
-            events: VecDeque::new(),
-            dropped: 0,
+            submitted: DropOldest::new(capacity),
+            events: DropOldest::new(capacity),
         }
-    }
-
-    fn push_event(&mut self, e: TierEvent) {
-        if self.events.len() >= self.capacity {
-            self.events.pop_front();
-            self.dropped += 1;
-        }
-        self.events.push_back(e);
     }
 
     pub(super) fn submitted(&mut self, request: &RequestId, block: usize, key: SequenceHash) {
-        if self.submitted.len() >= self.capacity {
-            self.submitted.pop_front();
-            self.dropped += 1;
-        }
-        self.submitted.push_back(StoreSubmitted {
+        self.submitted.push(StoreSubmitted {
             request: request.clone(),
             block,
             key,
@@ -107,7 +90,7 @@ impl EventLog {
     }
 
     pub(super) fn remote_written(&mut self, key: SequenceHash) {
-        self.push_event(TierEvent::Stored {
+        self.events.push(TierEvent::Stored {
             tier: TierKind::Remote,
             key,
         });
@@ -137,7 +120,7 @@ impl<A: SchedulerAdapter> Leader<A> {
             .into_iter()
             .flatten()
         {
-            pool.record_events(log.capacity);
+            pool.record_events(log.events.capacity());
         }
     }
 
@@ -151,10 +134,10 @@ impl<A: SchedulerAdapter> Leader<A> {
             .flatten()
         {
             let (events, dropped) = pool.take_events();
-            log.dropped += dropped;
+            log.events.count_dropped(dropped);
             let tier = pool.kind();
             for e in events {
-                log.push_event(if e.stored {
+                log.events.push(if e.stored {
                     TierEvent::Stored { tier, key: e.key }
                 } else {
                     TierEvent::Removed { tier, key: e.key }
@@ -169,10 +152,12 @@ impl<A: SchedulerAdapter> Leader<A> {
         let Some(log) = self.events.as_mut() else {
             return BlockEvents::default();
         };
+        let (submitted, dropped_submitted) = log.submitted.take();
+        let (events, dropped_events) = log.events.take();
         BlockEvents {
-            submitted: log.submitted.drain(..).collect(),
-            events: log.events.drain(..).collect(),
-            dropped: std::mem::take(&mut log.dropped),
+            submitted,
+            events,
+            dropped: dropped_submitted + dropped_events,
         }
     }
 
@@ -201,7 +186,7 @@ impl<A: SchedulerAdapter> Leader<A> {
         }
         self.cache_epoch += 1;
         if let Some(log) = self.events.as_mut() {
-            log.push_event(TierEvent::Cleared);
+            log.events.push(TierEvent::Cleared);
         }
         n
     }
