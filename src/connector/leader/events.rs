@@ -105,11 +105,6 @@ impl<A: SchedulerAdapter> Leader<A> {
         self.arm_pool_events();
     }
 
-    /// Whether block events are recorded.
-    pub fn records_block_events(&self) -> bool {
-        self.events.is_some()
-    }
-
     /// Has the host and disk pools record their key events (once they exist; called again when
     /// they are built).
     pub(super) fn arm_pool_events(&self) {
