@@ -215,6 +215,7 @@ pub fn page_store(config: &Config, namespace: &str, page_bytes: usize) -> Result
             backoff: config.remote.backoff(),
             disk_min_frequency: config.disk.min_frequency,
             remote_min_frequency: config.remote.min_frequency(),
+            io_threads: config.transfer.max_concurrency,
         },
     )
 }

@@ -72,7 +72,16 @@ pub struct PageStoreOptions {
     pub disk_min_frequency: u32,
     /// Sightings of a page before it is written to the remote store (`remote.min_frequency`).
     pub remote_min_frequency: u32,
+    /// Threads that read or write one call's pages of the local tiers at once (the calling
+    /// thread and up to this many − 1 more; `transfer.max_concurrency`). Bounded by the
+    /// machine's cores and by [`PARALLEL_MIN_BYTES`] of pages per thread; 1 keeps every call on
+    /// the calling thread.
+    pub io_threads: usize,
 }
+
+/// The fewest bytes of pages a [`PageStore`] call gives each of its I/O threads: below it a
+/// thread costs more to start than it saves.
+pub const PARALLEL_MIN_BYTES: usize = 1 << 20;
 
 impl Default for PageStoreOptions {
     fn default() -> Self {
@@ -84,6 +93,7 @@ impl Default for PageStoreOptions {
             backoff: Duration::from_secs(1),
             disk_min_frequency: 1,
             remote_min_frequency: 1,
+            io_threads: 4,
         }
     }
 }
@@ -179,6 +189,36 @@ impl Remote {
     }
 }
 
+/// Runs `work` on every item, on the calling thread and up to `workers − 1` scoped threads that
+/// take the next item from a shared queue until none is left (so a slow item holds up only its
+/// own thread). A thread the system cannot start leaves its share to the others; the calling
+/// thread always drains the queue, so every item is worked on exactly once.
+fn for_each_shared<T: Send>(items: &mut [T], workers: usize, work: impl Fn(&mut T) + Sync) {
+    if workers <= 1 || items.len() <= 1 {
+        items.iter_mut().for_each(work);
+        return;
+    }
+    let queue = parking_lot::Mutex::new(items.iter_mut());
+    let drain = || loop {
+        let Some(item) = queue.lock().next() else {
+            break;
+        };
+        work(item);
+    };
+    std::thread::scope(|s| {
+        for _ in 1..workers {
+            let spawned = std::thread::Builder::new()
+                .name("kvbm-page-io".into())
+                .spawn_scoped(s, &drain);
+            if let Err(e) = spawned {
+                tracing::debug!(error = %e, "page store: an I/O thread did not start; fewer run");
+                break;
+            }
+        }
+        drain();
+    });
+}
+
 /// A key-value store of fixed-size pages; see the [module docs](self). Shared between threads
 /// (`&self` everywhere).
 pub struct PageStore {
@@ -192,6 +232,8 @@ pub struct PageStore {
     counters: Counters,
     /// When a persisted tier's index was last saved.
     last_save: parking_lot::Mutex<Instant>,
+    /// The machine's cores (the most I/O threads a call uses).
+    cores: usize,
 }
 
 impl PageStore {
@@ -357,6 +399,7 @@ impl PageStore {
             options,
             counters: Counters::default(),
             last_save: parking_lot::Mutex::new(Instant::now()),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         })
     }
 
@@ -458,6 +501,18 @@ impl PageStore {
         Ok(())
     }
 
+    /// Threads for `pages` pages of one call: at most `io_threads`, the machine's cores, the
+    /// pages, and one per [`PARALLEL_MIN_BYTES`] of them; at least 1.
+    fn io_workers(&self, pages: usize) -> usize {
+        let by_bytes = pages.saturating_mul(self.page_bytes) / PARALLEL_MIN_BYTES;
+        self.options
+            .io_threads
+            .min(self.cores)
+            .min(pages)
+            .min(by_bytes)
+            .max(1)
+    }
+
     /// Stores each page under its key in every level that does not hold it yet. `pages[i]` is
     /// the page of `keys[i]` as segments adding up to the page size. Returns, per page, whether
     /// some level holds it now.
@@ -521,16 +576,26 @@ impl PageStore {
             }
         }
         let blocks = level.pool.allocate_up_to(todo.len());
-        let mut written = Vec::with_capacity(blocks.len());
-        for (block, &i) in blocks.into_iter().zip(&todo) {
-            match level.tier.write_block(block.block_id(), &pages[i]) {
-                Ok(()) => written.push((block, keys[i])),
-                // The block goes back to the free list when dropped here.
+        let mut jobs: Vec<_> = blocks
+            .into_iter()
+            .zip(&todo)
+            .map(|(block, &i)| (block, i, false))
+            .collect();
+        let workers = self.io_workers(jobs.len());
+        for_each_shared(&mut jobs, workers, |(block, i, ok)| {
+            match level.tier.write_block(block.block_id(), &pages[*i]) {
+                Ok(()) => *ok = true,
                 Err(e) => tracing::warn!(
                     tier = %level.tier.kind(), error = %e, "page store: a page write failed"
                 ),
             }
-        }
+        });
+        // A block whose write failed goes back to the free list when dropped here.
+        let written: Vec<_> = jobs
+            .into_iter()
+            .filter(|j| j.2)
+            .map(|(block, i, _)| (block, keys[i]))
+            .collect();
         let (_, errors) = level.pool.register_all(written);
         for e in errors {
             tracing::warn!(tier = %level.tier.kind(), error = %e, "page store: a page was not registered");
@@ -594,14 +659,27 @@ impl PageStore {
             .collect();
         self.check_call("get", keys.len(), &lens)?;
         bump(&self.counters.get_pages, keys.len());
-        let mut served: Vec<Option<TierKind>> = vec![None; keys.len()];
-        for (i, key) in keys.iter().enumerate() {
+        // Each page from the first local level that holds a verified copy, several pages at
+        // once: a read is a copy and a checksum pass, which one thread cannot overlap.
+        // Only pages some level holds become jobs (the threads are for reads, not misses).
+        let mut jobs: Vec<(usize, &mut Vec<IoSliceMut<'_>>, Option<TierKind>)> = pages
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| self.levels.iter().any(|l| l.pool.contains(keys[*i])))
+            .map(|(i, p)| (i, p, None))
+            .collect();
+        let workers = self.io_workers(jobs.len());
+        for_each_shared(&mut jobs, workers, |(i, page, served)| {
             for level in &self.levels {
-                if self.read_level(level, *key, &mut pages[i]) {
-                    served[i] = Some(level.tier.kind());
+                if self.read_level(level, keys[*i], page) {
+                    *served = Some(level.tier.kind());
                     break;
                 }
             }
+        });
+        let mut served: Vec<Option<TierKind>> = vec![None; keys.len()];
+        for (i, _, tier) in jobs {
+            served[i] = tier;
         }
         if let Some(remote) = &self.remote {
             self.get_remote(remote, keys, pages, &mut served);
@@ -762,5 +840,56 @@ impl PageStore {
             host_pages: held(TierKind::Host),
             disk_pages: held(TierKind::Disk),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::for_each_shared;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    #[test]
+    fn each_item_is_worked_on_exactly_once_at_any_thread_count() {
+        for workers in [0, 1, 2, 3, 8, 100] {
+            for n in [0, 1, 2, 7, 64] {
+                let mut items: Vec<(usize, usize)> = (0..n).map(|i| (i, 0)).collect();
+                let calls = AtomicUsize::new(0);
+                for_each_shared(&mut items, workers, |(i, seen)| {
+                    *seen += 1 + *i;
+                    calls.fetch_add(1, Ordering::Relaxed);
+                });
+                assert_eq!(calls.load(Ordering::Relaxed), n, "workers {workers}, n {n}");
+                assert!(items.iter().all(|&(i, seen)| seen == i + 1));
+            }
+        }
+    }
+
+    /// Two items are in flight at once: the first waits for a message the second sends, which
+    /// only another thread can do while the first waits (one thread would wait out the minute).
+    #[test]
+    fn items_are_worked_on_by_more_than_one_thread() {
+        let (tx, rx) = mpsc::channel::<()>();
+        let tx = std::sync::Mutex::new(tx);
+        let rx = std::sync::Mutex::new(rx);
+        let mut items = vec![0u8, 1u8];
+        let got = AtomicUsize::new(0);
+        for_each_shared(&mut items, 2, |item| {
+            if *item == 0 {
+                if let Ok(rx) = rx.lock() {
+                    if rx.recv_timeout(Duration::from_secs(60)).is_ok() {
+                        got.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            } else if let Ok(tx) = tx.lock() {
+                let _ = tx.send(());
+            }
+        });
+        assert_eq!(
+            got.load(Ordering::Relaxed),
+            1,
+            "the items ran one after the other"
+        );
     }
 }

@@ -513,3 +513,109 @@ fn a_slow_remote_store_is_taken_out_of_the_path_and_its_calls_skipped() {
         .render_prometheus("sglang")
         .contains("kvbm_page_store_remote_state{engine=\"sglang\",state=\"slow\"} 1"));
 }
+
+/// Pages large enough that one call reads and writes them on several threads
+/// (`PARALLEL_MIN_BYTES` each): every byte still right, a corrupt page among them a miss and
+/// withdrawn, the host tier's evictions and a full disk tier as on one thread.
+#[test]
+fn large_pages_in_one_call_go_through_several_threads_byte_exact() {
+    use kvbm_connector::page_store::PARALLEL_MIN_BYTES;
+    use std::io::{Seek, SeekFrom, Write};
+    const BIG: usize = PARALLEL_MIN_BYTES + 3000; // not a multiple of 4096: bounced and padded
+    let big_dims = LayoutDims {
+        num_layers: 1,
+        outer_dim: 1,
+        page_size: 1,
+        inner_dim: BIG,
+        dtype_bytes: 1,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = Arc::new(
+        DiskTier::create(
+            TierKind::Disk,
+            big_dims,
+            12,
+            DiskTierOptions::new(dir.path()),
+        )
+        .unwrap(),
+    );
+    let h: Arc<dyn StorageTier> =
+        Arc::new(MemoryTier::host(Layout::fully_contiguous(big_dims, 4).unwrap()).unwrap());
+    let store = PageStore::new(
+        "ns",
+        BIG,
+        PageStoreTiers {
+            host: Some(h),
+            disk: Some(d.clone()),
+            ..Default::default()
+        },
+        PageStoreOptions {
+            io_threads: 4,
+            ..options()
+        },
+    )
+    .unwrap();
+    let big_page = |seed: u64| -> Vec<u8> {
+        (0..BIG)
+            .map(|i| (seed.wrapping_mul(131).wrapping_add(i as u64 * 7) % 251) as u8)
+            .collect()
+    };
+    let names: Vec<String> = (0..16).map(|i| format!("p{i}")).collect();
+    let ks: Vec<SequenceHash> = names.iter().map(|n| store.key(n.as_bytes())).collect();
+    let pages: Vec<Vec<u8>> = (0..16).map(big_page).collect();
+    let segs: Vec<Vec<IoSlice<'_>>> = pages
+        .iter()
+        .map(|p| {
+            let (a, b) = p.split_at(BIG / 3);
+            vec![IoSlice::new(a), IoSlice::new(b)]
+        })
+        .collect();
+    // 16 pages, the disk holds 12: the first 12 written are held, the host holds 4 of them.
+    let held = store.put(&ks, &segs).unwrap();
+    assert_eq!(held.iter().filter(|h| **h).count(), 12, "{held:?}");
+    let read = |store: &PageStore| -> Vec<(Option<TierKind>, Vec<u8>)> {
+        let mut bufs: Vec<Vec<u8>> = (0..16).map(|_| vec![0u8; BIG]).collect();
+        let served = {
+            let mut segs: Vec<Vec<IoSliceMut<'_>>> =
+                bufs.iter_mut().map(|b| vec![IoSliceMut::new(b)]).collect();
+            store.get(&ks, &mut segs).unwrap()
+        };
+        served.into_iter().zip(bufs).collect()
+    };
+    let got = read(&store);
+    for (i, (tier, bytes)) in got.iter().enumerate() {
+        if held[i] {
+            assert!(tier.is_some(), "page {i} was held");
+            assert!(bytes == &pages[i], "page {i}: wrong bytes from {tier:?}");
+        } else {
+            assert_eq!(*tier, None, "page {i} was not held");
+        }
+    }
+    // Damage one disk slot: exactly its page is a miss (when the host does not hold it too).
+    let disk_only: Vec<usize> = (0..16)
+        .filter(|&i| got[i].0 == Some(TierKind::Disk))
+        .collect();
+    assert!(disk_only.len() >= 8, "{disk_only:?}");
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.path())
+            .unwrap();
+        for slot in 0..12u64 {
+            f.seek(SeekFrom::Start(slot * d.slot_bytes() as u64 + 777))
+                .unwrap();
+            f.write_all(&[0x5A; 3]).unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+    let again = read(&store);
+    for (i, (tier, bytes)) in again.iter().enumerate() {
+        match tier {
+            Some(_) => assert!(bytes == &pages[i], "page {i}: wrong bytes from {tier:?}"),
+            None => assert!(!held[i] || disk_only.contains(&i), "page {i} lost"),
+        }
+    }
+    let served_from_disk = again.iter().filter(|g| g.0 == Some(TierKind::Disk)).count();
+    assert_eq!(served_from_disk, 0, "every disk slot was damaged");
+    assert_eq!(store.stats().corrupt, disk_only.len() as u64);
+}
