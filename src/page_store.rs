@@ -209,7 +209,7 @@ fn for_each_shared<T: Send>(items: &mut [T], workers: usize, work: impl Fn(&mut 
         for _ in 1..workers {
             let spawned = std::thread::Builder::new()
                 .name("kvbm-page-io".into())
-                .spawn_scoped(s, &drain);
+                .spawn_scoped(s, drain);
             if let Err(e) = spawned {
                 tracing::debug!(error = %e, "page store: an I/O thread did not start; fewer run");
                 break;
