@@ -174,9 +174,12 @@ impl DiskTier {
     /// index names ([`crate::tier::Persistent::save_index`]); each of those blocks is verified
     /// against its saved checksum when read, so a block rewritten after the save is
     /// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt), never the old key's bytes. The file
-    /// outlives the tier. One process at a time holds it.
+    /// outlives the tier. One process at a time holds a file; a second process with the same
+    /// identity (another replica of the same shard: the same bytes under the same keys) takes
+    /// the identity's next file (`….r1.persist.blocks`, up to 64), and a restart reopens any
+    /// free one.
     ///
-    /// Errors: as [`Self::create`]; the file held by another process, not a regular file of
+    /// Errors: as [`Self::create`]; all of the identity's files held by other processes, not a regular file of
     /// this user, or saved for another identity, block size or block count
     /// ([`ErrorKind::InvalidConfig`](crate::ErrorKind::InvalidConfig) naming the path and the
     /// field).

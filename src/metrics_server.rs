@@ -64,6 +64,13 @@ pub struct MetricsServer {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Whether `e` is a metrics endpoint's bind failure because another socket holds the address.
+pub fn address_in_use(e: &Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .is_some_and(|io| io.kind() == std::io::ErrorKind::AddrInUse)
+}
+
 impl MetricsServer {
     /// Binds `addr` (checked by [`TcpConfig::check_listen`], no token) and serves `metrics`.
     /// A bind failure is an [`ErrorKind::Io`] error naming [`METRICS_ADDR_ENV`] and the address.
@@ -94,6 +101,7 @@ impl MetricsServer {
                 format!("cannot listen for metrics on {addr}: {e}"),
             )
             .with("setting", METRICS_ADDR_ENV)
+            .with_source(e)
         };
         let listener = TcpListener::bind(addr).map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
@@ -293,6 +301,20 @@ mod tests {
     use super::*;
     use crate::tier::TierKind;
     use std::net::Ipv4Addr;
+
+    #[test]
+    fn a_port_another_socket_holds_is_told_apart_from_other_failures() {
+        let taken = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind");
+        let addr = taken.local_addr().expect("addr");
+        let tcp = TcpConfig::default();
+        let err = MetricsServer::start(addr, &tcp, Arc::new(Metrics::default())).unwrap_err();
+        assert!(address_in_use(&err), "{err}");
+        assert_eq!(err.context_value("setting"), Some(METRICS_ADDR_ENV));
+        // Another failure (not loopback, no token: refused before binding) is not "in use".
+        let open: SocketAddr = "0.0.0.0:0".parse().expect("addr");
+        let err = MetricsServer::start(open, &tcp, Arc::new(Metrics::default())).unwrap_err();
+        assert!(!address_in_use(&err), "{err}");
+    }
 
     fn get(addr: SocketAddr, request: &str) -> String {
         let mut s = TcpStream::connect(addr).expect("connect");

@@ -375,12 +375,24 @@ fn a_persisted_disk_tier_survives_a_restart_and_refuses_another_shape() {
         let first = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
         assert_eq!(first.tiers(), vec![TierKind::Disk]);
         assert_eq!(put(&first, &["a", "b", "c"], &[1, 2, 3]), vec![true; 3]);
-        // A second process (here: a second store) cannot take the file while it is held.
-        let err = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
-        assert!(err.to_string().contains("in use"), "{err}");
-    } // dropped: the index is saved
+        // A second process with the same namespace (here: a second store) cannot take the
+        // file while it is held: it takes the namespace's next file, empty.
+        let second = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
+        assert_eq!(second.prefix_len(&keys(&second, &["a"])).unwrap(), 0);
+        assert_eq!(put(&second, &["z"], &[26]), vec![true]);
+    } // dropped: the indexes are saved
+    let files: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".persist.blocks"))
+        .collect();
+    assert_eq!(files.len(), 2, "{files:?}");
+    // Reopened while both are free: the first store takes the first file, the second the next.
     let again = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
+    {
+        let second = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
+        assert_eq!(get(&second, &["z"])[0], (Some(TierKind::Disk), page(26)));
+    }
     assert_eq!(
         again
             .prefix_len(&keys(&again, &["a", "b", "c", "d"]))
@@ -618,4 +630,20 @@ fn large_pages_in_one_call_go_through_several_threads_byte_exact() {
     let served_from_disk = again.iter().filter(|g| g.0 == Some(TierKind::Disk)).count();
     assert_eq!(served_from_disk, 0, "every disk slot was damaged");
     assert_eq!(store.stats().corrupt, disk_only.len() as u64);
+}
+
+#[test]
+fn each_process_of_one_namespace_gets_its_own_persisted_file_up_to_the_bound() {
+    use kvbm_connector::backends::standard::page_store;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = persisted_config(dir.path(), 2);
+    let held: Vec<PageStore> = (0..64)
+        .map(|i| page_store(&cfg, "model-a;mla", PAGE).unwrap_or_else(|e| panic!("store {i}: {e}")))
+        .collect();
+    let err = page_store(&cfg, "model-a;mla", PAGE).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
+    assert!(err.to_string().contains("in use"), "{err}");
+    drop(held);
+    // Free again: opened.
+    page_store(&cfg, "model-a;mla", PAGE).unwrap();
 }

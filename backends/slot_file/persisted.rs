@@ -21,7 +21,8 @@ impl SlotFile {
     /// index that this file can serve (their checksums restored: each is verified on read). See
     /// `persist.rs`.
     ///
-    /// Errors: as [`Self::create`]; the file held by another live process, not a regular file of
+    /// Errors: as [`Self::create`]; every replica file of the identity held by another live
+    /// process (see [`MAX_REPLICAS`]), the file not a regular file of
     /// this user, or of another size than this tier's with no index to say why
     /// ([`ErrorKind::InvalidConfig`] naming the path); an index written for another identity,
     /// block size or block count ([`ErrorKind::InvalidConfig`] naming the field).
@@ -33,8 +34,27 @@ impl SlotFile {
         identity: &str,
     ) -> Result<(Self, Vec<IndexEntry>)> {
         let (layout, slot_bytes, file_bytes) = prepare(kind, dims, num_blocks, opts)?;
-        let path = persisted_path(&opts.dir, kind, identity);
-        let (file, len) = open_owned(kind, &path)?;
+        // Processes with the same identity hold the same bytes under the same keys (replicas
+        // of one shard, ranks sharing MLA pages): each takes the first of the identity's files
+        // no other process holds, and a restart reopens whichever is free.
+        let mut opened = None;
+        for replica in 0..MAX_REPLICAS {
+            let path = persisted_path(&opts.dir, kind, identity, replica);
+            if let Some((file, len)) = open_owned(kind, &path)? {
+                opened = Some((path, file, len));
+                break;
+            }
+        }
+        let Some((path, file, len)) = opened else {
+            return Err(refuse_persisted(
+                kind,
+                &persisted_path(&opts.dir, kind, identity, 0),
+                format!(
+                    "it and its {} replica files are all in use by other processes",
+                    MAX_REPLICAS - 1
+                ),
+            ));
+        };
         let want = IndexHeader {
             identity: identity.to_string(),
             kind: kind.to_string(),
@@ -123,12 +143,23 @@ impl SlotFile {
     }
 }
 
-/// Where the persisted file of a tier of `kind` for `identity` lives in `dir`.
-pub(crate) fn persisted_path(dir: &Path, kind: TierKind, identity: &str) -> PathBuf {
-    dir.join(format!(
-        "kvbm-{kind}-{:016x}.persist.blocks",
-        xxhash_rust::xxh3::xxh3_64(identity.as_bytes())
-    ))
+/// The most files one identity has in a directory (one per process holding it at once).
+pub(crate) const MAX_REPLICAS: usize = 64;
+
+/// Where the persisted file of a tier of `kind` for `identity` lives in `dir`: replica 0 is
+/// `kvbm-<kind>-<hash>.persist.blocks`, replica r ≥ 1 `kvbm-<kind>-<hash>.r<r>.persist.blocks`.
+pub(crate) fn persisted_path(
+    dir: &Path,
+    kind: TierKind,
+    identity: &str,
+    replica: usize,
+) -> PathBuf {
+    let hash = xxhash_rust::xxh3::xxh3_64(identity.as_bytes());
+    if replica == 0 {
+        dir.join(format!("kvbm-{kind}-{hash:016x}.persist.blocks"))
+    } else {
+        dir.join(format!("kvbm-{kind}-{hash:016x}.r{replica}.persist.blocks"))
+    }
 }
 
 /// The error for a persisted file this tier cannot use.
@@ -142,8 +173,9 @@ fn refuse_persisted(kind: TierKind, path: &Path, why: String) -> Error {
 }
 
 /// Opens (creating when missing) the persisted file at `path` — `O_NOFOLLOW`, mode 0600 — checks
-/// it is a regular file of this user and takes its exclusive lock; returns it and its length.
-fn open_owned(kind: TierKind, path: &Path) -> Result<(File, u64)> {
+/// it is a regular file of this user and takes its exclusive lock; returns it and its length,
+/// or `None` when another live process holds it.
+fn open_owned(kind: TierKind, path: &Path) -> Result<Option<(File, u64)>> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -173,12 +205,8 @@ fn open_owned(kind: TierKind, path: &Path) -> Result<(File, u64)> {
         }
     }
     match lock(&file, true) {
-        Ok(true) => Ok((file, meta.len())),
-        Ok(false) => Err(refuse_persisted(
-            kind,
-            path,
-            "in use by another process".into(),
-        )),
+        Ok(true) => Ok(Some((file, meta.len()))),
+        Ok(false) => Ok(None),
         Err(e) => Err(Error::io("flock", e).with("path", path.display())),
     }
 }

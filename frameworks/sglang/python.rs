@@ -249,15 +249,59 @@ fn get_runs(
         .collect())
 }
 
+/// Ports a store tries for its metrics endpoint before it runs without one.
+pub const METRICS_TRIES: u16 = 16;
+
+/// The metrics endpoint at `addr`'s port + `offset`, or `stride` ports further for each port
+/// another process holds (see [`PyPageStore`]'s constructor); `None` when all are taken.
+fn serve_metrics(
+    addr: std::net::SocketAddr,
+    config: &crate::Config,
+    source: Arc<dyn Exposition>,
+    offset: u16,
+    stride: u16,
+) -> Result<Option<MetricsServer>> {
+    if addr.port() == 0 {
+        return MetricsServer::serve_exposition(addr, &config.tcp, source).map(Some);
+    }
+    let tries = if stride == 0 { 1 } else { METRICS_TRIES };
+    for k in 0..tries {
+        let port = u32::from(addr.port()) + u32::from(offset) + u32::from(k) * u32::from(stride);
+        let port = u16::try_from(port).map_err(|_| {
+            Error::invalid_config(
+                "tcp.metrics_addr",
+                addr,
+                format!("its port + {offset} (this rank's) + {k} × {stride} is above 65535"),
+            )
+        })?;
+        let mut at = addr;
+        at.set_port(port);
+        match MetricsServer::serve_exposition(at, &config.tcp, Arc::clone(&source)) {
+            Ok(server) => {
+                if k > 0 {
+                    tracing::info!(%at, "kvbm metrics: the rank's first port was in use; serving here");
+                }
+                return Ok(Some(server));
+            }
+            Err(e) if crate::metrics_server::address_in_use(&e) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    tracing::warn!(%addr, offset, stride, tries,
+        "kvbm metrics: every port tried is in use; the page store runs without its HTTP endpoint (stats() still has the counters)");
+    Ok(None)
+}
+
 #[pymethods]
 impl PyPageStore {
     /// A store of `page_bytes`-byte pages named in `namespace`, over the tiers `config` sizes
-    /// (in pages) and the remote store `config` names.
     /// (in pages) and the remote store `config` names. With `tcp.metrics_addr` set, its counters
     /// are served over HTTP at that address's port + `metrics_offset` (one port per rank),
-    /// labelled `engine`.
+    /// labelled `engine`; a port another process holds moves it `metrics_stride` ports up (at
+    /// most [`METRICS_TRIES`] times; 0: never), and where every one is taken the store runs
+    /// without the endpoint (a warning says so), the engine unharmed.
     #[new]
-    #[pyo3(signature = (config, namespace, page_bytes, engine="sglang", metrics_offset=0))]
+    #[pyo3(signature = (config, namespace, page_bytes, engine="sglang", metrics_offset=0, metrics_stride=0))]
     fn new(
         py: Python<'_>,
         config: &PyConfig,
@@ -265,6 +309,7 @@ impl PyPageStore {
         page_bytes: usize,
         engine: &str,
         metrics_offset: u16,
+        metrics_stride: u16,
     ) -> PyResult<Self> {
         let config = config.inner.clone();
         let engine = engine.to_string();
@@ -274,22 +319,12 @@ impl PyPageStore {
                 &config, &namespace, page_bytes,
             )?);
             let metrics = match config.tcp.metrics_addr {
-                Some(mut addr) => {
-                    let port = addr.port().checked_add(metrics_offset).ok_or_else(|| {
-                        Error::invalid_config(
-                            "tcp.metrics_addr",
-                            addr,
-                            format!("its port + {metrics_offset} (this rank's) is above 65535"),
-                        )
-                    })?;
-                    if addr.port() != 0 {
-                        addr.set_port(port);
-                    }
-                    let source = Arc::new(Labelled {
+                Some(addr) => {
+                    let source: Arc<dyn Exposition> = Arc::new(Labelled {
                         store: Arc::clone(&store),
                         engine,
                     });
-                    Some(MetricsServer::serve_exposition(addr, &config.tcp, source)?)
+                    serve_metrics(addr, &config, source, metrics_offset, metrics_stride)?
                 }
                 None => None,
             };

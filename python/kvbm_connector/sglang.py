@@ -45,8 +45,8 @@ from ._wiring import error as _error
 logger = logging.getLogger(__name__)
 
 # Every live backend, so the persisted disk tiers' indexes are saved when the process exits
-# normally (SGLang does not close its storage backend at shutdown; a put also saves every few
-# seconds, so a killed process loses only the last few seconds of pages).
+# normally, also where SGLang does not close its storage backend at shutdown (a put also saves
+# every few seconds, so a killed process loses only the last few seconds of pages).
 _LIVE: "weakref.WeakSet[KvbmHiCacheStorage]" = weakref.WeakSet()
 
 
@@ -60,10 +60,25 @@ def _flush_all() -> None:
 
 __all__ = ["KvbmHiCacheStorage"]
 
-# Keys of the extra config that SGLang itself (or its factory) reads.
+# Keys of the extra config that SGLang itself (or its factory) reads. The prefetch keys are
+# usually taken out by SGLang before the backend sees the config, but its decode-side offload
+# manager passes them through.
 SGLANG_KEYS = frozenset(
-    {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "tp_lcm_size",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
 )
+# Keys one batch_exists asks the page store about at once (its calls take at most 65,536);
+# SGLang's hybrid controller asks about a whole request's pages in one call.
+EXISTS_CHUNK = 4096
 # Pools whose pages we serve through the *_v2 calls: the KV pool only.
 KV_POOLS = frozenset({str(PoolName.KV)})
 
@@ -141,6 +156,34 @@ def _namespace(cfg: HiCacheStorageConfig, pool: Any, page_bytes: int) -> str:
     return json.dumps(parts, sort_keys=True)
 
 
+def _check_shared_writer(cfg: HiCacheStorageConfig, config: Config) -> None:
+    """MLA ranks share pages that one rank writes (SGLang backs up from its storage writer only,
+    and takes the smallest hit of all ranks): the other ranks can only read them through the
+    shared store, so MLA with several ranks per page and no remote store is refused by name —
+    it would serve no page while holding the tiers' memory on every rank."""
+    if not cfg.is_mla_model:
+        return
+    sharing = int(cfg.tp_size) // max(int(getattr(cfg, "dcp_size", 1) or 1), 1)
+    if sharing <= 1:
+        return
+    try:
+        import tomllib
+
+        remote = tomllib.loads(config.to_toml()).get("remote") or {}
+        has_remote = bool(str(remote.get("url") or "").strip())
+    except ImportError:  # Python < 3.11: read the rendered line
+        has_remote = "\nurl = " in config.to_toml()
+    if not has_remote:
+        raise _error(
+            "invalid_config",
+            f"an MLA model over {cfg.tp_size} tensor-parallel ranks: SGLang writes each page "
+            "from one rank only and every rank must find it, so kvbm needs a store the ranks "
+            "share: set remote_url (a Redis/Valkey server); local tiers alone would never serve "
+            "a page",
+            field="remote_url",
+        )
+
+
 def _nbytes(t: Any) -> int:
     return int(t.numel()) * int(t.element_size())
 
@@ -157,6 +200,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
         # Settings are checked now, when SGLang builds the backend; the store itself needs the
         # host pool's page size, and is built when the pool is registered.
         self._config = Config.load_with(overrides, path)
+        _check_shared_writer(storage_config, self._config)
         self.mem_pool_host = (kwargs or {}).get("mem_pool_host") if isinstance(kwargs, dict) else None
         self._store: Optional[Any] = None
         _LIVE.add(self)
@@ -178,16 +222,20 @@ class KvbmHiCacheStorage(HiCacheStorage):
         if mem_pool_host is None:
             return
         layout = str(getattr(mem_pool_host, "layout", ""))
-        try:
-            page_bytes = _nbytes(mem_pool_host.get_dummy_flat_data_page())
-        except Exception as e:  # noqa: BLE001 - SGLang raises its own kinds
-            raise _error(
-                "unsupported",
-                f"kvbm cannot read the host pool's pages (layout {layout!r}: {e})",
-                field="layout",
-            ) from e
         if self._form == "runs":
-            self._check_runs(mem_pool_host, layout, page_bytes)
+            # The zero-copy calls move the pool's runs: a page is what they add up to (pools
+            # whose flat page SGLang cannot give, e.g. K and V of different head dims, too).
+            page_bytes = self._check_runs(mem_pool_host, layout)
+        else:
+            try:
+                page_bytes = _nbytes(mem_pool_host.get_dummy_flat_data_page())
+            except Exception as e:  # noqa: BLE001 - SGLang raises its own kinds
+                raise _error(
+                    "unsupported",
+                    f"kvbm's classic calls cannot read the host pool's pages (layout "
+                    f"{layout!r}: {e}); launch with interface_v1 to use the zero-copy calls",
+                    field="layout",
+                ) from e
         self._flat_differs = layout == "layer_first"
         self._open(page_bytes, mem_pool_host)
         for attr in ("kv_buffer", "k_buffer", "v_buffer"):
@@ -196,16 +244,21 @@ class KvbmHiCacheStorage(HiCacheStorage):
                 self._store.register_region(buf, attr)
 
     @staticmethod
-    def _check_runs(pool: Any, layout: str, page_bytes: int) -> None:
-        """The zero-copy calls read a page as the runs ``get_page_buffer_meta`` gives: refused
-        at registration, naming the layout, when the pool cannot give them or they do not add up
-        to one page."""
+    def _check_runs(pool: Any, layout: str) -> int:
+        """The bytes of one page as the zero-copy calls move it: the runs
+        ``get_page_buffer_meta`` gives for the pool's first page. Refused at registration,
+        naming the layout, when the pool cannot give them, they are empty, or the second page's
+        runs add up to another size."""
         import torch
 
         try:
             page_size = int(pool.page_size)
-            _ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
-            total = sum(int(x) for x in sizes)
+            totals = []
+            for first in (0, page_size):
+                _ptrs, sizes = pool.get_page_buffer_meta(
+                    torch.arange(first, first + page_size, dtype=torch.int64)
+                )
+                totals.append(sum(int(x) for x in sizes))
         except Exception as e:  # noqa: BLE001 - SGLang raises its own kinds
             raise _error(
                 "unsupported",
@@ -213,13 +266,14 @@ class KvbmHiCacheStorage(HiCacheStorage):
                 f"({e}); launch without interface_v1 to use the classic calls",
                 field="layout",
             ) from e
-        if total != page_bytes:
+        if totals[0] <= 0 or totals[0] != totals[1]:
             raise _error(
                 "unsupported",
-                f"the host pool's zero-copy runs of one page add up to {total} bytes, its page "
-                f"is {page_bytes} (layout {layout!r})",
+                f"the host pool's zero-copy runs of a page add up to {totals[0]} bytes for its "
+                f"first page and {totals[1]} for its second (layout {layout!r})",
                 field="layout",
             )
+        return totals[0]
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         if str(host_pool_name) not in KV_POOLS:
@@ -245,9 +299,15 @@ class KvbmHiCacheStorage(HiCacheStorage):
                 return
         ns = _namespace(self.storage_config, pool, page_bytes)
         cfg = self.storage_config
-        # One metrics port per rank (tcp.metrics_addr's port + this rank's index).
-        offset = (cfg.dp_rank * cfg.pp_size + cfg.pp_rank) * cfg.tp_size + cfg.tp_rank
-        self._store = _kvbm.PageStore(self._config, ns, page_bytes, "sglang", offset)
+        # One metrics port per rank (tcp.metrics_addr's port + this rank's index); data-parallel
+        # replicas without DP attention have the same index, so a port in use moves the store
+        # to the next block of `stride` ports.
+        cp_size = max(int(cfg.attn_cp_size or 1), 1)
+        offset = (
+            (cfg.dp_rank * cfg.pp_size + cfg.pp_rank) * cp_size + int(cfg.attn_cp_rank or 0)
+        ) * cfg.tp_size + cfg.tp_rank
+        stride = cfg.pp_size * cp_size * cfg.tp_size
+        self._store = _kvbm.PageStore(self._config, ns, page_bytes, "sglang", offset, stride)
         self._pool_named = pool is not None
         logger.info("kvbm page store: %s-byte pages on %s", page_bytes, self._store.tiers)
 
@@ -310,7 +370,15 @@ class KvbmHiCacheStorage(HiCacheStorage):
         keys = list(keys)
         if not keys or self._store is None:
             return 0
-        return self._store.prefix_len(self._names(keys, self._form))
+        names = self._names(keys, self._form)
+        found = 0
+        for start in range(0, len(names), EXISTS_CHUNK):
+            chunk = names[start : start + EXISTS_CHUNK]
+            n = self._store.prefix_len(chunk)
+            found += n
+            if n < len(chunk):
+                break
+        return found
 
     # --- zero-copy calls (host indices into the registered pool) -----------------------------
 

@@ -402,3 +402,139 @@ def test_buffered_disk_io_by_default_unless_a_setting_says_otherwise(tmp_path, m
     assert _overrides({"config": str(other)})[0]["KVBM_DISK_DIRECT_IO"] == "false"
     monkeypatch.setenv("KVBM_DISK_DIRECT_IO", "true")
     assert "KVBM_DISK_DIRECT_IO" not in _overrides({})[0]
+
+
+# --- what SGLang's own deployments do (found by reading its 0.5.23 cache controllers) ---------
+
+
+def test_mla_over_several_ranks_needs_the_shared_store_and_is_refused_by_name_without_it(tmp_path):
+    """SGLang backs MLA pages up from one rank and takes the smallest hit of all ranks: local
+    tiers alone would never serve a page on more than one rank."""
+    with pytest.raises(KvbmError) as e:
+        backend(disk_extra(tmp_path), host_pool("page_first"), tp_rank=1, tp_size=2, mla=True)
+    assert e.value.kind == "invalid_config" and e.value.context.get("field") == "remote_url", e.value
+    # One rank, or MHA over several, or MLA with a shared store: built.
+    backend(disk_extra(tmp_path, "a"), host_pool("page_first"), tp_rank=0, tp_size=1, mla=True).close()
+    backend(disk_extra(tmp_path, "b"), host_pool("page_first"), tp_rank=1, tp_size=2).close()
+    url = f"memory://mla-{uuid.uuid4().hex}"
+    backend({**disk_extra(tmp_path, "c"), "remote_url": url}, host_pool("page_first"),
+            tp_rank=1, tp_size=2, mla=True).close()
+
+
+def test_ranks_with_the_same_namespace_each_get_a_persisted_file_and_a_metrics_port(tmp_path):
+    """MLA ranks share a namespace, and so do data-parallel replicas without DP attention (SGLang
+    gives them all dp_rank 0): each process takes the next free persisted file and the next
+    block of metrics ports instead of failing to start; a restart reopens the files."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:  # a free port, and the two after it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"memory://replicas-{uuid.uuid4().hex}"
+    extra = {
+        **disk_extra(tmp_path), "disk_persist": True, "remote_url": url,
+        "remote_min_frequency": 1000, "metrics_addr": f"127.0.0.1:{port}",
+    }
+    pools = [host_pool("page_first"), host_pool("page_first")]
+    a = backend(extra, pools[0], tp_rank=0, tp_size=2, mla=True)
+    b = backend(extra, pools[1], tp_rank=1, tp_size=2, mla=True)
+    assert a.metrics_addr.endswith(f":{port}"), a.metrics_addr
+    # Rank 1's own port is port + 1; it is free, so it serves there.
+    assert b.metrics_addr.endswith(f":{port + 1}"), b.metrics_addr
+    # A second replica of rank 0 (same config): the next block of ports (stride 2).
+    c = backend(extra, host_pool("page_first"), tp_rank=0, tp_size=2, mla=True)
+    assert c.metrics_addr.endswith(f":{port + 2}"), c.metrics_addr
+    with urllib.request.urlopen(f"http://{c.metrics_addr}/metrics", timeout=30) as r:
+        assert 'engine="sglang"' in r.read().decode()
+    files = sorted(f.name for f in (tmp_path / "disk").iterdir() if f.name.endswith(".blocks"))
+    assert len(files) == 3 and len({f.split(".")[0] for f in files}) == 1, files
+    # Each writes its own pages to its own disk (remote_min_frequency keeps them off the store).
+    idx_a, want_a = fill(pools[0], 2, seed=31)
+    idx_b, want_b = fill(pools[1], 2, seed=32)
+    assert a.batch_set_v1(["a0", "a1"], idx_a) == [True, True]
+    assert b.batch_set_v1(["b0", "b1"], idx_b) == [True, True]
+    for x in (a, b, c):
+        x.close()
+    # Restarted (one process each again): every page is served by whichever reopened its file,
+    # byte for byte; together they hold both ranks' pages.
+    again = [backend(extra, host_pool("page_first"), tp_rank=r, tp_size=2, mla=True) for r in (0, 1)]
+    held = {k: x for x in again for k in ("a0", "a1", "b0", "b1") if x.batch_exists([k]) == 1}
+    assert set(held) == {"a0", "a1", "b0", "b1"}, held
+    for keys, want in ((["a0", "a1"], want_a), (["b0", "b1"], want_b)):
+        x = held[keys[0]]
+        dst = x.mem_pool_host.alloc(2 * PAGE)
+        assert x.batch_get_v1(keys, dst) == [True, True]
+        for i in range(2):
+            assert torch.equal(page_of(x.mem_pool_host, dst, i), want[i])
+    for x in again:
+        x.close()
+
+
+def test_sglangs_prefetch_keys_are_left_to_it():
+    """SGLang's decode-side offload manager hands the extra config on with its own prefetch
+    keys still in it."""
+    extra = {
+        "host_cache_blocks": 16, "disk_cache_blocks": 0, "prefetch_threshold": 256,
+        "prefetch_timeout_base": 1, "prefetch_timeout_per_ki_token": 0.25,
+        "hicache_storage_pass_prefix_keys": True,
+    }
+    backend(extra, host_pool("page_first")).close()
+
+
+def test_batch_exists_of_a_whole_long_request_answers_across_chunks(monkeypatch):
+    """SGLang's hybrid controller asks about every page of a request in one call (beyond the
+    page store's 65,536 a call): the answer is the prefix count across chunks."""
+    import kvbm_connector.sglang as ours
+
+    pool = host_pool("page_first")
+    b = backend({"host_cache_blocks": 16, "disk_cache_blocks": 0}, pool)
+    idx, _ = fill(pool, 5, seed=33)
+    keys = [f"x{i}" for i in range(5)]
+    assert b.batch_set_v1(keys, idx) == [True] * 5
+    assert b.batch_exists(keys + [f"y{i}" for i in range(70_000)]) == 5
+    monkeypatch.setattr(ours, "EXISTS_CHUNK", 2)
+    assert b.batch_exists(keys + ["y0", "x0"]) == 5
+    assert b.batch_exists(keys[:3] + ["y0"] + keys[3:]) == 3
+    assert b.batch_exists(keys[:4]) == 4
+
+
+def test_k_and_v_of_different_head_dims_are_served_by_the_zero_copy_calls():
+    """SGLang's pool for K and V of different head dims cannot give a flat page, only the
+    zero-copy runs: the page is what those runs add up to."""
+    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+    k = tuple(torch.zeros(TOKENS, HEADS, DIM) for _ in range(LAYERS))
+    v = tuple(torch.zeros(TOKENS, HEADS, DIM // 2) for _ in range(LAYERS))
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
+        page_size=PAGE, head_num=HEADS, head_dim=DIM, v_head_dim=DIM // 2,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )
+    cls = get_mha_host_pool_cls(info)
+    pool = cls(info, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu",
+               device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS)
+    pool._keep = (k, v)
+    b = backend({"host_cache_blocks": 16, "disk_cache_blocks": 0}, pool)
+    assert b._store.page_bytes == PAGE * LAYERS * HEADS * (DIM + DIM // 2) * 4
+    idx = pool.alloc(2 * PAGE)
+    for buf in (pool.k_buffer, pool.v_buffer):
+        buf.copy_(torch.randn(buf.shape))
+    ptr_list, sizes = pool.get_page_buffer_meta(idx)
+    import ctypes
+
+    def snapshot():
+        return [ctypes.string_at(int(p), int(n)) for p, n in zip(ptr_list, sizes)]
+
+    want = snapshot()
+    assert b.batch_set_v1(["k0", "k1"], idx) == [True, True]
+    for buf in (pool.k_buffer, pool.v_buffer):
+        buf.zero_()
+    assert snapshot() != want
+    assert b.batch_get_v1(["k0", "k1"], idx) == [True, True]
+    assert snapshot() == want
+    # The classic calls cannot read such a pool: refused by name at registration.
+    with pytest.raises(KvbmError) as e:
+        KvbmHiCacheStorage(storage_config({"host_cache_blocks": 16, "interface_v1": 0}), {"mem_pool_host": pool})
+    assert e.value.context.get("field") == "layout", e.value
