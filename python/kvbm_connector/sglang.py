@@ -184,6 +184,16 @@ def _check_shared_writer(cfg: HiCacheStorageConfig, config: Config) -> None:
         )
 
 
+def _unreadable(calls: str, layout: str, cause: Exception, instead: str) -> Exception:
+    """The error for a host pool whose pages one of SGLang's interfaces cannot give us."""
+    return _error(
+        "unsupported",
+        f"kvbm's {calls} calls cannot read the host pool's pages (layout {layout!r}: {cause}); "
+        f"launch {instead} to use the other calls",
+        field="layout",
+    )
+
+
 def _nbytes(t: Any) -> int:
     return int(t.numel()) * int(t.element_size())
 
@@ -230,12 +240,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
             try:
                 page_bytes = _nbytes(mem_pool_host.get_dummy_flat_data_page())
             except Exception as e:  # noqa: BLE001 - SGLang raises its own kinds
-                raise _error(
-                    "unsupported",
-                    f"kvbm's classic calls cannot read the host pool's pages (layout "
-                    f"{layout!r}: {e}); launch with interface_v1 to use the zero-copy calls",
-                    field="layout",
-                ) from e
+                raise _unreadable("classic", layout, e, "with interface_v1") from e
         self._flat_differs = layout == "layer_first"
         self._open(page_bytes, mem_pool_host)
         for attr in ("kv_buffer", "k_buffer", "v_buffer"):
@@ -260,12 +265,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
                 )
                 totals.append(sum(int(x) for x in sizes))
         except Exception as e:  # noqa: BLE001 - SGLang raises its own kinds
-            raise _error(
-                "unsupported",
-                f"kvbm's zero-copy calls cannot read the host pool's pages in layout {layout!r} "
-                f"({e}); launch without interface_v1 to use the classic calls",
-                field="layout",
-            ) from e
+            raise _unreadable("zero-copy", layout, e, "without interface_v1") from e
         if totals[0] <= 0 or totals[0] != totals[1]:
             raise _error(
                 "unsupported",
