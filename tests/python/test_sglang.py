@@ -359,9 +359,9 @@ assert b.batch_set_v1(["p0", "p1", "p2"], idx) == [True] * 3
 
 
 def test_a_layout_we_cannot_read_is_refused_when_sglang_builds_the_backend(tmp_path):
-    """A host pool whose pages the zero-copy calls cannot address (SGLang's MLA pool in
-    ``layer_first`` raises in ``get_page_buffer_meta``) is refused at registration with a
-    KvbmError naming the layout, not on the first prefetch."""
+    """A host pool whose pages the zero-copy calls cannot address (``get_page_buffer_meta``
+    raises, as SGLang's MLA pool in ``layer_first`` did before 0.5.23) is refused at registration
+    with a KvbmError naming the layout, not on the first prefetch."""
     pool = host_pool("page_first")
 
     def no_runs(indices):
@@ -538,3 +538,51 @@ def test_k_and_v_of_different_head_dims_are_served_by_the_zero_copy_calls():
     with pytest.raises(KvbmError) as e:
         KvbmHiCacheStorage(storage_config({"host_cache_blocks": 16, "interface_v1": 0}), {"mem_pool_host": pool})
     assert e.value.context.get("field") == "layout", e.value
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("v1", [1, 0])
+def test_sglangs_mla_host_pool_shares_pages_between_ranks(layout, v1):
+    """SGLang's own MLA host pool (one latent buffer, the same on every rank): rank 0 writes,
+    rank 1 reads the same bytes through the shared store, in every layout and both interfaces."""
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    rank, rope = 12, 4
+
+    def mla_pool():
+        bufs = tuple(torch.zeros(TOKENS, 1, rank + rope) for _ in range(LAYERS))
+        info = MLABufferInfo(
+            buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+            layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
+            kv_lora_rank=rank, qk_rope_head_dim=rope, kv_cache_dim=rank + rope,
+            dtype=torch.float32, device=torch.device("cpu"),
+        )
+        pool = MLATokenToKVPoolHost(
+            info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+            device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS,
+        )
+        pool._keep = bufs
+        return pool
+
+    url = f"memory://mla-pool-{uuid.uuid4().hex}"
+    extra = {"host_cache_blocks": 0, "disk_cache_blocks": 0, "remote_url": url, "interface_v1": v1}
+    p0, p1 = mla_pool(), mla_pool()
+    r0 = backend(extra, p0, tp_rank=0, tp_size=2, mla=True)
+    r1 = backend(extra, p1, tp_rank=1, tp_size=2, mla=True)
+    idx, want = fill(p0, 3, seed=41)
+    keys = ["m0", "m1", "m2"]
+    if v1:
+        assert r0.batch_set_v1(keys, idx) == [True] * 3
+    else:
+        assert r0.batch_set(keys, [p0.get_data_page(int(idx[i * PAGE])) for i in range(3)]) is True
+    assert r1.batch_exists(keys + ["none"]) == 3
+    dst = p1.alloc(3 * PAGE)
+    if v1:
+        assert r1.batch_get_v1(keys, dst) == [True] * 3
+    else:
+        got = r1.batch_get(keys, [p1.get_dummy_flat_data_page() for _ in range(3)])
+        for i, t in enumerate(got):
+            p1.set_from_flat_data_page(int(dst[i * PAGE]), t)
+    for i in range(3):
+        assert torch.equal(page_of(p1, dst, i), want[i]), f"page {i}"
