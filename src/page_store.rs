@@ -232,6 +232,8 @@ pub struct PageStore {
     counters: Counters,
     /// When a persisted tier's index was last saved.
     last_save: parking_lot::Mutex<Instant>,
+    /// Held while the indexes are saved (one save at a time).
+    saving: parking_lot::Mutex<()>,
     /// The machine's cores (the most I/O threads a call uses).
     cores: usize,
 }
@@ -399,6 +401,7 @@ impl PageStore {
             options,
             counters: Counters::default(),
             last_save: parking_lot::Mutex::new(Instant::now()),
+            saving: parking_lot::Mutex::new(()),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         })
     }
@@ -407,32 +410,48 @@ impl PageStore {
     /// they hold are found again by the next process that opens them.
     pub fn flush(&self) -> Result<()> {
         *self.last_save.lock() = Instant::now();
+        self.save_indexes()
+    }
+
+    /// Saves each persisted tier's index, one save at a time (they share the index's temporary
+    /// file). The blocks are held only while their keys and checksums are read, not while the
+    /// data is synced and the index written, so puts keep evicting meanwhile: a block rewritten
+    /// after that read fails the saved checksum at the next start (a miss, never the old key's
+    /// bytes).
+    fn save_indexes(&self) -> Result<()> {
+        let _one_at_a_time = self.saving.lock();
         for level in &self.levels {
             if let Some(p) = level.tier.persistent() {
-                // Held while the index is written: no block changes key meanwhile.
-                let held = level.pool.hold_registered();
-                let keys: Vec<(usize, u128)> = held
-                    .iter()
-                    .map(|b| (b.block_id(), b.sequence_hash().0))
-                    .collect();
-                p.save_index(&keys)
+                let entries: Vec<(usize, u128, u64)> = {
+                    let held = level.pool.hold_registered();
+                    held.iter()
+                        .filter_map(|b| {
+                            let checksum = p.checksum(b.block_id())?;
+                            Some((b.block_id(), b.sequence_hash().0, checksum))
+                        })
+                        .collect()
+                };
+                p.save_entries(&entries)
                     .map_err(|e| e.with("tier", level.tier.kind()))?;
             }
         }
         Ok(())
     }
 
+    /// Saves the indexes when [`SAVE_EVERY`] has passed since the last save; the first caller
+    /// past it claims the save, the others go on.
     fn maybe_save(&self) {
         if !self.levels.iter().any(|l| l.tier.persistent().is_some()) {
             return;
         }
         {
-            let last = self.last_save.lock();
+            let mut last = self.last_save.lock();
             if last.elapsed() < SAVE_EVERY {
                 return;
             }
+            *last = Instant::now();
         }
-        if let Err(e) = self.flush() {
+        if let Err(e) = self.save_indexes() {
             tracing::warn!(error = %e, "page store: the persisted index was not saved");
         }
     }

@@ -647,3 +647,51 @@ fn each_process_of_one_namespace_gets_its_own_persisted_file_up_to_the_bound() {
     // Free again: opened.
     page_store(&cfg, "model-a;mla", PAGE).unwrap();
 }
+
+/// Index saves from several threads (SGLang's prefetch and backup threads both put, and
+/// `flush` may come from a third) while pages are put and evicted: every save succeeds (they
+/// share the index's temporary file, so one runs at a time), and a copy of the files taken
+/// right after them — a process killed then — reopens with pages served byte for byte.
+#[test]
+fn index_saves_from_several_threads_while_pages_are_put_never_fail_or_damage_the_index() {
+    use kvbm_connector::backends::standard::page_store;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = persisted_config(dir.path(), 8);
+    let store = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
+    let failures = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..40 {
+                    if let Err(e) = store.flush() {
+                        eprintln!("flush: {e}");
+                        failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+        s.spawn(|| {
+            for i in 0..60u64 {
+                let name = format!("p{i}");
+                assert_eq!(put(&store, &[name.as_str()], &[i]), vec![true]);
+            }
+        });
+    });
+    assert_eq!(failures.load(Ordering::Relaxed), 0);
+    store.flush().unwrap();
+    // The files as a killed process leaves them (no save at drop).
+    let copy = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.path().join(entry.file_name())).unwrap();
+    }
+    drop(store);
+    let again = page_store(&persisted_config(copy.path(), 8), "model-a;tp0/1", PAGE).unwrap();
+    let names: Vec<String> = (52..60).map(|i| format!("p{i}")).collect();
+    let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+    let got = get(&again, &names);
+    for (i, (tier, bytes)) in got.iter().enumerate() {
+        assert_eq!(*tier, Some(TierKind::Disk), "{} after the copy", names[i]);
+        assert_eq!(bytes, &page(52 + i as u64), "{}", names[i]);
+    }
+}
