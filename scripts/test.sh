@@ -59,12 +59,12 @@ rm -rf target/wheels
 "$PYVENV/bin/python" -c 'import kvbm_connector, sys; print("testing", kvbm_connector.__file__); sys.exit("/site-packages/" not in kvbm_connector.__file__)'
 pytest_rc=0
 # test_vllm_forward.py, test_vllm_serving.py and test_vllm_hybrid.py need vLLM's CPU build, and
-# test_sglang.py SGLang: they run in the steps below (under CI=true each fails rather than skips
+# test_sglang*.py SGLang: they run in the steps below (under CI=true each fails rather than skips
 # where its engine is missing, as here).
 "$PYVENV/bin/python" -m pytest tests/python -q -p no:cacheprovider \
   --ignore=tests/python/test_vllm_forward.py --ignore=tests/python/test_vllm_serving.py \
   --ignore=tests/python/test_vllm_hybrid.py --ignore=tests/python/test_vllm_events.py \
-  --ignore=tests/python/test_sglang.py || pytest_rc=$?
+  --ignore-glob='tests/python/test_sglang*.py' || pytest_rc=$?
 if [ "$pytest_rc" -eq 5 ]; then
   echo "pytest collected no tests: the Python tests did not run" >&2
   exit 1
@@ -130,9 +130,20 @@ if [ "$(cat "$SGLANG_DIR/.kvbm-stamp" 2>/dev/null)" != "$sglang_want" ]; then
     --target "$SGLANG_DIR/_ipy" IPython
   echo "$sglang_want" > "$SGLANG_DIR/.kvbm-stamp"
 fi
+# SGLang's cache controllers hash pages with a native extension they compile on first use (C++
+# linked with -lcrypto, through torch's cpp_extension and the venv's ninja):
+# tests/python/test_sglang_controller.py needs g++ and libssl-dev; the build is cached in
+# $HOME/.cache/kvbm/torch_extensions.
+if ! command -v g++ >/dev/null || [ ! -e /usr/include/openssl/sha.h ]; then
+  sudo_=""
+  if [ "$(id -u)" -ne 0 ]; then sudo_=sudo; fi
+  $sudo_ apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq g++ libssl-dev
+fi
 pytest_rc=0
 KVBM_SGLANG_PATH="$SGLANG_DIR" CI="${CI:-true}" "$VLLM_VENV/bin/python" -m pytest \
-  tests/python/test_sglang.py -q -p no:cacheprovider || pytest_rc=$?
+  tests/python/test_sglang.py tests/python/test_sglang_controller.py -q -p no:cacheprovider \
+  || pytest_rc=$?
 if [ "$pytest_rc" -eq 5 ]; then
   echo "pytest collected no tests: the SGLang tests did not run" >&2
   exit 1
