@@ -414,23 +414,28 @@ impl PageStore {
     }
 
     /// Saves each persisted tier's index, one save at a time (they share the index's temporary
-    /// file). The blocks are held only while their keys and checksums are read, not while the
-    /// data is synced and the index written, so puts keep evicting meanwhile: a block rewritten
-    /// after that read fails the saved checksum at the next start (a miss, never the old key's
-    /// bytes).
+    /// file), without holding any block, so puts keep evicting while the data is synced and the
+    /// index written. Each entry pairs a block's key with the checksum of the bytes it held; a
+    /// block whose key changed between the two snapshots of the pool around the checksum reads
+    /// (evicted and rewritten meanwhile) is left out, and one rewritten after them fails the saved
+    /// checksum at the next start: a miss, never another key's bytes.
     fn save_indexes(&self) -> Result<()> {
         let _one_at_a_time = self.saving.lock();
         for level in &self.levels {
             if let Some(p) = level.tier.persistent() {
-                let entries: Vec<(usize, u128, u64)> = {
-                    let held = level.pool.hold_registered();
-                    held.iter()
-                        .filter_map(|b| {
-                            let checksum = p.checksum(b.block_id())?;
-                            Some((b.block_id(), b.sequence_hash().0, checksum))
-                        })
-                        .collect()
-                };
+                let before = level.pool.registered();
+                // A block is registered only after its write recorded the checksum, and a
+                // rewrite clears it first: a key still on its block afterwards had these bytes.
+                let mut entries: Vec<(usize, u128, u64)> = before
+                    .iter()
+                    .filter_map(|&(key, block)| Some((block, key.0, p.checksum(block)?)))
+                    .collect();
+                let after = level.pool.registered(); // sorted by block
+                entries.retain(|&(block, key, _)| {
+                    after
+                        .binary_search_by_key(&block, |&(_, b)| b)
+                        .is_ok_and(|i| after[i].0 .0 == key)
+                });
                 p.save_entries(&entries)
                     .map_err(|e| e.with("tier", level.tier.kind()))?;
             }
