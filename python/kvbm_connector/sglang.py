@@ -367,10 +367,14 @@ class KvbmHiCacheStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys, extra_info=None) -> int:
+        return self._prefix(keys, self._form)
+
+    def _prefix(self, keys, form: str) -> int:
+        """How many of ``keys``, from the first, are stored in ``form`` (SGLang's semantics)."""
         keys = list(keys)
         if not keys or self._store is None:
             return 0
-        names = self._names(keys, self._form)
+        names = self._names(keys, form)
         found = 0
         for start in range(0, len(names), EXISTS_CHUNK):
             chunk = names[start : start + EXISTS_CHUNK]
@@ -428,7 +432,8 @@ class KvbmHiCacheStorage(HiCacheStorage):
 
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
         self._check_pools(pool_transfers)
-        n = self.batch_exists(keys, extra_info)
+        # The *_v2 calls move the pool's runs (host indices), whatever interface_v1 says.
+        n = self._prefix(keys, "runs")
         return PoolTransferResult(n, {str(PoolName.KV): n} if n else {}, list(range(1, n + 1)))
 
     def _v2(self, transfers, op) -> dict:

@@ -586,3 +586,24 @@ def test_sglangs_mla_host_pool_shares_pages_between_ranks(layout, v1):
             p1.set_from_flat_data_page(int(dst[i * PAGE]), t)
     for i in range(3):
         assert torch.equal(page_of(p1, dst, i), want[i]), f"page {i}"
+
+
+def test_the_v2_calls_find_what_they_wrote_whatever_interface_v1_says():
+    """The multi-pool calls move the pool's runs; in layer_first those are another byte order
+    than the classic calls' flat page, so their existence query must look for the runs' form
+    even on a backend launched for the classic calls."""
+    pool = host_pool("layer_first")
+    b = backend({"host_cache_blocks": 16, "disk_cache_blocks": 0, "interface_v1": 0}, pool)
+    idx, want = fill(pool, 2, seed=51)
+    kv = str(PoolName.KV)
+    put = b.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=idx, keys=["v0", "v1"])])
+    assert list(put.values()) == [[True, True]]
+    found = b.batch_exists_v2(["v0", "v1", "none"], [])
+    assert found.kv_hit_pages == 2 and found.extra_pool_hit_pages.get(kv) == 2, found
+    dst = pool.alloc(2 * PAGE)
+    got = b.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=dst, keys=["v0", "v1"])])
+    assert list(got.values()) == [[True, True]]
+    for i in range(2):
+        assert torch.equal(page_of(pool, dst, i), want[i])
+    # The classic calls' flat pages are another form: not found by the classic query.
+    assert b.batch_exists(["v0"]) == 0
