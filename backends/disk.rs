@@ -171,7 +171,7 @@ impl DiskTier {
 
     /// Opens the tier's persisted file for `identity` (what its blocks are: a store's namespace)
     /// in `opts.dir`, created when there is none, and returns the `(block, key)` pairs its saved
-    /// index names ([`crate::tier::Persistent::save_index`]); each of those blocks is verified
+    /// index names ([`crate::tier::Persistent::save_entries`]); each of those blocks is verified
     /// against its saved checksum when read, so a block rewritten after the save is
     /// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt), never the old key's bytes. The file
     /// outlives the tier. One process at a time holds a file; a second process with the same
@@ -267,10 +267,6 @@ impl DiskTier {
 }
 
 impl crate::tier::Persistent for DiskTier {
-    fn save_index(&self, keys: &[(usize, u128)]) -> Result<()> {
-        self.slots.save_index(self.identity()?, keys)
-    }
-
     fn checksum(&self, block: usize) -> Option<u64> {
         self.slots.checksum(block)
     }

@@ -168,17 +168,15 @@ pub trait StorageTier: Send + Sync + Debug {
 /// business). Saving is a point in time: blocks written afterwards are found by a later
 /// process only after the next save; a block rewritten since is caught by its checksum.
 pub trait Persistent: Send + Sync {
-    /// Records `(block, key)` for every block the owner holds (and holds still while this runs,
-    /// so no block is rewritten meanwhile).
-    fn save_index(&self, keys: &[(usize, u128)]) -> Result<()>;
-
     /// The checksum of `block`'s last complete write (`None`: never written, or a write failed
     /// part-way). An owner that cannot hold blocks still (a worker: the leader reuses them)
     /// takes it right after the write it keys, when it still describes that write.
     fn checksum(&self, block: usize) -> Option<u64>;
 
     /// Records `(block, key, checksum)` entries, each checksum taken by [`Persistent::checksum`]
-    /// right after the write of that key: a block rewritten since fails it on read.
+    /// while the block held that key's write (right after the write, or while the owner holds
+    /// the block or sees its key unchanged around the read): a block rewritten since fails it
+    /// on read.
     fn save_entries(&self, entries: &[(usize, u128, u64)]) -> Result<()>;
 }
 

@@ -99,23 +99,6 @@ impl SlotFile {
         ))
     }
 
-    /// Saves the index of a persisted file: `keys` are `(block, key)` of the blocks the owner
-    /// holds (held, so none changes meanwhile); blocks never (completely) written are left out.
-    pub(crate) fn save_index(&self, identity: &str, keys: &[(usize, u128)]) -> Result<()> {
-        let entries: Vec<IndexEntry> = keys
-            .iter()
-            .filter_map(|&(slot, key)| {
-                let checksum = self.checksum(slot)?;
-                Some(IndexEntry {
-                    slot,
-                    key,
-                    checksum,
-                })
-            })
-            .collect();
-        self.save_entries(identity, &entries)
-    }
-
     /// The checksum recorded for `block`'s last complete write, if any.
     pub(crate) fn checksum(&self, block: usize) -> Option<u64> {
         *self.checksums.get(block)?.read()
