@@ -170,6 +170,22 @@ class FakeTensor:
         return FakeTensor(self.np.reshape(*args), str(self.device))
 
 
+class PoolRegion:
+    """A TensorRT-LLM ``KvCacheRegion`` (KV cache manager V2's layout) over the numpy array
+    ``pool`` (``[slots, layers, 2, BS * INNER]``): one slot a page of ``layer_ids``' keys and
+    values, as the region of a layer group (or of a pool every group of one page size shares)."""
+
+    def __init__(self, pool, layer_ids):
+        self._u8 = pool.view(np.uint8).reshape(pool.shape[0], -1)
+        self.base = int(pool.ctypes.data)
+        self.num_slots = pool.shape[0]
+        self.size = self.stride = self._u8.shape[1]
+        self.buffers = tuple((l, role) for l in layer_ids for role in ("key", "value"))
+
+    def as_tensor(self):
+        return FakeTensor(self._u8)
+
+
 class TrtllmCache:
     """TensorRT-LLM's primary pool ``[num_blocks, num_layers, 2, tokens_per_block * inner]``."""
 

@@ -21,26 +21,12 @@ SLOTS = 48
 BAD = trtllm.BAD_PAGE_INDEX
 
 
-class _Region:
-    """A ``KvCacheRegion`` over ``pool`` (``[slots, layers, 2, BS * INNER]``)."""
-
-    def __init__(self, pool, layer_ids):
-        self._u8 = pool.view(np.uint8).reshape(pool.shape[0], -1)
-        self.base = int(pool.ctypes.data)
-        self.num_slots = pool.shape[0]
-        self.size = self.stride = self._u8.shape[1]
-        self.buffers = tuple((l, role) for l in layer_ids for role in ("key", "value"))
-
-    def as_tensor(self):
-        return E.FakeTensor(self._u8)
-
-
 class _Group:
     def __init__(self, gid, layer_ids, window, pool, replicated=()):
         self.layer_group_id = gid
         self.layer_ids = tuple(layer_ids)
         self.window_size = window
-        self.regions = (_Region(pool, layer_ids),)
+        self.regions = (E.PoolRegion(pool, layer_ids),)
         self.replicated_regions = tuple(replicated)
 
 
@@ -314,7 +300,7 @@ def test_pools_agree_on_the_largest_hit_each_can_serve(monkeypatch):
     from kvbm_connector import _trtllm_pools as P
 
     arrays = [_Pool(1, 8), _Pool(5, 8), _Pool(5, 8)]
-    pools = [P.Pool((k,), _Region(a.array, range(1)), 1) for k, a in enumerate(arrays)]
+    pools = [P.Pool((k,), E.PoolRegion(a.array, range(1)), 1) for k, a in enumerate(arrays)]
     leaders = [
         _FakeLeader(8 * E.BS),
         _FakeLeader(6 * E.BS, lambda h: h in (6 * E.BS, 5 * E.BS)),

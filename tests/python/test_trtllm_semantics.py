@@ -389,27 +389,12 @@ def test_a_sliding_layout_whose_window_llm_args_does_not_give_is_refused():
     assert "max_attention_window says None" in ei.value.message, ei.value.message
 
 
-class _PoolRegion:
-    """A ``KvCacheRegion`` over ``pool`` (``[slots, layers, 2, BS * INNER]``), which every layer
-    group of the layout shares (TensorRT-LLM's pool group for groups of one page size)."""
-
-    def __init__(self, pool, layer_ids):
-        self._u8 = pool.view(np.uint8).reshape(pool.shape[0], -1)
-        self.base = int(pool.ctypes.data)
-        self.num_slots = pool.shape[0]
-        self.size = self.stride = self._u8.shape[1]
-        self.buffers = tuple((l, role) for l in layer_ids for role in ("key", "value"))
-
-    def as_tensor(self):
-        return E.FakeTensor(self._u8)
-
-
 class _SharedGroup:
     def __init__(self, gid, layer_ids, window, pool):
         self.layer_group_id = gid
         self.layer_ids = tuple(layer_ids)
         self.window_size = window
-        self.regions = (_PoolRegion(pool, layer_ids),)
+        self.regions = (E.PoolRegion(pool, layer_ids),)
         self.replicated_regions = ()
 
 
