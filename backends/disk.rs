@@ -47,7 +47,7 @@ use crate::error::Result;
 use crate::layout::{Layout, LayoutDims};
 use crate::tier::{Capability, StorageTier, TierKind};
 
-pub use super::slot_file::DISK_ALIGNMENT;
+pub use super::slot_file::{DISK_ALIGNMENT, INDEX_SAVE_WITHIN};
 
 /// Default for [`DiskTierOptions::max_in_flight`].
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 4;
@@ -72,6 +72,11 @@ pub struct DiskTierOptions {
     /// also the number of bounce buffers kept for reuse. Default [`DEFAULT_MAX_IN_FLIGHT`] (4);
     /// must be non-zero.
     pub max_in_flight: usize,
+    /// How soon after a change a persisted tier's index is saved, whether or not more writes come
+    /// (a background thread; also saved when the tier is closed and on SIGTERM, SIGHUP or SIGINT
+    /// where the process leaves them to their default action). Default [`INDEX_SAVE_WITHIN`]
+    /// (2 s): a process killed outright loses at most the blocks stored in that time.
+    pub index_save_within: std::time::Duration,
 }
 
 impl DiskTierOptions {
@@ -82,6 +87,7 @@ impl DiskTierOptions {
             direct_io: true,
             persist: false,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            index_save_within: INDEX_SAVE_WITHIN,
         }
     }
 
@@ -96,6 +102,13 @@ impl DiskTierOptions {
     #[must_use]
     pub fn with_persist(mut self, persist: bool) -> Self {
         self.persist = persist;
+        self
+    }
+
+    /// Sets [`Self::index_save_within`].
+    #[must_use]
+    pub fn with_index_save_within(mut self, within: std::time::Duration) -> Self {
+        self.index_save_within = within;
         self
     }
 
@@ -171,7 +184,7 @@ impl DiskTier {
 
     /// Opens the tier's persisted file for `identity` (what its blocks are: a store's namespace)
     /// in `opts.dir`, created when there is none, and returns the `(block, key)` pairs its saved
-    /// index names ([`crate::tier::Persistent::save_entries`]); each of those blocks is verified
+    /// index names ([`crate::tier::Persistent::bind`]); each of those blocks is verified
     /// against its saved checksum when read, so a block rewritten after the save is
     /// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt), never the old key's bytes. The file
     /// outlives the tier. One process at a time holds a file; a second process with the same
@@ -271,26 +284,24 @@ impl crate::tier::Persistent for DiskTier {
         self.slots.checksum(block)
     }
 
-    fn save_entries(&self, entries: &[(usize, u128, u64)]) -> Result<()> {
-        let entries: Vec<super::persist::IndexEntry> = entries
-            .iter()
-            .map(|&(slot, key, checksum)| super::persist::IndexEntry {
-                slot,
-                key,
-                checksum,
-            })
-            .collect();
-        self.slots.save_entries(self.identity()?, &entries)
+    fn bind(&self, entries: &[(usize, u128, u64)]) {
+        self.slots.bind(entries);
     }
-}
 
-impl DiskTier {
-    fn identity(&self) -> Result<&str> {
-        self.identity.as_deref().ok_or_else(|| {
-            crate::error::Error::unsupported(
-                "this disk tier was not opened persisted (DiskTier::open_persistent)",
-            )
-        })
+    fn unbind(&self, blocks: &[usize]) {
+        self.slots.unbind(blocks);
+    }
+
+    fn prepare_rewrite(&self, blocks: &[usize]) -> Result<()> {
+        self.slots.prepare_rewrite(blocks)
+    }
+
+    fn clear(&self) -> Result<()> {
+        self.slots.clear_index()
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.slots.flush_index()
     }
 }
 

@@ -24,6 +24,7 @@ pub mod persist;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod remote;
+pub mod shutdown;
 mod slot_file;
 pub mod standard;
 

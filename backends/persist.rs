@@ -1,22 +1,34 @@
 //! The index that lets a disk tier's file outlive its process (`disk.persist`): which slot holds
 //! which key, with the checksum of what was written there, saved beside the slot file and read
-//! back when a later process opens the same file.
+//! back when a later process opens the same file; and its journal of withdrawn slots.
 //!
-//! File `<slot file>.index`, written whole to a temporary file, `fsync`ed and renamed over the old
-//! one (a reader sees the previous index or the new one, never half of one), after the slot file's
-//! data is synced (so no entry names bytes that are not on disk):
+//! File `<slot file>.index`, written whole to a temporary file, `fsync`ed, renamed over the old
+//! one and the directory `fsync`ed (a reader sees the previous index or the new one, never half
+//! of one), after the slot file's data is synced (so no entry names bytes that are not on disk):
 //!
 //! ```text
-//! "KVBMIDX1" | u32 header length | header (JSON: identity, kind, bytes_per_block, slot_bytes,
-//! num_blocks) | u64 count | count × (u64 slot, u128 key, u64 checksum) | u64 xxh3 of all before
+//! "KVBMIDX2" | u32 header length | header (JSON: identity, kind, bytes_per_block, slot_bytes,
+//! num_blocks, generation) | u64 count | count × (u64 slot, u128 key, u64 sealed checksum) |
+//! u64 xxh3 of all before
 //! ```
 //!
+//! An entry's checksum is *sealed* with its key (the xxh3-64 of the block's image xor the xxh3-64
+//! of the key's 16 bytes): an entry that pairs a key with another key's slot and checksum
+//! unseals to a checksum the slot's bytes do not have, so it reads as corrupt, never as the other
+//! key's bytes.
+//!
+//! File `<slot file>.index.drop`, the journal: records of 24 bytes, `(u64 generation, u64 slot,
+//! u64 xxh3 of the 16 before)`, each appended and `fdatasync`ed *before* a slot the index on disk
+//! names is rewritten. Reading an index drops every entry whose slot a journal record of the same
+//! generation names (a record of another generation, or a torn or damaged one, is ignored), so
+//! a reopened index never announces a slot that was being rewritten when the process died. Each
+//! save writes a new generation and then a journal of only the records that name it.
+//!
 //! Every integer little-endian. Reading is bounded (the header at most [`MAX_HEADER`] bytes, at
-//! most `num_blocks` entries, the file exactly the length these give) and verified (the trailing
-//! checksum); an index that fails either is ignored with a warning (the tier starts empty), never
-//! trusted. An entry only says what a slot should hold: each read still verifies the slot's bytes
-//! against the entry's checksum, so a slot rewritten after the index was saved reads as corrupt,
-//! never as the old key's bytes.
+//! most `num_blocks` entries and [`MAX_JOURNAL_RECORDS`] records, the file exactly the length these
+//! give) and verified (the trailing checksum); an index that fails either is ignored with a
+//! warning (the tier starts empty), never trusted. An entry only says what a slot should hold:
+//! each read still verifies the slot's bytes against the entry's checksum.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -25,12 +37,20 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
 
-const MAGIC: &[u8; 8] = b"KVBMIDX1";
+const MAGIC: &[u8; 8] = b"KVBMIDX2";
+/// The magic of the format before sealed checksums and generations: read as "no index".
+const OLD_MAGIC: &[u8; 8] = b"KVBMIDX1";
 /// The most bytes of a header read.
 pub const MAX_HEADER: usize = 64 * 1024;
 const ENTRY: usize = 8 + 16 + 8;
+/// Bytes of one journal record.
+pub const RECORD: usize = 8 + 8 + 8;
+/// The most journal records read (the rest of a longer journal is ignored, with a warning: its
+/// entries are then all dropped, see [`load`]).
+pub const MAX_JOURNAL_RECORDS: usize = 1 << 24;
 
-/// What a persisted file was written for; a reopening tier must agree on every field.
+/// What a persisted file was written for; a reopening tier must agree on every field but the
+/// generation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IndexHeader {
     /// What the blocks are (e.g. a page store's namespace): a tier for something else refuses it.
@@ -43,6 +63,9 @@ pub struct IndexHeader {
     pub slot_bytes: usize,
     /// Slots in the file.
     pub num_blocks: usize,
+    /// Which save this is (each save writes the next one); the journal's records name it.
+    #[serde(default)]
+    pub generation: u64,
 }
 
 impl IndexHeader {
@@ -104,37 +127,51 @@ pub struct IndexEntry {
     pub slot: usize,
     /// The key the owner stored there.
     pub key: u128,
-    /// xxh3-64 of the block's canonical image.
+    /// xxh3-64 of the block's canonical image (unsealed: as the tier verifies it).
     pub checksum: u64,
+}
+
+/// The seal of `key`: what an entry's checksum is xored with on disk.
+fn seal(key: u128) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(&key.to_le_bytes())
 }
 
 /// The index path of a slot file.
 pub fn index_path(slot_file: &Path) -> PathBuf {
-    let mut p = slot_file.as_os_str().to_owned();
-    p.push(".index");
+    with_suffix(slot_file, ".index")
+}
+
+/// The journal path of a slot file.
+pub fn journal_path(slot_file: &Path) -> PathBuf {
+    with_suffix(slot_file, ".index.drop")
+}
+
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(suffix);
     PathBuf::from(p)
 }
 
-/// Writes the index of `slot_file` (see the module docs). The caller syncs the slot file first.
-pub fn save(slot_file: &Path, header: &IndexHeader, entries: &[IndexEntry]) -> Result<()> {
-    let head =
-        serde_json::to_vec(header).map_err(|e| Error::internal(format!("index header: {e}")))?;
-    let mut buf = Vec::with_capacity(8 + 4 + head.len() + 8 + entries.len() * ENTRY + 8);
-    buf.extend_from_slice(MAGIC);
-    buf.extend_from_slice(&(head.len() as u32).to_le_bytes());
-    buf.extend_from_slice(&head);
-    buf.extend_from_slice(&(entries.len() as u64).to_le_bytes());
-    for e in entries {
-        buf.extend_from_slice(&(e.slot as u64).to_le_bytes());
-        buf.extend_from_slice(&e.key.to_le_bytes());
-        buf.extend_from_slice(&e.checksum.to_le_bytes());
-    }
-    let sum = xxhash_rust::xxh3::xxh3_64(&buf);
-    buf.extend_from_slice(&sum.to_le_bytes());
-    let path = index_path(slot_file);
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
+/// One journal record: `slot` is withdrawn from the index of `generation`.
+pub fn record(generation: u64, slot: usize) -> [u8; RECORD] {
+    let mut r = [0u8; RECORD];
+    r[..8].copy_from_slice(&generation.to_le_bytes());
+    r[8..16].copy_from_slice(&(slot as u64).to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&r[..16]);
+    r[16..].copy_from_slice(&sum.to_le_bytes());
+    r
+}
+
+/// Writes `bytes` to `path` durably and atomically: a temporary file beside it, `fsync`ed,
+/// renamed over `path`, and the directory `fsync`ed (so the rename itself survives a crash).
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomically_tracked(path, bytes, &mut false)
+}
+
+/// [`write_atomically`], setting `renamed` once the rename is done (an error after it leaves
+/// the new file in place, possibly not yet durable).
+fn write_atomically_tracked(path: &Path, bytes: &[u8], renamed: &mut bool) -> Result<()> {
+    let tmp = with_suffix(path, ".tmp");
     let io = |op: &'static str, e: std::io::Error| Error::io(op, e).with("path", path.display());
     {
         use std::os::unix::fs::OpenOptionsExt;
@@ -146,15 +183,53 @@ pub fn save(slot_file: &Path, header: &IndexHeader, entries: &[IndexEntry]) -> R
             .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)
             .map_err(|e| io("create", e))?;
-        f.write_all(&buf).map_err(|e| io("write", e))?;
+        f.write_all(bytes).map_err(|e| io("write", e))?;
         f.sync_all().map_err(|e| io("fsync", e))?;
     }
-    std::fs::rename(&tmp, &path).map_err(|e| io("rename", e))
+    std::fs::rename(&tmp, path).map_err(|e| io("rename", e))?;
+    *renamed = true;
+    sync_dir(path).map_err(|e| io("fsync (directory)", e))
 }
 
-/// Reads the index of `slot_file`: `None` when there is none, or when it is damaged (logged);
-/// the header it was written with otherwise, and its entries (each slot below the header's
-/// `num_blocks` and named once; others dropped).
+/// `fsync`s the directory holding `path`.
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Writes the index of `slot_file` (see the module docs): `header.generation` is the save's.
+/// The caller syncs the slot file first. `renamed` is set once the new index replaced the old
+/// one (an error after that leaves it in place).
+pub fn save(
+    slot_file: &Path,
+    header: &IndexHeader,
+    entries: &[IndexEntry],
+    renamed: &mut bool,
+) -> Result<()> {
+    let head =
+        serde_json::to_vec(header).map_err(|e| Error::internal(format!("index header: {e}")))?;
+    let mut buf = Vec::with_capacity(8 + 4 + head.len() + 8 + entries.len() * ENTRY + 8);
+    buf.extend_from_slice(MAGIC);
+    buf.extend_from_slice(&(head.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&head);
+    buf.extend_from_slice(&(entries.len() as u64).to_le_bytes());
+    for e in entries {
+        buf.extend_from_slice(&(e.slot as u64).to_le_bytes());
+        buf.extend_from_slice(&e.key.to_le_bytes());
+        buf.extend_from_slice(&(e.checksum ^ seal(e.key)).to_le_bytes());
+    }
+    let sum = xxhash_rust::xxh3::xxh3_64(&buf);
+    buf.extend_from_slice(&sum.to_le_bytes());
+    write_atomically_tracked(&index_path(slot_file), &buf, renamed)
+}
+
+/// Reads the index of `slot_file`: `None` when there is none, or when it is damaged or of the
+/// older format (logged); the header it was written with otherwise, and its entries (each slot
+/// below the header's `num_blocks` and named once; others dropped), less those its journal
+/// withdrew.
 pub fn load(slot_file: &Path, num_blocks_bound: usize) -> Option<(IndexHeader, Vec<IndexEntry>)> {
     let path = index_path(slot_file);
     let bytes = match std::fs::read(&path) {
@@ -165,13 +240,76 @@ pub fn load(slot_file: &Path, num_blocks_bound: usize) -> Option<(IndexHeader, V
             return None;
         }
     };
-    match parse(&bytes, num_blocks_bound) {
-        Ok(v) => Some(v),
+    let (header, mut entries) = match parse(&bytes, num_blocks_bound) {
+        Ok(v) => v,
         Err(why) => {
             tracing::warn!(path = %path.display(), %why, "disk index damaged; the tier starts empty");
-            None
+            return None;
+        }
+    };
+    let withdrawn = match withdrawn_slots(slot_file, header.generation, header.num_blocks) {
+        Ok(w) => w,
+        Err(why) => {
+            // Which slots were being rewritten is unknown: no entry can be trusted to be current.
+            tracing::warn!(path = %journal_path(slot_file).display(), %why,
+                "disk index journal unreadable; the tier starts empty");
+            return None;
+        }
+    };
+    if !withdrawn.is_empty() {
+        let before = entries.len();
+        entries.retain(|e| !withdrawn.get(e.slot).copied().unwrap_or(false));
+        tracing::info!(path = %path.display(), withdrawn = before - entries.len(),
+            "disk index: slots being rewritten when the index was last saved are not served");
+    }
+    Some((header, entries))
+}
+
+/// The slots the journal withdraws from the index of `generation` (`true` at each), for a file of
+/// `num_blocks` slots. No journal: none. A torn last record (a crash while appending) is ignored;
+/// a record whose checksum fails, or a journal too long to read, is an error.
+fn withdrawn_slots(
+    slot_file: &Path,
+    generation: u64,
+    num_blocks: usize,
+) -> std::result::Result<Vec<bool>, String> {
+    use std::io::Read;
+    let path = journal_path(slot_file);
+    let f = match std::fs::File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let limit = (MAX_JOURNAL_RECORDS * RECORD) as u64;
+    let mut bytes = Vec::new();
+    f.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > limit {
+        return Err(format!("more than {MAX_JOURNAL_RECORDS} records"));
+    }
+    let mut out = Vec::new();
+    for r in bytes.chunks_exact(RECORD) {
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&r[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(w)
+        };
+        if xxhash_rust::xxh3::xxh3_64(&r[..16]) != word(2) {
+            return Err("a damaged record".into());
+        }
+        if word(0) != generation {
+            continue;
+        }
+        let slot = usize::try_from(word(1)).unwrap_or(usize::MAX);
+        if slot < num_blocks {
+            if out.len() < num_blocks {
+                out.resize(num_blocks, false);
+            }
+            out[slot] = true;
         }
     }
+    Ok(out)
 }
 
 fn parse(
@@ -183,7 +321,11 @@ fn parse(
             .and_then(|end| bytes.get(at..end))
             .ok_or_else(|| "truncated".to_string())
     };
-    if take(0, 8)? != MAGIC {
+    let magic = take(0, 8)?;
+    if magic == OLD_MAGIC {
+        return Err("written in an older format (KVBMIDX1, checksums not sealed with keys)".into());
+    }
+    if magic != MAGIC {
         return Err("not an index (magic)".into());
     }
     let body_len = bytes.len().checked_sub(8).ok_or("truncated")?;
@@ -213,13 +355,13 @@ fn parse(
         let e = &bytes[at + 8 + i * ENTRY..at + 8 + (i + 1) * ENTRY];
         let slot = u64::from_le_bytes(e[..8].try_into().map_err(|_| "entry")?) as usize;
         let key = u128::from_le_bytes(e[8..24].try_into().map_err(|_| "entry")?);
-        let checksum = u64::from_le_bytes(e[24..].try_into().map_err(|_| "entry")?);
+        let sealed = u64::from_le_bytes(e[24..].try_into().map_err(|_| "entry")?);
         if slot < seen.len() && !seen[slot] {
             seen[slot] = true;
             entries.push(IndexEntry {
                 slot,
                 key,
-                checksum,
+                checksum: sealed ^ seal(key),
             });
         }
     }
@@ -237,6 +379,7 @@ mod tests {
             bytes_per_block: 100,
             slot_bytes: 4096,
             num_blocks: 4,
+            generation: 3,
         }
     }
 
@@ -257,7 +400,7 @@ mod tests {
                 checksum: 1,
             },
         ];
-        save(&f, &header(), &entries).unwrap();
+        save(&f, &header(), &entries, &mut false).unwrap();
         assert_eq!(load(&f, 4), Some((header(), entries.clone())));
         // Bounded by the caller's slot count: entries beyond it are dropped, not trusted.
         assert!(load(&f, 1).is_none(), "two entries for one slot: refused");

@@ -45,6 +45,9 @@ use xxhash_rust::xxh3::Xxh3;
 
 mod persisted;
 
+pub(crate) use persisted::flush_all_persisted;
+pub use persisted::INDEX_SAVE_WITHIN;
+
 use super::disk::DiskTierOptions;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -80,6 +83,8 @@ pub(crate) struct SlotFile {
     slot_bytes: usize,
     /// Checksum of each block's last complete write; `None` = never (successfully) written.
     checksums: Box<[RwLock<Option<u64>>]>,
+    /// A persisted file's index, kept durable (`persisted.rs`); `None` otherwise.
+    durable: Option<std::sync::Arc<persisted::Durable>>,
 }
 
 impl std::fmt::Debug for SlotFile {
@@ -167,6 +172,7 @@ impl SlotFile {
             persist: opts.persist,
             slot_bytes,
             checksums: (0..num_blocks).map(|_| RwLock::new(None)).collect(),
+            durable: None,
         })
     }
 
@@ -282,6 +288,8 @@ impl SlotFile {
         )?;
         let mut guard = self.checksum_lock("write_block", block)?.write();
         let checksum = hash_segments(src);
+        // A persisted index withdraws the block first: refused (nothing written) if it cannot.
+        self.before_write(block)?;
         *guard = None;
         write(src)?;
         *guard = Some(checksum);
@@ -377,15 +385,6 @@ fn direct_setup(
                 "O_DIRECT unavailable; disk tier falls back to buffered I/O"
             );
             Ok((false, Some(reason)))
-        }
-    }
-}
-
-impl Drop for SlotFile {
-    /// Removes the file unless [`DiskTierOptions::persist`] was set.
-    fn drop(&mut self) {
-        if !self.persist {
-            remove_quietly(&self.path);
         }
     }
 }

@@ -56,6 +56,7 @@ impl TierFactory for StandardTiers {
             direct_io: config.disk.direct_io,
             persist: config.disk.persist,
             max_in_flight: config.disk.max_in_flight,
+            ..DiskTierOptions::new("")
         };
         let nixl_disk = counts.num_disk_blocks > 0 && config.disk.io == DiskIo::Nixl;
         let mut disk = if nixl_disk {
@@ -173,6 +174,7 @@ pub fn page_store(config: &Config, namespace: &str, page_bytes: usize) -> Result
             direct_io: config.disk.direct_io,
             persist: config.disk.persist,
             max_in_flight: config.disk.max_in_flight,
+            ..DiskTierOptions::new("")
         };
         if config.disk.persist {
             // The pages outlive the process: reopened when the namespace, the page size and

@@ -49,10 +49,6 @@ pub struct PageStoreTiers {
     pub disk_index: Vec<(usize, u128)>,
 }
 
-/// How often a put saves a persisted tier's index (also saved by [`PageStore::flush`] and when
-/// the store is dropped).
-pub const SAVE_EVERY: Duration = Duration::from_secs(5);
-
 /// How a [`PageStore`] talks to its remote store.
 #[derive(Debug, Clone, Copy)]
 pub struct PageStoreOptions {
@@ -230,10 +226,6 @@ pub struct PageStore {
     /// Sightings of pages, for the disk and remote admission.
     filter: parking_lot::Mutex<FrequencyFilter>,
     counters: Counters,
-    /// When a persisted tier's index was last saved.
-    last_save: parking_lot::Mutex<Instant>,
-    /// Held while the indexes are saved (one save at a time).
-    saving: parking_lot::Mutex<()>,
     /// The machine's cores (the most I/O threads a call uses).
     cores: usize,
 }
@@ -400,65 +392,20 @@ impl PageStore {
             filter: parking_lot::Mutex::new(filter),
             options,
             counters: Counters::default(),
-            last_save: parking_lot::Mutex::new(Instant::now()),
-            saving: parking_lot::Mutex::new(()),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         })
     }
 
     /// Saves the index of every persisted tier now (see [`crate::tier::Persistent`]): the pages
-    /// they hold are found again by the next process that opens them.
+    /// they hold are found again by the next process that opens them. (A persisted tier also
+    /// saves on its own within its bound of a change, and when it is closed.)
     pub fn flush(&self) -> Result<()> {
-        *self.last_save.lock() = Instant::now();
-        self.save_indexes()
-    }
-
-    /// Saves each persisted tier's index, one save at a time (they share the index's temporary
-    /// file), without holding any block, so puts keep evicting while the data is synced and the
-    /// index written. Each entry pairs a block's key with the checksum of the bytes it held; a
-    /// block whose key changed between the two snapshots of the pool around the checksum reads
-    /// (evicted and rewritten meanwhile) is left out, and one rewritten after them fails the saved
-    /// checksum at the next start: a miss, never another key's bytes.
-    fn save_indexes(&self) -> Result<()> {
-        let _one_at_a_time = self.saving.lock();
         for level in &self.levels {
             if let Some(p) = level.tier.persistent() {
-                let before = level.pool.registered();
-                // A block is registered only after its write recorded the checksum, and a
-                // rewrite clears it first: a key still on its block afterwards had these bytes.
-                let mut entries: Vec<(usize, u128, u64)> = before
-                    .iter()
-                    .filter_map(|&(key, block)| Some((block, key.0, p.checksum(block)?)))
-                    .collect();
-                let after = level.pool.registered(); // sorted by block
-                entries.retain(|&(block, key, _)| {
-                    after
-                        .binary_search_by_key(&block, |&(_, b)| b)
-                        .is_ok_and(|i| after[i].0 .0 == key)
-                });
-                p.save_entries(&entries)
-                    .map_err(|e| e.with("tier", level.tier.kind()))?;
+                p.flush().map_err(|e| e.with("tier", level.tier.kind()))?;
             }
         }
         Ok(())
-    }
-
-    /// Saves the indexes when [`SAVE_EVERY`] has passed since the last save; the first caller
-    /// past it claims the save, the others go on.
-    fn maybe_save(&self) {
-        if !self.levels.iter().any(|l| l.tier.persistent().is_some()) {
-            return;
-        }
-        {
-            let mut last = self.last_save.lock();
-            if last.elapsed() < SAVE_EVERY {
-                return;
-            }
-            *last = Instant::now();
-        }
-        if let Err(e) = self.save_indexes() {
-            tracing::warn!(error = %e, "page store: the persisted index was not saved");
-        }
     }
 
     /// Bytes of one page.
@@ -577,7 +524,6 @@ impl PageStore {
             &self.counters.put_stored,
             held.iter().filter(|h| **h).count(),
         );
-        self.maybe_save();
         Ok(held)
     }
 
@@ -600,29 +546,54 @@ impl PageStore {
             }
         }
         let blocks = level.pool.allocate_up_to(todo.len());
+        let persistent = level.tier.persistent();
+        if let Some(p) = persistent {
+            // Withdrawn from the index on disk in one sync, before any of them is rewritten.
+            let ids: Vec<usize> = blocks.iter().map(|b| b.block_id()).collect();
+            if let Err(e) = p.prepare_rewrite(&ids) {
+                tracing::warn!(tier = %level.tier.kind(), error = %e,
+                    "page store: pages not written (the persisted index could not withdraw their blocks)");
+                return;
+            }
+        }
+        // (block, page, the block's checksum right after the write: None until it succeeds)
         let mut jobs: Vec<_> = blocks
             .into_iter()
             .zip(&todo)
-            .map(|(block, &i)| (block, i, false))
+            .map(|(block, &i)| (block, i, None::<Option<u64>>))
             .collect();
         let workers = self.io_workers(jobs.len());
         for_each_shared(&mut jobs, workers, |(block, i, ok)| {
             match level.tier.write_block(block.block_id(), &pages[*i]) {
-                Ok(()) => *ok = true,
+                // Taken while the block is still ours: it describes this write.
+                Ok(()) => *ok = Some(persistent.and_then(|p| p.checksum(block.block_id()))),
                 Err(e) => tracing::warn!(
                     tier = %level.tier.kind(), error = %e, "page store: a page write failed"
                 ),
             }
         });
         // A block whose write failed goes back to the free list when dropped here.
+        let mut bind = Vec::new();
         let written: Vec<_> = jobs
             .into_iter()
-            .filter(|j| j.2)
-            .map(|(block, i, _)| (block, keys[i]))
+            .filter_map(|(block, i, ok)| {
+                let checksum = ok?;
+                if let Some(c) = checksum {
+                    bind.push((block.block_id(), keys[i].0, c));
+                }
+                Some((block, keys[i]))
+            })
             .collect();
         let (_, errors) = level.pool.register_all(written);
         for e in errors {
             tracing::warn!(tier = %level.tier.kind(), error = %e, "page store: a page was not registered");
+        }
+        if let Some(p) = persistent {
+            // A block registered and evicted again meanwhile was rewritten: its entry is
+            // dropped by the tier (the checksum no longer matches). One whose registration
+            // failed holds nothing the pool knows: not bound.
+            bind.retain(|&(b, k, _)| level.pool.holds(SequenceHash(k), b));
+            p.bind(&bind);
         }
         // A key is held wherever a copy of it is (duplicates within the call included).
         for (i, key) in keys.iter().enumerate() {
@@ -733,6 +704,9 @@ impl PageStore {
                 }
                 tracing::warn!(tier = %level.tier.kind(), block = block.block_id(), error = %e,
                     "page store: a stored page was not served and is withdrawn");
+                if let Some(p) = level.tier.persistent() {
+                    p.unbind(&[block.block_id()]);
+                }
                 level.pool.unregister(&block);
                 false
             }
@@ -826,15 +800,27 @@ impl PageStore {
     }
 
     /// Forgets every page of the local levels (their blocks are reused); pages being read finish
-    /// first. The shared store is not cleared: other instances use it.
-    pub fn clear(&self) {
+    /// first. A persisted tier's index is emptied on disk before this returns, so no page
+    /// stored before the clear comes back after a crash or restart. The shared store is not
+    /// cleared: other instances use it.
+    ///
+    /// Errors: a persisted tier's empty index could not be written ([`ErrorKind::Io`]); its
+    /// pages are forgotten in this process all the same, and the index is saved again later.
+    pub fn clear(&self) -> Result<()> {
+        let mut first = None;
         for level in &self.levels {
             for (key, _) in level.pool.registered() {
                 if let Some(block) = level.pool.match_prefix(&[key]).pop() {
                     level.pool.unregister(&block);
                 }
             }
+            if let Some(p) = level.tier.persistent() {
+                if let Err(e) = p.clear() {
+                    first.get_or_insert(e.with("tier", level.tier.kind()));
+                }
+            }
         }
+        first.map_or(Ok(()), Err)
     }
 
     /// Its counters.

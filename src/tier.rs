@@ -163,21 +163,43 @@ pub trait StorageTier: Send + Sync + Debug {
 }
 
 /// A tier whose blocks outlive the process (the optional capability behind
-/// [`StorageTier::persistent`]): its owner, who knows which key each block holds, saves that
-/// map with it, and gets it back when a later process reopens the tier (how is the backend's
-/// business). Saving is a point in time: blocks written afterwards are found by a later
-/// process only after the next save; a block rewritten since is caught by its checksum.
+/// [`StorageTier::persistent`]): its owner, who knows which key each block holds, tells the tier
+/// ([`Persistent::bind`]), and a later process that reopens the tier gets those `(block, key)`
+/// pairs back (how is the backend's business).
+///
+/// What the tier keeps on disk must describe the blocks truthfully whenever the process dies: a
+/// block being rewritten is withdrawn first (durably, where a saved index names it), the
+/// bindings are saved within a bounded time of a change without the owner's help, a
+/// [`Persistent::clear`] is on disk before it returns, and every block is still verified on
+/// read. Object safe.
 pub trait Persistent: Send + Sync {
     /// The checksum of `block`'s last complete write (`None`: never written, or a write failed
-    /// part-way). An owner that cannot hold blocks still (a worker: the leader reuses them)
-    /// takes it right after the write it keys, when it still describes that write.
+    /// part-way). An owner takes it right after the write it keys, while the block still holds
+    /// that write, and hands it to [`Persistent::bind`].
     fn checksum(&self, block: usize) -> Option<u64>;
 
-    /// Records `(block, key, checksum)` entries, each checksum taken by [`Persistent::checksum`]
-    /// while the block held that key's write (right after the write, or while the owner holds
-    /// the block or sees its key unchanged around the read): a block rewritten since fails it
-    /// on read.
-    fn save_entries(&self, entries: &[(usize, u128, u64)]) -> Result<()>;
+    /// Records that each `(block, key, checksum)` holds `key`: kept only while the block's last
+    /// complete write still has `checksum` (an entry for a block rewritten since is dropped), and
+    /// withdrawn when the block is next written.
+    fn bind(&self, entries: &[(usize, u128, u64)]);
+
+    /// Forgets what `blocks` hold (the owner dropped them, or found them damaged).
+    fn unbind(&self, blocks: &[usize]);
+
+    /// Withdraws `blocks` before the owner rewrites them, durably where a saved index names one
+    /// (one sync for the batch; a write of a block not withdrawn does it itself, alone).
+    ///
+    /// Errors: the withdrawal could not be made durable ([`ErrorKind::Io`](crate::ErrorKind::Io));
+    /// the blocks must then not be written.
+    fn prepare_rewrite(&self, blocks: &[usize]) -> Result<()>;
+
+    /// Forgets every block: when this returns, a process that reopens the tier finds none.
+    ///
+    /// Errors: the empty index could not be written ([`ErrorKind::Io`](crate::ErrorKind::Io)).
+    fn clear(&self) -> Result<()>;
+
+    /// Saves the bindings now (a clean shutdown; the tier also saves on its own).
+    fn flush(&self) -> Result<()>;
 }
 
 /// A tier's fast path for a whole batch of blocks between itself and another tier (the optional

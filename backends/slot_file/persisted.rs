@@ -2,15 +2,19 @@
 //! names, and its index saved (`persist.rs` is the index's format). A child of `slot_file.rs`,
 //! whose file protocol it shares.
 
+use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
+use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
-use parking_lot::RwLock;
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::{direct_setup, lock, open_direct_preserving, preallocate, prepare, SlotFile};
 use crate::backends::disk::DiskTierOptions;
-use crate::backends::persist::{IndexEntry, IndexHeader};
+use crate::backends::persist::{self, IndexEntry, IndexHeader};
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::{KvLayout, LayoutDims};
 use crate::tier::TierKind;
@@ -61,8 +65,9 @@ impl SlotFile {
             bytes_per_block: layout.bytes_per_block(),
             slot_bytes,
             num_blocks,
+            generation: 0,
         };
-        let entries = checked_index(kind, &want, &path, len, file_bytes)?;
+        let (generation, entries) = checked_index(kind, &want, &path, len, file_bytes)?;
         if len != file_bytes {
             preallocate(&file, file_bytes).map_err(|e| {
                 Error::io("fallocate", e)
@@ -77,6 +82,14 @@ impl SlotFile {
         for e in &entries {
             *checksums[e.slot].write() = Some(e.checksum);
         }
+        let durable = Durable::start(
+            want,
+            path.clone(),
+            &file,
+            generation,
+            &entries,
+            opts.index_save_within,
+        )?;
         tracing::info!(
             tier = %kind,
             path = %path.display(),
@@ -94,6 +107,7 @@ impl SlotFile {
                 persist: true,
                 slot_bytes,
                 checksums,
+                durable: Some(durable),
             },
             entries,
         ))
@@ -104,25 +118,410 @@ impl SlotFile {
         *self.checksums.get(block)?.read()
     }
 
-    /// Saves `entries` (slot, key and the checksum the owner recorded with the key) as the
-    /// persisted file's index. Syncs the file's data first.
-    pub(crate) fn save_entries(&self, identity: &str, entries: &[IndexEntry]) -> Result<()> {
-        if !self.persist {
-            return Err(Error::unsupported(
-                "the disk tier is not persisted (disk.persist)",
-            ));
+    /// The persisted file's durable index, if this file is persisted.
+    fn durable(&self) -> Result<&Arc<Durable>> {
+        self.durable
+            .as_ref()
+            .ok_or_else(|| Error::unsupported("the disk tier is not persisted (disk.persist)"))
+    }
+
+    /// Records that each `(block, key, checksum)` holds `key`, when the block's last complete write
+    /// still has `checksum` (else the entry is dropped: the block was rewritten since). Lock
+    /// order: the block's checksum lock, then the index's (as a write).
+    pub(crate) fn bind(&self, entries: &[(usize, u128, u64)]) {
+        let Some(d) = &self.durable else { return };
+        for &(block, key, checksum) in entries {
+            let Some(lock) = self.checksums.get(block) else {
+                continue;
+            };
+            let guard = lock.read();
+            if *guard == Some(checksum) {
+                d.bind(block, key, checksum);
+            }
         }
-        self.file
-            .sync_data()
-            .map_err(|e| Error::io("fsync", e).with("path", self.path.display()))?;
-        let header = IndexHeader {
-            identity: identity.to_string(),
-            kind: self.kind.to_string(),
-            bytes_per_block: self.layout.bytes_per_block(),
-            slot_bytes: self.slot_bytes,
-            num_blocks: self.layout.num_blocks(),
+    }
+
+    /// Forgets what `blocks` hold (the owner dropped them).
+    pub(crate) fn unbind(&self, blocks: &[usize]) {
+        if let Some(d) = &self.durable {
+            d.unbind(blocks);
+        }
+    }
+
+    /// Withdraws `blocks` from the index on disk before they are rewritten (one journal sync for
+    /// all; a later write of one of them then costs nothing more).
+    pub(crate) fn prepare_rewrite(&self, blocks: &[usize]) -> Result<()> {
+        match &self.durable {
+            Some(d) => d
+                .withdraw(blocks)
+                .map_err(|e| e.with("path", self.path.display())),
+            None => Ok(()),
+        }
+    }
+
+    /// Before a write of `block` (its checksum lock held): its entry is withdrawn, durably when
+    /// the index on disk names it.
+    pub(super) fn before_write(&self, block: usize) -> Result<()> {
+        match &self.durable {
+            Some(d) => d
+                .withdraw(&[block])
+                .map_err(|e| e.with("block", block).with("path", self.path.display())),
+            None => Ok(()),
+        }
+    }
+
+    /// Forgets every block durably: the index on disk names none when this returns.
+    pub(crate) fn clear_index(&self) -> Result<()> {
+        self.durable()?.clear()
+    }
+
+    /// Saves the index now.
+    pub(crate) fn flush_index(&self) -> Result<()> {
+        self.durable()?.save()
+    }
+}
+
+/// How soon after a change a persisted index is saved by default
+/// ([`DiskTierOptions::index_save_within`]).
+pub const INDEX_SAVE_WITHIN: Duration = Duration::from_secs(2);
+
+/// A persisted file's index as it is kept durable: which key each block holds (what the owner
+/// bound, withdrawn the moment a rewrite starts), saved by a background thread within
+/// `save_within` of a change, and, before a block the index on disk names is rewritten, a
+/// journal record that withdraws it there (see `persist.rs`). So the index on disk never names
+/// a block whose bytes are not the ones it describes, whenever the process dies.
+pub(crate) struct Durable {
+    header: IndexHeader,
+    /// The slot file's path (the index and journal sit beside it).
+    path: PathBuf,
+    /// The slot file, for syncing its data before a save.
+    file: File,
+    save_within: Duration,
+    state: Mutex<State>,
+    /// Wakes the saver thread on a change or on close.
+    wake: Condvar,
+    /// One save at a time.
+    saving: Mutex<()>,
+}
+
+struct State {
+    /// What each block holds: `(key, checksum)`.
+    bindings: HashMap<usize, (u128, u64)>,
+    /// Each generation whose index may be on disk, with the blocks it names that have not been
+    /// withdrawn by a journal record since.
+    live: Vec<(u64, HashSet<usize>)>,
+    /// The generation of the next save.
+    next_generation: u64,
+    /// Records appended since the journal was last rewritten, `(generation, block)`.
+    records: Vec<(u64, usize)>,
+    /// The journal, opened for appending.
+    journal: Arc<File>,
+    /// When the first change not yet saved was made.
+    dirty_since: Option<Instant>,
+    /// The owner is gone: the saver thread ends.
+    closed: bool,
+}
+
+impl State {
+    fn changed(&mut self) {
+        self.dirty_since.get_or_insert_with(Instant::now);
+    }
+}
+
+fn open_journal(path: &Path) -> Result<File> {
+    let jp = persist::journal_path(path);
+    OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&jp)
+        .map_err(|e| Error::io("open", e).with("path", jp.display()))
+}
+
+impl Durable {
+    /// The durable index of the file at `path` reopened with `entries` from the index of
+    /// `generation` (0: none), with its saver thread started.
+    fn start(
+        header: IndexHeader,
+        path: PathBuf,
+        file: &File,
+        generation: u64,
+        entries: &[IndexEntry],
+        save_within: Duration,
+    ) -> Result<Arc<Self>> {
+        let file = file
+            .try_clone()
+            .map_err(|e| Error::io("dup", e).with("path", path.display()))?;
+        if generation == 0 {
+            // No usable index: a journal left beside it withdraws nothing and must not name the
+            // generations this process is about to write.
+            let jp = persist::journal_path(&path);
+            if let Err(e) = std::fs::remove_file(&jp) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    return Err(Error::io("remove", e).with("path", jp.display()));
+                }
+            }
+        }
+        let journal = Arc::new(open_journal(&path)?);
+        let live = if generation == 0 {
+            Vec::new()
+        } else {
+            vec![(generation, entries.iter().map(|e| e.slot).collect())]
         };
-        crate::backends::persist::save(&self.path, &header, entries)
+        let d = Arc::new(Self {
+            header,
+            path,
+            file,
+            save_within,
+            state: Mutex::new(State {
+                bindings: entries
+                    .iter()
+                    .map(|e| (e.slot, (e.key, e.checksum)))
+                    .collect(),
+                live,
+                next_generation: generation + 1,
+                records: Vec::new(),
+                journal,
+                dirty_since: None,
+                closed: false,
+            }),
+            wake: Condvar::new(),
+            saving: Mutex::new(()),
+        });
+        let weak = Arc::downgrade(&d);
+        std::thread::Builder::new()
+            .name("kvbm-index-save".into())
+            .spawn(move || saver(weak))
+            .map_err(|e| Error::io("spawn the index saver thread", e))?;
+        LIVE.lock().push(Arc::downgrade(&d));
+        crate::backends::shutdown::install();
+        Ok(d)
+    }
+
+    fn bind(&self, block: usize, key: u128, checksum: u64) {
+        let mut st = self.state.lock();
+        if st.bindings.insert(block, (key, checksum)) != Some((key, checksum)) {
+            st.changed();
+            self.wake.notify_one();
+        }
+    }
+
+    fn unbind(&self, blocks: &[usize]) {
+        let mut st = self.state.lock();
+        let mut any = false;
+        for b in blocks {
+            any |= st.bindings.remove(b).is_some();
+        }
+        if any {
+            st.changed();
+            self.wake.notify_one();
+        }
+    }
+
+    /// Withdraws `blocks`: forgets their bindings, and when an index on disk names one, appends a
+    /// journal record for it and syncs the journal before returning.
+    fn withdraw(&self, blocks: &[usize]) -> Result<()> {
+        let mut buf = Vec::new();
+        let journal = {
+            let mut st = self.state.lock();
+            let mut any = false;
+            for &b in blocks {
+                any |= st.bindings.remove(&b).is_some();
+                let gens: Vec<u64> = st
+                    .live
+                    .iter_mut()
+                    .filter_map(|(g, named)| named.remove(&b).then_some(*g))
+                    .collect();
+                for g in gens {
+                    buf.extend_from_slice(&persist::record(g, b));
+                    st.records.push((g, b));
+                }
+            }
+            if any {
+                st.changed();
+                self.wake.notify_one();
+            }
+            if buf.is_empty() {
+                return Ok(());
+            }
+            let journal = st.journal.clone();
+            // Appended under the lock (records never interleave); synced outside it.
+            if let Err(e) = (&*journal).write_all(&buf) {
+                // Not withdrawn on disk: put the blocks back so a retry records them again.
+                let keep = st.records.len() - buf.len() / persist::RECORD;
+                let failed: Vec<(u64, usize)> = st.records.split_off(keep);
+                for (g, b) in failed {
+                    if let Some((_, named)) = st.live.iter_mut().find(|(lg, _)| *lg == g) {
+                        named.insert(b);
+                    }
+                }
+                return Err(Error::io("journal write", e));
+            }
+            journal
+        };
+        journal
+            .sync_data()
+            .map_err(|e| Error::io("journal fsync", e))
+    }
+
+    /// Saves the index now (after a save in progress).
+    fn save(&self) -> Result<()> {
+        let _one = self.saving.lock();
+        let (entries, generation) = {
+            let mut st = self.state.lock();
+            let generation = st.next_generation;
+            st.next_generation += 1;
+            let mut entries: Vec<IndexEntry> = st
+                .bindings
+                .iter()
+                .map(|(&slot, &(key, checksum))| IndexEntry {
+                    slot,
+                    key,
+                    checksum,
+                })
+                .collect();
+            entries.sort_unstable_by_key(|e| e.slot);
+            st.live
+                .push((generation, entries.iter().map(|e| e.slot).collect()));
+            st.dirty_since = None;
+            (entries, generation)
+        };
+        let header = IndexHeader {
+            generation,
+            ..self.header.clone()
+        };
+        let mut renamed = false;
+        let result = self
+            .file
+            .sync_data()
+            .map_err(|e| Error::io("fsync", e).with("path", self.path.display()))
+            .and_then(|()| persist::save(&self.path, &header, &entries, &mut renamed));
+        let mut st = self.state.lock();
+        match &result {
+            Ok(()) => {
+                // This generation's index is the one on disk: older ones are gone.
+                st.live.retain(|(g, _)| *g >= generation);
+                st.records.retain(|(g, _)| *g >= generation);
+                let mut bytes = Vec::with_capacity(st.records.len() * persist::RECORD);
+                for &(g, b) in &st.records {
+                    bytes.extend_from_slice(&persist::record(g, b));
+                }
+                let jp = persist::journal_path(&self.path);
+                match persist::write_atomically(&jp, &bytes).and_then(|()| open_journal(&self.path))
+                {
+                    Ok(f) => st.journal = Arc::new(f),
+                    Err(e) => {
+                        // The old journal (a superset of the records) stays in use.
+                        tracing::warn!(error = %e, "persisted disk index: the journal was not compacted");
+                    }
+                }
+            }
+            Err(_) => {
+                if !renamed {
+                    // Never on disk: nothing to withdraw from it.
+                    st.live.retain(|(g, _)| *g != generation);
+                }
+                st.changed();
+            }
+        }
+        result
+    }
+
+    /// Forgets every block and saves that before returning.
+    fn clear(&self) -> Result<()> {
+        {
+            let mut st = self.state.lock();
+            st.bindings.clear();
+            st.changed();
+        }
+        self.save()
+    }
+
+    /// Saves when something changed since the last save.
+    pub(crate) fn save_if_dirty(&self) -> Result<()> {
+        if self.state.lock().dirty_since.is_none() {
+            return Ok(());
+        }
+        self.save()
+    }
+
+    /// The saver thread ends; the owner saves a last time itself.
+    fn close(&self) {
+        self.state.lock().closed = true;
+        self.wake.notify_all();
+    }
+}
+
+/// Every persisted index of the process (dropped ones are skipped and pruned).
+static LIVE: Mutex<Vec<Weak<Durable>>> = Mutex::new(Vec::new());
+
+/// Saves every changed persisted index of the process now (a terminating signal's last act).
+/// Returns how many were saved and the first error.
+pub(crate) fn flush_all_persisted() -> (usize, Option<Error>) {
+    let live: Vec<Arc<Durable>> = {
+        let mut l = LIVE.lock();
+        l.retain(|w| w.strong_count() > 0);
+        l.iter().filter_map(Weak::upgrade).collect()
+    };
+    let mut saved = 0;
+    let mut first = None;
+    for d in live {
+        match d.save_if_dirty() {
+            Ok(()) => saved += 1,
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    (saved, first)
+}
+
+/// The saver thread: saves a changed index within `save_within` of its first unsaved change, and
+/// ends when the file is closed (or dropped).
+fn saver(weak: Weak<Durable>) {
+    loop {
+        let Some(d) = weak.upgrade() else { return };
+        let mut st = d.state.lock();
+        if st.closed {
+            return;
+        }
+        let due = st.dirty_since.map(|t| t + d.save_within);
+        match due {
+            Some(due) if Instant::now() >= due => {
+                drop(st);
+                if let Err(e) = d.save() {
+                    tracing::warn!(path = %d.path.display(), error = %e,
+                        "persisted disk index not saved; retried");
+                    // Not at once again: a failing disk is retried every save_within.
+                    let mut st = d.state.lock();
+                    st.dirty_since = Some(Instant::now());
+                }
+            }
+            Some(due) => {
+                d.wake.wait_until(&mut st, due);
+            }
+            None => {
+                // Wakes up now and then so a dropped owner (no more references) ends the thread.
+                d.wake.wait_for(&mut st, Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+impl Drop for SlotFile {
+    /// Removes the file unless persisted; a persisted file's index is saved a last time.
+    fn drop(&mut self) {
+        if let Some(d) = &self.durable {
+            d.close();
+            if let Err(e) = d.save_if_dirty() {
+                tracing::warn!(path = %self.path.display(), error = %e,
+                    "persisted disk index not saved at close");
+            }
+        }
+        if !self.persist {
+            super::remove_quietly(&self.path);
+        }
     }
 }
 
@@ -203,11 +602,11 @@ fn checked_index(
     path: &Path,
     len: u64,
     file_bytes: u64,
-) -> Result<Vec<IndexEntry>> {
+) -> Result<(u64, Vec<IndexEntry>)> {
     match crate::backends::persist::load(path, want.num_blocks) {
         Some((found, entries)) => {
             want.check(&found, path)?;
-            Ok(entries)
+            Ok((found.generation.max(1), entries))
         }
         None if len != 0 && len != file_bytes => Err(refuse_persisted(
             kind,
@@ -217,6 +616,6 @@ fn checked_index(
                  start empty"
             ),
         )),
-        None => Ok(Vec::new()),
+        None => Ok((0, Vec::new())),
     }
 }

@@ -453,13 +453,11 @@ impl PyPageStore {
         detached(py, "exists", move || store.prefix_len(&ks))
     }
 
-    /// Forgets every page of the local tiers (the shared store is not cleared).
+    /// Forgets every page of the local tiers (the shared store is not cleared); a persisted
+    /// disk tier's index is emptied on disk before this returns.
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         let store = Arc::clone(&self.store);
-        detached(py, "clear", move || {
-            store.clear();
-            Ok(())
-        })
+        detached(py, "clear", move || store.clear())
     }
 
     /// Saves the persisted disk tier's index now (`disk.persist`): its pages are found again

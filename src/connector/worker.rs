@@ -214,9 +214,6 @@ struct Shared {
     disk_keys: std::sync::OnceLock<DiskKeys>,
 }
 
-/// How often completions save a persisted disk tier's index (also saved when the worker drops).
-pub const DISK_INDEX_SAVE_EVERY: Duration = Duration::from_secs(5);
-
 /// Operations in flight on a worker.
 #[derive(Debug, Default)]
 struct Active {

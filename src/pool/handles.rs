@@ -315,6 +315,11 @@ impl BlockPool {
         self.inner.state.lock().contains(hash)
     }
 
+    /// Whether `hash` is registered on block `block`.
+    pub fn holds(&self, hash: SequenceHash, block: usize) -> bool {
+        self.inner.state.lock().lookup(hash).map(|b| b as usize) == Some(block)
+    }
+
     /// Starts recording the keys this pool registers and removes (evicted or withdrawn), at most
     /// `capacity` of them between two [`BlockPool::take_events`] (the oldest dropped first, and
     /// counted). Recording again keeps what was recorded and sets the new capacity.

@@ -10,10 +10,6 @@ use super::*;
 pub(crate) struct DiskKeys {
     tier: Arc<dyn StorageTier>,
     map: Mutex<HashMap<usize, (u128, u64)>>,
-    last_save: Mutex<Instant>,
-    /// Held while the index is written: the copies' threads complete concurrently, and two
-    /// saves at once would write the same temporary file.
-    saving: Mutex<()>,
 }
 
 impl DiskKeys {
@@ -27,27 +23,32 @@ impl DiskKeys {
         Some(Self {
             tier,
             map: Mutex::new(map),
-            last_save: Mutex::new(Instant::now()),
-            saving: Mutex::new(()),
         })
     }
 
     /// Records a keyed store's outcome: `written` `(block, key)` pairs, those in `failed` not.
+    /// The tier saves it on its own (`disk.persist`'s bound).
     pub(crate) fn record(&self, written: &[(usize, u128)], failed: &[usize]) {
         let Some(p) = self.tier.persistent() else {
             return;
         };
         let mut map = self.map.lock();
+        let mut bind = Vec::new();
+        let mut unbind = Vec::new();
         for &(block, key) in written {
             match p.checksum(block) {
                 Some(c) if !failed.contains(&block) => {
                     map.insert(block, (key, c));
+                    bind.push((block, key, c));
                 }
                 _ => {
                     map.remove(&block);
+                    unbind.push(block);
                 }
             }
         }
+        p.bind(&bind);
+        p.unbind(&unbind);
     }
 
     /// The first source block of `pairs` whose recorded key is not `keys[i]` (or none recorded).
@@ -60,43 +61,21 @@ impl DiskKeys {
             .map(|(_, p)| p.0)
     }
 
-    /// Saves the index now (after a save in progress, if any).
-    pub(super) fn save(&self) -> Result<()> {
-        let _saving = self.saving.lock();
-        *self.last_save.lock() = Instant::now();
-        self.write_index()
-    }
-
-    /// Writes the index; the caller holds `saving`.
-    fn write_index(&self) -> Result<()> {
-        let entries: Vec<(usize, u128, u64)> = self
-            .map
-            .lock()
-            .iter()
-            .map(|(&b, &(k, c))| (b, k, c))
-            .collect();
+    /// Forgets every block, durably (a cache reset: what was computed before it must not come
+    /// back after a restart).
+    pub(crate) fn clear(&self) -> Result<()> {
+        self.map.lock().clear();
         match self.tier.persistent() {
-            Some(p) => p.save_entries(&entries),
+            Some(p) => p.clear(),
             None => Ok(()),
         }
     }
 
-    /// Saves the index when [`DISK_INDEX_SAVE_EVERY`] passed since the last save.
-    /// One completing thread claims the save (the others go on at once: a save in progress, or
-    /// one claimed, is enough).
-    pub(crate) fn maybe_save(&self) {
-        {
-            let mut last = self.last_save.lock();
-            if last.elapsed() < DISK_INDEX_SAVE_EVERY {
-                return;
-            }
-            *last = Instant::now();
-        }
-        let Some(_saving) = self.saving.try_lock() else {
-            return;
-        };
-        if let Err(e) = self.write_index() {
-            tracing::warn!(error = %e, "kvbm worker: the persisted disk index was not saved");
+    /// Saves the index now.
+    pub(super) fn save(&self) -> Result<()> {
+        match self.tier.persistent() {
+            Some(p) => p.flush(),
+            None => Ok(()),
         }
     }
 }

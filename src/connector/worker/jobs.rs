@@ -433,7 +433,6 @@ fn complete(shared: &Shared, outbox: &Arc<Outbox>, done: OpDone, outcome: Result
     if !done.keys.is_empty() {
         if let Some(keys) = shared.disk_keys.get() {
             keys.record(&done.keys, &failed);
-            keys.maybe_save();
         }
     }
     // Queue it for the leader first: the engine learns the operation is done (below) only in
