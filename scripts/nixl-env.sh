@@ -16,6 +16,9 @@
 #                      local Python's version does not matter)
 #   KVBM_NIXL_NO_APT=1 never call apt-get (then libclang-dev must already be there)
 #
+# It installs no RDMA library. On a host with the system's (libibverbs1, ibverbs-providers), a UCX
+# backend runs without UCX's InfiniBand modules unless asked: see docs/nixl.md, "RDMA hosts".
+#
 # A second run with a filled cache touches no network. Failures print what failed and return 1
 # (a sourcing shell is not exited).
 

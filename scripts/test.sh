@@ -17,6 +17,14 @@ cd "$(dirname "$0")/.."
 
 # shellcheck source=nixl-env.sh
 source scripts/nixl-env.sh
+# The system's RDMA libraries, as every RDMA host has them: the NIXL tests check that a process
+# that loaded NIXL exits normally there (docs/nixl.md, "RDMA hosts").
+if ! dpkg -s libibverbs1 ibverbs-providers >/dev/null 2>&1; then
+  sudo_=""
+  if [ "$(id -u)" -ne 0 ]; then sudo_=sudo; fi
+  $sudo_ apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq libibverbs1 ibverbs-providers
+fi
 
 echo "=== Redis servers for the remote-tier tests (standalone, requirepass + ACL user, 3-node cluster, TLS, mutual TLS)"
 # Debian 12's redis-server (7.0, built with TLS; Valkey speaks the same protocol); openssl makes

@@ -32,6 +32,7 @@ use kvbm_connector::backends::disk::DiskTierOptions;
 use kvbm_connector::backends::memory::MemoryTier;
 use kvbm_connector::backends::nixl::{
     probe, NixlAgent, NixlBackend, NixlDiskTier, NixlInfo, LIB_DIR_ENV, PLUGIN_DIR_ENV,
+    UCX_MODULES_ENV, UCX_MODULES_WITHOUT_RDMA, UCX_TLS_ENV,
 };
 use kvbm_connector::config::TransferConfig;
 use kvbm_connector::transfer::TransferEngine;
@@ -471,6 +472,177 @@ fn library_from_its_folder_without_the_loader_path() {
     // LD_LIBRARY_PATH useless, NIXL_PLUGIN_DIR unset: KVBM_NIXL_LIB_DIR alone is enough.
     let out = probe_in_child(&[(LIB_DIR_ENV, &lib_dir), ("LD_LIBRARY_PATH", empty.path())]);
     assert!(out.contains("PROBE_OK"), "{out}");
+}
+
+// ------------------------------------------------------------------------------------------------
+// RDMA hosts: a process that loaded NIXL exits normally (docs/nixl.md, "RDMA hosts")
+// ------------------------------------------------------------------------------------------------
+
+/// Libraries of UCX and of RDMA mapped into this process (from `/proc/self/maps`), one name each.
+fn mapped_ucx_and_rdma_libraries() -> Vec<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
+    let mut names: Vec<String> = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter_map(|p| Path::new(p).file_name()?.to_str().map(str::to_owned))
+        .filter(|n| {
+            [
+                "libucs",
+                "libuct",
+                "libucp",
+                "libibverbs",
+                "libefa",
+                "libnl-",
+            ]
+            .iter()
+            .any(|p| n.starts_with(p))
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Helper process: creates an agent with the POSIX and UCX backends (UCX's first backend loads
+/// UCX), registers a host tier, prints what it loaded and `UCX_MODULES`, and returns: the
+/// process then exits through the C library's exit path, the destructors of every loaded
+/// library included.
+#[test]
+#[ignore = "the process of the RDMA-host exit tests, started by them"]
+fn child_ucx_agent_then_exit() {
+    let a = agent(&[NixlBackend::Posix, NixlBackend::Ucx]);
+    let host = Arc::new(memory(small_dims(), MemLayout::Contiguous));
+    a.register_host_tier(host).expect("register");
+    println!(
+        "UCX_MODULES={}",
+        std::env::var(UCX_MODULES_ENV).unwrap_or_else(|_| "(unset)".into())
+    );
+    println!("MAPPED {}", mapped_ucx_and_rdma_libraries().join(" "));
+    println!("CHILD_DONE");
+}
+
+/// Helper process: what a worker with `disk.io = nixl` builds (an agent with the POSIX backend,
+/// its host tier registered, the NIXL disk tier), a block written and read back; prints the UCX
+/// and RDMA libraries mapped, then returns.
+#[test]
+#[ignore = "the process of the RDMA-host exit tests, started by them"]
+fn child_disk_path_then_exit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let host: Arc<dyn StorageTier> = Arc::new(memory(small_dims(), MemLayout::Contiguous));
+    let disk = kvbm_connector::backends::nixl::worker_parts(
+        &kvbm_connector::config::Config::default(),
+        0,
+        Some(&host),
+        small_dims(),
+        Some((NUM_BLOCKS, DiskTierOptions::new(dir.path()))),
+    )
+    .expect("worker parts")
+    .expect("a disk tier");
+    write_image(disk.as_ref(), 2, 7);
+    assert_image(disk.as_ref(), 2, 7);
+    println!("MAPPED {}", mapped_ucx_and_rdma_libraries().join(" "));
+    println!("CHILD_DONE");
+}
+
+/// Whether the dynamic loader knows the system's RDMA libraries that made the UCX of the
+/// nixl-cu12 wheel crash the process at exit (`libibverbs.so.1` and `libefa.so.1`, from Debian's
+/// `libibverbs1` and `ibverbs-providers`); `None` when `ldconfig` cannot be run.
+fn system_rdma_libraries() -> Option<bool> {
+    let out = ["/sbin/ldconfig", "/usr/sbin/ldconfig", "ldconfig"]
+        .iter()
+        .find_map(|l| Command::new(l).arg("-p").output().ok())?;
+    let list = String::from_utf8_lossy(&out.stdout);
+    Some(list.contains("libibverbs.so.1 ") && list.contains("libefa.so.1 "))
+}
+
+/// Runs a helper process with `UCX_MODULES` and `UCX_TLS` as given (removed when `None`: this
+/// process may have set `UCX_MODULES` itself); returns its stdout after checking that it exited
+/// with status 0, not killed by a signal.
+fn run_exit_child(test: &str, modules: Option<&str>, tls: Option<&str>) -> String {
+    let mut cmd = self_command(test);
+    for (k, v) in [(UCX_MODULES_ENV, modules), (UCX_TLS_ENV, tls)] {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let out = cmd.output().expect("run the helper process");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    println!("child stdout:\n{stdout}");
+    println!("child stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("CHILD_DONE"), "{stdout}");
+    assert!(
+        out.status.success(),
+        "the process finished its work, then exited with {} (signal {:?}): a process that \
+         loaded NIXL must exit normally",
+        out.status,
+        std::os::unix::process::ExitStatusExt::signal(&out.status)
+    );
+    stdout
+}
+
+fn rdma_libraries_or_note(test: &str) {
+    match system_rdma_libraries() {
+        Some(true) => {}
+        found if std::env::var("CI").is_ok_and(|v| v == "true") => panic!(
+            "CI=true and the system's RDMA libraries are not installed ({found:?}); \
+             scripts/test.sh installs libibverbs1 and ibverbs-providers so that {test} covers \
+             the host engines run on"
+        ),
+        found => eprintln!(
+            "NOTE {test}: the system's RDMA libraries are not installed here ({found:?}); \
+             the exit it checks is then not at risk (apt-get install libibverbs1 \
+             ibverbs-providers to cover it)"
+        ),
+    }
+}
+
+/// On a host with the system's RDMA libraries, a process that created a UCX backend (with no
+/// RDMA configured) exits with 0: UCX's InfiniBand modules were kept out, so the system's
+/// libibverbs and libnl are never mixed with the wheel's copies (before: SIGSEGV at exit, in
+/// `rtnl_tc_unregister` from `_dl_fini`, after every test had passed).
+#[test]
+fn a_process_with_a_ucx_backend_exits_normally_on_an_rdma_host() {
+    need_nixl!();
+    rdma_libraries_or_note("a_process_with_a_ucx_backend_exits_normally_on_an_rdma_host");
+    let out = run_exit_child("child_ucx_agent_then_exit", None, None);
+    assert!(
+        out.contains(&format!("UCX_MODULES={UCX_MODULES_WITHOUT_RDMA}\n")),
+        "{out}"
+    );
+    let mapped = out.lines().find(|l| l.starts_with("MAPPED")).unwrap_or("");
+    assert!(mapped.contains("libucp"), "UCX was loaded: {mapped}");
+    for lib in ["libuct_ib", "libibverbs", "libefa", "libnl-"] {
+        assert!(!mapped.contains(lib), "{lib} loaded: {mapped}");
+    }
+    // UCX_TLS naming only non-RDMA transports changes nothing.
+    let out = run_exit_child("child_ucx_agent_then_exit", None, Some("tcp,self,sm"));
+    assert!(
+        out.contains(&format!("UCX_MODULES={UCX_MODULES_WITHOUT_RDMA}\n")),
+        "{out}"
+    );
+}
+
+/// `UCX_MODULES` set by the user is theirs: left as it is (here a list that keeps RDMA out too,
+/// so the process still exits normally).
+#[test]
+fn ucx_modules_set_by_the_user_are_left_alone() {
+    need_nixl!();
+    let out = run_exit_child("child_ucx_agent_then_exit", Some("^ib,cuda"), None);
+    assert!(out.contains("UCX_MODULES=^ib,cuda\n"), "{out}");
+}
+
+/// What a worker with `disk.io = nixl` builds loads no UCX and no RDMA library (NIXL loads a
+/// plugin only when a backend of it is created), and its process exits with 0.
+#[test]
+fn the_disk_path_loads_no_ucx_and_exits_normally() {
+    need_nixl!();
+    rdma_libraries_or_note("the_disk_path_loads_no_ucx_and_exits_normally");
+    let out = run_exit_child("child_disk_path_then_exit", None, None);
+    assert!(
+        out.contains("MAPPED \n"),
+        "UCX or RDMA libraries loaded: {out}"
+    );
 }
 
 #[test]

@@ -20,6 +20,7 @@ use nixl_sys::{
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::probe::{probe, NixlBackend, NixlInfo};
+use super::ucx::prepare_ucx;
 use crate::backends::disk::DISK_ALIGNMENT;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::{KvLayout, Layout};
@@ -127,6 +128,11 @@ impl NixlAgent {
     /// Creates an agent named `name` (default `kvbm-<pid>-<n>`; names must be unique among the
     /// agents that exchange metadata) with `backends` created.
     ///
+    /// NIXL loads a backend's plugin when the first backend of it is created: an agent with only
+    /// [`NixlBackend::Posix`] loads no UCX. Before the first [`NixlBackend::Ucx`] backend, UCX's
+    /// InfiniBand modules are kept out of the process unless the user configured RDMA (sets
+    /// [`UCX_MODULES_ENV`](super::UCX_MODULES_ENV); see docs/nixl.md, "RDMA hosts").
+    ///
     /// Errors: NIXL unavailable or a backend's plugin missing (see [`probe`],
     /// [`NixlInfo::require`]); NIXL refusing the agent or a backend ([`ErrorKind::Io`]).
     pub fn new(name: Option<&str>, backends: &[NixlBackend]) -> Result<Self> {
@@ -148,6 +154,11 @@ impl NixlAgent {
         for &b in backends {
             if created.iter().any(|(x, _)| *x == b) {
                 continue;
+            }
+            if b == NixlBackend::Ucx {
+                // Before the UCX plugin is loaded (its first backend loads it): which UCX
+                // modules it may load, so that no RDMA library of the system is mixed in.
+                prepare_ucx();
             }
             let (_mems, params) = agent.get_plugin_params(b.plugin()).map_err(|e| {
                 nixl_error("read plugin parameters", e)

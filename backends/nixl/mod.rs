@@ -30,6 +30,11 @@
 //! `scripts/nixl-env.sh` fetches the PyPI wheel `nixl-cu12`, which ships both, and sets the
 //! variables; see `docs/nixl.md`.
 //!
+//! NIXL loads a plugin when the first backend of it is created: the disk tier (POSIX) loads no
+//! UCX. Before the first UCX backend, UCX's InfiniBand modules are kept out unless the user asked
+//! for RDMA ([`UCX_MODULES_ENV`]; `ucx.rs`): with the wheel on a host with the system's RDMA
+//! libraries they mix two copies of libnl into the process, which then crashes at exit.
+//!
 //! # Invariants
 //!
 //! * registered memory outlives its registration: the agent keeps every registered tier alive
@@ -48,6 +53,7 @@
 //! * `probe.rs` — finding and loading the library and its plugins ([`probe`], [`NixlInfo`]);
 //! * `agent.rs` — [`NixlAgent`]: backends, registrations, transfers, registered bounce buffers;
 //! * `disk.rs` — [`NixlDiskTier`] (POSIX);
+//! * `ucx.rs` — which UCX modules a UCX backend may load ([`UCX_MODULES_ENV`]);
 //! * `worker.rs` — what a worker builds on NIXL ([`worker_parts`]).
 //!
 //! [`DiskTier`]: crate::backends::disk::DiskTier
@@ -58,9 +64,11 @@
 mod agent;
 mod disk;
 mod probe;
+mod ucx;
 mod worker;
 
 pub use agent::{NixlAgent, SLOW_TRANSFER_LOG};
 pub use disk::NixlDiskTier;
 pub use probe::{probe, NixlBackend, NixlInfo, CAPI_LIBRARY, LIB_DIR_ENV, PLUGIN_DIR_ENV};
+pub use ucx::{UCX_MODULES_ENV, UCX_MODULES_WITHOUT_RDMA, UCX_TLS_ENV};
 pub use worker::{worker_parts, WorkerParts};
