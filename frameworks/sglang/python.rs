@@ -144,9 +144,14 @@ fn usizes(py: Python<'_>, values: &Bound<'_, PyAny>, field: &str) -> PyResult<Ve
             to_py_err(
                 py,
                 Error::invalid_argument(format!(
-                    "{field}[{j}] = {shown} is not an address in this process (an integer in \
-                     [0, 2^{}))",
-                    usize::BITS
+                    "{field}[{j}] = {shown} is not an integer in [0, 2^{}): no {} in this \
+                     process",
+                    usize::BITS,
+                    if field == "sizes" {
+                        "length"
+                    } else {
+                        "address"
+                    }
                 ))
                 .with("field", field),
             )
