@@ -15,14 +15,14 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
+use pyo3::types::{PyDict, PyString};
 
 use crate::error::{Error, Result};
 use crate::identity::SequenceHash;
 use crate::metrics_server::{Exposition, MetricsServer};
 use crate::page_store::{PageStore, MAX_PAGES_PER_CALL};
-use crate::python::tensor::{read_tensor, TensorDevice};
-use crate::python::{detached, to_py_err, PyConfig};
+use crate::python::tensor::{read_source_tensor, read_tensor, TensorDevice};
+use crate::python::{detached, to_py_err, KvbmError, PyConfig};
 
 /// Each page's `(address, length)` runs.
 type PageRuns = Vec<Vec<(usize, usize)>>;
@@ -89,7 +89,74 @@ fn keys_of(
                     .with("field", "keys"),
             )
         })?;
-        out.push(store.key(s.to_cow()?.as_bytes()));
+        // A str that is not valid Unicode (a lone surrogate, "\ud800") has no UTF-8 form.
+        let text = s.to_cow().map_err(|_| {
+            to_py_err(
+                py,
+                Error::invalid_argument(format!(
+                    "keys[{i}] is not valid Unicode (it holds a lone surrogate); keys are text"
+                ))
+                .with("field", "keys"),
+            )
+        })?;
+        out.push(store.key(text.as_bytes()));
+    }
+    Ok(out)
+}
+
+/// Adds `field` to a `KvbmError`'s context where it names none (the tensor reader names the
+/// tensor; SGLang's callers look for the argument).
+fn with_field(py: Python<'_>, e: PyErr, field: &str) -> PyErr {
+    if e.is_instance_of::<KvbmError>(py) {
+        if let Ok(ctx) = e.value(py).getattr("context") {
+            if let Ok(d) = ctx.cast::<PyDict>() {
+                if !d.contains("field").unwrap_or(true) {
+                    let _ = d.set_item("field", field);
+                }
+            }
+        }
+    }
+    e
+}
+
+/// The integers of `values` (addresses or lengths of runs) as `usize`: one that is not an
+/// integer or does not fit (negative, or past the address space: host indices past the pool
+/// give such addresses) is a `KvbmError` naming `field`.
+fn usizes(py: Python<'_>, values: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<usize>> {
+    let it = values.try_iter().map_err(|_| {
+        to_py_err(
+            py,
+            Error::invalid_argument(format!("{field} must be a list of integers"))
+                .with("field", field),
+        )
+    })?;
+    let mut out = Vec::new();
+    for (j, v) in it.enumerate() {
+        let v = v?;
+        let n = v.extract::<usize>().map_err(|_| {
+            let shown: String = v
+                .repr()
+                .map(|r| r.to_string())
+                .unwrap_or_default()
+                .chars()
+                .take(40)
+                .collect();
+            to_py_err(
+                py,
+                Error::invalid_argument(format!(
+                    "{field}[{j}] = {shown} is not an integer in [0, 2^{}): no {} in this \
+                     process",
+                    usize::BITS,
+                    if field == "sizes" {
+                        "length"
+                    } else {
+                        "address"
+                    }
+                ))
+                .with("field", field),
+            )
+        })?;
+        out.push(n);
     }
     Ok(out)
 }
@@ -176,17 +243,25 @@ fn check_disjoint(pages: &[Vec<(usize, usize)>]) -> Result<()> {
 }
 
 /// Reads page tensors: CPU, contiguous; their runs and the objects that keep them alive.
+/// `written`: the call writes into them (a read), so a read-only one is refused; the source of
+/// a store may be read-only.
 fn tensor_runs(
     py: Python<'_>,
     tensors: &Bound<'_, PyAny>,
     what: &str,
+    written: bool,
 ) -> PyResult<(PageRuns, Vec<Py<PyAny>>)> {
     let mut runs = Vec::new();
     let mut owners = Vec::new();
     for (i, t) in tensors.try_iter()?.enumerate() {
         let t = t?;
         let name = format!("{what}[{i}]");
-        let info = read_tensor(py, &t, &name)?;
+        let info = if written {
+            read_tensor(py, &t, &name)
+        } else {
+            read_source_tensor(py, &t, &name)
+        }
+        .map_err(|e| with_field(py, e, what))?;
         if info.device != TensorDevice::Cpu {
             return Err(to_py_err(
                 py,
@@ -397,7 +472,7 @@ impl PyPageStore {
         tensors: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<bool>> {
         let ks = keys_of(py, &self.store, keys)?;
-        let (runs, _owners) = tensor_runs(py, tensors, "values")?;
+        let (runs, _owners) = tensor_runs(py, tensors, "values", false)?;
         let store = Arc::clone(&self.store);
         detached(py, "put", move || put_runs(&store, &ks, &runs))
     }
@@ -410,7 +485,7 @@ impl PyPageStore {
         tensors: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Option<String>>> {
         let ks = keys_of(py, &self.store, keys)?;
-        let (runs, _owners) = tensor_runs(py, tensors, "target_locations")?;
+        let (runs, _owners) = tensor_runs(py, tensors, "target_locations", true)?;
         let store = Arc::clone(&self.store);
         detached(py, "get", move || get_runs(&store, &ks, &runs))
     }
@@ -421,10 +496,11 @@ impl PyPageStore {
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
-        ptrs: Vec<usize>,
-        sizes: Vec<usize>,
+        ptrs: &Bound<'_, PyAny>,
+        sizes: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<bool>> {
         let ks = keys_of(py, &self.store, keys)?;
+        let (ptrs, sizes) = (usizes(py, ptrs, "ptrs")?, usizes(py, sizes, "sizes")?);
         let runs = page_runs(&self.regions.lock(), ks.len(), &ptrs, &sizes)
             .map_err(|e| to_py_err(py, e))?;
         let store = Arc::clone(&self.store);
@@ -436,10 +512,11 @@ impl PyPageStore {
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
-        ptrs: Vec<usize>,
-        sizes: Vec<usize>,
+        ptrs: &Bound<'_, PyAny>,
+        sizes: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Option<String>>> {
         let ks = keys_of(py, &self.store, keys)?;
+        let (ptrs, sizes) = (usizes(py, ptrs, "ptrs")?, usizes(py, sizes, "sizes")?);
         let runs = page_runs(&self.regions.lock(), ks.len(), &ptrs, &sizes)
             .map_err(|e| to_py_err(py, e))?;
         let store = Arc::clone(&self.store);

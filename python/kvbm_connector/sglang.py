@@ -9,7 +9,8 @@ Launch SGLang with::
 
 SGLang's factory builds :class:`KvbmHiCacheStorage` as ``cls(storage_config, kwargs)``; the host
 pool arrives later (``register_mem_pool_host``), and the page store over our tiers is built then,
-when the page size and layout are known. Keys are SGLang's page hashes; a page is stored as the
+when the page size and layout are known (a call before that is refused by name: no page can be
+named yet; a second pool of another format is refused too). Keys are SGLang's page hashes; a page is stored as the
 bytes of one page of the host pool in its layout, named in a namespace of the model, the rank's
 share (``tp_rank``/``tp_size``; MLA pages are shared by all ranks), the pipeline and context
 shards, the layout, the dtype and the page size, so different models or shards never share one.
@@ -156,6 +157,32 @@ def _namespace(cfg: HiCacheStorageConfig, pool: Any, page_bytes: int) -> str:
     return json.dumps(parts, sort_keys=True)
 
 
+# A host pool's attributes that say what its pages' bytes are (beside the page size in bytes):
+# two pools that differ in one of them hold different bytes under the same page size.
+_FORMAT_ATTRS = (
+    "layout",
+    "dtype",
+    "page_size",
+    "layer_num",
+    "head_num",
+    "head_dim",
+    "v_head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+)
+
+
+def _pool_format(pool: Any, page_bytes: int) -> dict:
+    """What makes a host pool's pages the bytes they are: its class, layout, dtype, page size
+    (tokens and bytes) and the geometry attributes it has."""
+    out: dict = {"pool": type(pool).__name__, "page_bytes": int(page_bytes)}
+    for attr in _FORMAT_ATTRS:
+        value = getattr(pool, attr, None)
+        if value is not None:
+            out[attr] = value if isinstance(value, (int, float, bool)) else str(value)
+    return out
+
+
 def _check_shared_writer(cfg: HiCacheStorageConfig, config: Config) -> None:
     """MLA ranks share pages that one rank writes (SGLang backs up from its storage writer only,
     and takes the smallest hit of all ranks): the other ranks can only read them through the
@@ -213,6 +240,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
         _check_shared_writer(storage_config, self._config)
         self.mem_pool_host = (kwargs or {}).get("mem_pool_host") if isinstance(kwargs, dict) else None
         self._store: Optional[Any] = None
+        self._closed = False
         _LIVE.add(self)
         # SGLang moves a page in one of two forms: the flat page tensor of the classic calls
         # (get_data_page) or the pool's runs of the zero-copy calls (get_page_buffer_meta). In
@@ -220,6 +248,8 @@ class KvbmHiCacheStorage(HiCacheStorage):
         # their own (``flat/``): a page is only ever read back in the form it was written in.
         self._form = "runs" if extra.get("interface_v1") else "flat"
         self._flat_differs = False
+        # The format of the registered host pool (_pool_format), once one is.
+        self._pool_format: Optional[dict] = None
         self._metrics_lock = threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         if self.mem_pool_host is not None:
@@ -228,8 +258,8 @@ class KvbmHiCacheStorage(HiCacheStorage):
     # --- the pool -----------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        super().register_mem_pool_host(mem_pool_host)
         if mem_pool_host is None:
+            super().register_mem_pool_host(mem_pool_host)
             return
         layout = str(getattr(mem_pool_host, "layout", ""))
         if self._form == "runs":
@@ -241,8 +271,26 @@ class KvbmHiCacheStorage(HiCacheStorage):
                 page_bytes = _nbytes(mem_pool_host.get_dummy_flat_data_page())
             except Exception as e:  # noqa: BLE001 - SGLang raises its own kinds
                 raise _unreadable("classic", layout, e, "with interface_v1") from e
+        # One backend stores one pool's pages, named by that pool's format: SGLang registers
+        # its storage pool once per attach (again as the KV entry of the *_v2 calls: the same
+        # pool). A pool of another format would have its pages named as the first pool's,
+        # so it is refused, and nothing of it is taken.
+        shape = _pool_format(mem_pool_host, page_bytes)
+        first = self._pool_format
+        if first is not None and shape != first:
+            differ = [k for k in sorted(set(shape) | set(first)) if shape.get(k) != first.get(k)]
+            said = ", ".join(f"{k} {shape.get(k)!r} (registered: {first.get(k)!r})" for k in differ)
+            raise _error(
+                "invalid_argument",
+                f"a second host pool of another format: {said}; one backend stores the pages "
+                "of one pool (attach a backend per pool)",
+                field="mem_pool_host",
+                differs=",".join(differ),
+            )
+        super().register_mem_pool_host(mem_pool_host)
         self._flat_differs = layout == "layer_first"
         self._open(page_bytes, mem_pool_host)
+        self._pool_format = shape
         for attr in ("kv_buffer", "k_buffer", "v_buffer"):
             buf = getattr(mem_pool_host, attr, None)
             if buf is not None and hasattr(buf, "data_ptr"):
@@ -282,21 +330,15 @@ class KvbmHiCacheStorage(HiCacheStorage):
                 f"kvbm stores the KV pool's pages only; the {host_pool_name} pool is not supported",
                 pool=host_pool_name,
             )
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if host_pool is not self.mem_pool_host:
             self.register_mem_pool_host(host_pool)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _open(self, page_bytes: int, pool: Any) -> None:
+        """The page store of the registered pool's pages, named by its format (once: the pool
+        registered again, or one of the same format, keeps it)."""
         if self._store is not None:
-            if self._store.page_bytes != page_bytes:
-                raise _error(
-                    "invalid_argument",
-                    f"the host pool's pages are {page_bytes} bytes but this backend stores "
-                    f"{self._store.page_bytes}-byte pages",
-                    field="mem_pool_host",
-                )
-            if pool is None or getattr(self, "_pool_named", False):
-                return
+            return
         ns = _namespace(self.storage_config, pool, page_bytes)
         cfg = self.storage_config
         # One metrics port per rank (tcp.metrics_addr's port + this rank's index); data-parallel
@@ -308,7 +350,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
         ) * cfg.tp_size + cfg.tp_rank
         stride = cfg.pp_size * cp_size * cfg.tp_size
         self._store = _kvbm.PageStore(self._config, ns, page_bytes, "sglang", offset, stride)
-        self._pool_named = pool is not None
+        self._closed = False
         logger.info("kvbm page store: %s-byte pages on %s", page_bytes, self._store.tiers)
 
     def _names(self, keys: List[Any], form: str) -> List[Any]:
@@ -316,16 +358,22 @@ class KvbmHiCacheStorage(HiCacheStorage):
             return [("flat/" + k) if isinstance(k, str) else k for k in keys]
         return keys
 
-    def _need_store(self, first_value: Any = None) -> Any:
-        if self._store is None:
-            if first_value is None:
-                raise _error(
-                    "invalid_argument",
-                    "no host pool registered and no page to size the store from",
-                    field="mem_pool_host",
-                )
-            self._open(_nbytes(first_value), None)
-        return self._store
+    def _need_store(self) -> Any:
+        """The page store. There is none before a host pool is registered (SGLang registers
+        it when it attaches the backend): a page's name holds the pool's format and page size,
+        so before then no page can be stored, read or looked up, and a call is refused by name
+        rather than answered with a miss."""
+        store = self._store
+        if store is None:
+            raise _error(
+                "not_ready",
+                "this backend is closed"
+                if self._closed
+                else "no host pool is registered yet (register_mem_pool_host, which SGLang calls "
+                "when it attaches the backend): kvbm names a page by the pool's format",
+                field="mem_pool_host",
+            )
+        return store
 
     # --- classic calls (tensors) --------------------------------------------------------------
 
@@ -336,7 +384,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
         keys, values = list(keys), list(values or [])
         if not keys:
             return True
-        store = self._need_store(values[0] if values else None)
+        store = self._need_store()
         started = time.perf_counter()
         held = store.put_tensors(self._names(keys, "flat"), values)
         self._record("backup", sum(held), started)
@@ -357,7 +405,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
             )
         if not keys:
             return []
-        store = self._need_store(targets[0])
+        store = self._need_store()
         started = time.perf_counter()
         served = store.get_tensors(self._names(keys, "flat"), targets)
         self._record("prefetch", sum(x is not None for x in served), started)
@@ -372,13 +420,14 @@ class KvbmHiCacheStorage(HiCacheStorage):
     def _prefix(self, keys, form: str) -> int:
         """How many of ``keys``, from the first, are stored in ``form`` (SGLang's semantics)."""
         keys = list(keys)
-        if not keys or self._store is None:
+        if not keys:
             return 0
+        store = self._need_store()
         names = self._names(keys, form)
         found = 0
         for start in range(0, len(names), EXISTS_CHUNK):
             chunk = names[start : start + EXISTS_CHUNK]
-            n = self._store.prefix_len(chunk)
+            n = store.prefix_len(chunk)
             found += n
             if n < len(chunk):
                 break
@@ -387,15 +436,49 @@ class KvbmHiCacheStorage(HiCacheStorage):
     # --- zero-copy calls (host indices into the registered pool) -----------------------------
 
     def _runs(self, pool: Any, keys: List[str], host_indices: Any):
+        """The runs of the pages at ``host_indices`` in ``pool``: the indices checked first (an
+        integer tensor of ``len(keys) × page_size`` slots of the pool), so that SGLang computes
+        addresses only from slots the pool has."""
         page_size = int(pool.page_size)
-        if host_indices is None or int(host_indices.numel()) != len(keys) * page_size:
+        want = len(keys) * page_size
+        if not hasattr(host_indices, "numel") or not hasattr(host_indices, "dtype"):
             raise _error(
                 "invalid_argument",
-                f"{len(keys)} keys need {len(keys) * page_size} host indices, got "
-                f"{0 if host_indices is None else int(host_indices.numel())}",
+                f"host_indices must be a tensor of the pool's slots, not "
+                f"{type(host_indices).__name__}",
                 field="host_indices",
             )
-        return pool.get_page_buffer_meta(host_indices)
+        if int(host_indices.numel()) != want:
+            raise _error(
+                "invalid_argument",
+                f"{len(keys)} keys need {want} host indices, got {int(host_indices.numel())}",
+                field="host_indices",
+            )
+        dtype = host_indices.dtype
+        if getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False) or (
+            str(dtype) == "torch.bool"
+        ):
+            raise _error(
+                "invalid_argument",
+                f"host_indices are {dtype}; the pool's slots are integers",
+                field="host_indices",
+            )
+        slots = int(getattr(pool, "size", 0) or 0)
+        lo, hi = int(host_indices.min()), int(host_indices.max())
+        if lo < 0 or hi >= slots:
+            raise _error(
+                "invalid_argument",
+                f"host_indices run from {lo} to {hi}; the host pool has slots 0 to {slots - 1}",
+                field="host_indices",
+            )
+        try:
+            return pool.get_page_buffer_meta(host_indices)
+        except Exception as e:  # noqa: BLE001 - SGLang raises its own kinds
+            raise _error(
+                "invalid_argument",
+                f"the host pool gives no runs for these host indices: {e!r}",
+                field="host_indices",
+            ) from e
 
     def _zero_copy(self, kind: str, keys, host_indices) -> List[bool]:
         """One zero-copy batch: the pages' runs in the registered pool, written (``backup``) or
@@ -495,5 +578,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         """Saves the index and lets the tiers go (the disk file is unlocked)."""
         store, self._store = self._store, None
+        self._closed = True
+        self._pool_format = None
         if store is not None:
             store.flush()

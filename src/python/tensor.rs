@@ -95,11 +95,31 @@ fn device_type(obj: &Bound<'_, PyAny>) -> PyResult<Option<(String, Option<usize>
     Ok(Some((ty, index.or(parsed_index))))
 }
 
-/// Reads one cache tensor; refuses what the connector cannot use, with the reason.
+/// Reads one cache tensor; refuses what the connector cannot use, with the reason. Loads write
+/// into a cache tensor, so a read-only one is refused.
 pub(crate) fn read_tensor(
     py: Python<'_>,
     obj: &Bound<'_, PyAny>,
     name: &str,
+) -> PyResult<TensorInfo> {
+    read_tensor_as(py, obj, name, true)
+}
+
+/// As [`read_tensor`], for a tensor whose bytes are only read (the source of a store): a
+/// read-only one is taken.
+pub(crate) fn read_source_tensor(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+) -> PyResult<TensorInfo> {
+    read_tensor_as(py, obj, name, false)
+}
+
+fn read_tensor_as(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    written: bool,
 ) -> PyResult<TensorInfo> {
     let ty = obj
         .get_type()
@@ -116,7 +136,7 @@ pub(crate) fn read_tensor(
     };
     let ptr = read_data_ptr(py, obj, name, &ty, array_interface.as_ref())?;
     check_contiguous(py, obj, name, &shape, itemsize, array_interface.as_ref())?;
-    if let Some(ai) = &array_interface {
+    if let Some(ai) = array_interface.as_ref().filter(|_| written) {
         let readonly = ai
             .get_item("data")
             .and_then(|d| d.get_item(1))

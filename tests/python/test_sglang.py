@@ -52,17 +52,17 @@ LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 4, 64
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 
-def host_pool(layout: str) -> MHATokenToKVPoolHost:
-    k = tuple(torch.zeros(TOKENS, HEADS, DIM) for _ in range(LAYERS))
-    v = tuple(torch.zeros(TOKENS, HEADS, DIM) for _ in range(LAYERS))
+def host_pool(layout: str, dtype=torch.float32, dim: int = DIM) -> MHATokenToKVPoolHost:
+    k = tuple(torch.zeros(TOKENS, HEADS, dim, dtype=dtype) for _ in range(LAYERS))
+    v = tuple(torch.zeros(TOKENS, HEADS, dim, dtype=dtype) for _ in range(LAYERS))
     ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
     info = MHABufferInfo(
         buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
         page_size=PAGE,
         head_num=HEADS,
-        head_dim=DIM,
-        v_head_dim=DIM,
-        dtype=torch.float32,
+        head_dim=dim,
+        v_head_dim=dim,
+        dtype=dtype,
         device=torch.device("cpu"),
     )
     pool = MHATokenToKVPoolHost(
@@ -607,3 +607,142 @@ def test_the_v2_calls_find_what_they_wrote_whatever_interface_v1_says():
         assert torch.equal(page_of(pool, dst, i), want[i])
     # The classic calls' flat pages are another form: not found by the classic query.
     assert b.batch_exists(["v0"]) == 0
+
+
+def test_a_fresh_instance_sees_the_shared_stores_pages_at_its_first_lookup():
+    """An instance whose first call is a lookup (SGLang's hit query after a restart or on a new
+    replica) finds what another instance wrote to the shared store: the page store is opened
+    when the host pool is registered, as SGLang does when it attaches the backend. A backend
+    given no pool cannot name a page (the name holds the pool's format): its calls are refused
+    by name, never answered 0 while the store holds the pages."""
+    url = f"memory://fresh-{uuid.uuid4().hex}"
+    keys = ["f0", "f1", "f2"]
+    for v1 in (1, 0):
+        extra = {"host_cache_blocks": 0, "disk_cache_blocks": 0, "remote_url": url, "interface_v1": v1}
+        wpool = host_pool("page_first")
+        writer = backend(extra, wpool, model=f"fresh-{v1}")
+        idx, want = fill(wpool, 3, seed=61)
+        if v1:
+            assert writer.batch_set_v1(keys, idx) == [True] * 3
+        else:
+            flat = [wpool.get_data_page(int(idx[i * PAGE]), flat=True) for i in range(3)]
+            assert writer.batch_set(keys, flat) is True
+        # As SGLang's controller attaches a backend: built by the factory, then the pool.
+        rpool = host_pool("page_first")
+        reader = StorageBackendFactory.create_backend("dynamic", storage_config(extra, model=f"fresh-{v1}"), rpool)
+        with pytest.raises(KvbmError) as e:
+            reader.batch_exists(keys)
+        assert e.value.kind == "not_ready" and e.value.context.get("field") == "mem_pool_host", e.value
+        with pytest.raises(KvbmError) as e:
+            reader.batch_get(keys[:1], [rpool.get_dummy_flat_data_page()])
+        assert e.value.context.get("field") == "mem_pool_host", e.value
+        with pytest.raises(KvbmError) as e:
+            reader.batch_set(["never"], [rpool.get_dummy_flat_data_page()])
+        assert e.value.context.get("field") == "mem_pool_host", e.value
+        reader.register_mem_pool_host(rpool)
+        assert reader.batch_exists(keys + ["none"]) == 3, f"interface_v1={v1}"
+        assert reader.exists("f2") and not reader.exists("none")
+        assert reader.stats()["get_pages"] == 0
+        dst = rpool.alloc(3 * PAGE)
+        if v1:
+            assert reader.batch_get_v1(keys, dst) == [True] * 3
+            got = [page_of(rpool, dst, i) for i in range(3)]
+        else:
+            got = reader.batch_get(keys, [rpool.get_dummy_flat_data_page() for _ in keys])
+        for i in range(3):
+            assert torch.equal(got[i].flatten(), want[i].flatten()), f"page {i}"
+        reader.close()
+        with pytest.raises(KvbmError) as e:
+            reader.batch_exists(keys)
+        assert "closed" in str(e.value) and e.value.context.get("field") == "mem_pool_host"
+
+
+def test_a_second_host_pool_of_another_format_is_refused_by_name():
+    """SGLang registers one storage pool per attach (again as the KV entry of the *_v2 calls:
+    the same pool). A pool of another layout or dtype with the same page size in bytes would
+    have its pages named as the first pool's, other bytes under the same names: refused,
+    naming what differs, and the first pool keeps serving."""
+    pool = host_pool("page_first")
+    b = backend({"host_cache_blocks": 16, "disk_cache_blocks": 0}, pool)
+    page_bytes = b._store.page_bytes
+    others = {
+        "layout": host_pool("layer_first"),
+        "dtype": host_pool("page_first", dtype=torch.float16, dim=2 * DIM),
+    }
+    for what, other in others.items():
+        for register in (
+            b.register_mem_pool_host,
+            lambda p: b.register_mem_host_pool_v2(p, PoolName.KV),
+        ):
+            with pytest.raises(KvbmError) as e:
+                register(other)
+            assert e.value.kind == "invalid_argument", e.value
+            assert e.value.context.get("field") == "mem_pool_host", e.value
+            assert what in e.value.context.get("differs", "").split(","), e.value
+            assert b.mem_pool_host is pool
+    assert b._store.page_bytes == page_bytes
+    # The same pool again, and one of the same format, are taken.
+    b.register_mem_pool_host(pool)
+    b.register_mem_host_pool_v2(pool, PoolName.KV)
+    same = host_pool("page_first")
+    b.register_mem_pool_host(same)
+    idx, want = fill(same, 2, seed=71)
+    assert b.batch_set_v1(["s0", "s1"], idx) == [True, True]
+    same.kv_buffer.zero_()
+    assert b.batch_get_v1(["s0", "s1"], idx) == [True, True]
+    assert all(torch.equal(page_of(same, idx, i), want[i]) for i in range(2))
+
+
+def test_keys_and_host_indices_that_cannot_be_used_are_typed_errors_naming_the_field():
+    pool = host_pool("page_first")
+    b = backend({"host_cache_blocks": 16, "disk_cache_blocks": 0}, pool)
+    idx, _ = fill(pool, 1, seed=81)
+    # A str with a lone surrogate has no UTF-8 form.
+    for call in (
+        lambda: b.batch_exists(["ok", "\ud800"]),
+        lambda: b.batch_set_v1(["\udfff"], idx),
+        lambda: b.batch_get_v1(["\ud800"], idx),
+        lambda: b.batch_set(["\ud800"], [pool.get_dummy_flat_data_page()]),
+    ):
+        with pytest.raises(KvbmError) as e:
+            call()
+        assert e.value.kind == "invalid_argument" and e.value.context.get("field") == "keys", e.value
+    # Host indices outside the pool (past the address space, negative, beyond its slots, not
+    # integers) are refused before SGLang computes an address from them.
+    slots = int(pool.size)
+    for bad in (
+        torch.arange(PAGE, dtype=torch.int64) + 2**60,
+        torch.arange(PAGE, dtype=torch.int64) - 2**40,
+        torch.arange(PAGE, dtype=torch.int64) + slots,
+        torch.arange(PAGE, dtype=torch.float32),
+    ):
+        for call in (b.batch_set_v1, b.batch_get_v1):
+            with pytest.raises(KvbmError) as e:
+                call(["h"], bad)
+            assert e.value.kind == "invalid_argument", e.value
+            assert e.value.context.get("field") == "host_indices", e.value
+    # The store's own runs: an address past the address space or negative is named.
+    for ptrs, sizes, field in (([2**64 + 16], [16], "ptrs"), ([-16], [16], "ptrs"), ([16], [-1], "sizes")):
+        with pytest.raises(KvbmError) as e:
+            b._store.put_runs(["h"], ptrs, sizes)
+        assert e.value.context.get("field") == field, e.value
+    assert b.batch_exists(["h"]) == 0
+    assert b.stats()["put_pages"] == 0
+
+
+def test_a_write_from_a_read_only_tensor_is_taken_and_a_read_into_one_refused():
+    """A store only reads its source page, which may be read-only (a numpy array SGLang did
+    not make writable); a read writes into its target, which must be writable."""
+    pool = host_pool("page_first")
+    b = backend({"host_cache_blocks": 16, "disk_cache_blocks": 0, "interface_v1": 0}, pool)
+    src = torch.randn(pool.get_dummy_flat_data_page().shape).numpy()
+    src.setflags(write=False)
+    assert b.batch_set(["ro"], [src]) is True
+    got = b.batch_get(["ro"], [pool.get_dummy_flat_data_page()])
+    assert torch.equal(got[0], torch.from_numpy(src.copy()))
+    dst = src.copy()
+    dst.setflags(write=False)
+    with pytest.raises(KvbmError) as e:
+        b.batch_get(["ro"], [dst])
+    assert e.value.kind == "invalid_argument", e.value
+    assert e.value.context.get("field") == "target_locations", e.value

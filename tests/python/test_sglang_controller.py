@@ -214,3 +214,54 @@ def test_sglangs_controllers_back_up_and_prefetch_through_our_backend(one_rank, 
         assert warnings_seen == [], warnings_seen
     finally:
         ctl.detach_storage_backend()
+
+
+@pytest.mark.parametrize("v1", [1, 0])
+@pytest.mark.parametrize("kind", ["base", "hybrid"])
+def test_a_fresh_controllers_first_hit_query_finds_the_shared_stores_pages(one_rank, warnings_seen, kind, v1):
+    """Two SGLang instances over one shared store: the second attaches kvbm and its very first
+    call is a hit query (no read or write before it); it finds what the first one backed up,
+    and reads it byte for byte."""
+    url = f"memory://ctl-shared-{uuid.uuid4().hex}"
+    model = f"ctl-shared-{uuid.uuid4().hex[:8]}"
+    extra = {
+        "backend_name": "kvbm", "module_path": "kvbm_connector.sglang", "class_name": "KvbmHiCacheStorage",
+        "interface_v1": v1, "host_cache_blocks": 0, "disk_cache_blocks": 0, "remote_url": url,
+    }
+    writer, wh, wkw = _controller(kind, "page_first", one_rank)
+    writer.attach_storage_backend("dynamic", prefetch_threshold=PAGE, model_name=model,
+                                  storage_backend_extra_config=dict(extra), **wkw)
+    reader = None
+    try:
+        tokens = list(range(2000, 2000 + PAGES * PAGE))
+        src = wh.alloc(PAGES * PAGE)
+        g = torch.Generator().manual_seed(11)
+        for i in range(PAGES):
+            page = wh.get_data_page(int(src[i * PAGE]), flat=True)
+            wh.set_from_flat_data_page(int(src[i * PAGE]), torch.randn(page.shape, generator=g))
+        want = [wh.get_data_page(int(src[i * PAGE])).clone() for i in range(PAGES)]
+        op_id = writer.write_storage(src, tokens, hash_value=get_storage_hash_str(tokens, None, page_size=PAGE))
+        assert _wait(writer.ack_backup_queue, "backup ack").id == op_id
+
+        reader, rh, rkw = _controller(kind, "page_first", one_rank)
+        reader.attach_storage_backend("dynamic", prefetch_threshold=PAGE, model_name=model,
+                                      storage_backend_extra_config=dict(extra), **rkw)
+        assert reader.storage_backend.stats()["get_pages"] == 0
+        hit = _hit_query(reader, kind, "fresh", tokens)
+        assert hit.storage_hit_count == PAGES * PAGE
+        if kind == "hybrid":
+            dst, n = reader.allocate_storage_hit(hit, hit.storage_hit_count, allow_partial=True,
+                                                 min_tokens=PAGE, evict_host=lambda n: 0)
+            assert n == hit.storage_hit_count
+        else:
+            dst = reader.alloc_prefetch_host_buffers(hit, hit.storage_hit_count)
+        hit.host_indices = dst
+        acks = _read(reader, hit)
+        assert max(a for a in acks if a is not None) == PAGES * PAGE, acks
+        for i in range(PAGES):
+            assert torch.equal(rh.get_data_page(int(dst[i * PAGE])), want[i]), f"page {i}"
+        assert warnings_seen == [], warnings_seen
+    finally:
+        if reader is not None:
+            reader.detach_storage_backend()
+        writer.detach_storage_backend()
