@@ -77,6 +77,11 @@ pub struct DiskTierOptions {
     /// where the process leaves them to their default action). Default [`INDEX_SAVE_WITHIN`]
     /// (2 s): a process killed outright loses at most the blocks stored in that time.
     pub index_save_within: std::time::Duration,
+    /// A persisted tier's reset marker: a file holding how many cache resets the deployment has
+    /// had (written by the scheduler side, `persist::bump_reset_marker`, before a reset returns).
+    /// An index saved before the latest reset is not used when the tier opens, and a save that
+    /// finds a newer count forgets every block first. `None` (the default): no marker.
+    pub reset_marker: Option<PathBuf>,
 }
 
 impl DiskTierOptions {
@@ -88,6 +93,7 @@ impl DiskTierOptions {
             persist: false,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             index_save_within: INDEX_SAVE_WITHIN,
+            reset_marker: None,
         }
     }
 
@@ -109,6 +115,13 @@ impl DiskTierOptions {
     #[must_use]
     pub fn with_index_save_within(mut self, within: std::time::Duration) -> Self {
         self.index_save_within = within;
+        self
+    }
+
+    /// Sets [`Self::reset_marker`].
+    #[must_use]
+    pub fn with_reset_marker(mut self, marker: impl Into<PathBuf>) -> Self {
+        self.reset_marker = Some(marker.into());
         self
     }
 

@@ -66,6 +66,11 @@ pub struct IndexHeader {
     /// Which save this is (each save writes the next one); the journal's records name it.
     #[serde(default)]
     pub generation: u64,
+    /// The cache resets of the deployment this index had seen when it was saved (its reset
+    /// marker's count, `DiskTierOptions::reset_marker`): an index that saw fewer resets than the
+    /// marker now counts predates one, and is not used.
+    #[serde(default)]
+    pub resets: u64,
 }
 
 impl IndexHeader {
@@ -129,6 +134,34 @@ pub struct IndexEntry {
     pub key: u128,
     /// xxh3-64 of the block's canonical image (unsealed: as the tier verifies it).
     pub checksum: u64,
+}
+
+/// The count a reset marker file holds (see `DiskTierOptions::reset_marker`): 0 when there is
+/// none. A marker that cannot be read or parsed is an error (the caller cannot tell whether a
+/// reset happened).
+pub fn read_reset_marker(path: &Path) -> std::result::Result<u64, String> {
+    match std::fs::read(path) {
+        Ok(b) if b.len() <= 64 => std::str::from_utf8(&b)
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .ok_or_else(|| format!("{}: not a reset count", path.display())),
+        Ok(_) => Err(format!("{}: not a reset count (too long)", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+/// Counts one more cache reset in the marker at `path`, durably (written whole, `fsync`ed and
+/// renamed, the directory `fsync`ed); returns the new count.
+///
+/// Errors: the marker exists but cannot be read or parsed ([`ErrorKind::Corrupt`]), or cannot be
+/// written ([`ErrorKind::Io`]).
+pub fn bump_reset_marker(path: &Path) -> Result<u64> {
+    let n = read_reset_marker(path)
+        .map_err(|why| Error::corrupt(why).with("path", path.display()))?
+        .saturating_add(1);
+    write_atomically(path, format!("{n}\n").as_bytes())?;
+    Ok(n)
 }
 
 /// The seal of `key`: what an entry's checksum is xored with on disk.
@@ -224,6 +257,12 @@ pub fn save(
     let sum = xxhash_rust::xxh3::xxh3_64(&buf);
     buf.extend_from_slice(&sum.to_le_bytes());
     write_atomically_tracked(&index_path(slot_file), &buf, renamed)
+}
+
+/// The header of the index of `slot_file`, if it has a readable one.
+pub fn load_header(slot_file: &Path) -> Option<IndexHeader> {
+    let bytes = std::fs::read(index_path(slot_file)).ok()?;
+    parse(&bytes, 0).ok().map(|(h, _)| h)
 }
 
 /// Reads the index of `slot_file`: `None` when there is none, or when it is damaged or of the
@@ -342,6 +381,9 @@ fn parse(
     let at = 12 + head_len;
     let count = u64::from_le_bytes(take(at, 8)?.try_into().map_err(|_| "truncated")?);
     let bound = header.num_blocks.min(num_blocks_bound) as u64;
+    if num_blocks_bound == 0 {
+        return Ok((header, Vec::new())); // the header only (load_header)
+    }
     if count > bound {
         return Err(format!("{count} entries for {bound} slots"));
     }
@@ -380,6 +422,7 @@ mod tests {
             slot_bytes: 4096,
             num_blocks: 4,
             generation: 3,
+            resets: 1,
         }
     }
 

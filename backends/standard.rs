@@ -74,8 +74,13 @@ impl TierFactory for StandardTiers {
         let mut disk_index = Vec::new();
         if disk.is_none() && counts.num_disk_blocks > 0 {
             if config.disk.persist {
-                // Reopened with what it held (same namespace, rank, block shape and count).
+                // Reopened with what it held (same namespace, rank, block shape and count),
+                // unless the deployment's cache was reset since it was saved.
                 let identity = worker_disk_identity(config, rank, &dims)?;
+                let opts = DiskTierOptions {
+                    reset_marker: reset_marker_path(config),
+                    ..opts
+                };
                 let (tier, index) = DiskTier::open_persistent(
                     TierKind::Disk,
                     dims,
@@ -141,6 +146,39 @@ pub fn worker_disk_identity(config: &Config, rank: usize, dims: &LayoutDims) -> 
         dims.inner_dim,
         dims.dtype_bytes
     ))
+}
+
+/// The reset marker of a deployment's persisted worker disk tiers (`disk.persist` with the
+/// built-in disk I/O and `remote.namespace`): `<disk.dir>/kvbm-resets-<hash of the namespace
+/// and key hash>`, counting the cache resets ([`record_cache_reset`]) every rank's tier honours
+/// (see `DiskTierOptions::reset_marker`). `None` when the tiers are not reopened.
+pub fn reset_marker_path(config: &Config) -> Option<std::path::PathBuf> {
+    if !config.disk.reopens() {
+        return None;
+    }
+    let ns = config
+        .remote
+        .namespace
+        .as_deref()
+        .filter(|n| !n.is_empty())?;
+    let id = format!("kvbm-worker-disk-v1;ns={ns:?};hash={:?}", config.hash);
+    let h = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
+    Some(config.disk.dir.join(format!("kvbm-resets-{h:016x}")))
+}
+
+/// Records a cache reset (vLLM's `reset_cache`) for the persisted worker disk tiers, durably,
+/// before it returns: a worker that reopens its tier after this never serves what it held
+/// before, and a running worker forgets it at its next index save. Returns the new reset count,
+/// or `None` when the configuration persists nothing.
+///
+/// Errors: the marker cannot be read or written ([`ErrorKind::Io`](crate::ErrorKind::Io) or
+/// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt), naming its path).
+pub fn record_cache_reset(config: &Config) -> Result<Option<u64>> {
+    let Some(path) = reset_marker_path(config) else {
+        return Ok(None);
+    };
+    crate::backends::slot_file::prepare_dir(&config.disk.dir)?;
+    super::persist::bump_reset_marker(&path).map(Some)
 }
 
 /// A [`PageStore`] of `page_bytes`-byte pages named within `namespace`, over the tiers the

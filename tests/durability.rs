@@ -130,8 +130,20 @@ fn child_main(scenario: &str, dir: &Path) {
             bind_written(&tier, 0..100, 0);
             tier.persistent().unwrap().flush().unwrap();
             for b in 0..60 {
-                tier.write_block_from_slice(b, &page(1000 + b as u64)).unwrap();
+                tier.write_block_from_slice(b, &page(1000 + b as u64))
+                    .unwrap();
             }
+            ready_and_wait(tier);
+        }
+        // A worker's tier with the deployment's reset marker: 10 blocks bound and saved.
+        "worker10" => {
+            let opts = DiskTierOptions::new(dir)
+                .with_index_save_within(Duration::from_secs(3600))
+                .with_reset_marker(reset_marker(dir));
+            let (tier, _) =
+                DiskTier::open_persistent(TierKind::Disk, dims(), 128, opts, NS).unwrap();
+            bind_written(&tier, 0..10, 0);
+            tier.persistent().unwrap().flush().unwrap();
             ready_and_wait(tier);
         }
         other => panic!("unknown scenario {other}"),
@@ -142,7 +154,8 @@ fn child_main(scenario: &str, dir: &Path) {
 fn bind_written(tier: &DiskTier, range: std::ops::Range<usize>, seed0: u64) {
     let p = tier.persistent().unwrap();
     for b in range {
-        tier.write_block_from_slice(b, &page(seed0 + b as u64)).unwrap();
+        tier.write_block_from_slice(b, &page(seed0 + b as u64))
+            .unwrap();
         let c = p.checksum(b).unwrap();
         p.bind(&[(b, b as u128 + 1, c)]);
     }
@@ -339,4 +352,65 @@ fn an_entry_pairing_a_key_with_another_keys_slot_and_checksum_is_a_miss() {
         let err = tier.read_block_to_vec(b).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt, "block {b}: {err}");
     }
+}
+
+fn worker_config(dir: &Path) -> kvbm_connector::Config {
+    let mut c = config(dir, 128);
+    c.remote.namespace = Some("model-a".into());
+    c
+}
+
+fn reset_marker(dir: &Path) -> PathBuf {
+    kvbm_connector::backends::standard::reset_marker_path(&worker_config(dir)).unwrap()
+}
+
+/// Item 2 for vLLM's `reset_cache`: the scheduler side records the reset on disk before it
+/// returns (`record_cache_reset`, what the vLLM binding's `clear_tiers` calls). A worker killed
+/// right after it, before it learnt of the reset, serves none of its blocks when reopened; a
+/// worker still running forgets them at its next save.
+#[test]
+fn a_cache_reset_is_on_disk_before_it_returns_for_the_workers_tiers() {
+    use kvbm_connector::backends::standard::record_cache_reset;
+    if as_child() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let child = spawn(
+        "worker10",
+        dir.path(),
+        "a_cache_reset_is_on_disk_before_it_returns_for_the_workers_tiers",
+    );
+    assert_eq!(
+        record_cache_reset(&worker_config(dir.path())).unwrap(),
+        Some(1)
+    );
+    assert_eq!(end_with(child, libc::SIGKILL), Some(libc::SIGKILL));
+    let opts = DiskTierOptions::new(dir.path()).with_reset_marker(reset_marker(dir.path()));
+    let (tier, index) =
+        DiskTier::open_persistent(TierKind::Disk, dims(), 128, opts.clone(), NS).unwrap();
+    assert!(
+        index.is_empty(),
+        "blocks from before the reset announced: {index:?}"
+    );
+
+    // A running worker: blocks bound after the reset survive; a second reset forgets them at
+    // the next save (here the tier's close).
+    bind_written(&tier, 0..5, 0);
+    tier.persistent().unwrap().flush().unwrap();
+    drop(tier);
+    let (tier, index) =
+        DiskTier::open_persistent(TierKind::Disk, dims(), 128, opts.clone(), NS).unwrap();
+    assert_eq!(index.len(), 5, "stored after the reset: kept");
+    assert_eq!(
+        record_cache_reset(&worker_config(dir.path())).unwrap(),
+        Some(2)
+    );
+    tier.persistent().unwrap().flush().unwrap();
+    drop(tier);
+    let (_, index) = DiskTier::open_persistent(TierKind::Disk, dims(), 128, opts, NS).unwrap();
+    assert!(index.is_empty(), "{index:?}");
+    // Without persistence nothing is recorded.
+    let mut plain = worker_config(dir.path());
+    plain.disk.persist = false;
+    assert_eq!(record_cache_reset(&plain).unwrap(), None);
 }

@@ -66,8 +66,30 @@ impl SlotFile {
             slot_bytes,
             num_blocks,
             generation: 0,
+            resets: 0,
         };
-        let (generation, entries) = checked_index(kind, &want, &path, len, file_bytes)?;
+        let (mut generation, mut entries) = checked_index(kind, &want, &path, len, file_bytes)?;
+        // A cache reset since the index was saved (or a marker that cannot be read): its
+        // blocks were computed before the reset and are not served.
+        let resets = match &opts.reset_marker {
+            None => 0,
+            Some(m) => {
+                let (resets, saw) = match persist::read_reset_marker(m) {
+                    Ok(n) => (n, read_index_resets(&path)),
+                    Err(why) => {
+                        tracing::warn!(%why, "persisted disk: reset marker unreadable; the index is not used");
+                        (u64::MAX, 0)
+                    }
+                };
+                if saw < resets && !entries.is_empty() {
+                    tracing::info!(path = %path.display(), blocks = entries.len(),
+                        "persisted disk: a cache reset since the index was saved; its blocks are not served");
+                    entries.clear();
+                    generation = 0;
+                }
+                resets
+            }
+        };
         if len != file_bytes {
             preallocate(&file, file_bytes).map_err(|e| {
                 Error::io("fallocate", e)
@@ -83,12 +105,12 @@ impl SlotFile {
             *checksums[e.slot].write() = Some(e.checksum);
         }
         let durable = Durable::start(
-            want,
+            IndexHeader { resets, ..want },
             path.clone(),
             &file,
             generation,
             &entries,
-            opts.index_save_within,
+            (opts.index_save_within, opts.reset_marker.clone()),
         )?;
         tracing::info!(
             tier = %kind,
@@ -191,7 +213,10 @@ pub const INDEX_SAVE_WITHIN: Duration = Duration::from_secs(2);
 /// journal record that withdraws it there (see `persist.rs`). So the index on disk never names
 /// a block whose bytes are not the ones it describes, whenever the process dies.
 pub(crate) struct Durable {
+    /// The index's header (its `resets`: what the bindings have seen; its generation unused).
     header: IndexHeader,
+    /// The deployment's reset marker, if any (`DiskTierOptions::reset_marker`).
+    reset_marker: Option<PathBuf>,
     /// The slot file's path (the index and journal sit beside it).
     path: PathBuf,
     /// The slot file, for syncing its data before a save.
@@ -202,6 +227,8 @@ pub(crate) struct Durable {
     wake: Condvar,
     /// One save at a time.
     saving: Mutex<()>,
+    /// The reset count the bindings have seen.
+    resets: Mutex<u64>,
 }
 
 struct State {
@@ -248,7 +275,7 @@ impl Durable {
         file: &File,
         generation: u64,
         entries: &[IndexEntry],
-        save_within: Duration,
+        (save_within, reset_marker): (Duration, Option<PathBuf>),
     ) -> Result<Arc<Self>> {
         let file = file
             .try_clone()
@@ -270,7 +297,9 @@ impl Durable {
             vec![(generation, entries.iter().map(|e| e.slot).collect())]
         };
         let d = Arc::new(Self {
+            resets: Mutex::new(header.resets),
             header,
+            reset_marker,
             path,
             file,
             save_within,
@@ -368,6 +397,23 @@ impl Durable {
     /// Saves the index now (after a save in progress).
     fn save(&self) -> Result<()> {
         let _one = self.saving.lock();
+        // A cache reset since the last look: every block bound so far was computed before it.
+        let resets = {
+            let mut seen = self.resets.lock();
+            if let Some(m) = &self.reset_marker {
+                match persist::read_reset_marker(m) {
+                    Ok(n) if n > *seen => {
+                        self.state.lock().bindings.clear();
+                        *seen = n;
+                    }
+                    Ok(_) => {}
+                    Err(why) => {
+                        return Err(Error::corrupt(why).with("path", m.display()));
+                    }
+                }
+            }
+            *seen
+        };
         let (entries, generation) = {
             let mut st = self.state.lock();
             let generation = st.next_generation;
@@ -389,6 +435,7 @@ impl Durable {
         };
         let header = IndexHeader {
             generation,
+            resets,
             ..self.header.clone()
         };
         let mut renamed = false;
@@ -523,6 +570,11 @@ impl Drop for SlotFile {
             super::remove_quietly(&self.path);
         }
     }
+}
+
+/// The reset count the index beside `path` was saved with (0: none, or unreadable).
+fn read_index_resets(path: &Path) -> u64 {
+    persist::load_header(path).map_or(0, |h| h.resets)
 }
 
 /// The most files one identity has in a directory (one per process holding it at once).

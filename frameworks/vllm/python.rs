@@ -34,6 +34,9 @@ use worker::PyVllmWorker;
 #[pyclass(module = "kvbm_connector._kvbm", name = "VllmScheduler", frozen)]
 pub(crate) struct PyVllmScheduler {
     inner: Guarded<VllmScheduler>,
+    /// The persisted worker disk tiers' reset marker, if they are persisted: a reset is
+    /// recorded there before `clear_tiers` returns.
+    config: crate::config::Config,
     /// `(host_tokens, disk_tokens)` of each request's last hit, for
     /// `get_external_cache_hit_sources`.
     hit_split: Mutex<HashMap<String, (usize, usize)>>,
@@ -56,10 +59,12 @@ impl PyVllmScheduler {
         transport: &PyLeaderTransport,
     ) -> PyResult<Self> {
         let (config, transport) = (config.inner.clone(), transport.inner.clone());
+        let kept = config.clone();
         let s = detached(py, "VllmScheduler", move || {
             VllmScheduler::new(config, block_size, transport)
         })?;
         Ok(Self {
+            config: kept,
             inner: Guarded::new("VllmScheduler", s),
             hit_split: Mutex::new(HashMap::new()),
             live: Mutex::new(HashMap::new()),
@@ -455,10 +460,20 @@ impl PyVllmScheduler {
     }
 
     /// Withdraws every block the host and disk tiers hold (vLLM's `reset_cache`); returns how
-    /// many.
+    /// many. With persisted worker disk tiers (`disk.persist`) the reset is on disk before this
+    /// returns: no worker serves those blocks again, after a restart either.
+    ///
+    /// Errors: the reset could not be recorded on disk (the blocks are withdrawn in this process
+    /// all the same).
     fn clear_tiers(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner
-            .call(py, "clear_tiers", |s| Ok(s.leader_mut().clear_tiers()))
+        let n = self
+            .inner
+            .call(py, "clear_tiers", |s| Ok(s.leader_mut().clear_tiers()))?;
+        let config = self.config.clone();
+        detached(py, "clear_tiers", move || {
+            crate::backends::standard::record_cache_reset(&config)
+        })?;
+        Ok(n)
     }
 
     /// The host and disk pools' block counts (`free`, `mutable`: being written, `active`: held,

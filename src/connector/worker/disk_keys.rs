@@ -61,16 +61,6 @@ impl DiskKeys {
             .map(|(_, p)| p.0)
     }
 
-    /// Forgets every block, durably (a cache reset: what was computed before it must not come
-    /// back after a restart).
-    pub(crate) fn clear(&self) -> Result<()> {
-        self.map.lock().clear();
-        match self.tier.persistent() {
-            Some(p) => p.clear(),
-            None => Ok(()),
-        }
-    }
-
     /// Saves the index now.
     pub(super) fn save(&self) -> Result<()> {
         match self.tier.persistent() {
