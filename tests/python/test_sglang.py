@@ -421,6 +421,83 @@ def test_mla_over_several_ranks_needs_the_shared_store_and_is_refused_by_name_wi
             tp_rank=1, tp_size=2, mla=True).close()
 
 
+def _persisting_child(extra: dict, then: str):
+    """A child SGLang process that stores pages p0..p29 (seeds 42 + batch) through a persisted
+    backend, runs `then`, says READY and waits to be ended."""
+    import subprocess
+
+    child = f"""
+import sys, time
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+import test_sglang as T
+pool = T.host_pool("page_first")
+b = T.backend({extra!r}, pool, model="persisted")
+for batch in range(3):
+    idx, _ = T.fill(pool, 10, seed=42 + batch)
+    assert b.batch_set_v1([f"p{{batch * 10 + i}}" for i in range(10)], idx) == [True] * 10
+    pool.free(idx)
+{then}
+print("READY", flush=True)
+time.sleep(600)
+"""
+    env = {**os.environ, "KVBM_SGLANG_PATH": SGLANG_PATH or ""}
+    p = subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if line.strip() != "READY":
+        p.kill()
+        raise AssertionError(f"the child ended before READY: {line!r}, rc {p.wait()}")
+    return p
+
+
+def _served_pages(extra: dict) -> int:
+    """How many of p0..p29 a new process's backend serves, each compared with its bytes."""
+    pool = host_pool("page_first")
+    b = backend(extra, pool, model="persisted")
+    keys = [f"p{i}" for i in range(30)]
+    want = []
+    for batch in range(3):
+        _, w = fill(host_pool("page_first"), 10, seed=42 + batch)
+        want.extend(w)
+    served = 0
+    for at in range(0, 30, 10):
+        out = pool.alloc(10 * PAGE)
+        ok = b.batch_get_v1(keys[at : at + 10], out)
+        for i in range(10):
+            if ok[i]:
+                assert torch.equal(page_of(pool, out, i), want[at + i]), keys[at + i]
+                served += 1
+        pool.free(out)
+    b.close()
+    return served
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_persisted_tier_stopped_by_sigterm_or_sighup_keeps_its_pages(tmp_path, sig):
+    """How systemd and Kubernetes stop a process: SIGTERM (SIGHUP when its terminal goes), which
+    skip Python's exit hooks. The pages stored before it are served by the next process, and
+    the process still ends by the signal. (0 of 30 before the index was saved on the signal.)"""
+    import signal
+
+    extra = {**disk_extra(tmp_path), "disk_persist": True}
+    p = _persisting_child(extra, "")
+    p.send_signal(getattr(signal, sig))
+    assert p.wait(timeout=60) == -getattr(signal, sig)
+    assert _served_pages(extra) == 30
+
+
+def test_a_clear_of_a_persisted_tier_survives_a_sigkill(tmp_path):
+    """SGLang's ``clear()`` (e.g. after a weight update that keeps the model's name) is on disk
+    when it returns: killed right after it, the next process serves none of the cleared pages
+    (all 30 came back before)."""
+    import signal
+
+    extra = {**disk_extra(tmp_path), "disk_persist": True}
+    p = _persisting_child(extra, "b.clear()")
+    p.send_signal(signal.SIGKILL)
+    assert p.wait(timeout=60) == -signal.SIGKILL
+    assert _served_pages(extra) == 0
+
+
 def test_ranks_with_the_same_namespace_each_get_a_persisted_file_and_a_metrics_port(tmp_path):
     """MLA ranks share a namespace, and so do data-parallel replicas without DP attention (SGLang
     gives them all dp_rank 0): each process takes the next free persisted file and the next
