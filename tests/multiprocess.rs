@@ -28,9 +28,8 @@ use kvbm_connector::config::{AUTH_TOKEN_ENV, CONFIG_FILE_VAR, ENV_VARS, LEADER_A
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
-/// The wire protocol's version (`src/tcp/mod.rs`; 5 since workers send what a persisted disk
-/// tier holds at start-up).
-const PROTOCOL_VERSION: u16 = 5;
+// The wire protocol's version this build speaks.
+use kvbm_connector::tcp::PROTOCOL_VERSION;
 const FRAMEWORKS: [&str; 2] = ["trtllm", "vllm"];
 /// Start-up deadline of every process unless a test sets another: long enough for a loaded
 /// 2-core machine, short enough that a broken barrier cannot stall the suite for long.
@@ -173,6 +172,18 @@ impl Outcome {
             "{what}: panic on stderr: {}",
             self.describe()
         );
+    }
+
+    /// No WARNING (nor ERROR) logged: an orderly run and shutdown warns about nothing (a leader
+    /// that leaves says goodbye; a worker that leaves too).
+    fn assert_quiet(&self, what: &str) {
+        for level in [" WARN ", " ERROR "] {
+            assert!(
+                !self.stderr.contains(level),
+                "{what}: {level:?} logged: {}",
+                self.describe()
+            );
+        }
     }
 
     /// A clean failure: a non-zero exit code (not a signal), no panic.
@@ -437,7 +448,10 @@ fn tp2_replay(framework: &str) {
     let dir = tmp();
     let out =
         Proc::start(replay(dir.path(), framework, 40), dir.path(), "replay").wait(REPLAY_LIMIT);
-    out.assert_ok(&format!("{framework}: kvbm replay --tp 2"));
+    let what = format!("{framework}: kvbm replay --tp 2");
+    out.assert_ok(&what);
+    // The rank processes log to the replay's stderr: the leader's shutdown is no lost leader.
+    out.assert_quiet(&what);
     check_clean_tp2_report(dir.path(), framework);
 }
 
@@ -567,9 +581,11 @@ fn external_workers(framework: &str, workers_first: bool) {
     }
     let out = rep.wait(REPLAY_LIMIT);
     out.assert_ok(&format!("{what}: replay"));
+    out.assert_quiet(&format!("{what}: replay"));
     for (rank, w) in workers.iter_mut().enumerate() {
-        w.wait(Duration::from_secs(20))
-            .assert_ok(&format!("{what}: worker {rank}"));
+        let done = w.wait(Duration::from_secs(20));
+        done.assert_ok(&format!("{what}: worker {rank}"));
+        done.assert_quiet(&format!("{what}: worker {rank}"));
     }
     check_clean_tp2_report(dir.path(), &what);
 }
@@ -585,6 +601,55 @@ fn workers_started_before_the_leader() {
 fn workers_started_after_the_leader() {
     for fw in FRAMEWORKS {
         external_workers(fw, false);
+    }
+}
+
+/// A leader that is killed (SIGKILL: no goodbye) is a loss, and its workers say so with a
+/// WARNING, as before the orderly shutdown stopped warning (`assert_quiet` above): the goodbye
+/// tells the two apart, not the timing.
+#[test]
+fn a_killed_leader_is_a_loss_its_workers_warn_about() {
+    let dir = tmp();
+    let (leader, engine) = (free_port(), free_port());
+    // Long enough that the run is still going when the leader is killed.
+    let mut cmd = replay(dir.path(), "trtllm", 100_000);
+    cmd.arg("--external-workers")
+        .args(["--leader-addr", &leader.to_string()])
+        .args(["--engine-addr", &engine.to_string()]);
+    let mut rep = Proc::start(cmd, dir.path(), "replay");
+    let mut workers: Vec<Proc> = (0..2)
+        .map(|rank| {
+            let mut w = worker(dir.path(), rank, "trtllm", leader, engine);
+            w.env("KVBM_LOG", "info");
+            Proc::start(w, dir.path(), &format!("worker{rank}"))
+        })
+        .collect();
+    for w in &mut workers {
+        w.wait_for_stderr("kvbm worker connected", Duration::from_secs(30));
+    }
+    rep.child.kill().expect("SIGKILL the leader");
+    let _ = rep.child.wait();
+    for (rank, w) in workers.iter_mut().enumerate() {
+        let out = w.wait(Duration::from_secs(30));
+        let what = format!("worker {rank} of a killed leader");
+        // Its exit code depends on which it noticed first, the lost engine channel or the lost
+        // leader (`kvbm worker` ends cleanly when the engine closes its channel first).
+        assert!(out.status.code().is_some(), "{what}: {}", out.describe());
+        assert!(
+            !out.stderr.contains("panicked"),
+            "{what}: {}",
+            out.describe()
+        );
+        assert!(
+            out.stderr.contains(" WARN ") && out.stderr.contains("kvbm leader connection lost"),
+            "{what}: no warning about the lost leader: {}",
+            out.describe()
+        );
+        assert!(
+            !out.stderr.contains("said goodbye"),
+            "{what}: taken for a goodbye: {}",
+            out.describe()
+        );
     }
 }
 
