@@ -41,7 +41,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -211,6 +211,59 @@ impl WorkerTransport for Tap {
     }
 }
 
+/// The worker's transport holding back its start-up confirmation ([`WorkerMessage::Ready`]):
+/// while `registering`, the leader gets it only once the worker waits for an answer after
+/// sending it — the schedule of a busy host, where the leader's background barrier thread has
+/// not run yet when the worker's registration is done on its side. [`HoldReady::release`] hands
+/// over what is still held.
+#[derive(Debug)]
+struct HoldReady {
+    inner: Arc<dyn WorkerTransport>,
+    registering: AtomicBool,
+    held: Mutex<Option<WorkerMessage>>,
+}
+
+impl HoldReady {
+    fn new(inner: Arc<dyn WorkerTransport>) -> Self {
+        Self {
+            inner,
+            registering: AtomicBool::new(true),
+            held: Mutex::new(None),
+        }
+    }
+
+    /// The registration returned: nothing is held back from now on.
+    fn registration_over(&self) {
+        self.registering.store(false, Ordering::SeqCst);
+    }
+
+    /// Sends what is still held (nothing once the worker waited for the leader).
+    fn release(&self) {
+        if let Some(m) = self.held.lock().unwrap().take() {
+            self.inner.send(m).unwrap();
+        }
+    }
+}
+
+impl WorkerTransport for HoldReady {
+    fn rank(&self) -> Rank {
+        self.inner.rank()
+    }
+    fn send(&self, msg: WorkerMessage) -> KvResult<()> {
+        if msg == WorkerMessage::Ready && self.registering.load(Ordering::SeqCst) {
+            *self.held.lock().unwrap() = Some(msg);
+            return Ok(());
+        }
+        self.inner.send(msg)
+    }
+    fn recv_timeout(&self, timeout: Duration) -> KvResult<Option<LeaderMessage>> {
+        if self.registering.load(Ordering::SeqCst) {
+            self.release();
+        }
+        self.inner.recv_timeout(timeout)
+    }
+}
+
 /// What one iteration computes: a request and the token positions whose KV it writes.
 type Plan = Vec<(u64, Range<usize>)>;
 
@@ -259,19 +312,33 @@ struct Engine {
 
 impl Engine {
     /// Scheduler first (non-blocking), then the worker registers its cache (blocking: it returns
-    /// once the barrier completed), then the scheduler is polled until ready.
+    /// once the barrier completed, the leader's side included).
     fn new(host_blocks: usize, disk_blocks: usize) -> Self {
+        let (mut engine, hold) = Self::start(host_blocks, disk_blocks);
+        hold.registration_over();
+        assert!(
+            engine.sched.leader_mut().is_ready(),
+            "the worker's registration returned before the scheduler was ready: {:?}",
+            engine.sched.leader().status()
+        );
+        engine
+    }
+
+    /// As [`Engine::new`], the worker's start-up confirmation held back ([`HoldReady`]) until the
+    /// caller says the registration is over; the scheduler's readiness is not checked.
+    fn start(host_blocks: usize, disk_blocks: usize) -> (Self, Arc<HoldReady>) {
         let dir = tempfile::tempdir().unwrap();
         let mut config = Config::default();
         config.host.cache_blocks = Some(host_blocks);
         config.disk.cache_blocks = Some(disk_blocks);
         config.disk.dir = dir.path().to_path_buf();
         let (leader_transport, worker_transports) = in_process(1);
-        let mut sched = TrtllmScheduler::new(config.clone(), BS, leader_transport).unwrap();
+        let sched = TrtllmScheduler::new(config.clone(), BS, leader_transport).unwrap();
         let tap_iteration = Arc::new(AtomicUsize::new(0));
         let finish_log = FinishLog::default();
+        let hold = Arc::new(HoldReady::new(worker_transports[0].clone()));
         let tap = Arc::new(Tap {
-            inner: worker_transports[0].clone(),
+            inner: hold.clone(),
             iteration: tap_iteration.clone(),
             log: finish_log.clone(),
         });
@@ -294,15 +361,6 @@ impl Engine {
             worker.worker().is_ready(),
             "blocking registration returned before ready"
         );
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !sched.leader_mut().is_ready() {
-            assert!(
-                Instant::now() < deadline,
-                "scheduler not ready: {:?}",
-                sched.leader().status()
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
         let engine = Self {
             sched,
             worker,
@@ -334,7 +392,7 @@ impl Engine {
         for b in 0..DEVICE_BLOCKS {
             engine.clobber(b);
         }
-        engine
+        (engine, hold)
     }
 
     fn submit(&mut self, id: u64, tokens: Vec<u32>, max_new: usize) {
@@ -787,6 +845,45 @@ fn cold_request() {
     e.snapshot("cold_request");
 }
 
+/// Issue 42 item 7: TensorRT-LLM without `wait_for_initialization` (its older connector API)
+/// admits requests as soon as the worker's `register_kv_caches` returned. On a busy host the
+/// leader's background barrier thread had often not yet seen the worker's confirmation then, and
+/// a short request admitted and finished before it did was never offloaded. Here the worker's
+/// confirmation reaches the leader only when the worker waits for the leader after sending it
+/// ([`HoldReady`]): the registration must return with the leader ready (barrier step 3), and a
+/// one-token request finished right after it is offloaded — a later request with its prompt loads
+/// it from host. Without step 3 the registration returns with the leader not ready, the request
+/// finishes untracked, and the later request matches nothing (deterministic: no race decides it).
+#[test]
+fn a_request_finished_right_after_registration_is_offloaded() {
+    let (mut e, hold) = Engine::start(16, 64);
+    hold.registration_over();
+    let ready_when_registered = e.sched.leader_mut().is_ready();
+    let p = prompt(1, 14);
+    e.submit(1, p.clone(), 1);
+    e.run();
+    // Whatever the registration did, the leader hears the worker now.
+    hold.release();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !e.sched.leader_mut().is_ready() {
+        assert!(Instant::now() < deadline, "{:?}", e.sched.leader().status());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    e.submit(2, p, 1);
+    e.run();
+    assert_eq!(
+        e.matched[&2],
+        (12, true),
+        "the first request's 3 full blocks were offloaded"
+    );
+    assert_eq!(e.verified_blocks, 3);
+    assert!(
+        ready_when_registered,
+        "register_kv_caches returned before the scheduler was ready"
+    );
+    e.assert_drained();
+}
+
 #[test]
 fn prefix_hit_from_host() {
     let mut e = Engine::new(16, 64);
@@ -1174,7 +1271,7 @@ fn lagging_rank_runs_finish_work_after_its_forward_pass() {
         .map(|_| Arc::new(MemoryTier::new(TierKind::Device, layout()).unwrap()) as _)
         .collect();
     let shape = [DEVICE_BLOCKS, LAYERS, 2, BS * INNER];
-    // Both ranks register at once (each blocks until the barrier saw both).
+    // Both ranks register at once (each blocks until the leader is ready, which needs both).
     let mut workers: Vec<TrtllmWorker> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
             .map(|r| {
@@ -1188,11 +1285,11 @@ fn lagging_rank_runs_finish_work_after_its_forward_pass() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sched.leader_mut().is_ready() {
-        assert!(Instant::now() < deadline, "scheduler not ready");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    assert!(
+        sched.leader_mut().is_ready(),
+        "{:?}",
+        sched.leader().status()
+    );
     // Each rank's shard of a block: a pattern of (rank, block, version).
     let shard = |rank: u8, block: usize, version: u8| {
         vec![rank.wrapping_mul(16) ^ (block as u8) ^ version; dims().bytes_per_block()]

@@ -28,9 +28,8 @@ use kvbm_connector::config::{AUTH_TOKEN_ENV, CONFIG_FILE_VAR, ENV_VARS, LEADER_A
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvbm");
-/// The wire protocol's version (`src/tcp/mod.rs`; 5 since workers send what a persisted disk
-/// tier holds at start-up).
-const PROTOCOL_VERSION: u16 = 5;
+// The wire protocol's version this build speaks.
+use kvbm_connector::tcp::PROTOCOL_VERSION;
 const FRAMEWORKS: [&str; 2] = ["trtllm", "vllm"];
 /// Start-up deadline of every process unless a test sets another: long enough for a loaded
 /// 2-core machine, short enough that a broken barrier cannot stall the suite for long.
@@ -173,6 +172,18 @@ impl Outcome {
             "{what}: panic on stderr: {}",
             self.describe()
         );
+    }
+
+    /// No WARNING (nor ERROR) logged: an orderly run and shutdown warns about nothing (a leader
+    /// that leaves says goodbye; a worker that leaves too).
+    fn assert_quiet(&self, what: &str) {
+        for level in [" WARN ", " ERROR "] {
+            assert!(
+                !self.stderr.contains(level),
+                "{what}: {level:?} logged: {}",
+                self.describe()
+            );
+        }
     }
 
     /// A clean failure: a non-zero exit code (not a signal), no panic.
@@ -437,7 +448,10 @@ fn tp2_replay(framework: &str) {
     let dir = tmp();
     let out =
         Proc::start(replay(dir.path(), framework, 40), dir.path(), "replay").wait(REPLAY_LIMIT);
-    out.assert_ok(&format!("{framework}: kvbm replay --tp 2"));
+    let what = format!("{framework}: kvbm replay --tp 2");
+    out.assert_ok(&what);
+    // The rank processes log to the replay's stderr: the leader's shutdown is no lost leader.
+    out.assert_quiet(&what);
     check_clean_tp2_report(dir.path(), framework);
 }
 
@@ -567,9 +581,11 @@ fn external_workers(framework: &str, workers_first: bool) {
     }
     let out = rep.wait(REPLAY_LIMIT);
     out.assert_ok(&format!("{what}: replay"));
+    out.assert_quiet(&format!("{what}: replay"));
     for (rank, w) in workers.iter_mut().enumerate() {
-        w.wait(Duration::from_secs(20))
-            .assert_ok(&format!("{what}: worker {rank}"));
+        let done = w.wait(Duration::from_secs(20));
+        done.assert_ok(&format!("{what}: worker {rank}"));
+        done.assert_quiet(&format!("{what}: worker {rank}"));
     }
     check_clean_tp2_report(dir.path(), &what);
 }
@@ -586,6 +602,41 @@ fn workers_started_after_the_leader() {
     for fw in FRAMEWORKS {
         external_workers(fw, false);
     }
+}
+
+/// A leader that is killed (SIGKILL: no goodbye) is a loss, and its worker says so with a
+/// WARNING, as before the orderly shutdown stopped warning (`assert_quiet` above): the goodbye
+/// tells the two apart, not the timing. The leader is killed while it waits for rank 1 (never
+/// started), so rank 0 is in its start-up barrier, where the lost connection ends its
+/// registration only after its reader logged the loss.
+#[test]
+fn a_killed_leader_is_a_loss_its_workers_warn_about() {
+    let dir = tmp();
+    let (leader, engine) = (free_port(), free_port());
+    let mut cmd = replay(dir.path(), "trtllm", 40);
+    cmd.arg("--external-workers")
+        .args(["--leader-addr", &leader.to_string()])
+        .args(["--engine-addr", &engine.to_string()]);
+    let mut rep = Proc::start(cmd, dir.path(), "replay");
+    let mut w0 = worker(dir.path(), 0, "trtllm", leader, engine);
+    w0.env("KVBM_LOG", "info");
+    let mut w0 = Proc::start(w0, dir.path(), "worker0");
+    w0.wait_for_stderr("kvbm worker connected", Duration::from_secs(30));
+    rep.child.kill().expect("SIGKILL the leader");
+    let _ = rep.child.wait();
+    let out = w0.wait(Duration::from_secs(30));
+    let what = "rank 0 of a killed leader";
+    out.assert_clean_failure(what);
+    assert!(
+        out.stderr.contains(" WARN ") && out.stderr.contains("kvbm leader connection lost"),
+        "{what}: no warning about the lost leader: {}",
+        out.describe()
+    );
+    assert!(
+        !out.stderr.contains("said goodbye"),
+        "{what}: taken for a goodbye: {}",
+        out.describe()
+    );
 }
 
 // ------------------------------------------------------------------------------------------------

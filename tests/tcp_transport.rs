@@ -1,5 +1,6 @@
-//! The network transport through the public API on loopback: authentication, and the real leader
-//! and worker offloading and onboarding over TCP. The transport's own tests (frames, handshake
+//! The network transport through the public API on loopback: authentication, the real leader
+//! and worker offloading and onboarding over TCP, TensorRT-LLM's start-up order and an orderly
+//! shutdown, and the documented protocol version. The transport's own tests (frames, handshake
 //! refusals, the barrier over TCP, disconnects, round trips) reach crate-private frame and
 //! barrier functions and live in `src/tcp/tests.rs`.
 //!
@@ -11,10 +12,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvbm_connector::connector::transport::LeaderTransport;
+use kvbm_connector::connector::transport::{LeaderTransport, LEADER_GOODBYE};
 use kvbm_connector::connector::RequestId;
 use kvbm_connector::connector::{Blocking, NonBlocking};
-use kvbm_connector::tcp::{TcpLeader, TcpWorker};
+use kvbm_connector::tcp::{TcpLeader, TcpWorker, PROTOCOL_VERSION};
 use kvbm_connector::ErrorKind;
 
 const LONG: Duration = Duration::from_secs(10);
@@ -71,6 +72,59 @@ fn real_leader_and_worker_offload_and_onboard_over_tcp() {
     let loaded = rig.onboard(&RequestId::from("b"), &tokens, &[4, 5, 6, 7]);
     assert!(loaded >= BS, "loaded {loaded} tokens");
     assert!(lt.is_session_started());
+}
+
+/// TensorRT-LLM's order over TCP: the leader starts non-blocking, the worker registers blocking
+/// and returns only once the leader is ready (barrier step 3, `LeaderMessage::Ready`), so the
+/// leader is ready the moment the registration returns. Then an orderly shutdown: the leader is
+/// dropped first and says goodbye, so the worker's connection ends as a departure
+/// ([`LEADER_GOODBYE`], logged at INFO), not as a lost leader (a WARNING on every normal `--tp 2`
+/// shutdown before).
+#[test]
+fn a_blocking_worker_returns_with_the_leader_ready_and_a_dropped_leader_says_goodbye() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8, 8);
+    let lt = TcpLeader::bind(any_port(), 1, None).unwrap();
+    let mut leader = new_leader(cfg.clone(), BS, lt.clone(), NonBlocking).unwrap();
+    let wt = TcpWorker::connect(lt.local_addr(), 0, 1, None, LONG).unwrap();
+    let mut worker = new_worker(cfg, 1, wt.clone(), Blocking).unwrap();
+    worker.register(device()).unwrap();
+    assert!(worker.is_ready());
+    assert!(leader.is_ready(), "{:?}", leader.status());
+    assert!(wt.is_connected());
+    drop(leader);
+    drop(lt);
+    wait_until("the worker to see the leader leave", || !wt.is_connected());
+    assert_eq!(wt.close_reason().as_deref(), Some(LEADER_GOODBYE));
+    // The worker's own calls go on: it knows its leader left.
+    worker.get_finished(&[], None);
+    worker.wait_idle(LONG).unwrap();
+}
+
+/// The documents say the wire protocol version this build speaks: `docs/deployment.md` by number
+/// (checked here), `src/tcp/mod.rs` by naming [`PROTOCOL_VERSION`].
+#[test]
+fn the_docs_name_the_wire_protocol_version_this_build_speaks() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let deployment = std::fs::read_to_string(root.join("docs/deployment.md")).unwrap();
+    for needle in [
+        format!("## The wire protocol (version {PROTOCOL_VERSION})"),
+        format!("`u16` big-endian, `{PROTOCOL_VERSION}`"),
+    ] {
+        assert!(
+            deployment.contains(&needle),
+            "docs/deployment.md lacks {needle:?}"
+        );
+    }
+    let module = std::fs::read_to_string(root.join("src/tcp/mod.rs")).unwrap();
+    assert!(
+        module.contains("| version  | [`PROTOCOL_VERSION`], `u16` big-endian |"),
+        "src/tcp/mod.rs's header table must name PROTOCOL_VERSION"
+    );
+    assert!(
+        !module.contains("currently"),
+        "src/tcp/mod.rs states a version of its own"
+    );
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -72,7 +72,8 @@ pub fn answer_barrier(t: &dyn WorkerTransport, hello: WorkerHello, limit: Durati
         match t.recv_timeout(left).expect("receive the block counts") {
             Some(LeaderMessage::Allocate(counts)) => break counts,
             Some(LeaderMessage::Refused(why)) => panic!("the leader refused the stand-in: {why}"),
-            Some(LeaderMessage::Finish(_)) | None => {}
+            Some(LeaderMessage::Goodbye) => panic!("the leader shut down during start-up"),
+            Some(LeaderMessage::Finish(_) | LeaderMessage::Ready) | None => {}
         }
     };
     t.send(WorkerMessage::Ready).expect("confirm");

@@ -12,7 +12,9 @@
 //!   iteration are stored when it finishes;
 //! * one fully contiguous cache tensor `[num_blocks, num_layers, kv_factor, ...]` is registered;
 //! * the scheduler initialises non-blocking and the worker blocking (TensorRT-LLM builds both at
-//!   once; the engine is ready when the worker is);
+//!   once; the engine is ready when the worker is): `register_kv_caches` returns once the
+//!   scheduler is ready too (the barrier's step 3), since TensorRT-LLM's older API admits
+//!   requests right after it, with no `wait_for_initialization`;
 //! * `get_finished(finished_gen_req_ids, started_loading_req_ids)` returns an id only after the
 //!   engine passed it in;
 //! * layer groups (KV cache manager V2, `*_by_layer_group`): each group of a request is served as
@@ -388,7 +390,7 @@ pub struct TrtllmWorker {
 
 impl TrtllmWorker {
     /// A worker of rank `transport.rank()` among `world_size`; its barrier runs inline (blocking)
-    /// in [`TrtllmWorker::register_kv_caches`].
+    /// in [`TrtllmWorker::register_kv_caches`], which returns once the scheduler is ready too.
     pub fn new(
         config: Config,
         tokens_per_block: usize,

@@ -39,8 +39,10 @@ What is read from TensorRT-LLM's objects (the shapes its ``KvCacheConnectorManag
   the ``stream`` the hooks are given and loads for its earlier work (``kvbm_connector._streams``).
 
 The scheduler lives on rank 0 only and initialises non-blocking; every rank has a worker, whose
-``register_kv_caches`` blocks until the start-up barrier completed (TensorRT-LLM builds both at
-once; the engine is ready when the worker is). The metadata is ``bytes``.
+``register_kv_caches`` blocks until the start-up barrier completed, the scheduler included: it
+returns once the scheduler is ready (TensorRT-LLM builds both at once, and its older API starts
+admitting requests right after the registration, with no ``wait_for_initialization``; the engine
+is ready when the worker is). The metadata is ``bytes``.
 
 A finished request's last stores are decided in ``request_finished``, after that iteration's
 metadata was built; TensorRT-LLM may build no further metadata (an idle engine calls only
@@ -475,9 +477,9 @@ class KvbmConnectorScheduler(_SchedulerBase):
     def wait_for_initialization(self) -> None:
         """Blocks (GIL released) until the start-up barrier completed, at most the configured
         init timeout; raises the barrier's error, or a timeout. TensorRT-LLM calls it after
-        ``register_kv_caches`` and before its executor loop starts, so the first request is
-        matched and offloaded (without it, a request admitted while the barrier is finishing is
-        never offloaded). With layer groups in pools of their own, every pool's barrier."""
+        ``register_kv_caches`` and before its executor loop starts; rank 0's registration
+        already returned with the scheduler ready (older trees, which do not call this, rely on
+        that). With layer groups in pools of their own, every pool's barrier."""
         self.wait_ready(max(self._config.init_timeout_secs, 0.001))
 
     def update_state_after_alloc_by_layer_group(

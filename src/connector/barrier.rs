@@ -1,4 +1,4 @@
-//! Start-up: [`InitMode`] and the two-step leader/worker barrier.
+//! Start-up: [`InitMode`] and the three-step leader/worker barrier.
 //!
 //! 1. Each worker → leader: its `bytes_per_block` (computed from the caches it registered) and its
 //!    device block count ([`WorkerHello`]).
@@ -6,9 +6,19 @@
 //!    sizes and the *sum* of `bytes_per_block` over ranks (every rank allocates the same counts for
 //!    its own shard); the device count is the minimum over ranks.
 //!
-//! Then each worker allocates its tiers and confirms ([`WorkerMessage::Ready`]). The whole barrier
-//! has one deadline; missing it is an [`ErrorKind::Timeout`] error naming the step and the ranks
-//! still missing.
+//! Then each worker allocates its tiers and confirms ([`WorkerMessage::Ready`]).
+//!
+//! 3. Leader → each worker, once every rank confirmed: [`LeaderMessage::Ready`], sent only after
+//!    the leader's own readiness is recorded, so any call the leader gets from then on finds it
+//!    ready. A worker that starts up blocking ([`Blocking`]: TensorRT-LLM's) returns from its
+//!    registration only on it: TensorRT-LLM admits requests as soon as the registration returned
+//!    (its older connector API has no `wait_for_initialization`), and a request admitted while
+//!    the leader was still finishing its barrier would never be offloaded if it also finished
+//!    before then. A leader that fails after step 2 refuses every rank
+//!    ([`LeaderMessage::Refused`]), so none waits for step 3 until the deadline.
+//!
+//! The whole barrier has one deadline; missing it is an [`ErrorKind::Timeout`] error naming the
+//! step and the ranks still missing.
 //!
 //! Each side runs the barrier either inline ([`Blocking`]: the constructor returns once it is
 //! done) or on a background thread ([`NonBlocking`]: calls made before it is done see "not
@@ -142,15 +152,17 @@ impl<T> InitCell<T> {
 }
 
 /// Runs `f` inline (`blocking`: an [`InitMode::BLOCKING`]) or on a named background thread,
-/// recording its outcome in the returned cell. Blocking mode returns `f`'s error directly.
+/// recording its outcome in the returned cell. Blocking mode returns `f`'s error directly. `f`
+/// gets the cell, to record its value before it returns (the leader does, before telling the
+/// workers it is ready); the first value recorded wins.
 pub(crate) fn initialise<T: Send + Sync + 'static>(
     blocking: bool,
     name: &str,
-    f: impl FnOnce() -> Result<T> + Send + 'static,
+    f: impl FnOnce(&InitCell<T>) -> Result<T> + Send + 'static,
 ) -> Result<Arc<InitCell<T>>> {
     let cell = Arc::new(InitCell::default());
     if blocking {
-        let v = f()?;
+        let v = f(&cell)?;
         cell.set(Ok(v));
     } else {
         let c = cell.clone();
@@ -158,7 +170,7 @@ pub(crate) fn initialise<T: Send + Sync + 'static>(
         std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                let outcome = f();
+                let outcome = f(&c);
                 if let Err(e) = &outcome {
                     if Arc::strong_count(&c) > 1 {
                         tracing::error!(side = %label, error = %e, "kvbm initialisation failed");
@@ -198,12 +210,14 @@ fn timed_out(step: &str, timeout: Duration, ranks: &[Rank]) -> Error {
 /// The leader's side of the barrier.
 ///
 /// `page_size`, when given, is the leader's tokens per block: a rank whose blocks hold another
-/// number is refused (its keys would name different token spans).
+/// number is refused (its keys would name different token spans). `on_ready` records the
+/// outcome where the leader's calls read it; it runs before step 3 tells the workers.
 pub(crate) fn leader_barrier(
     transport: &dyn LeaderTransport,
     config: &Config,
     page_size: Option<usize>,
     timeout: Duration,
+    on_ready: impl FnOnce(&Readiness),
 ) -> Result<Readiness> {
     let deadline = Instant::now() + timeout;
     let world = transport.world_size();
@@ -222,7 +236,17 @@ pub(crate) fn leader_barrier(
     for rank in 0..world {
         transport.send(rank, LeaderMessage::Allocate(counts))?;
     }
-    let disk_index = await_allocations(transport, world, deadline, timeout)?;
+    let disk_index = match await_allocations(transport, world, deadline, timeout) {
+        Ok(index) => index,
+        Err(e) => {
+            // The ranks that confirmed wait for step 3: tell them, rather than let them wait
+            // for the deadline.
+            for rank in 0..world {
+                let _ = transport.send(rank, LeaderMessage::Refused(e.message().to_string()));
+            }
+            return Err(e);
+        }
+    };
     let dims = hellos
         .first()
         .map(|h| h.dims)
@@ -235,12 +259,21 @@ pub(crate) fn leader_barrier(
         bytes_per_block = total,
         "kvbm leader ready"
     );
-    Ok(Readiness {
+    let readiness = Readiness {
         counts,
         dims,
         bytes_per_block,
         disk_index,
-    })
+    };
+    // Step 3, once the leader's calls see it ready.
+    on_ready(&readiness);
+    for rank in 0..world {
+        if let Err(e) = transport.send(rank, LeaderMessage::Ready) {
+            // The rank is gone: the transport reports it, and it counts as lost from then on.
+            tracing::warn!(rank, error = %e, "cannot tell a kvbm worker that the leader is ready");
+        }
+    }
+    Ok(readiness)
 }
 
 /// Barrier step 1 on the leader: each of the `world` ranks' hello (its `bytes_per_block`, device block count
@@ -441,11 +474,14 @@ fn check_hello(
     Ok(())
 }
 
-/// A worker's side of the barrier: report, receive counts, `allocate`, confirm.
+/// A worker's side of the barrier: report, receive counts, `allocate`, confirm, and with
+/// `await_leader` wait for the leader's step 3 ([`LeaderMessage::Ready`]). Without it, the
+/// leader's `Ready` arrives after start-up (the worker ignores it there).
 pub(crate) fn worker_barrier(
     transport: &dyn WorkerTransport,
     hello: WorkerHello,
     timeout: Duration,
+    await_leader: bool,
     allocate: impl FnOnce(TierCounts) -> Result<Vec<(usize, u128)>>,
 ) -> Result<TierCounts> {
     let deadline = Instant::now() + timeout;
@@ -473,10 +509,12 @@ pub(crate) fn worker_barrier(
                 )
                 .with("rank", rank))
             }
-            Some(LeaderMessage::Finish(_)) => {
+            Some(LeaderMessage::Goodbye) => return Err(leader_left(rank)),
+            Some(other @ (LeaderMessage::Finish(_) | LeaderMessage::Ready)) => {
                 tracing::warn!(
                     rank,
-                    "finished-request work received during start-up; ignored"
+                    ?other,
+                    "unexpected leader message during start-up; ignored"
                 );
             }
             None => continue,
@@ -493,5 +531,62 @@ pub(crate) fn worker_barrier(
         transport.send(WorkerMessage::DiskIndex(chunk.to_vec()))?;
     }
     transport.send(WorkerMessage::Ready)?;
+    if await_leader {
+        await_leader_ready(transport, rank, deadline, timeout)?;
+    }
     Ok(counts)
+}
+
+/// Barrier step 3 on a worker: the leader's [`LeaderMessage::Ready`] by `deadline`.
+fn await_leader_ready(
+    transport: &dyn WorkerTransport,
+    rank: Rank,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<()> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "start-up barrier timed out after {:.1}s: rank {rank} allocated its tiers but the leader never said it was ready (another rank missing, or the leader stopped)",
+                    timeout.as_secs_f64()
+                ),
+            )
+            .with("rank", rank)
+            .with("step", "step 3 (leader ready)"));
+        }
+        match transport.recv_timeout(left)? {
+            Some(LeaderMessage::Ready) => return Ok(()),
+            Some(LeaderMessage::Refused(why)) => {
+                return Err(Error::new(
+                    ErrorKind::NotReady,
+                    format!(
+                        "the leader's start-up failed after rank {rank} allocated its tiers: {why}"
+                    ),
+                )
+                .with("rank", rank)
+                .with("step", "step 3 (leader ready)"))
+            }
+            Some(LeaderMessage::Goodbye) => return Err(leader_left(rank)),
+            Some(other @ (LeaderMessage::Allocate(_) | LeaderMessage::Finish(_))) => {
+                tracing::warn!(
+                    rank,
+                    ?other,
+                    "unexpected leader message during start-up; ignored"
+                );
+            }
+            None => continue,
+        }
+    }
+}
+
+/// The leader said goodbye before start-up ended.
+fn leader_left(rank: Rank) -> Error {
+    Error::new(
+        ErrorKind::Cancelled,
+        format!("the kvbm leader shut down before rank {rank}'s start-up ended"),
+    )
+    .with("rank", rank)
 }

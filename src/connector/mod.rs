@@ -3,7 +3,7 @@
 //!
 //! * [`adapter`] — what the leader needs from a scheduler ([`SchedulerAdapter`]), and the
 //!   [`Engine`] that bundles an adapter with its two sides' init modes;
-//! * [`barrier`] — [`InitMode`] ([`Blocking`], [`NonBlocking`]) and the two-step start-up
+//! * [`barrier`] — [`InitMode`] ([`Blocking`], [`NonBlocking`]) and the three-step start-up
 //!   barrier (run by the leader's and the worker's constructors; its functions are crate-private);
 //! * [`groups`] — KV-cache groups (sliding-window and full layers) and their attention kinds;
 //! * [`leader`] — the scheduler side: matching (across KV-cache groups too), offload (each

@@ -2,8 +2,9 @@
 //!
 //! Metadata travels through the engine (leader → workers, once per iteration). Everything else goes
 //! over a transport: each worker's `bytes_per_block` and device block count (barrier step 1), the
-//! leader's host and disk block counts (step 2), each worker's readiness, the completion of
-//! every operation (so the leader registers stored blocks and releases held ones), and — for
+//! leader's host and disk block counts (step 2), each worker's readiness, then the leader's
+//! (step 3), the completion of every operation (so the leader registers stored blocks and
+//! releases held ones), and — for
 //! engines that may stop building metadata while a finished request is held (TensorRT-LLM) — the
 //! work a finished request still needs ([`LeaderMessage::Finish`], ordered after a metadata
 //! iteration; see [`FinishWork`]).
@@ -135,7 +136,20 @@ pub enum LeaderMessage {
     Refused(String),
     /// After start-up: a finished request's last work, outside the metadata ([`FinishWork`]).
     Finish(FinishWork),
+    /// Barrier step 3: every rank confirmed its allocation and the leader is ready — sent only
+    /// once the leader's own calls see it ready. A worker that starts up blocking (TensorRT-LLM's)
+    /// returns from its registration on it, so the engine's first request finds the leader
+    /// ready (see [`barrier`](crate::connector::barrier)).
+    Ready,
+    /// The leader is closing its connection on purpose (it shut down): the worker's transport
+    /// then reports the connection's end as [`LEADER_GOODBYE`], logged as a departure, not as a
+    /// lost leader. Sent by a network transport as the last message of an orderly close.
+    Goodbye,
 }
+
+/// Why a worker's connection ended when its leader said [`LeaderMessage::Goodbye`] first.
+pub const LEADER_GOODBYE: &str =
+    "the leader closed its connection after saying goodbye (it shut down)";
 
 /// The leader's end.
 pub trait LeaderTransport: Send + Sync + std::fmt::Debug {

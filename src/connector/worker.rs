@@ -387,7 +387,9 @@ impl Worker {
 
     /// Registers the engine's device cache and runs the barrier (inline for
     /// [`Blocking`](crate::connector::Blocking), in the background for
-    /// [`NonBlocking`](crate::connector::NonBlocking), as the engine's `WorkerInit` says).
+    /// [`NonBlocking`](crate::connector::NonBlocking), as the engine's `WorkerInit` says). A
+    /// blocking registration returns once the leader is ready too (barrier step 3); a
+    /// non-blocking worker is ready once its tiers are allocated.
     pub fn register(&mut self, device: Arc<dyn StorageTier>) -> Result<()> {
         if self.init.is_some() {
             return Err(Error::new(
@@ -409,10 +411,13 @@ impl Worker {
         let config = self.config.clone();
         let timeout = config.init_timeout();
         let rank = hello.rank;
-        let init = initialise(self.mode.1, "kvbm-worker-init", move || {
+        // Blocking (TensorRT-LLM): the registration returns once the leader is ready too
+        // (barrier step 3), so the engine's first request finds it ready.
+        let await_leader = self.mode.1;
+        let init = initialise(self.mode.1, "kvbm-worker-init", move |_| {
             let mut tiers = None;
             let world_size = hello.world_size;
-            worker_barrier(transport.as_ref(), hello, timeout, |counts| {
+            worker_barrier(transport.as_ref(), hello, timeout, await_leader, |counts| {
                 let mut built = factory.build(&config, rank, device.clone(), counts)?;
                 built.remote = None;
                 if let Some(disk) = &built.disk {
@@ -576,6 +581,13 @@ impl Worker {
                         tracing::error!(rank = self.rank(), error = %e, "undecodable finished-request work from the leader");
                     }
                 },
+                // Barrier step 3 for a worker that did not wait for it (non-blocking start-up).
+                Ok(Some(LeaderMessage::Ready)) => {}
+                Ok(Some(LeaderMessage::Goodbye)) => {
+                    tracing::info!(rank = self.rank(), "the kvbm leader shut down");
+                    self.leader_gone = true;
+                    break;
+                }
                 Ok(Some(other)) => {
                     tracing::warn!(
                         rank = self.rank(),

@@ -20,12 +20,14 @@ use crate::error::{Error, Result};
 
 /// The first four bytes of every frame.
 pub(super) const MAGIC: [u8; 4] = *b"KVBM";
-/// The protocol version this build speaks (bytes 4..6 of every frame, big-endian). Version 2
-/// added heartbeats (the HEARTBEAT kind and the WELCOME fields announcing them); version 3 the
-/// COMPLETIONS kind (a worker's completions, batched, in a binary payload); version 4 the
-/// worker's `StoreStats` message (its remote store's counters); version 5 the worker's
-/// `DiskIndex` message (what a persisted disk tier holds, at start-up).
-pub(super) const PROTOCOL_VERSION: u16 = 5;
+/// The wire protocol version this build speaks (bytes 4..6 of every frame, big-endian); a peer
+/// speaking another is refused. Version 2 added heartbeats (the HEARTBEAT kind and the WELCOME
+/// fields announcing them); version 3 the COMPLETIONS kind (a worker's completions, batched, in a
+/// binary payload); version 4 the worker's `StoreStats` message (its remote store's counters);
+/// version 5 the worker's `DiskIndex` message (what a persisted disk tier holds, at start-up);
+/// version 6 the leader's `Ready` (barrier step 3: the leader is ready) and `Goodbye` (it shuts
+/// down in order) messages.
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Bytes of a frame header.
 pub(super) const HEADER_LEN: usize = 12;
 /// Largest MSG payload (16 MiB); a larger length closes the connection.
@@ -593,7 +595,7 @@ mod tests {
     fn frame_layout_is_as_documented() {
         let f = encode_frame(FrameKind::Msg, b"\"Ready\"").unwrap();
         assert_eq!(&f[..4], b"KVBM");
-        assert_eq!(&f[4..6], &[0, 5]);
+        assert_eq!(&f[4..6], &PROTOCOL_VERSION.to_be_bytes());
         assert_eq!(f[6], 4);
         assert_eq!(f[7], 0);
         assert_eq!(&f[8..12], &[0, 0, 0, 7]);

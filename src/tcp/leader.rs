@@ -484,7 +484,8 @@ impl Drop for TcpLeader {
             return;
         };
         // Closing every rank's queue lets its writer send what is queued (e.g. a refusal's
-        // reason), then close the connection.
+        // reason), then close the connection. A goodbye goes last: the worker then knows this
+        // is an orderly shutdown, not a lost leader.
         let peers: Vec<Peer> = self
             .shared
             .ranks
@@ -493,6 +494,11 @@ impl Drop for TcpLeader {
             .iter_mut()
             .filter_map(Option::take)
             .collect();
+        if let Ok(goodbye) = encode_json(FrameKind::Msg, &LeaderMessage::Goodbye) {
+            for peer in &peers {
+                let _ = peer.out.send(goodbye.clone());
+            }
+        }
         drop(peers);
         // Blocking is not allowed inside another runtime: there the runtime stops in the
         // background without the flush.

@@ -1,7 +1,7 @@
 //! The network transport: leader and workers in separate processes, one TCP connection per worker.
 //!
-//! * `frame` — the [wire protocol](self#wire-protocol-version-1)'s header and payloads, reading
-//!   and writing frames (crate-private);
+//! * `frame` — the [wire protocol](self#wire-protocol)'s header and payloads, reading and
+//!   writing frames (crate-private; [`PROTOCOL_VERSION`] is public);
 //! * `leader` — [`TcpLeader`]: admission, the connection table, the accept/reader/writer tasks;
 //! * `worker` — [`TcpWorker`]: connecting with retries, the reader thread;
 //! * [`rendezvous`] — finding the leader with no address configured: [`RendezvousLeader`]
@@ -16,15 +16,16 @@
 //! so the start-up barrier ([`barrier`](crate::connector::barrier)) and the leader's completion
 //! handling run over the network unchanged.
 //!
-//! # Wire protocol (version 5)
+//! # Wire protocol
 //!
 //! Every message in either direction is one *frame*: a 12-byte header followed by a payload (JSON,
-//! except COMPLETIONS, which is binary).
+//! except COMPLETIONS, which is binary). The version this build speaks is [`PROTOCOL_VERSION`]
+//! (its documentation lists what each version added); versions do not mix.
 //!
 //! | offset | size | field    | value |
 //! |--------|------|----------|-------|
 //! | 0      | 4    | magic    | the ASCII bytes `KVBM` (`4B 56 42 4D`) |
-//! | 4      | 2    | version  | protocol version, `u16` big-endian; currently 3 (2 had no COMPLETIONS, 1 no heartbeats) |
+//! | 4      | 2    | version  | [`PROTOCOL_VERSION`], `u16` big-endian |
 //! | 6      | 1    | kind     | `1` HELLO, `2` WELCOME, `3` REFUSED, `4` MSG, `5` HEARTBEAT, `6` COMPLETIONS |
 //! | 7      | 1    | reserved | senders write `0`; receivers ignore it |
 //! | 8      | 4    | length   | payload length in bytes, `u32` big-endian |
@@ -49,11 +50,13 @@
 //!   worker's remote store's counters, when they changed; version 4),
 //!   `{"DiskIndex":[[3,123456789],…]}` (barrier step 2, before `"Ready"`: `(block, key)` pairs a
 //!   persisted disk tier holds, at most 65,536 a message; version 5),
+//!   `"Goodbye"` (the worker is closing on purpose),
 //!   `{"Allocate":{"num_host_blocks":8,"num_disk_blocks":0,"num_device_blocks":32}}`,
-//!   `{"Refused":"why"}`,
-//!   `{"Finish":{"after_iteration":12,"metadata":[75,86,77,68,…]}}` (the metadata's bytes) (a finished request's last stores and hold,
-//!   sent when the engine may build no more metadata; see `Leader::request_finished_now`). At most
-//!   16 MiB.
+//!   `{"Refused":"why"}`, `"Ready"` from the leader (barrier step 3: it is ready; version 6),
+//!   `{"Finish":{"after_iteration":12,"metadata":[75,86,77,68,…]}}` (the metadata's bytes: a
+//!   finished request's last stores and hold, sent when the engine may build no more metadata;
+//!   see `Leader::request_finished_now`), `"Goodbye"` from the leader (it is closing on purpose,
+//!   the last frame it sends; version 6). At most 16 MiB.
 //!   [`WorkerMessage::Disconnected`] is generated locally and never sent; a leader that receives
 //!   it from a peer closes that connection.
 //! * **HEARTBEAT** (both directions, after WELCOME): empty payload (a receiver ignores any).
@@ -104,7 +107,7 @@
 //!
 //! It also refuses, with a REFUSED frame, a client that speaks the protocol (right magic) but
 //! sends another protocol version ("protocol version 2 is not supported (this side speaks
-//! version 4)"), another frame kind than HELLO first, an oversized or
+//! version N)", N being [`PROTOCOL_VERSION`]), another frame kind than HELLO first, an oversized or
 //! undecodable HELLO, and a client that sends no complete HELLO within the handshake timeout.
 //! Bytes that do not start with the magic (an HTTP request, random data) get no answer: the
 //! connection is just closed. At most 64 handshakes are pending at once; more connections are
@@ -112,7 +115,7 @@
 //!
 //! A worker whose leader answers in another protocol version gets an
 //! [`ErrorKind::Unsupported`] error at once, naming both versions ("the kvbm leader at ADDR
-//! speaks wire protocol version 2 and rank 0 speaks version 5: run the same kvbm-connector
+//! speaks wire protocol version 2 and rank 0 speaks version N: run the same kvbm-connector
 //! release on the leader and every worker").
 //!
 //! # Heartbeats
@@ -146,6 +149,15 @@
 //! is gone, [`WorkerTransport::recv_timeout`] (after the messages already received) and
 //! [`WorkerTransport::send`] are [`ErrorKind::Cancelled`] errors saying why.
 //!
+//! An orderly close is told from a loss on both sides. A worker that closes ([`TcpWorker::close`],
+//! or dropping it) first sends `"Goodbye"`: the leader logs the rank's departure at INFO and its
+//! `Disconnected` reason is [`GOODBYE`]. A leader that is dropped first queues `"Goodbye"` to every
+//! connected worker, after what it queued before: the worker delivers it (the connector's worker
+//! then knows its leader left), logs the departure at INFO, and its calls' errors name
+//! [`LEADER_GOODBYE`] as the reason ([`TcpWorker::close_reason`]). A connection that ends without
+//! a goodbye (a killed process, a reset, the heartbeat timeout) is a loss, logged as a WARNING
+//! on the side that sees it.
+//!
 //! # Rejoining: refused once the session started
 //!
 //! The session starts when every rank has confirmed its allocation ([`WorkerMessage::Ready`] from
@@ -176,8 +188,9 @@
 //! [`TcpLeader`] owns a tokio runtime with one worker thread (`kvbm-tcp-leader`): an accept loop,
 //! and per connection a reader task (feeding one `std::sync::mpsc` channel read by
 //! `recv_timeout`/`try_recv`) and a writer task (fed by a per-rank channel; `send` never blocks).
-//! Dropping it gives the writers up to one second to send what is queued (so a refusal's reason
-//! reaches the worker), then stops the runtime and closes every connection; workers then see
+//! Dropping it queues a `"Goodbye"` to every connected worker and gives the writers up to one
+//! second to send what is queued (so a refusal's reason reaches the worker, and the goodbye
+//! follows it), then stops the runtime and closes every connection; workers then see
 //! [`ErrorKind::Cancelled`]. Dropping it inside another tokio runtime skips the flush. [`TcpWorker`] uses blocking
 //! sockets: `send` writes the frame on the caller's thread, one reader thread
 //! (`kvbm-tcp-worker-N`) feeds `recv_timeout`, and one heartbeat thread (`kvbm-tcp-heartbeat-N`)
@@ -194,6 +207,8 @@
 //! [`WorkerMessage`]: crate::connector::transport::WorkerMessage
 //! [`WorkerMessage::Disconnected`]: crate::connector::transport::WorkerMessage::Disconnected
 //! [`WorkerMessage::Ready`]: crate::connector::transport::WorkerMessage::Ready
+//! [`GOODBYE`]: crate::connector::transport::GOODBYE
+//! [`LEADER_GOODBYE`]: crate::connector::transport::LEADER_GOODBYE
 //! [`LeaderTransport`]: crate::connector::transport::LeaderTransport
 //! [`LeaderTransport::recv_timeout`]: crate::connector::transport::LeaderTransport::recv_timeout
 //! [`LeaderTransport::try_recv`]: crate::connector::transport::LeaderTransport::try_recv
@@ -211,6 +226,7 @@ mod worker;
 
 use crate::error::{Error, ErrorKind};
 
+pub use frame::PROTOCOL_VERSION;
 pub use leader::{Received, TcpLeader, HANDSHAKE_TIMEOUT};
 pub use rendezvous::{LazyTcpWorker, LeaderTarget, RendezvousLeader};
 pub use worker::TcpWorker;

@@ -11,6 +11,8 @@
 
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream as StdTcpStream};
+#[cfg(test)]
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::Arc;
@@ -18,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::connector::transport::{LeaderMessage, Rank, WorkerMessage, WorkerTransport};
+use crate::connector::transport::{
+    LeaderMessage, Rank, WorkerMessage, WorkerTransport, LEADER_GOODBYE,
+};
 use crate::error::{Error, ErrorKind, Result};
 
 use super::cancelled;
@@ -72,6 +76,24 @@ pub struct TcpWorker {
     completions_limit: AtomicU32,
     /// MSG and COMPLETIONS frames written (heartbeats not counted).
     frames_sent: AtomicU64,
+    /// Tests: set by the reader thread as it ends (once the connection closed).
+    #[cfg(test)]
+    reader_ended: Arc<AtomicBool>,
+    /// Tests: runs in [`TcpWorker::close`] right after the goodbye was written.
+    #[cfg(test)]
+    pub(super) after_goodbye: Hook,
+}
+
+/// A test's code to run at one point of [`TcpWorker::close`].
+#[cfg(test)]
+#[derive(Default)]
+pub(super) struct Hook(pub(super) Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+#[cfg(test)]
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hook")
+    }
 }
 
 enum Attempt {
@@ -246,10 +268,20 @@ impl TcpWorker {
             .map_err(|e| err("clone the leader connection", e))?;
         let (tx, rx) = channel();
         let closed = Arc::new(Closed::default());
+        #[cfg(test)]
+        let reader_ended = Arc::new(AtomicBool::new(false));
         let c = closed.clone();
         std::thread::Builder::new()
             .name(format!("kvbm-tcp-worker-{rank}"))
-            .spawn(move || worker_reader(reader, addr, rank, tx, c, silence))
+            .spawn({
+                #[cfg(test)]
+                let ended = reader_ended.clone();
+                move || {
+                    worker_reader(reader, addr, rank, tx, c, silence);
+                    #[cfg(test)]
+                    ended.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+            })
             .map_err(|e| err("spawn the worker reader thread", e))?;
         let stream = Arc::new(Mutex::new(stream));
         let (stop, stopped) = std::sync::mpsc::sync_channel(0);
@@ -277,6 +309,10 @@ impl TcpWorker {
             _stop_heartbeat: stop,
             completions_limit: AtomicU32::new(MAX_PAYLOAD),
             frames_sent: AtomicU64::new(0),
+            #[cfg(test)]
+            reader_ended,
+            #[cfg(test)]
+            after_goodbye: Hook::default(),
         })
     }
 
@@ -308,10 +344,23 @@ impl TcpWorker {
         self.closed.reason().is_none()
     }
 
+    /// Why the leader connection closed (`None` while open): [`LEADER_GOODBYE`] when the leader
+    /// shut down in order, "this worker closed its connection" when this side did, else how the
+    /// connection was lost.
+    pub fn close_reason(&self) -> Option<String> {
+        self.closed.reason()
+    }
+
     /// Closes the connection to the leader (dropping the worker does the same); the leader sees
     /// [`WorkerMessage::Disconnected`] for this rank.
     pub fn close(&self) {
-        if self.is_connected() {
+        // Closed before the goodbye leaves: the leader closes its end as soon as it reads it,
+        // and this worker's reader must then find the connection closed by this side, not lost
+        // (it warned, now and then, on every normal shutdown).
+        if self
+            .closed
+            .close("this worker closed its connection".to_string())
+        {
             // Best effort and never blocking (a send in progress holds the stream): the leader
             // then logs this rank's departure instead of a lost worker.
             if let (Some(mut stream), Ok(frame)) = (
@@ -320,10 +369,21 @@ impl TcpWorker {
             ) {
                 let _ = stream.write_all(&frame);
             }
+            #[cfg(test)]
+            {
+                let hook = self.after_goodbye.0.lock().take();
+                if let Some(hook) = hook {
+                    hook();
+                }
+            }
         }
-        self.closed
-            .close("this worker closed its connection".to_string());
         let _ = self.control.shutdown(Shutdown::Both);
+    }
+
+    /// Tests: whether the reader thread ended (the connection is closed, nothing more arrives).
+    #[cfg(test)]
+    pub(super) fn reader_ended(&self) -> bool {
+        self.reader_ended.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn gone(&self, op: &str) -> Error {
@@ -394,8 +454,12 @@ fn worker_reader(
             Ok((FrameKind::Msg, payload)) => {
                 match serde_json::from_slice::<LeaderMessage>(&payload) {
                     Ok(m) => {
+                        let goodbye = m == LeaderMessage::Goodbye;
                         if tx.send(m).is_err() {
                             break "this worker closed its connection".to_string();
+                        }
+                        if goodbye {
+                            break LEADER_GOODBYE.to_string();
                         }
                     }
                     Err(e) => break format!("undecodable message from the leader: {e}"),
@@ -412,7 +476,11 @@ fn worker_reader(
         }
     };
     if closed.close(reason.clone()) {
-        tracing::warn!(leader = %addr, rank, reason = %reason, "kvbm leader connection lost");
+        if reason == LEADER_GOODBYE {
+            tracing::info!(leader = %addr, rank, "kvbm leader left (it said goodbye)");
+        } else {
+            tracing::warn!(leader = %addr, rank, reason = %reason, "kvbm leader connection lost");
+        }
     }
     let _ = stream.shutdown(Shutdown::Both);
 }

@@ -292,8 +292,11 @@ impl<A: SchedulerAdapter> Leader<A> {
         config.validate()?;
         let (t, c) = (transport.clone(), config.clone());
         let timeout = config.init_timeout();
-        let init = initialise(E::LeaderInit::BLOCKING, "kvbm-leader-init", move || {
-            leader_barrier(t.as_ref(), &c, Some(page_size), timeout)
+        // The outcome is recorded before the workers hear the leader is ready (barrier step 3).
+        let init = initialise(E::LeaderInit::BLOCKING, "kvbm-leader-init", move |cell| {
+            leader_barrier(t.as_ref(), &c, Some(page_size), timeout, |r| {
+                cell.set(Ok(r.clone()))
+            })
         })?;
         let mut leader = Self {
             adapter,
