@@ -1576,6 +1576,27 @@ mod trace_parser {
     }
 
     #[test]
+    fn duplicate_keys_and_byte_order_marks_are_named() {
+        let ok = "{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1}";
+        // A duplicate key would otherwise keep its last value silently.
+        let dup = "{\"id\":\"b\",\"arrival\":0,\"prompt\":[1],\"prompt\":[1,2,3],\"max_tokens\":1}";
+        let e = parse_trace(&format!("{ok}\n{dup}")).unwrap_err();
+        assert!(
+            e.to_string().contains("line 2")
+                && e.to_string().contains("duplicate field \"prompt\""),
+            "{e}"
+        );
+        // A byte-order mark at the start of the file is skipped; elsewhere it is named.
+        let first = parse_trace(&format!("\u{feff}{ok}")).expect("a leading mark is skipped");
+        assert_eq!(first, parse_trace(ok).expect("valid"));
+        let e = parse_trace(&format!("{ok}\n\u{feff}{ok}")).unwrap_err();
+        assert!(
+            e.to_string().contains("line 2") && e.to_string().contains("byte-order mark"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn oversized_trace_file_is_refused_unread() {
         let dir = tempfile::tempdir().expect("temporary directory");
         let path = dir.path().join("big.jsonl");

@@ -309,6 +309,55 @@ fn malformed_mooncake_lines_are_errors_naming_line_and_field() {
 }
 
 #[test]
+fn a_duplicate_key_is_refused_naming_the_line_and_the_key() {
+    // serde_json keeps the last of two equal keys: the line would be read as 1024 tokens with
+    // its first input_length dropped, silently.
+    let ok = r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}"#;
+    for (line, key) in [
+        (
+            r#"{"timestamp": 0, "input_length": 512, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]}"#,
+            "input_length",
+        ),
+        (
+            r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2], "hash_ids": [3, 4]}"#,
+            "hash_ids",
+        ),
+        (
+            r#"{"timestamp": 0, "timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}"#,
+            "timestamp",
+        ),
+    ] {
+        let err = MooncakeReader::new(Cursor::new(format!("{ok}\n{line}\n").into_bytes()), 1000)
+            .collect::<Result<Vec<_>, _>>()
+            .expect_err("a duplicate key");
+        let text = err.to_string();
+        assert!(
+            text.contains("line 2") && text.contains(&format!("duplicate field \"{key}\"")),
+            "{text}"
+        );
+        assert_eq!(err.context_value("field"), Some(key), "{text}");
+        assert_eq!(err.context_value("line"), Some("2"), "{text}");
+    }
+}
+
+#[test]
+fn a_byte_order_mark_is_skipped_at_the_start_and_named_elsewhere() {
+    let ok = r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}"#;
+    // At the start of the file (some editors save one): skipped, the trace reads as without.
+    let with_bom = format!("\u{feff}{ok}\n{ok}\n");
+    assert_eq!(with_bom.as_bytes()[..3], [0xEF, 0xBB, 0xBF]);
+    let r = read_all(&with_bom).expect("a leading byte-order mark is skipped");
+    assert_eq!(r, read_all(&format!("{ok}\n{ok}\n")).expect("valid"));
+    // Anywhere else (two files concatenated): refused, naming the mark, not "not JSON".
+    let err = read_all(&format!("{ok}\n\u{feff}{ok}\n")).expect_err("a second mark");
+    assert!(
+        err.contains("line 2") && err.contains("byte-order mark (EF BB BF)"),
+        "{err}"
+    );
+    assert!(!err.contains("not JSON"), "{err}");
+}
+
+#[test]
 fn a_bad_mooncake_file_fails_the_replay_naming_the_line() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let trace = dir.path().join("bad.jsonl");
