@@ -141,7 +141,7 @@ pub struct ReplayArgs {
     /// Requests running at once.
     #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
     pub max_batch: usize,
-    /// Most prompt tokens the requests waiting for admission hold at once (each costs 12 bytes
+    /// Most tokens the requests waiting for admission hold at once (each costs 12 bytes
     /// while it waits). A request due while the waiting ones hold more stays in the trace,
     /// unread, until they drain; its TTFT still counts from its arrival. At least one request
     /// always waits, whatever its size.

@@ -77,7 +77,7 @@ pub struct SimOptions {
     /// worker, instead of the standard one (`kvbm sweep --instances`: the fleet's shared store).
     /// Single-process replays only.
     pub tiers: Option<Arc<dyn TierFactory>>,
-    /// Most prompt tokens the requests waiting for admission hold at once (`kvbm replay
+    /// Most tokens the requests waiting for admission hold at once (`kvbm replay
     /// --max-waiting-tokens`): a request due while the waiting ones hold more stays in the
     /// workload, unread, until they drain (its TTFT still counts from its arrival). Always at
     /// least one request waits, whatever its size.

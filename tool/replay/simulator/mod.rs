@@ -111,7 +111,7 @@ pub struct Simulator {
     /// that it and those due after it arrive with the clock of their arrival step. Empty
     /// otherwise.
     due_clocks: VecDeque<(u64, f64)>,
-    /// Most prompt tokens the waiting requests held at once.
+    /// Most tokens the waiting requests held at once.
     peak_waiting_tokens: usize,
     /// When the first step ran (the report's wall clock).
     started: Option<Instant>,
@@ -431,7 +431,7 @@ impl Simulator {
     /// one is done, whatever its arrival says.
     ///
     /// Memory follows `max_waiting_tokens`, not the trace: a due request that would take the
-    /// waiting requests' prompt tokens past it stays unread in the source (with every request
+    /// waiting requests' tokens past it stays unread in the source (with every request
     /// behind it) until admissions drain the queue; at least one request always waits. Such a
     /// request arrives with the clock of the step it became due ([`Self::due_clock`]), so its
     /// TTFT counts the time it was held back.
