@@ -929,6 +929,53 @@ fn sizes_from_input_are_bounded() {
     }
 }
 
+/// A replay whose tiers and requests would hold more than `--memory-limit` is refused before
+/// any tier is built, naming the flag that costs most; the same replay runs under a limit it fits.
+#[test]
+fn a_replay_that_cannot_fit_in_memory_is_refused_naming_the_flag() {
+    // 2,000,000 host blocks: about 550 MiB of the tier's bookkeeping alone (prefix policy),
+    // allocated and touched when the tier is built, whatever the workload.
+    for (flag, value, limit) in [
+        ("--host-blocks", "2000000", "256M"),
+        ("--disk-blocks", "2000000", "256M"),
+        ("--max-waiting-tokens", "100000000", "512M"),
+    ] {
+        let dir = tmp();
+        let out = kvbm(dir.path())
+            .args([
+                "replay",
+                "--requests",
+                "4",
+                "--memory-limit",
+                limit,
+                flag,
+                value,
+            ])
+            .output()
+            .expect("run kvbm");
+        assert_clean_failure(
+            &out,
+            flag,
+            &[&format!("lower {flag}"), "--memory-limit allows"],
+        );
+        assert_eq!(out.status.code(), Some(2), "{flag}");
+        assert!(block_files(dir.path()).is_empty(), "{flag}: disk file left");
+    }
+    let dir = tmp();
+    let out = kvbm(dir.path())
+        .args([
+            "replay",
+            "--requests",
+            "4",
+            "--memory-limit",
+            "1G",
+            "--quiet",
+        ])
+        .output()
+        .expect("run kvbm");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
 // ------------------------------------------------------------------------------------------------
 // 6. Malformed and good configurations
 // ------------------------------------------------------------------------------------------------
@@ -1573,6 +1620,27 @@ mod trace_parser {
             assert_eq!(e.kind(), ErrorKind::InvalidArgument);
             assert!(e.to_string().contains(want), "{e} should mention {want}");
         }
+    }
+
+    #[test]
+    fn duplicate_keys_and_byte_order_marks_are_named() {
+        let ok = "{\"id\":\"a\",\"arrival\":0,\"prompt\":[1],\"max_tokens\":1}";
+        // A duplicate key would otherwise keep its last value silently.
+        let dup = "{\"id\":\"b\",\"arrival\":0,\"prompt\":[1],\"prompt\":[1,2,3],\"max_tokens\":1}";
+        let e = parse_trace(&format!("{ok}\n{dup}")).unwrap_err();
+        assert!(
+            e.to_string().contains("line 2")
+                && e.to_string().contains("duplicate field \"prompt\""),
+            "{e}"
+        );
+        // A byte-order mark at the start of the file is skipped; elsewhere it is named.
+        let first = parse_trace(&format!("\u{feff}{ok}")).expect("a leading mark is skipped");
+        assert_eq!(first, parse_trace(ok).expect("valid"));
+        let e = parse_trace(&format!("{ok}\n\u{feff}{ok}")).unwrap_err();
+        assert!(
+            e.to_string().contains("line 2") && e.to_string().contains("byte-order mark"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -523,6 +523,80 @@ fn bad_fleet_input_is_refused_before_any_replay() {
 }
 
 #[test]
+fn a_fleet_that_cannot_fit_in_memory_is_refused_before_any_replay() {
+    // Each instance's host tier keeps bookkeeping for every block it may hold, allocated when
+    // it is built (about 260 bytes a block under the default prefix policy), and its device
+    // cache 320 blocks of 64 KiB: 64 instances of this workload need about 1.3 GiB even with
+    // 64-block host tiers. A limit below that is refused by name, before any instance is built
+    // (without the estimate the 64 instances start, and a machine with less memory kills them).
+    refused(
+        &["--instances", "64", "--memory-limit", "1G"],
+        "--instances",
+        "more than the 1024 MiB --memory-limit allows",
+    );
+    // The fleet: 64 instances of 10M tokens each (625,000 blocks of 16 tokens): about
+    // 11 GiB of host tier bookkeeping alone, refused under 8 GiB whatever the machine has.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out: Output = kvbm(dir.path())
+        .args(["sweep", "--requests", "20", "--instances", "64"])
+        .args(["--capacities", "10M", "--memory-limit", "8G"])
+        .output()
+        .expect("run kvbm");
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    for n in [
+        "--instances",
+        "625000 blocks × 288 B",
+        "more than the 8192 MiB",
+    ] {
+        assert!(err.contains(n), "{n:?}: {err}");
+    }
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    // One instance of the same fits: the estimate follows the instances.
+    let ok = kvbm(dir.path())
+        .args([
+            "sweep",
+            "--requests",
+            "20",
+            "--instances",
+            "1",
+            "--shared-tier",
+            "off",
+        ])
+        .args(["--capacities", "1024", "--memory-limit", "1G", "--quiet"])
+        .output()
+        .expect("run kvbm");
+    assert!(ok.status.success(), "{}", text(&ok.stderr));
+}
+
+#[test]
+fn a_plain_sweep_whose_runs_cannot_fit_is_refused_naming_the_flag() {
+    // Two runs at once (--jobs 2) of 30M-token host tiers (1,875,000 blocks each, about 500
+    // MiB of bookkeeping apiece): refused under 512 MiB, naming --capacities.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out: Output = kvbm(dir.path())
+        .args([
+            "sweep",
+            "--requests",
+            "20",
+            "--capacities",
+            "1M,30M",
+            "--jobs",
+            "2",
+        ])
+        .args(["--memory-limit", "512M"])
+        .output()
+        .expect("run kvbm");
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("lower --capacities") && err.contains("--jobs"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+}
+
+#[test]
 fn an_unreachable_remote_url_is_refused_before_any_replay() {
     // A loopback port nobody listens on: bound, then released.
     let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -309,6 +309,142 @@ fn malformed_mooncake_lines_are_errors_naming_line_and_field() {
 }
 
 #[test]
+fn a_duplicate_key_is_refused_naming_the_line_and_the_key() {
+    // serde_json keeps the last of two equal keys: the line would be read as 1024 tokens with
+    // its first input_length dropped, silently.
+    let ok = r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}"#;
+    for (line, key) in [
+        (
+            r#"{"timestamp": 0, "input_length": 512, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]}"#,
+            "input_length",
+        ),
+        (
+            r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2], "hash_ids": [3, 4]}"#,
+            "hash_ids",
+        ),
+        (
+            r#"{"timestamp": 0, "timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}"#,
+            "timestamp",
+        ),
+    ] {
+        let err = MooncakeReader::new(Cursor::new(format!("{ok}\n{line}\n").into_bytes()), 1000)
+            .collect::<Result<Vec<_>, _>>()
+            .expect_err("a duplicate key");
+        let text = err.to_string();
+        assert!(
+            text.contains("line 2") && text.contains(&format!("duplicate field \"{key}\"")),
+            "{text}"
+        );
+        assert_eq!(err.context_value("field"), Some(key), "{text}");
+        assert_eq!(err.context_value("line"), Some("2"), "{text}");
+    }
+}
+
+#[test]
+fn a_byte_order_mark_is_skipped_at_the_start_and_named_elsewhere() {
+    let ok = r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}"#;
+    // At the start of the file (some editors save one): skipped, the trace reads as without.
+    let with_bom = format!("\u{feff}{ok}\n{ok}\n");
+    assert_eq!(with_bom.as_bytes()[..3], [0xEF, 0xBB, 0xBF]);
+    let r = read_all(&with_bom).expect("a leading byte-order mark is skipped");
+    assert_eq!(r, read_all(&format!("{ok}\n{ok}\n")).expect("valid"));
+    // Anywhere else (two files concatenated): refused, naming the mark, not "not JSON".
+    let err = read_all(&format!("{ok}\n\u{feff}{ok}\n")).expect_err("a second mark");
+    assert!(
+        err.contains("line 2") && err.contains("byte-order mark (EF BB BF)"),
+        "{err}"
+    );
+    assert!(!err.contains("not JSON"), "{err}");
+}
+
+/// `n` Mooncake requests of 512 tokens (distinct blocks), all at timestamp 0.
+fn burst(n: usize) -> String {
+    (0..n)
+        .map(|i| {
+            format!(
+                "{{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 2, \"hash_ids\": [{i}]}}\n"
+            )
+        })
+        .collect()
+}
+
+/// Replays `trace` (Mooncake) with the tiny shape and `extra` flags; the report.
+fn replay_report(dir: &Path, trace: &Path, extra: &[&str]) -> Value {
+    let report = dir.join("burst.json");
+    let out = kvbm(dir)
+        .args(["replay", "--quiet", "--trace-format", "mooncake", "--trace"])
+        .arg(trace)
+        .args(SHAPE)
+        .args(["--disk-blocks", "0", "--host-blocks", "64", "--report"])
+        .arg(&report)
+        .args(extra)
+        .output()
+        .expect("run kvbm");
+    assert_ok(&out, &format!("burst replay {extra:?}"));
+    serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("report JSON")
+}
+
+#[test]
+fn requests_due_at_once_wait_in_the_trace_beyond_the_waiting_bound() {
+    // 60 requests of 512 tokens at timestamp 0: without a bound all 60 (30,720 tokens, 12 bytes
+    // each) wait in the engine at once — the issue's million such requests took 6.6 GB. With
+    // --max-waiting-tokens 2048 at most 4 of them are read from the trace at a time.
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let trace = dir.path().join("burst.jsonl");
+    std::fs::write(&trace, burst(60)).expect("write trace");
+    let all = replay_report(dir.path(), &trace, &[]);
+    assert_eq!(
+        all["summary"]["peak_waiting_tokens"],
+        60 * 512,
+        "{}",
+        all["summary"]
+    );
+    let bounded = replay_report(dir.path(), &trace, &["--max-waiting-tokens", "2048"]);
+    let s = &bounded["summary"];
+    assert_eq!(s["requests"], 60);
+    assert!(
+        s["peak_waiting_tokens"].as_u64().is_some_and(|p| p <= 2048),
+        "{s}"
+    );
+    assert_eq!(s["integrity_errors"], 0);
+    // Held back in the trace, not delayed: with room for a full batch (8 requests) waiting,
+    // the engine schedules the same requests at the same steps, and every request's time to
+    // first token still counts from its arrival.
+    let roomy = replay_report(dir.path(), &trace, &["--max-waiting-tokens", "8192"]);
+    assert!(
+        roomy["summary"]["peak_waiting_tokens"]
+            .as_u64()
+            .is_some_and(|p| p <= 8192),
+        "{}",
+        roomy["summary"]
+    );
+    let per_request = |r: &Value| -> Vec<(String, f64, u64)> {
+        r["requests"]
+            .as_array()
+            .expect("requests")
+            .iter()
+            .map(|q| {
+                (
+                    q["id"].as_str().expect("id").to_string(),
+                    q["ttft_ms"].as_f64().expect("ttft"),
+                    q["matched_tokens"].as_u64().expect("matched"),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(per_request(&roomy), per_request(&all));
+    assert_eq!(roomy["summary"]["steps"], all["summary"]["steps"]);
+    assert_eq!(
+        roomy["summary"]["mean_ttft_ms"],
+        all["summary"]["mean_ttft_ms"]
+    );
+    // A bound below one request still lets one request wait at a time.
+    let one = replay_report(dir.path(), &trace, &["--max-waiting-tokens", "1"]);
+    assert_eq!(one["summary"]["requests"], 60);
+    assert_eq!(one["summary"]["peak_waiting_tokens"], 512);
+}
+
+#[test]
 fn a_bad_mooncake_file_fails_the_replay_naming_the_line() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let trace = dir.path().join("bad.jsonl");

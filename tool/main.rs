@@ -24,6 +24,7 @@
 mod bench;
 mod config_cmd;
 mod fleet;
+mod memory;
 mod replay;
 mod sweep;
 

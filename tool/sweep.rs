@@ -149,6 +149,11 @@ pub struct Unlimited {
     pub requests: usize,
     /// Distinct full blocks of the workload's prompts (what such a cache holds at the end).
     pub distinct_blocks: usize,
+    /// The longest request's tokens (prompt and output).
+    pub longest_request: usize,
+    /// Full blocks of all requests' tokens (prompt and output) summed: no tier ever stores
+    /// more distinct blocks than this.
+    pub blocks_bound: usize,
 }
 
 /// The exact model of a cache that never evicts, over the workload of `a` (read lazily; memory:
@@ -166,6 +171,8 @@ pub fn unlimited(a: &ReplayArgs) -> Result<Unlimited> {
         prompt: 0,
         requests: 0,
         distinct_blocks: 0,
+        longest_request: 0,
+        blocks_bound: 0,
     };
     for r in workload_source(a)? {
         let r = r?;
@@ -180,6 +187,9 @@ pub fn unlimited(a: &ReplayArgs) -> Result<Unlimited> {
         out.matched += hits * bs;
         out.prompt += r.prompt.len();
         out.requests += 1;
+        let tokens = r.prompt.len().saturating_add(r.max_tokens);
+        out.longest_request = out.longest_request.max(tokens);
+        out.blocks_bound = out.blocks_bound.saturating_add(tokens / bs);
         seen.extend(keys.iter().map(|k| k.0));
     }
     out.distinct_blocks = seen.len();
@@ -569,6 +579,7 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
     let title = default_title(a);
     let started = Instant::now();
     let unl = unlimited(&a.replay)?;
+    check_memory(a, &plans, &unl)?;
     let points = run_points(a, &plans)?;
     print!("{}", render_table(&title, &points, &unl));
     let verified: usize = points.iter().map(|p| p.verified).sum();
@@ -597,6 +608,48 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses, before any replay, a sweep whose `--jobs` runs at once would hold more than
+/// `--memory-limit` (default: the memory available): each run's tiers' bookkeeping, its host
+/// tier's bytes (at most the blocks the workload's tokens fill), its device cache and requests; the
+/// `--jobs` largest runs summed. The error names the flag that costs most (`--capacities` for
+/// the host tier).
+fn check_memory(a: &SweepArgs, plans: &[Plan], unl: &Unlimited) -> Result<()> {
+    let bs = a.replay.model.block_size;
+    let mut runs = Vec::with_capacity(plans.len());
+    for p in plans {
+        let mut ra = a.replay.clone();
+        ra.host_blocks = Some(blocks_of(p.host_tokens, bs, "--capacities")?);
+        ra.disk_blocks = Some(if p.disk_tokens == 0 {
+            0
+        } else {
+            blocks_of(p.disk_tokens, bs, "--disk-tokens")?
+        });
+        let mut config = replay_config(&ra)?;
+        config.eviction = p.policy;
+        let opts = sim_options(&ra, config)?;
+        let waiting = (opts.max_waiting_tokens as u64).min(unl.prompt as u64);
+        let mut e = crate::replay::engine_size(&opts, Some(unl.blocks_bound), waiting)?.estimate();
+        for part in &mut e.parts {
+            part.flag = match part.flag {
+                "--host-blocks" => "--capacities",
+                "--disk-blocks" => "--disk-tokens",
+                f => f,
+            };
+        }
+        runs.push(e);
+    }
+    let jobs = a.jobs.clamp(1, runs.len().max(1));
+    runs.sort_by_key(|e| std::cmp::Reverse(e.total()));
+    let mut all = crate::memory::Estimate::default();
+    for e in runs.iter().take(jobs) {
+        all.parts.extend(e.parts.iter().cloned());
+    }
+    all.check(
+        &format!("kvbm sweep ({jobs} run(s) at once, --jobs)"),
+        a.replay.memory_limit,
+    )
 }
 
 /// Refuses the flags a sweep sets itself (--host-blocks, --disk-blocks) or cannot honour (--tp,

@@ -216,6 +216,7 @@ pub fn run(a: &SweepArgs) -> Result<ExitCode> {
     let started = Instant::now();
     let unl = unlimited(&a.replay)?;
     check_shared_memory(a, &plans, &unl, server.is_some())?;
+    check_memory(a, &plans, &unl)?;
     let runs = run_all(a, &plans, server.is_some())?;
     if a.fleet.json {
         println!(
@@ -362,12 +363,67 @@ fn check_shared_memory(
     Ok(())
 }
 
-/// `MemAvailable` from /proc/meminfo, in bytes (None where it cannot be read).
+/// The memory this process may still take ([`crate::memory::available`]).
 fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kb.checked_mul(1024)
+    crate::memory::available()
+}
+
+/// What one fleet run of `p` holds at most: each of its instances' tiers' bookkeeping, host
+/// tier bytes (at most the blocks the workload's tokens fill) and device cache, and the one request in
+/// flight (requests are served one at a time). The in-process shared tier is
+/// [`check_shared_memory`]'s.
+pub fn run_estimate(
+    a: &SweepArgs,
+    p: &Plan,
+    unl: &crate::sweep::Unlimited,
+) -> Result<crate::memory::Estimate> {
+    let mut ra = a.replay.clone();
+    ra.host_blocks = Some(p.host_blocks);
+    ra.disk_blocks = Some(p.disk_blocks);
+    let mut config = replay_config(&ra)?;
+    config.eviction = p.policy;
+    let opts = sim_options(&ra, config)?;
+    let mut size = crate::replay::engine_size(&opts, Some(unl.blocks_bound), 0)?;
+    // Requests are served one at a time: the one in flight is counted once, below.
+    size.running_tokens_per_block = 0;
+    let mut one = size.estimate();
+    for part in &mut one.parts {
+        if part.flag == "--host-blocks" && a.replay.host_blocks.is_none() {
+            part.flag = "--capacities";
+        }
+    }
+    let mut e = one.times(p.instances as u64, "--instances");
+    e.add(
+        "--max-waiting-tokens",
+        format!(
+            "the request in flight ({} tokens × {} B)",
+            unl.longest_request,
+            crate::memory::WAITING_TOKEN_BYTES
+        ),
+        (unl.longest_request as u64).saturating_mul(crate::memory::WAITING_TOKEN_BYTES as u64),
+    );
+    Ok(e)
+}
+
+/// Refuses, before any replay, fleet runs that would hold more than `--memory-limit` (default:
+/// the memory available) — the `--jobs` largest runs at once ([`run_estimate`]) — naming
+/// `--instances` (or the flag that costs most).
+fn check_memory(a: &SweepArgs, plans: &[Plan], unl: &crate::sweep::Unlimited) -> Result<()> {
+    let mut runs = plans
+        .iter()
+        .map(|p| run_estimate(a, p, unl))
+        .collect::<Result<Vec<_>>>()?;
+    let jobs = a.jobs.clamp(1, runs.len().max(1));
+    runs.sort_by_key(|e| std::cmp::Reverse(e.total()));
+    let mut all = crate::memory::Estimate::default();
+    for e in runs.iter().take(jobs) {
+        all.parts.extend(e.parts.iter().cloned());
+    }
+    let most = plans.iter().map(|p| p.instances).max().unwrap_or(1);
+    all.check(
+        &format!("kvbm sweep --instances {most} ({jobs} fleet run(s) at once, --jobs)"),
+        a.replay.memory_limit,
+    )
 }
 
 fn flag_err<T>(flag: &str, why: String) -> Result<T> {

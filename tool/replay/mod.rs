@@ -141,6 +141,17 @@ pub struct ReplayArgs {
     /// Requests running at once.
     #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
     pub max_batch: usize,
+    /// Most tokens the requests waiting for admission hold at once (each costs 12 bytes
+    /// while it waits). A request due while the waiting ones hold more stays in the trace,
+    /// unread, until they drain; its TTFT still counts from its arrival. At least one request
+    /// always waits, whatever its size.
+    #[arg(long, allow_negative_numbers = true, default_value_t = options::MAX_WAITING_TOKENS)]
+    pub max_waiting_tokens: usize,
+    /// Refuse to start a run whose memory estimate (tiers' bookkeeping, host tier and device
+    /// bytes, requests' tokens; see docs/deployment.md) is above this many bytes (`K`, `M`, `G`,
+    /// `T`: powers of 1024). Default: the memory this machine (or its cgroup) has available.
+    #[arg(long, value_parser = crate::memory::parse_bytes)]
+    pub memory_limit: Option<u64>,
     /// Prompt tokens computed per step (chunked-prefill budget).
     #[arg(long, allow_negative_numbers = true, default_value_t = 256)]
     pub chunk_tokens: usize,
@@ -243,7 +254,7 @@ pub fn workload_source(a: &ReplayArgs) -> Result<simulator::Source> {
         }
     };
     let list: Vec<_> = list.into_iter().map(capped).collect();
-    Ok(simulator::source_of(&list))
+    Ok(simulator::source_of(list))
 }
 
 /// The KV-cache groups `--layer-groups` (or `--sliding-window`) asks for: `[full]` by default.
@@ -295,6 +306,30 @@ pub fn sim_options(a: &ReplayArgs, config: Config) -> Result<SimOptions> {
         pace: a.pace,
         groups: layer_groups(a)?,
         tiers: None,
+        max_waiting_tokens: a.max_waiting_tokens,
+    })
+}
+
+/// What one engine of `opts` holds at most ([`crate::memory`]): `distinct`, the most blocks the
+/// workload can store where known (the host tier holds the bytes of no more), and
+/// `waiting_tokens`, the tokens of the requests waiting at once; running requests hold about the
+/// device's tokens.
+pub fn engine_size(
+    opts: &SimOptions,
+    distinct: Option<usize>,
+    waiting_tokens: u64,
+) -> Result<crate::memory::EngineSize> {
+    let bytes_per_block = opts.model_dims()?.bytes_per_block();
+    let (host, disk) = opts.config.block_counts(bytes_per_block)?;
+    Ok(crate::memory::EngineSize {
+        host_blocks: host as u64,
+        host_bytes_blocks: distinct.map_or(host, |d| d.min(host)) as u64,
+        disk_blocks: disk as u64,
+        policy: opts.config.eviction,
+        device_blocks: opts.device_blocks as u64,
+        bytes_per_block: bytes_per_block as u64,
+        running_tokens_per_block: opts.block_size as u64,
+        request_tokens: waiting_tokens,
     })
 }
 
@@ -350,9 +385,12 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
     let eviction = config.eviction;
     let opts = sim_options(a, config)?;
     // Tier sizes the configuration asks for, checked before anything starts (the error names
-    // the setting).
+    // the setting), and what they and the requests will hold against the memory there is.
     opts.config
         .block_counts(opts.model_dims()?.bytes_per_block())?;
+    engine_size(&opts, None, opts.max_waiting_tokens as u64)?
+        .estimate()
+        .check("kvbm replay", a.memory_limit)?;
     let report = if a.tp > 1 || a.external_workers {
         let leader_addr = match a.leader_addr {
             Some(addr) => addr,
@@ -373,14 +411,7 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
         simulator::replay(opts, workload)?
     };
     if let Some(path) = &a.report {
-        let json = serde_json::to_string_pretty(&report)
-            .map_err(|e| Error::internal(format!("cannot encode the report: {e}")))?;
-        std::fs::write(path, json + "\n").map_err(|e| {
-            Error::new(
-                ErrorKind::Io,
-                format!("cannot write the report to {}: {e}", path.display()),
-            )
-        })?;
+        write_report(path, &report)?;
     }
     if !a.quiet {
         print!("{}", render_table(&report));
@@ -394,6 +425,23 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes the JSON report to `path`, encoded straight into the file (a million requests' report
+/// is hundreds of MB: it is never held as one string as well).
+fn write_report(path: &std::path::Path, report: &report::Report) -> Result<()> {
+    use std::io::Write as _;
+    let cannot = |e: &dyn std::fmt::Display| {
+        Error::new(
+            ErrorKind::Io,
+            format!("cannot write the report to {}: {e}", path.display()),
+        )
+    };
+    let file = std::fs::File::create(path).map_err(|e| cannot(&e))?;
+    let mut w = std::io::BufWriter::new(file);
+    serde_json::to_writer_pretty(&mut w, report).map_err(|e| cannot(&e))?;
+    w.write_all(b"\n").map_err(|e| cannot(&e))?;
+    w.flush().map_err(|e| cannot(&e))
 }
 
 fn parse_kill(s: &str) -> std::result::Result<(usize, u64), String> {

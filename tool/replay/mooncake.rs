@@ -18,7 +18,9 @@
 //! of a block the trace counts as different (the shared partial last block of two prompts).
 //!
 //! Validation, before anything is sized by the input: a line is read through a bounded reader
-//! ([`MAX_LINE_BYTES`]), every field is checked for presence and type, `input_length` is at most
+//! ([`MAX_LINE_BYTES`]), is one JSON object whose keys are unique (a UTF-8 byte-order mark at
+//! the very start of the file is skipped, anywhere else it is refused by name), every field is
+//! checked for presence and type, `input_length` is at most
 //! [`MAX_REQUEST_TOKENS`], `hash_ids` has exactly `ceil(input_length / 512)` entries, timestamps
 //! do not go back. Every defect is an [`ErrorKind::InvalidArgument`] naming the line and the field.
 //!
@@ -30,7 +32,9 @@ use std::path::Path;
 
 use kvbm_connector::error::{Error, ErrorKind, Result};
 
-use super::workload::{TraceRequest, MAX_ARRIVAL, MAX_REQUESTS, MAX_REQUEST_TOKENS, VOCAB};
+use super::workload::{
+    json_object, TraceRequest, BOM, MAX_ARRIVAL, MAX_REQUESTS, MAX_REQUEST_TOKENS, VOCAB,
+};
 
 /// Tokens per block of a Mooncake trace (what one hash id covers).
 pub const MOONCAKE_BLOCK_TOKENS: usize = 512;
@@ -171,13 +175,14 @@ fn block_ids(
     Ok(hash_ids)
 }
 
-/// Parses one line (`n`: its number, for errors).
+/// Parses one line (`n`: its number, for errors): a JSON object whose keys are unique (a
+/// duplicate key is refused, naming it) and that starts with no byte-order mark (the reader
+/// skips one at the start of the trace).
 pub fn parse_line(n: usize, line: &str) -> Result<MooncakeRequest> {
-    let value: serde_json::Value =
-        serde_json::from_str(line).map_err(|e| line_err(n, format!("not JSON: {e}")))?;
-    let obj = value
-        .as_object()
-        .ok_or_else(|| line_err(n, "expected a JSON object"))?;
+    let obj = &json_object(line).map_err(|e| match e.field {
+        Some(f) => line_err(n, e.what).with("field", f),
+        None => line_err(n, e.what),
+    })?;
     check_keys(n, obj)?;
     let timestamp = uint_field(n, obj, "timestamp", MAX_ARRIVAL)?;
     let input_length = uint_field(n, obj, "input_length", MAX_REQUEST_TOKENS as u64)? as usize;
@@ -248,8 +253,13 @@ impl<R: BufRead> MooncakeReader<R> {
                     format!("longer than {MAX_LINE_BYTES} bytes (the most a line may hold)"),
                 ));
             }
-            let text = std::str::from_utf8(&self.buf)
+            let mut text = std::str::from_utf8(&self.buf)
                 .map_err(|e| line_err(ln, format!("not UTF-8: {e}")))?;
+            if ln == 1 {
+                // A byte-order mark at the start of the file (some Windows editors write one)
+                // is skipped; anywhere else it is refused by name (`parse_line`).
+                text = text.strip_prefix(BOM).unwrap_or(text);
+            }
             if text.trim().is_empty() {
                 continue;
             }

@@ -14,6 +14,14 @@ use super::framework::Framework;
 use super::rank::DeviceKind;
 use super::workload::{request_tokens, TraceRequest, MAX_ARRIVAL, MAX_REQUESTS};
 
+/// Default of `--max-waiting-tokens`: 2^24 tokens, the largest request; about 200 MB of waiting
+/// requests ([`WAITING_TOKEN_BYTES`] each).
+pub const MAX_WAITING_TOKENS: usize = 1 << 24;
+
+/// Bytes a token of a request costs the replay while the request is in the engine (waiting,
+/// running or finishing): the token id (4) and its rolling prefix hash (8).
+pub const WAITING_TOKEN_BYTES: usize = 12;
+
 /// Shape of the simulated model's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct ModelShape {
@@ -69,6 +77,11 @@ pub struct SimOptions {
     /// worker, instead of the standard one (`kvbm sweep --instances`: the fleet's shared store).
     /// Single-process replays only.
     pub tiers: Option<Arc<dyn TierFactory>>,
+    /// Most tokens the requests waiting for admission hold at once (`kvbm replay
+    /// --max-waiting-tokens`): a request due while the waiting ones hold more stays in the
+    /// workload, unread, until they drain (its TTFT still counts from its arrival). Always at
+    /// least one request waits, whatever its size.
+    pub max_waiting_tokens: usize,
 }
 
 fn sim_err(msg: impl Into<String>) -> Error {
@@ -87,6 +100,10 @@ impl SimOptions {
             return Err(sim_err(
                 "block size, device blocks, max batch, chunk tokens and tp must be at least 1",
             ));
+        }
+        if self.max_waiting_tokens == 0 {
+            return Err(sim_err("--max-waiting-tokens must be at least 1")
+                .with("flag", "--max-waiting-tokens"));
         }
         // Between 1 and MAX_KV_CACHE_GROUPS groups, no window of 0 tokens (named by group).
         KvCacheGroups::new(self.groups.clone()).map_err(|e| e.with("flag", "--layer-groups"))?;

@@ -113,6 +113,10 @@ pub struct Summary {
     pub steps: u64,
     /// Simulated engine time, ms.
     pub simulated_ms: f64,
+    /// Most tokens the requests waiting for admission held at once (a preempted one counts its
+    /// output so far too): at most `--max-waiting-tokens`, or one request's when a single one
+    /// is larger.
+    pub peak_waiting_tokens: usize,
     /// Mean simulated time to first token, ms.
     pub mean_ttft_ms: f64,
     /// Wall time of the replay, seconds (draining background stores at the end included).

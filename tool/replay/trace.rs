@@ -1,6 +1,10 @@
 //! JSONL traces for `kvbm replay --trace`: one request per line, checked field by field so that
 //! any defect is an error naming the line and the field.
 //!
+//! Each line is one JSON object whose keys are unique (a duplicate key is refused, naming it);
+//! a UTF-8 byte-order mark at the very start of the file is skipped, anywhere else it is refused
+//! by name.
+//!
 //! Invariants of a parsed trace (every size that comes from the file is bounded before anything
 //! is sized by it): at most [`MAX_TRACE_BYTES`] read, at most [`MAX_REQUESTS`] requests, each
 //! with `prompt + max_tokens <= MAX_REQUEST_TOKENS` (checked without overflow), an arrival at
@@ -17,7 +21,7 @@ use std::path::Path;
 use kvbm_connector::error::{Error, ErrorKind, Result};
 
 use super::workload::{
-    request_tokens, TraceRequest, MAX_ARRIVAL, MAX_REQUESTS, MAX_REQUEST_TOKENS,
+    json_object, request_tokens, TraceRequest, BOM, MAX_ARRIVAL, MAX_REQUESTS, MAX_REQUEST_TOKENS,
 };
 
 /// Largest trace file read: 1 GiB. Parsing holds the text and one line's JSON value at a time,
@@ -29,6 +33,8 @@ pub const MAX_TRACE_BYTES: u64 = 1 << 30;
 pub fn parse_trace(text: &str) -> Result<Vec<TraceRequest>> {
     let mut out = Vec::new();
     let mut ids = std::collections::HashSet::new();
+    // A byte-order mark at the start of the file is skipped; anywhere else it is refused.
+    let text = text.strip_prefix(BOM).unwrap_or(text);
     for (i, line) in text.lines().enumerate() {
         let n = i + 1;
         if line.trim().is_empty() {
@@ -64,15 +70,9 @@ fn line_error(n: usize, what: &str) -> Error {
 /// checked first, so the error names the field; `full` (the trace already holds
 /// [`MAX_REQUESTS`]) refuses the line once its id is known good. Duplicate ids are the caller's.
 fn parse_request(line: &str, full: bool) -> std::result::Result<TraceRequest, String> {
-    let value: serde_json::Value = match serde_json::from_str(line) {
-        Ok(v) => v,
-        Err(e) => return Err(format!("not JSON: {e}")),
-    };
-    let Some(obj) = value.as_object() else {
-        return Err("expected a JSON object".into());
-    };
-    check_fields(obj, full)?;
-    let r: TraceRequest = match serde_json::from_value(value) {
+    let obj = json_object(line).map_err(|e| e.what)?;
+    check_fields(&obj, full)?;
+    let r: TraceRequest = match serde_json::from_value(serde_json::Value::Object(obj)) {
         Ok(r) => r,
         Err(e) => return Err(e.to_string()),
     };

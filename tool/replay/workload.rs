@@ -218,3 +218,114 @@ pub fn generate_workload(kind: WorkloadKind, seed: u64, size: WorkloadSize) -> V
             .collect(),
     }
 }
+
+/// The UTF-8 byte-order mark (bytes EF BB BF) as the character a decoded line starts with.
+pub const BOM: char = '\u{feff}';
+
+/// Why a trace line is not a JSON object the readers take, and the field concerned (if any).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonLineError {
+    /// What is wrong, for the reader's `line N: …` error.
+    pub what: String,
+    /// The field it concerns (a duplicate key).
+    pub field: Option<String>,
+}
+
+/// Parses one trace line as a JSON object whose keys are unique.
+///
+/// `serde_json` keeps the last of two equal keys silently (`{"a": 1, "a": 2}` is `{"a": 2}`), so
+/// a line with a duplicate key would be taken with one of its values dropped: it is refused here,
+/// naming the key. A line that starts with a byte-order mark is refused naming the mark (the
+/// readers skip one at the very start of a trace before calling this).
+pub fn json_object(
+    line: &str,
+) -> std::result::Result<serde_json::Map<String, serde_json::Value>, JsonLineError> {
+    let plain = |what: String| JsonLineError { what, field: None };
+    if line.starts_with(BOM) {
+        return Err(plain(
+            "starts with a UTF-8 byte-order mark (EF BB BF), which only the trace's first line \
+             may carry: save the file without it"
+                .into(),
+        ));
+    }
+    let value: UniqueKeys =
+        serde_json::from_str(line).map_err(|e| plain(format!("not JSON: {e}")))?;
+    match value {
+        UniqueKeys::Object(map) => Ok(map),
+        UniqueKeys::Duplicate(key) => Err(JsonLineError {
+            what: format!("duplicate field {key:?} (each field appears once)"),
+            field: Some(key),
+        }),
+        UniqueKeys::Other => Err(plain("expected a JSON object".into())),
+    }
+}
+
+/// A top-level JSON value read by [`json_object`]: an object with unique keys, the first key
+/// found twice, or anything but an object. Nested values are ordinary `serde_json` values (a
+/// trace's fields hold numbers and arrays of numbers; anything else is refused by type).
+enum UniqueKeys {
+    Object(serde_json::Map<String, serde_json::Value>),
+    Duplicate(String),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = UniqueKeys;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON value")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<UniqueKeys, A::Error> {
+                let mut map = serde_json::Map::new();
+                let mut duplicate = None;
+                while let Some(key) = m.next_key::<String>()? {
+                    let value: serde_json::Value = m.next_value()?;
+                    if duplicate.is_none() && map.contains_key(&key) {
+                        duplicate = Some(key);
+                    } else {
+                        map.insert(key, value);
+                    }
+                }
+                Ok(match duplicate {
+                    Some(k) => UniqueKeys::Duplicate(k),
+                    None => UniqueKeys::Object(map),
+                })
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut s: A,
+            ) -> std::result::Result<UniqueKeys, A::Error> {
+                while s.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(UniqueKeys::Other)
+            }
+
+            fn visit_bool<E>(self, _: bool) -> std::result::Result<UniqueKeys, E> {
+                Ok(UniqueKeys::Other)
+            }
+            fn visit_i64<E>(self, _: i64) -> std::result::Result<UniqueKeys, E> {
+                Ok(UniqueKeys::Other)
+            }
+            fn visit_u64<E>(self, _: u64) -> std::result::Result<UniqueKeys, E> {
+                Ok(UniqueKeys::Other)
+            }
+            fn visit_f64<E>(self, _: f64) -> std::result::Result<UniqueKeys, E> {
+                Ok(UniqueKeys::Other)
+            }
+            fn visit_str<E>(self, _: &str) -> std::result::Result<UniqueKeys, E> {
+                Ok(UniqueKeys::Other)
+            }
+            fn visit_unit<E>(self) -> std::result::Result<UniqueKeys, E> {
+                Ok(UniqueKeys::Other)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}

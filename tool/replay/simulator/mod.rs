@@ -50,9 +50,8 @@ use super::workload::TraceRequest;
 /// lazily, or a list), so memory follows what is in flight and cached, not the whole workload.
 pub type Source = Box<dyn Iterator<Item = Result<TraceRequest>>>;
 
-/// A list of requests as a [`Source`] (sorted by arrival, stable).
-pub fn source_of(workload: &[TraceRequest]) -> Source {
-    let mut v = workload.to_vec();
+/// A list of requests as a [`Source`] (sorted by arrival, stable; the list is moved, not copied).
+pub fn source_of(mut v: Vec<TraceRequest>) -> Source {
     v.sort_by_key(|r| r.arrival);
     Box::new(v.into_iter().map(Ok))
 }
@@ -107,6 +106,13 @@ pub struct Simulator {
     preemptions: usize,
     /// Matches answered "ask again later" (remote lookups running).
     match_pending: usize,
+    /// While a due request is held back (the waiting ones hold `max_waiting_tokens`): the
+    /// simulated clock at the start of each step since it became due, `(step, clock_us)`, so
+    /// that it and those due after it arrive with the clock of their arrival step. Empty
+    /// otherwise.
+    due_clocks: VecDeque<(u64, f64)>,
+    /// Most tokens the waiting requests held at once.
+    peak_waiting_tokens: usize,
     /// When the first step ran (the report's wall clock).
     started: Option<Instant>,
 }
@@ -216,6 +222,8 @@ impl Simulator {
             load_errors: 0,
             preemptions: 0,
             match_pending: 0,
+            due_clocks: VecDeque::new(),
+            peak_waiting_tokens: 0,
             started: None,
             opts,
         };
@@ -261,8 +269,9 @@ impl Simulator {
         Ok(r)
     }
 
-    /// A request arrives: it becomes the engine's, waiting for admission.
-    fn arrive(&mut self, r: TraceRequest) {
+    /// A request arrives: it becomes the engine's, waiting for admission (`clock_us`: the
+    /// simulated time of its arrival step, which its TTFT counts from).
+    fn arrive(&mut self, r: TraceRequest, clock_us: f64) {
         let i = self.reqs.len();
         let mut req = Req {
             id: r.id.clone(),
@@ -278,7 +287,7 @@ impl Simulator {
             blocks: vec![Vec::new(); self.opts.n_groups()],
             phase: Phase::Waiting,
             arrival: r.arrival,
-            arrival_clock_us: self.clock_us,
+            arrival_clock_us: clock_us,
             first_token_us: None,
             loading: None,
             announced: false,
@@ -420,6 +429,12 @@ impl Simulator {
     /// Admits the requests that have arrived, skipping idle stretches (nothing live: the
     /// step jumps to the next arrival). Sequential: the next request arrives once the previous
     /// one is done, whatever its arrival says.
+    ///
+    /// Memory follows `max_waiting_tokens`, not the trace: a due request that would take the
+    /// waiting requests' tokens past it stays unread in the source (with every request
+    /// behind it) until admissions drain the queue; at least one request always waits. Such a
+    /// request arrives with the clock of the step it became due ([`Self::due_clock`]), so its
+    /// TTFT counts the time it was held back.
     fn admit_arrivals(&mut self) -> Result<()> {
         let sequential = self.opts.sequential;
         if self.live.is_empty() && !sequential {
@@ -427,6 +442,12 @@ impl Simulator {
                 self.step = self.step.max(r.arrival);
             }
         }
+        let mut waiting_tokens: usize = self
+            .waiting
+            .iter()
+            .map(|&i| self.reqs[i].tokens.len())
+            .sum();
+        let mut held_back = false;
         while let Some(r) = &self.next {
             let due = if sequential {
                 self.live.is_empty()
@@ -436,12 +457,38 @@ impl Simulator {
             if !due {
                 break;
             }
-            if let Some(r) = self.next.take() {
-                self.arrive(r);
+            let tokens = r.prompt.len();
+            if !self.waiting.is_empty()
+                && waiting_tokens.saturating_add(tokens) > self.opts.max_waiting_tokens
+            {
+                held_back = true;
+                break;
             }
+            if let Some(r) = self.next.take() {
+                let clock = self.due_clock(r.arrival);
+                self.arrive(r, clock);
+            }
+            waiting_tokens = waiting_tokens.saturating_add(tokens);
             self.next = self.pull()?;
         }
+        self.peak_waiting_tokens = self.peak_waiting_tokens.max(waiting_tokens);
+        if held_back {
+            self.due_clocks.push_back((self.step, self.clock_us));
+        } else {
+            // Every due request arrived: no earlier step's clock is needed again.
+            self.due_clocks.clear();
+        }
         Ok(())
+    }
+
+    /// The simulated clock at the start of the first step at or after `arrival` (the clock now
+    /// when no request is held back); forgets the steps before it (requests come in arrival
+    /// order).
+    fn due_clock(&mut self, arrival: u64) -> f64 {
+        while self.due_clocks.front().is_some_and(|&(s, _)| s < arrival) {
+            self.due_clocks.pop_front();
+        }
+        self.due_clocks.front().map_or(self.clock_us, |&(_, c)| c)
     }
 
     /// The error of a replay that made no progress: how many requests run, wait, load and are
@@ -654,6 +701,7 @@ impl Simulator {
                 rank_failures: self.rank_failures,
                 steps: self.step,
                 simulated_ms: self.clock_us / 1000.0,
+                peak_waiting_tokens: self.peak_waiting_tokens,
                 mean_ttft_ms: if ttft.is_empty() {
                     0.0
                 } else {
