@@ -1010,9 +1010,12 @@ impl Drop for Stopped {
 }
 
 /// Runs a tp-2 replay, SIGSTOPs rank 1 once both ranks serve the engine, and checks that the
-/// run finishes on rank 0 with rank 1 lost, within `within` of the stop; `env` sets the
-/// deadlines; `cause` is what the loss names.
-fn stopped_rank(framework: &str, env: &[(&str, &str)], cause: &str, within: Duration) {
+/// run finishes on rank 0 with rank 1 lost; `env` sets the deadlines; `cause` is what the loss
+/// names, with the deadline it was lost at. Not timed: how long the rest of the run takes on
+/// rank 0 depends on the host's load (29 s and 40 s after the stop were seen on a busy 2-core
+/// host); the deadline that fired is read from the log, and a rank never lost is a hang that
+/// `wait` fails at REPLAY_LIMIT.
+fn stopped_rank(framework: &str, env: &[(&str, &str)], cause: &str) {
     let what = format!("{framework}: rank 1 SIGSTOPped ({env:?})");
     let dir = tmp();
     let engine = free_port();
@@ -1049,11 +1052,6 @@ fn stopped_rank(framework: &str, env: &[(&str, &str)], cause: &str, within: Dura
     out.assert_ok(&what);
     assert!(
         out.stderr.contains("rank 1 lost") && out.stderr.contains(cause),
-        "{what}: {}",
-        out.describe()
-    );
-    assert!(
-        took < within,
         "{what}: finished {took:?} after the stop\n{}",
         out.describe()
     );
@@ -1071,8 +1069,7 @@ fn a_stopped_worker_is_lost_at_the_heartbeat_timeout_and_the_run_finishes() {
             ("KVBM_HEARTBEAT_SECS", "0.2"),
             ("KVBM_HEARTBEAT_TIMEOUT_SECS", "2"),
         ],
-        "heartbeat timeout",
-        Duration::from_secs(2 + 20),
+        "no frame from rank 1 for 2.0s (heartbeat timeout",
     );
 }
 
@@ -1086,8 +1083,7 @@ fn a_stuck_worker_is_lost_at_the_call_deadline_and_the_run_finishes() {
             ("KVBM_HEARTBEAT_TIMEOUT_SECS", "600"),
             ("KVBM_CALL_TIMEOUT_SECS", "2"),
         ],
-        "KVBM_CALL_TIMEOUT_SECS",
-        Duration::from_secs(2 + 20),
+        "no answer within 2.0s (KVBM_CALL_TIMEOUT_SECS)",
     );
 }
 

@@ -699,3 +699,38 @@ fn index_saves_from_several_threads_while_pages_are_put_never_fail_or_damage_the
         assert_eq!(bytes, &page(52 + i as u64), "{}", names[i]);
     }
 }
+
+/// A persisted tier dropped and reopened at once in the same process gets its own file back:
+/// the drop lets go of the file's lock before it returns (the index saver thread, which held
+/// the file too, has ended), so the reopen does not move to the identity's next, empty file.
+/// Before, on a loaded host, the saver thread had not yet run when the reopen came: the reopen
+/// took the `.r1` file and served none of the pages.
+#[test]
+fn a_persisted_tier_reopened_right_after_its_drop_gets_its_file_back() {
+    use kvbm_connector::backends::standard::page_store;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = persisted_config(dir.path(), 8);
+    {
+        let first = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
+        assert_eq!(put(&first, &["a"], &[1]), vec![true]);
+    }
+    for round in 0..200 {
+        let again = page_store(&cfg, "model-a;tp0/1", PAGE).unwrap();
+        assert_eq!(
+            get(&again, &["a"])[0],
+            (Some(TierKind::Disk), page(1)),
+            "reopen {round}"
+        );
+    }
+    let files = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".persist.blocks")
+        })
+        .count();
+    assert_eq!(files, 1, "the reopens made other files");
+}

@@ -229,6 +229,9 @@ pub(crate) struct Durable {
     saving: Mutex<()>,
     /// The reset count the bindings have seen.
     resets: Mutex<u64>,
+    /// The saver thread, joined by [`Durable::close`]: while it runs it holds this `Durable`,
+    /// whose `file` (a dup of the slot file) keeps the file's `flock`.
+    saver: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 struct State {
@@ -317,12 +320,14 @@ impl Durable {
             }),
             wake: Condvar::new(),
             saving: Mutex::new(()),
+            saver: Mutex::new(None),
         });
         let weak = Arc::downgrade(&d);
-        std::thread::Builder::new()
+        let saver_thread = std::thread::Builder::new()
             .name("kvbm-index-save".into())
             .spawn(move || saver(weak))
             .map_err(|e| Error::io("spawn the index saver thread", e))?;
+        *d.saver.lock() = Some(saver_thread);
         LIVE.lock().push(Arc::downgrade(&d));
         crate::backends::shutdown::install();
         Ok(d)
@@ -493,10 +498,19 @@ impl Durable {
         self.save()
     }
 
-    /// The saver thread ends; the owner saves a last time itself.
+    /// The saver thread ends, and is waited for: once the owner's `SlotFile` is dropped nothing
+    /// holds the file, so its lock is free before the drop returns (a reopen in this process
+    /// gets the same file, not the identity's next one). The owner saves a last time itself.
     fn close(&self) {
         self.state.lock().closed = true;
         self.wake.notify_all();
+        let saver_thread = self.saver.lock().take();
+        if let Some(t) = saver_thread {
+            // Never the saver thread itself: it holds no `SlotFile`, whose drop calls this.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
     }
 }
 

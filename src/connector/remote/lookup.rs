@@ -226,12 +226,21 @@ mod tests {
 
     #[test]
     fn lookups_answer_later_wait_up_to_a_deadline_and_back_off() {
-        let s = Arc::new(store());
+        // The store's values, kept here too: holding their lock holds a store call in
+        // progress (below), so no step depends on how fast this machine runs the threads.
+        let data = MemoryRemoteData::default();
+        let s = Arc::new(MemoryRemoteStore::shared(
+            store().scope().clone(),
+            data.clone(),
+            Arc::default(),
+        ));
         s.plant(0, 1, vec![0; 1]);
         s.plant(0, 2, vec![0; 1]);
+        // Out of the path for 2 s after a verdict: the steps that expect it out run well within
+        // that on a loaded machine; the step after it waits for its end.
         let health = Arc::new(StoreHealth::new(
             Duration::from_millis(20),
-            Duration::from_millis(50),
+            Duration::from_secs(2),
         ));
         let t = LookupThread::start(s.clone(), health).unwrap();
         // Asked, then answered later (taken once).
@@ -250,17 +259,30 @@ mod tests {
             t.wait("r", 5, Instant::now() + IO),
             Some(LookupOutcome::Found(0))
         );
-        // A slow store: the wait ends at its own deadline; its answer, when it comes, is dropped.
-        s.faults.delay_ms.store(30, Ordering::Relaxed);
+        // A store that has not answered: the wait ends at its own deadline, not with the store
+        // call (held in the store until after the wait returned); the answer, when it comes, is
+        // dropped.
+        let held = data.lock();
+        let (asked, _, _) = s.calls();
         assert!(t.submit("q", 0, vec![1], IO));
-        let start = Instant::now();
-        assert_eq!(t.wait("q", 0, start + Duration::from_millis(5)), None);
-        assert!(start.elapsed() < Duration::from_millis(25));
+        let until = Instant::now() + 5 * IO;
+        while s.calls().0 == asked {
+            assert!(Instant::now() < until, "the lookup never reached the store");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         assert_eq!(
-            t.wait("q", 0, Instant::now() + Duration::from_millis(100)),
-            None,
-            "an abandoned answer is dropped"
+            t.wait("q", 0, Instant::now() + Duration::from_millis(5)),
+            None
         );
+        let tag = ("q".to_owned(), 0);
+        assert!(t.shared.queue.lock().abandoned.contains(&tag));
+        drop(held);
+        while t.shared.queue.lock().abandoned.contains(&tag) {
+            assert!(Instant::now() < until, "the held lookup never ended");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(t.take("q", 0), None, "an abandoned answer is dropped");
+        s.faults.delay_ms.store(30, Ordering::Relaxed);
         // Slow for a window's worth of calls (30 ms against the health's 20 ms): out of the
         // path, answered without asking the store.
         let mut k = 0;
@@ -286,8 +308,11 @@ mod tests {
         // Down (after the back-off): failed at once.
         s.faults.delay_ms.store(0, Ordering::Relaxed);
         s.faults.down.store(true, Ordering::Relaxed);
-        std::thread::sleep(Duration::from_millis(60));
-        assert!(t.health.in_path());
+        let until = Instant::now() + 5 * IO;
+        while !t.health.in_path() {
+            assert!(Instant::now() < until, "the back-off never ended");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         assert!(t.submit("d", 0, vec![1], IO));
         assert!(matches!(
             t.wait("d", 0, Instant::now() + IO),
