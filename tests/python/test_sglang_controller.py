@@ -104,6 +104,16 @@ def warnings_seen():
     logging.getLogger().removeHandler(handler)
 
 
+def _seeded_pages(host, seed: int):
+    """PAGES pages of `host` filled with seeded values: their host indices and a copy of each."""
+    src = host.alloc(PAGES * PAGE)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(PAGES):
+        page = host.get_data_page(int(src[i * PAGE]), flat=True)
+        host.set_from_flat_data_page(int(src[i * PAGE]), torch.randn(page.shape, generator=g))
+    return src, [host.get_data_page(int(src[i * PAGE])).clone() for i in range(PAGES)]
+
+
 def _wait(q, what):
     try:
         return q.get(timeout=WAIT_SECS)
@@ -173,12 +183,7 @@ def test_sglangs_controllers_back_up_and_prefetch_through_our_backend(one_rank, 
 
         # Backup: host pages of seeded values, written by the controller's backup thread.
         tokens = list(range(1000, 1000 + PAGES * PAGE))
-        src = host.alloc(PAGES * PAGE)
-        g = torch.Generator().manual_seed(7)
-        for i in range(PAGES):
-            page = host.get_data_page(int(src[i * PAGE]), flat=True)
-            host.set_from_flat_data_page(int(src[i * PAGE]), torch.randn(page.shape, generator=g))
-        want = [host.get_data_page(int(src[i * PAGE])).clone() for i in range(PAGES)]
+        src, want = _seeded_pages(host, 7)
         op_id = ctl.write_storage(src, tokens, hash_value=get_storage_hash_str(tokens, None, page_size=PAGE))
         ack = _wait(ctl.ack_backup_queue, "backup ack")
         assert (ack.id, ack.completed_tokens) == (op_id, PAGES * PAGE)
@@ -234,12 +239,7 @@ def test_a_fresh_controllers_first_hit_query_finds_the_shared_stores_pages(one_r
     reader = None
     try:
         tokens = list(range(2000, 2000 + PAGES * PAGE))
-        src = wh.alloc(PAGES * PAGE)
-        g = torch.Generator().manual_seed(11)
-        for i in range(PAGES):
-            page = wh.get_data_page(int(src[i * PAGE]), flat=True)
-            wh.set_from_flat_data_page(int(src[i * PAGE]), torch.randn(page.shape, generator=g))
-        want = [wh.get_data_page(int(src[i * PAGE])).clone() for i in range(PAGES)]
+        src, want = _seeded_pages(wh, 11)
         op_id = writer.write_storage(src, tokens, hash_value=get_storage_hash_str(tokens, None, page_size=PAGE))
         assert _wait(writer.ack_backup_queue, "backup ack").id == op_id
 
