@@ -519,7 +519,13 @@ impl WorkerTransport for TcpWorker {
         // One lock for every frame of the message: nothing interleaves with a split batch.
         let mut stream = self.stream.lock();
         for frame in &frames {
+            // Counted before the write: once the leader has a frame, `frames_sent` includes it
+            // (counted after, a reader that saw the leader receive it could find it missing).
+            self.frames_sent
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if let Err(e) = stream.write_all(frame) {
+                self.frames_sent
+                    .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
                 // A partial frame may be on the wire: the stream is unusable from here on.
                 self.closed.close(format!("write failed: {e}"));
                 let _ = stream.shutdown(Shutdown::Both);
@@ -527,8 +533,6 @@ impl WorkerTransport for TcpWorker {
                 return Err(self.gone("send").with_source(e));
             }
         }
-        self.frames_sent
-            .fetch_add(frames.len() as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
