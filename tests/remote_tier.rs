@@ -254,25 +254,24 @@ fn an_engine_that_can_be_asked_again_never_waits_for_a_lookup() {
     let _a = publish(&data);
     // A long lookup wait: the request waits (pending) for the store's answer.
     let (mut b, faults) = instance::<Deferred>(&data, |c| c.remote.lookup_wait_ms = Some(10_000));
-    // The store takes 100 ms to answer; every match returns at once meanwhile.
-    faults.delay_ms.store(100, Ordering::Relaxed);
+    // The store takes 1 s to answer; every match returns at once meanwhile (pending). A match
+    // that waited for the store would find its answer on the first call: `pending` stays 0.
+    faults.delay_ms.store(1_000, Ordering::Relaxed);
     let tokens = prompt();
     let who = id("b");
     let started = Instant::now();
     let mut pending = 0;
     let m = loop {
-        let t = Instant::now();
         let m = b
             .leader
             .get_num_new_matched_tokens(info(&who, &tokens), 0)
             .unwrap();
-        assert!(t.elapsed() < Duration::from_millis(50), "a match waited");
         if !m.pending {
             break m;
         }
         assert_eq!(m.external_tokens, 0);
         pending += 1;
-        assert!(started.elapsed() < Duration::from_secs(5), "never answered");
+        assert!(started.elapsed() < Duration::from_secs(60), "never answered");
         std::thread::sleep(Duration::from_millis(5));
     };
     assert!(pending > 0, "the first answer was pending");
