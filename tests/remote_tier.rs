@@ -254,9 +254,10 @@ fn an_engine_that_can_be_asked_again_never_waits_for_a_lookup() {
     let _a = publish(&data);
     // A long lookup wait: the request waits (pending) for the store's answer.
     let (mut b, faults) = instance::<Deferred>(&data, |c| c.remote.lookup_wait_ms = Some(10_000));
-    // The store takes 1 s to answer; every match returns at once meanwhile (pending). A match
-    // that waited for the store would find its answer on the first call: `pending` stays 0.
-    faults.delay_ms.store(1_000, Ordering::Relaxed);
+    // The store takes 300 ms to answer (within its lookup deadline); every match returns at once
+    // meanwhile (pending). A match that waited for the store would find its answer on the first
+    // call: `pending` stays 0.
+    faults.delay_ms.store(300, Ordering::Relaxed);
     let tokens = prompt();
     let who = id("b");
     let started = Instant::now();
