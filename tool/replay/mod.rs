@@ -411,14 +411,7 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
         simulator::replay(opts, workload)?
     };
     if let Some(path) = &a.report {
-        let json = serde_json::to_string_pretty(&report)
-            .map_err(|e| Error::internal(format!("cannot encode the report: {e}")))?;
-        std::fs::write(path, json + "\n").map_err(|e| {
-            Error::new(
-                ErrorKind::Io,
-                format!("cannot write the report to {}: {e}", path.display()),
-            )
-        })?;
+        write_report(path, &report)?;
     }
     if !a.quiet {
         print!("{}", render_table(&report));
@@ -432,6 +425,23 @@ pub fn run(a: &ReplayArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes the JSON report to `path`, encoded straight into the file (a million requests' report
+/// is hundreds of MB: it is never held as one string as well).
+fn write_report(path: &std::path::Path, report: &report::Report) -> Result<()> {
+    use std::io::Write as _;
+    let cannot = |e: &dyn std::fmt::Display| {
+        Error::new(
+            ErrorKind::Io,
+            format!("cannot write the report to {}: {e}", path.display()),
+        )
+    };
+    let file = std::fs::File::create(path).map_err(|e| cannot(&e))?;
+    let mut w = std::io::BufWriter::new(file);
+    serde_json::to_writer_pretty(&mut w, report).map_err(|e| cannot(&e))?;
+    w.write_all(b"\n").map_err(|e| cannot(&e))?;
+    w.flush().map_err(|e| cannot(&e))
 }
 
 fn parse_kill(s: &str) -> std::result::Result<(usize, u64), String> {
