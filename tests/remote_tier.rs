@@ -272,7 +272,10 @@ fn an_engine_that_can_be_asked_again_never_waits_for_a_lookup() {
         }
         assert_eq!(m.external_tokens, 0);
         pending += 1;
-        assert!(started.elapsed() < Duration::from_secs(60), "never answered");
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "never answered"
+        );
         std::thread::sleep(Duration::from_millis(5));
     };
     assert!(pending > 0, "the first answer was pending");
