@@ -157,10 +157,34 @@ pub fn read_reset_marker(path: &Path) -> std::result::Result<u64, String> {
 /// Errors: the marker exists but cannot be read or parsed ([`ErrorKind::Corrupt`]), or cannot be
 /// written ([`ErrorKind::Io`]).
 pub fn bump_reset_marker(path: &Path) -> Result<u64> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Schedulers of one deployment (data-parallel engines) share the marker: one
+    // read-increment-write at a time, under an exclusive lock on a file beside it.
+    let lock_path = with_suffix(path, ".lock");
+    let lock = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&lock_path)
+        .map_err(|e| Error::io("open", e).with("path", lock_path.display()))?;
+    loop {
+        // SAFETY: flock on a descriptor this function owns; released when it is closed.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::io("flock", e).with("path", lock_path.display()));
+        }
+    }
     let n = read_reset_marker(path)
         .map_err(|why| Error::corrupt(why).with("path", path.display()))?
         .saturating_add(1);
     write_atomically(path, format!("{n}\n").as_bytes())?;
+    drop(lock);
     Ok(n)
 }
 
@@ -219,13 +243,38 @@ fn write_atomically_tracked(path: &Path, bytes: &[u8], renamed: &mut bool) -> Re
         f.write_all(bytes).map_err(|e| io("write", e))?;
         f.sync_all().map_err(|e| io("fsync", e))?;
     }
-    std::fs::rename(&tmp, path).map_err(|e| io("rename", e))?;
+    // From here the new file may be in place even when the rename reports an error (a lost
+    // reply on a network filesystem): counted as renamed.
     *renamed = true;
+    std::fs::rename(&tmp, path).map_err(|e| io("rename", e))?;
     sync_dir(path).map_err(|e| io("fsync (directory)", e))
 }
 
+/// Replaces the journal at `path` by one holding `bytes`: written through a temporary file opened
+/// for appending (`O_APPEND`), `fsync`ed and renamed over it; returns that file (still open for appending: no
+/// reopen after the rename, which could fail) and whether the directory was synced after the
+/// rename. Errors: before or at the rename (the old journal is in place).
+pub(crate) fn replace_journal(path: &Path, bytes: &[u8]) -> Result<(std::fs::File, bool)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = with_suffix(path, ".tmp");
+    let io = |op: &'static str, e: std::io::Error| Error::io(op, e).with("path", path.display());
+    // (std refuses append with truncate: O_APPEND is set once the file is emptied.)
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_APPEND)
+        .open(&tmp)
+        .map_err(|e| io("create", e))?;
+    f.write_all(bytes).map_err(|e| io("write", e))?;
+    f.sync_all().map_err(|e| io("fsync", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io("rename", e))?;
+    Ok((f, sync_dir(path).is_ok()))
+}
+
 /// `fsync`s the directory holding `path`.
-fn sync_dir(path: &Path) -> std::io::Result<()> {
+pub(crate) fn sync_dir(path: &Path) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),

@@ -27,15 +27,29 @@ static PIPE_WRITE: AtomicI32 = AtomicI32::new(-1);
 
 static INSTALL: Once = Once::new();
 
+/// The process that installed the handlers: a child made by `fork` inherits them and the pipe,
+/// but not the thread that reads it.
+static INSTALLER: AtomicI32 = AtomicI32::new(0);
+
 extern "C" fn on_signal(sig: libc::c_int) {
-    let fd = PIPE_WRITE.load(Ordering::Relaxed);
-    if fd >= 0 {
-        let b = sig as u8;
-        // SAFETY: write(2) is async-signal-safe; the buffer is one valid byte. A full pipe (a
-        // second signal before the first is handled) drops the byte: one is enough.
-        unsafe {
-            libc::write(fd, std::ptr::addr_of!(b).cast(), 1);
+    // SAFETY: getpid, signal, raise and write are async-signal-safe; errno is saved and
+    // restored around them; the buffer is one valid byte.
+    unsafe {
+        let errno = *libc::__errno_location();
+        if libc::getpid() != INSTALLER.load(Ordering::Relaxed) {
+            // A forked child: the signal takes its default action there, as if never handled.
+            libc::signal(sig, libc::SIG_DFL);
+            libc::raise(sig);
+        } else {
+            let fd = PIPE_WRITE.load(Ordering::Relaxed);
+            if fd >= 0 {
+                // A full pipe (a second signal before the first is handled) drops the byte:
+                // one is enough.
+                let b = sig as u8;
+                libc::write(fd, std::ptr::addr_of!(b).cast(), 1);
+            }
         }
+        *libc::__errno_location() = errno;
     }
 }
 
@@ -65,10 +79,20 @@ fn try_install() -> std::io::Result<()> {
         let flags = libc::fcntl(read_fd, libc::F_GETFL);
         libc::fcntl(read_fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
     }
-    PIPE_WRITE.store(write_fd, Ordering::Relaxed);
-    std::thread::Builder::new()
+    // SAFETY: getpid has no preconditions.
+    INSTALLER.store(unsafe { libc::getpid() }, Ordering::Relaxed);
+    if let Err(e) = std::thread::Builder::new()
         .name("kvbm-signal-save".into())
-        .spawn(move || wait_for_signal(read_fd))?;
+        .spawn(move || wait_for_signal(read_fd))
+    {
+        // SAFETY: closing the two descriptors just created, used by nothing else.
+        unsafe {
+            libc::close(read_fd);
+            libc::close(write_fd);
+        }
+        return Err(e);
+    }
+    PIPE_WRITE.store(write_fd, Ordering::Relaxed);
     for sig in SIGNALS {
         // SAFETY: sigaction with a null new action only reads the current one into `old`.
         let mut old: libc::sigaction = unsafe { std::mem::zeroed() };

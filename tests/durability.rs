@@ -146,6 +146,45 @@ fn child_main(scenario: &str, dir: &Path) {
             tier.persistent().unwrap().flush().unwrap();
             ready_and_wait(tier);
         }
+        // A persisted tier opened (the signal handlers installed), then a fork: the forked child
+        // gets SIGTERM and must end by it, and this process must live on.
+        "fork" => {
+            let opts = DiskTierOptions::new(dir);
+            let (_tier, _) =
+                DiskTier::open_persistent(TierKind::Disk, dims(), 8, opts, NS).unwrap();
+            // SAFETY: the forked child only sleeps and exits (async-signal-safe calls).
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                unsafe {
+                    libc::sleep(60);
+                    libc::_exit(0);
+                }
+            }
+            assert!(pid > 0);
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            let mut status = 0;
+            let mut ended = None;
+            for _ in 0..2000 {
+                // SAFETY: waitpid on our own child with a valid status pointer.
+                if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+                    ended = Some(status);
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if ended.is_none() {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            let how = match ended {
+                Some(st) if libc::WIFSIGNALED(st) => format!("signal {}", libc::WTERMSIG(st)),
+                Some(st) => format!("exit {}", libc::WEXITSTATUS(st)),
+                None => "still running".into(),
+            };
+            // Time for a (wrong) signal byte from the child to reach this process's reader.
+            std::thread::sleep(Duration::from_millis(500));
+            println!("CHILD {how}");
+            ready_and_wait(());
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -413,4 +452,99 @@ fn a_cache_reset_is_on_disk_before_it_returns_for_the_workers_tiers() {
     let mut plain = worker_config(dir.path());
     plain.disk.persist = false;
     assert_eq!(record_cache_reset(&plain).unwrap(), None);
+}
+
+/// A process that forked after a persisted tier installed its signal handlers: SIGTERM to the
+/// forked child ends the child by SIGTERM (the handler is not the child's to run: it has no
+/// thread reading the pipe), and never reaches this process (which would save and end).
+#[test]
+fn sigterm_to_a_forked_child_ends_the_child_not_its_parent() {
+    if as_child() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "sigterm_to_a_forked_child_ends_the_child_not_its_parent",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "fork")
+        .env(DIR, dir.path())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = BufReader::new(child.stdout.take().unwrap());
+    let mut how = None;
+    let mut ready = false;
+    for line in out.lines().map_while(|l| l.ok()) {
+        if let Some(rest) = line.split("CHILD ").nth(1) {
+            how = Some(rest.trim().to_string());
+        }
+        if line.trim_end().ends_with("READY") {
+            ready = true;
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(how.as_deref(), Some(&*format!("signal {}", libc::SIGTERM)));
+    assert!(
+        ready,
+        "the parent did not live on after its child's SIGTERM"
+    );
+}
+
+/// A record torn by a crash while it was appended is cut when the tier reopens, so the records
+/// appended after it stay readable (and withdraw what they name).
+#[test]
+fn a_torn_journal_record_is_cut_and_later_records_still_withdraw() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = DiskTierOptions::new(dir.path()).with_index_save_within(Duration::from_secs(3600));
+    let path = {
+        let (tier, _) =
+            DiskTier::open_persistent(TierKind::Disk, dims(), 4, opts.clone(), NS).unwrap();
+        bind_written(&tier, 0..4, 0);
+        tier.path().to_owned()
+    };
+    let jp = persist::journal_path(&path);
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&jp)
+        .unwrap()
+        .write_all(&[7u8; 7])
+        .unwrap();
+    let (tier, index) = DiskTier::open_persistent(TierKind::Disk, dims(), 4, opts, NS).unwrap();
+    assert_eq!(index.len(), 4);
+    assert_eq!(
+        std::fs::metadata(&jp).unwrap().len() % persist::RECORD as u64,
+        0
+    );
+    tier.write_block_from_slice(0, &page(99)).unwrap();
+    // Read as the next process would (this one still holds the file).
+    let (_, entries) = persist::load(&path, 4).expect("the journal reads");
+    let mut slots: Vec<usize> = entries.iter().map(|e| e.slot).collect();
+    slots.sort();
+    assert_eq!(slots, vec![1, 2, 3], "block 0 withdrawn");
+}
+
+/// Schedulers of one deployment (data-parallel engines) record resets at once: none is lost.
+#[test]
+fn concurrent_cache_resets_are_all_counted() {
+    use kvbm_connector::backends::standard::record_cache_reset;
+    let dir = tempfile::tempdir().unwrap();
+    let config = worker_config(dir.path());
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                for _ in 0..10 {
+                    record_cache_reset(&config).unwrap();
+                }
+            });
+        }
+    });
+    let n = persist::read_reset_marker(&reset_marker(dir.path())).unwrap();
+    assert_eq!(n, 80);
 }

@@ -77,11 +77,14 @@ impl SlotFile {
                 let (resets, saw) = match persist::read_reset_marker(m) {
                     Ok(n) => (n, read_index_resets(&path)),
                     Err(why) => {
+                        // Unknown: the index is not used, and the tier counts as having seen no
+                        // reset, so the first count it can read (1 or more) forgets what it
+                        // bound meanwhile, and its saves fail until the marker reads.
                         tracing::warn!(%why, "persisted disk: reset marker unreadable; the index is not used");
-                        (u64::MAX, 0)
+                        (0, 1)
                     }
                 };
-                if saw < resets && !entries.is_empty() {
+                if saw != resets {
                     tracing::info!(path = %path.display(), blocks = entries.len(),
                         "persisted disk: a cache reset since the index was saved; its blocks are not served");
                     entries.clear();
@@ -284,16 +287,34 @@ impl Durable {
             .try_clone()
             .map_err(|e| Error::io("dup", e).with("path", path.display()))?;
         if generation == 0 {
-            // No usable index: a journal left beside it withdraws nothing and must not name the
-            // generations this process is about to write.
-            let jp = persist::journal_path(&path);
-            if let Err(e) = std::fs::remove_file(&jp) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    return Err(Error::io("remove", e).with("path", jp.display()));
+            // No usable index (none, damaged, unreadable, or from before a reset): the index and
+            // its journal are removed, durably, before anything is written, so no later process
+            // can read that index without the journal that withdrew its rewritten blocks, and no
+            // old record names a generation this process is about to write.
+            for p in [persist::index_path(&path), persist::journal_path(&path)] {
+                if let Err(e) = std::fs::remove_file(&p) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        return Err(Error::io("remove", e).with("path", p.display()));
+                    }
                 }
             }
+            persist::sync_dir(&path)
+                .map_err(|e| Error::io("fsync (directory)", e).with("path", path.display()))?;
         }
-        let journal = Arc::new(open_journal(&path)?);
+        let journal = open_journal(&path)?;
+        // A record torn by a crash while it was appended: cut, so later records stay aligned.
+        let len = journal
+            .metadata()
+            .map_err(|e| Error::io("stat", e).with("path", path.display()))?
+            .len();
+        let whole = len - len % persist::RECORD as u64;
+        if whole != len {
+            journal
+                .set_len(whole)
+                .and_then(|()| journal.sync_data())
+                .map_err(|e| Error::io("truncate the journal", e).with("path", path.display()))?;
+        }
+        let journal = Arc::new(journal);
         let live = if generation == 0 {
             Vec::new()
         } else {
@@ -328,7 +349,11 @@ impl Durable {
             .spawn(move || saver(weak))
             .map_err(|e| Error::io("spawn the index saver thread", e))?;
         *d.saver.lock() = Some(saver_thread);
-        LIVE.lock().push(Arc::downgrade(&d));
+        {
+            let mut live = LIVE.lock();
+            live.retain(|w| w.strong_count() > 0);
+            live.push(Arc::downgrade(&d));
+        }
         crate::backends::shutdown::install();
         Ok(d)
     }
@@ -381,22 +406,34 @@ impl Durable {
             }
             let journal = st.journal.clone();
             // Appended under the lock (records never interleave); synced outside it.
+            let before = journal.metadata().map(|m| m.len());
             if let Err(e) = (&*journal).write_all(&buf) {
-                // Not withdrawn on disk: put the blocks back so a retry records them again.
-                let keep = st.records.len() - buf.len() / persist::RECORD;
-                let failed: Vec<(u64, usize)> = st.records.split_off(keep);
-                for (g, b) in failed {
-                    if let Some((_, named)) = st.live.iter_mut().find(|(lg, _)| *lg == g) {
-                        named.insert(b);
-                    }
+                // A part written would misalign every later record: cut back.
+                if let Ok(len) = before {
+                    let _ = journal.set_len(len);
                 }
+                Self::restore(&mut st, buf.len() / persist::RECORD);
                 return Err(Error::io("journal write", e));
             }
             journal
         };
-        journal
-            .sync_data()
-            .map_err(|e| Error::io("journal fsync", e))
+        journal.sync_data().map_err(|e| {
+            // Not known to be on disk: the blocks stay named, so a retry records them again
+            // (a record twice withdraws nothing more).
+            Self::restore(&mut self.state.lock(), buf.len() / persist::RECORD);
+            Error::io("journal fsync", e)
+        })
+    }
+
+    /// Puts the blocks of the last `n` records back among those their generations name.
+    fn restore(st: &mut State, n: usize) {
+        let keep = st.records.len().saturating_sub(n);
+        let failed: Vec<(u64, usize)> = st.records.split_off(keep);
+        for (g, b) in failed {
+            if let Some((_, named)) = st.live.iter_mut().find(|(lg, _)| *lg == g) {
+                named.insert(b);
+            }
+        }
     }
 
     /// Saves the index now (after a save in progress).
@@ -460,18 +497,26 @@ impl Durable {
                     bytes.extend_from_slice(&persist::record(g, b));
                 }
                 let jp = persist::journal_path(&self.path);
-                match persist::write_atomically(&jp, &bytes).and_then(|()| open_journal(&self.path))
-                {
-                    Ok(f) => st.journal = Arc::new(f),
+                match persist::replace_journal(&jp, &bytes) {
+                    Ok((f, durable)) => {
+                        // The file now at the path, whatever happens to its directory entry.
+                        st.journal = Arc::new(f);
+                        if !durable {
+                            // The rename may not survive a crash: the records stay in memory
+                            // and the next compaction writes them again.
+                            tracing::warn!(path = %jp.display(), "persisted disk index: the journal's directory was not synced");
+                            return result;
+                        }
+                    }
                     Err(e) => {
-                        // The old journal (a superset of the records) stays in use.
+                        // Not renamed: the old journal (a superset of the records) stays in use.
                         tracing::warn!(error = %e, "persisted disk index: the journal was not compacted");
                     }
                 }
             }
             Err(_) => {
                 if !renamed {
-                    // Never on disk: nothing to withdraw from it.
+                    // Failed before its rename was tried: never on disk, nothing to withdraw.
                     st.live.retain(|(g, _)| *g != generation);
                 }
                 st.changed();
@@ -547,7 +592,10 @@ fn saver(weak: Weak<Durable>) {
         if st.closed {
             return;
         }
-        let due = st.dirty_since.map(|t| t + d.save_within);
+        let due = st.dirty_since.map(|t| {
+            t.checked_add(d.save_within)
+                .unwrap_or(t + Duration::from_secs(86_400))
+        });
         match due {
             Some(due) if Instant::now() >= due => {
                 drop(st);
