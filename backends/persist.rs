@@ -225,52 +225,50 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomically_tracked(path, bytes, &mut false)
 }
 
-/// [`write_atomically`], setting `renamed` once the rename is done (an error after it leaves
-/// the new file in place, possibly not yet durable).
+/// [`write_atomically`], setting `renamed` once the rename is tried (an error from then on may
+/// leave the new file in place, possibly not yet durable).
 fn write_atomically_tracked(path: &Path, bytes: &[u8], renamed: &mut bool) -> Result<()> {
-    let tmp = with_suffix(path, ".tmp");
-    let io = |op: &'static str, e: std::io::Error| Error::io(op, e).with("path", path.display());
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(|e| io("create", e))?;
-        f.write_all(bytes).map_err(|e| io("write", e))?;
-        f.sync_all().map_err(|e| io("fsync", e))?;
-    }
-    // From here the new file may be in place even when the rename reports an error (a lost
-    // reply on a network filesystem): counted as renamed.
-    *renamed = true;
-    std::fs::rename(&tmp, path).map_err(|e| io("rename", e))?;
-    sync_dir(path).map_err(|e| io("fsync (directory)", e))
+    replace_with(path, bytes, 0, renamed)?;
+    sync_dir(path).map_err(|e| Error::io("fsync (directory)", e).with("path", path.display()))
 }
 
-/// Replaces the journal at `path` by one holding `bytes`: written through a temporary file opened
-/// for appending (`O_APPEND`), `fsync`ed and renamed over it; returns that file (still open for appending: no
-/// reopen after the rename, which could fail) and whether the directory was synced after the
-/// rename. Errors: before or at the rename (the old journal is in place).
+/// Replaces the journal at `path` by one holding `bytes` (see [`replace_with`]), opened for
+/// appending (`O_APPEND`); returns that file, kept open so nothing is reopened after the
+/// rename (which could fail), and whether the directory was synced after the rename. Errors:
+/// before or at the rename (the old journal is in place).
 pub(crate) fn replace_journal(path: &Path, bytes: &[u8]) -> Result<(std::fs::File, bool)> {
+    // (std refuses append with truncate: O_APPEND is a custom flag on a file opened to write.)
+    let f = replace_with(path, bytes, libc::O_APPEND, &mut false)?;
+    Ok((f, sync_dir(path).is_ok()))
+}
+
+/// Writes `bytes` to a temporary file beside `path` (mode 0600, `O_NOFOLLOW`, plus `flags`),
+/// `fsync`s it and renames it over `path`, setting `renamed` just before the rename is tried;
+/// returns the file. The caller syncs the directory.
+fn replace_with(
+    path: &Path,
+    bytes: &[u8],
+    flags: libc::c_int,
+    renamed: &mut bool,
+) -> Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = with_suffix(path, ".tmp");
     let io = |op: &'static str, e: std::io::Error| Error::io(op, e).with("path", path.display());
-    // (std refuses append with truncate: O_APPEND is set once the file is emptied.)
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_APPEND)
+        .custom_flags(libc::O_NOFOLLOW | flags)
         .open(&tmp)
         .map_err(|e| io("create", e))?;
     f.write_all(bytes).map_err(|e| io("write", e))?;
     f.sync_all().map_err(|e| io("fsync", e))?;
+    // From here the new file may be in place even when the rename reports an error (a lost
+    // reply on a network filesystem): counted as renamed.
+    *renamed = true;
     std::fs::rename(&tmp, path).map_err(|e| io("rename", e))?;
-    Ok((f, sync_dir(path).is_ok()))
+    Ok(f)
 }
 
 /// `fsync`s the directory holding `path`.
@@ -306,12 +304,6 @@ pub fn save(
     let sum = xxhash_rust::xxh3::xxh3_64(&buf);
     buf.extend_from_slice(&sum.to_le_bytes());
     write_atomically_tracked(&index_path(slot_file), &buf, renamed)
-}
-
-/// The header of the index of `slot_file`, if it has a readable one.
-pub fn load_header(slot_file: &Path) -> Option<IndexHeader> {
-    let bytes = std::fs::read(index_path(slot_file)).ok()?;
-    parse(&bytes, 0).ok().map(|(h, _)| h)
 }
 
 /// Reads the index of `slot_file`: `None` when there is none, or when it is damaged or of the
@@ -430,9 +422,6 @@ fn parse(
     let at = 12 + head_len;
     let count = u64::from_le_bytes(take(at, 8)?.try_into().map_err(|_| "truncated")?);
     let bound = header.num_blocks.min(num_blocks_bound) as u64;
-    if num_blocks_bound == 0 {
-        return Ok((header, Vec::new())); // the header only (load_header)
-    }
     if count > bound {
         return Err(format!("{count} entries for {bound} slots"));
     }

@@ -21,8 +21,8 @@ the engine makes, from the engine's side of the call:
   lookup's arguments, and an empty method call through a pyo3 binding (``VllmScheduler._noop``).
 
 Each figure is printed beside the quoted Dynamo figure (NVIDIA Dynamo KVBM 1.6.1's vLLM connector
-class, measured by an earlier session with the same stand-in objects and trace shape; quoted
-from issue 16, 2026-11 -- not measured here) and beside the limits.
+class, measured with the same stand-in objects and trace shape; quoted from issue 16, 2026-11
+-- not measured here) and beside the limits.
 
 Stand-ins (vLLM 0.32's shapes): ``Request`` with ``all_token_ids`` a ``ConstantList`` over the
 request's token list, ``KVCacheBlocks.get_block_ids()`` giving one list per group,

@@ -68,14 +68,15 @@ impl SlotFile {
             generation: 0,
             resets: 0,
         };
-        let (mut generation, mut entries) = checked_index(kind, &want, &path, len, file_bytes)?;
+        let (mut generation, saw, mut entries) =
+            checked_index(kind, &want, &path, len, file_bytes)?;
         // A cache reset since the index was saved (or a marker that cannot be read): its
         // blocks were computed before the reset and are not served.
         let resets = match &opts.reset_marker {
             None => 0,
             Some(m) => {
                 let (resets, saw) = match persist::read_reset_marker(m) {
-                    Ok(n) => (n, read_index_resets(&path)),
+                    Ok(n) => (n, saw),
                     Err(why) => {
                         // Unknown: the index is not used, and the tier counts as having seen no
                         // reset, so the first count it can read (1 or more) forgets what it
@@ -216,7 +217,7 @@ pub const INDEX_SAVE_WITHIN: Duration = Duration::from_secs(2);
 /// journal record that withdraws it there (see `persist.rs`). So the index on disk never names
 /// a block whose bytes are not the ones it describes, whenever the process dies.
 pub(crate) struct Durable {
-    /// The index's header (its `resets`: what the bindings have seen; its generation unused).
+    /// The index's header (its generation and reset count are set by each save).
     header: IndexHeader,
     /// The deployment's reset marker, if any (`DiskTierOptions::reset_marker`).
     reset_marker: Option<PathBuf>,
@@ -230,8 +231,6 @@ pub(crate) struct Durable {
     wake: Condvar,
     /// One save at a time.
     saving: Mutex<()>,
-    /// The reset count the bindings have seen.
-    resets: Mutex<u64>,
     /// The saver thread, joined by [`Durable::close`]: while it runs it holds this `Durable`,
     /// whose `file` (a dup of the slot file) keeps the file's `flock`.
     saver: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -253,6 +252,8 @@ struct State {
     dirty_since: Option<Instant>,
     /// The owner is gone: the saver thread ends.
     closed: bool,
+    /// The reset count the bindings have seen (read and set by `save` only).
+    resets_seen: u64,
 }
 
 impl State {
@@ -320,8 +321,8 @@ impl Durable {
         } else {
             vec![(generation, entries.iter().map(|e| e.slot).collect())]
         };
+        let resets_seen = header.resets;
         let d = Arc::new(Self {
-            resets: Mutex::new(header.resets),
             header,
             reset_marker,
             path,
@@ -338,6 +339,7 @@ impl Durable {
                 journal,
                 dirty_since: None,
                 closed: false,
+                resets_seen,
             }),
             wake: Condvar::new(),
             saving: Mutex::new(()),
@@ -440,21 +442,19 @@ impl Durable {
     fn save(&self) -> Result<()> {
         let _one = self.saving.lock();
         // A cache reset since the last look: every block bound so far was computed before it.
-        let resets = {
-            let mut seen = self.resets.lock();
-            if let Some(m) = &self.reset_marker {
-                match persist::read_reset_marker(m) {
-                    Ok(n) if n > *seen => {
-                        self.state.lock().bindings.clear();
-                        *seen = n;
-                    }
-                    Ok(_) => {}
-                    Err(why) => {
-                        return Err(Error::corrupt(why).with("path", m.display()));
-                    }
+        let seen = self.state.lock().resets_seen;
+        let resets = match &self.reset_marker {
+            None => seen,
+            Some(m) => match persist::read_reset_marker(m) {
+                Ok(n) if n > seen => {
+                    let mut st = self.state.lock();
+                    st.bindings.clear();
+                    st.resets_seen = n;
+                    n
                 }
-            }
-            *seen
+                Ok(_) => seen,
+                Err(why) => return Err(Error::corrupt(why).with("path", m.display())),
+            },
         };
         let (entries, generation) = {
             let mut st = self.state.lock();
@@ -634,11 +634,6 @@ impl Drop for SlotFile {
     }
 }
 
-/// The reset count the index beside `path` was saved with (0: none, or unreadable).
-fn read_index_resets(path: &Path) -> u64 {
-    persist::load_header(path).map_or(0, |h| h.resets)
-}
-
 /// The most files one identity has in a directory (one per process holding it at once).
 pub(crate) const MAX_REPLICAS: usize = 64;
 
@@ -707,20 +702,20 @@ fn open_owned(kind: TierKind, path: &Path) -> Result<Option<(File, u64)>> {
     }
 }
 
-/// The entries of the persisted file's index when it was written for `want` (else the
-/// difference, named); none when there is no usable index — unless the file has data of
-/// another size, which nothing then explains (refused).
+/// The generation, reset count and entries of the persisted file's index when it was written
+/// for `want` (else the difference, named); none (0, 0, []) when there is no usable index —
+/// unless the file has data of another size, which nothing then explains (refused).
 fn checked_index(
     kind: TierKind,
     want: &IndexHeader,
     path: &Path,
     len: u64,
     file_bytes: u64,
-) -> Result<(u64, Vec<IndexEntry>)> {
+) -> Result<(u64, u64, Vec<IndexEntry>)> {
     match crate::backends::persist::load(path, want.num_blocks) {
         Some((found, entries)) => {
             want.check(&found, path)?;
-            Ok((found.generation.max(1), entries))
+            Ok((found.generation.max(1), found.resets, entries))
         }
         None if len != 0 && len != file_bytes => Err(refuse_persisted(
             kind,
@@ -730,6 +725,6 @@ fn checked_index(
                  start empty"
             ),
         )),
-        None => Ok((0, Vec::new())),
+        None => Ok((0, 0, Vec::new())),
     }
 }
