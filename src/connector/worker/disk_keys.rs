@@ -1,15 +1,17 @@
 //! A persisted disk tier's index as this worker keeps it (`disk.persist`; see
-//! docs/deployment.md): which key each block holds, recorded with the block's checksum.
+//! docs/deployment.md): which key each block holds; the tier keeps it durable (bound with the
+//! block's checksum).
 
 use super::*;
 
 /// A persisted disk tier's index as this worker wrote it (`disk.persist`): which key each block
-/// holds, with the checksum taken right after that write (before the leader learns the write
-/// completed, so before it can reuse the block): always a true description of the bytes written.
+/// holds, bound in the tier with the checksum taken right after that write (before the leader
+/// learns the write completed, so before it can reuse the block): always a true description of
+/// the bytes written.
 #[derive(Debug)]
 pub(crate) struct DiskKeys {
     tier: Arc<dyn StorageTier>,
-    map: Mutex<HashMap<usize, (u128, u64)>>,
+    map: Mutex<HashMap<usize, u128>>,
 }
 
 impl DiskKeys {
@@ -18,7 +20,8 @@ impl DiskKeys {
         let p = tier.persistent()?;
         let map = index
             .iter()
-            .filter_map(|&(b, k)| Some((b, (k, p.checksum(b)?))))
+            .filter(|&&(b, _)| p.checksum(b).is_some())
+            .copied()
             .collect();
         Some(Self {
             tier,
@@ -38,7 +41,7 @@ impl DiskKeys {
         for &(block, key) in written {
             match p.checksum(block) {
                 Some(c) if !failed.contains(&block) => {
-                    map.insert(block, (key, c));
+                    map.insert(block, key);
                     bind.push((block, key, c));
                 }
                 _ => {
@@ -57,7 +60,7 @@ impl DiskKeys {
         pairs
             .iter()
             .enumerate()
-            .find(|(i, p)| map.get(&p.0).map(|e| e.0) != keys.get(*i).copied())
+            .find(|(i, p)| map.get(&p.0).copied() != keys.get(*i).copied())
             .map(|(_, p)| p.0)
     }
 
