@@ -129,7 +129,7 @@ impl TierFactory for StandardTiers {
 ///
 /// Errors: `disk.persist` without `remote.namespace` (invalid config, naming both).
 pub fn worker_disk_identity(config: &Config, rank: usize, dims: &LayoutDims) -> Result<String> {
-    let Some(ns) = config.remote.namespace.as_deref().filter(|n| !n.is_empty()) else {
+    let Some(deployment) = deployment_identity(config) else {
         return Err(crate::error::Error::invalid_config(
             "remote.namespace",
             "unset",
@@ -138,13 +138,8 @@ pub fn worker_disk_identity(config: &Config, rank: usize, dims: &LayoutDims) -> 
         ));
     };
     Ok(format!(
-        "kvbm-worker-disk-v1;ns={ns:?};hash={:?};rank={rank};layers={};outer={};page={};inner={};dtype={}",
-        config.hash,
-        dims.num_layers,
-        dims.outer_dim,
-        dims.page_size,
-        dims.inner_dim,
-        dims.dtype_bytes
+        "{deployment};rank={rank};layers={};outer={};page={};inner={};dtype={}",
+        dims.num_layers, dims.outer_dim, dims.page_size, dims.inner_dim, dims.dtype_bytes
     ))
 }
 
@@ -156,29 +151,37 @@ pub fn reset_marker_path(config: &Config) -> Option<std::path::PathBuf> {
     if !config.disk.reopens() {
         return None;
     }
+    let h = xxhash_rust::xxh3::xxh3_64(deployment_identity(config)?.as_bytes());
+    Some(config.disk.dir.join(format!("kvbm-resets-{h:016x}")))
+}
+
+/// What every rank's persisted disk file of a deployment shares in its identity: the
+/// namespace (`None` when unset) and the key hash.
+fn deployment_identity(config: &Config) -> Option<String> {
     let ns = config
         .remote
         .namespace
         .as_deref()
         .filter(|n| !n.is_empty())?;
-    let id = format!("kvbm-worker-disk-v1;ns={ns:?};hash={:?}", config.hash);
-    let h = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
-    Some(config.disk.dir.join(format!("kvbm-resets-{h:016x}")))
+    Some(format!(
+        "kvbm-worker-disk-v1;ns={ns:?};hash={:?}",
+        config.hash
+    ))
 }
 
-/// Records a cache reset (vLLM's `reset_cache`) for the persisted worker disk tiers, durably,
-/// before it returns: a worker that reopens its tier after this never serves what it held
-/// before, and a running worker forgets it at its next index save. Returns the new reset count,
-/// or `None` when the configuration persists nothing.
+/// Records a cache reset (vLLM's `reset_cache`) in the reset marker at `marker`
+/// ([`reset_marker_path`]), durably, before it returns: a worker that reopens its tier after this
+/// never serves what it held before, and a running worker forgets it at its next index save.
+/// Returns the new reset count.
 ///
-/// Errors: the marker cannot be read or written ([`ErrorKind::Io`](crate::ErrorKind::Io) or
-/// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt), naming its path).
-pub fn record_cache_reset(config: &Config) -> Result<Option<u64>> {
-    let Some(path) = reset_marker_path(config) else {
-        return Ok(None);
-    };
-    crate::backends::slot_file::prepare_dir(&config.disk.dir)?;
-    super::persist::bump_reset_marker(&path).map(Some)
+/// Errors: the marker's directory cannot be used, or the marker cannot be read or written
+/// ([`ErrorKind::Io`](crate::ErrorKind::Io) or [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt),
+/// naming its path).
+pub fn record_cache_reset(marker: &std::path::Path) -> Result<u64> {
+    if let Some(dir) = marker.parent() {
+        crate::backends::slot_file::prepare_dir(dir)?;
+    }
+    super::persist::bump_reset_marker(marker)
 }
 
 /// A [`PageStore`] of `page_bytes`-byte pages named within `namespace`, over the tiers the

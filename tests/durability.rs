@@ -419,10 +419,7 @@ fn a_cache_reset_is_on_disk_before_it_returns_for_the_workers_tiers() {
         dir.path(),
         "a_cache_reset_is_on_disk_before_it_returns_for_the_workers_tiers",
     );
-    assert_eq!(
-        record_cache_reset(&worker_config(dir.path())).unwrap(),
-        Some(1)
-    );
+    assert_eq!(record_cache_reset(&reset_marker(dir.path())).unwrap(), 1);
     assert_eq!(end_with(child, libc::SIGKILL), Some(libc::SIGKILL));
     let opts = DiskTierOptions::new(dir.path()).with_reset_marker(reset_marker(dir.path()));
     let (tier, index) =
@@ -440,18 +437,18 @@ fn a_cache_reset_is_on_disk_before_it_returns_for_the_workers_tiers() {
     let (tier, index) =
         DiskTier::open_persistent(TierKind::Disk, dims(), 128, opts.clone(), NS).unwrap();
     assert_eq!(index.len(), 5, "stored after the reset: kept");
-    assert_eq!(
-        record_cache_reset(&worker_config(dir.path())).unwrap(),
-        Some(2)
-    );
+    assert_eq!(record_cache_reset(&reset_marker(dir.path())).unwrap(), 2);
     tier.persistent().unwrap().flush().unwrap();
     drop(tier);
     let (_, index) = DiskTier::open_persistent(TierKind::Disk, dims(), 128, opts, NS).unwrap();
     assert!(index.is_empty(), "{index:?}");
-    // Without persistence nothing is recorded.
+    // Without persistence there is no marker.
     let mut plain = worker_config(dir.path());
     plain.disk.persist = false;
-    assert_eq!(record_cache_reset(&plain).unwrap(), None);
+    assert_eq!(
+        kvbm_connector::backends::standard::reset_marker_path(&plain),
+        None
+    );
 }
 
 /// A process that forked after a persisted tier installed its signal handlers: SIGTERM to the
@@ -535,12 +532,12 @@ fn a_torn_journal_record_is_cut_and_later_records_still_withdraw() {
 fn concurrent_cache_resets_are_all_counted() {
     use kvbm_connector::backends::standard::record_cache_reset;
     let dir = tempfile::tempdir().unwrap();
-    let config = worker_config(dir.path());
+    let marker = reset_marker(dir.path());
     std::thread::scope(|s| {
         for _ in 0..8 {
             s.spawn(|| {
                 for _ in 0..10 {
-                    record_cache_reset(&config).unwrap();
+                    record_cache_reset(&marker).unwrap();
                 }
             });
         }

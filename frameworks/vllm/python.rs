@@ -36,7 +36,7 @@ pub(crate) struct PyVllmScheduler {
     inner: Guarded<VllmScheduler>,
     /// The persisted worker disk tiers' reset marker, if they are persisted: a reset is
     /// recorded there before `clear_tiers` returns.
-    config: crate::config::Config,
+    reset_marker: Option<std::path::PathBuf>,
     /// `(host_tokens, disk_tokens)` of each request's last hit, for
     /// `get_external_cache_hit_sources`.
     hit_split: Mutex<HashMap<String, (usize, usize)>>,
@@ -59,12 +59,12 @@ impl PyVllmScheduler {
         transport: &PyLeaderTransport,
     ) -> PyResult<Self> {
         let (config, transport) = (config.inner.clone(), transport.inner.clone());
-        let kept = config.clone();
+        let reset_marker = crate::backends::standard::reset_marker_path(&config);
         let s = detached(py, "VllmScheduler", move || {
             VllmScheduler::new(config, block_size, transport)
         })?;
         Ok(Self {
-            config: kept,
+            reset_marker,
             inner: Guarded::new("VllmScheduler", s),
             hit_split: Mutex::new(HashMap::new()),
             live: Mutex::new(HashMap::new()),
@@ -469,10 +469,11 @@ impl PyVllmScheduler {
         let n = self
             .inner
             .call(py, "clear_tiers", |s| Ok(s.leader_mut().clear_tiers()))?;
-        let config = self.config.clone();
-        detached(py, "clear_tiers", move || {
-            crate::backends::standard::record_cache_reset(&config)
-        })?;
+        if let Some(marker) = self.reset_marker.clone() {
+            detached(py, "clear_tiers", move || {
+                crate::backends::standard::record_cache_reset(&marker)
+            })?;
+        }
         Ok(n)
     }
 
